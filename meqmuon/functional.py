@@ -1,0 +1,213 @@
+"""Pure tensor maths of MeqMuon and its baselines: no state, no parameters, no torch.optim.
+
+Every function here works on a matrix ``x`` of shape ``(m, n)`` or on a batch of matrices of shape
+``(..., m, n)``, and returns tensors of matching batch shape. Equation numbers refer to the paper
+*MeqMuon: Matrix-Equilibrating Muon for LLM Pretraining* (Shi, Wang, Li), section 2-3.
+
+Layout convention (paper, section 3.1): for ``nn.Linear`` weights rows are output features and
+columns are input features; for embedding matrices and LM heads rows are vocabulary entries.
+
+Zero handling (paper, eq. 5 and below): a row or column whose RMS is at or below
+``DELTA = 1e-7`` is treated as zero. It is excluded from the coefficients of variation and the
+normalisation operators map it to zero, so zero gradients, zero rows and tiny values never produce
+NaN or Inf.
+
+All statistics are computed in at least float32, whatever the input dtype (bf16 inputs are
+upcast), and normalised outputs are returned in that computation dtype; callers cast back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DELTA",
+    "NS_COEFFICIENTS",
+    "NS_STEPS",
+    "orthogonalize",
+    "row_rms",
+    "col_rms",
+    "cv",
+    "row_col_cv",
+    "row_normalize",
+    "col_normalize",
+    "equilibrate",
+    "rms_normalize",
+    "adaptive_normalize",
+    "as_matrix",
+]
+
+#: RMS values at or below this are treated as zero (paper, text below eq. 5).
+DELTA = 1e-7
+#: Quintic Newton-Schulz coefficients (a, b, c) of Jordan et al. (2024), used by Moonlight,
+#: torch.optim.Muon and the paper (section 2, eq. 3).
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+#: Number of Newton-Schulz iterations K (paper, section 2 and section 4).
+NS_STEPS = 5
+#: Lower bound on the Frobenius norm in the Newton-Schulz pre-normalisation; torch.optim.Muon
+#: clamps the norm at this value (``eps=1e-7``), so a zero matrix maps to zero.
+NS_EPS = 1e-7
+
+
+def _stat_dtype(x: Tensor) -> torch.dtype:
+    """Dtype for statistics: float64 stays float64, everything else is computed in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def as_matrix(x: Tensor) -> Tensor:
+    """View a parameter-shaped tensor as the matrix the optimizer works on.
+
+    2-D tensors are returned unchanged; 3-D+ tensors (convolutions) become ``(shape[0], -1)``,
+    as in Muon implementations (Jordan et al., 2024).
+    """
+    if x.ndim < 2:
+        raise ValueError(f"as_matrix needs a tensor with at least 2 dimensions, got shape {tuple(x.shape)}")
+    return x if x.ndim == 2 else x.reshape(x.shape[0], -1)
+
+
+def orthogonalize(
+    x: Tensor,
+    steps: int = NS_STEPS,
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    dtype: torch.dtype | None = torch.bfloat16,
+    eps: float = NS_EPS,
+) -> Tensor:
+    r"""Approximate ``Orth(x) = P Q^T`` (for ``x = P S Q^T``) with quintic Newton-Schulz (paper eq. 3).
+
+    .. math::
+        X_0 = X / \max(\|X\|_F, \epsilon),\quad A_k = X_k X_k^\top,\quad
+        X_{k+1} = a X_k + (b A_k + c A_k^2) X_k,\quad k = 0..K-1.
+
+    The iteration runs on the wide orientation (a tall input is transposed and transposed back),
+    which makes ``A_k`` the smaller Gram matrix, exactly as torch.optim.Muon and Keller Jordan's
+    ``zeropower_via_newtonschulz5`` do. Leading dimensions are a batch.
+
+    Args:
+        x: matrix ``(m, n)`` or batch ``(..., m, n)``.
+        steps: number of iterations ``K`` (>= 1).
+        coefficients: ``(a, b, c)``.
+        dtype: compute dtype of the iteration; ``None`` keeps ``x.dtype``. bf16 is the default of
+            torch.optim.Muon and Moonlight; use float32/float64 for reference computations.
+        eps: lower bound on the Frobenius norm (a zero input returns zero).
+
+    Returns:
+        The approximate orthogonalisation, same shape as ``x``, in ``dtype``.
+    """
+    if x.ndim < 2:
+        raise ValueError(f"orthogonalize needs a matrix or a batch of matrices, got shape {tuple(x.shape)}")
+    if steps < 1:
+        raise ValueError(f"orthogonalize: steps must be >= 1, got {steps}")
+    a, b, c = coefficients
+    X = x.to(dtype) if dtype is not None else x
+    transposed = X.shape[-2] > X.shape[-1]
+    if transposed:
+        X = X.mT
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+    X = X / norm.clamp(min=eps)
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    if transposed:
+        X = X.mT
+    return X
+
+
+def row_rms(x: Tensor) -> Tensor:
+    r"""Row RMS magnitudes ``r_i = \|X_{i,:}\|_2 / \sqrt{n}`` (paper eq. 4); shape ``(..., m)``."""
+    x = x.to(_stat_dtype(x))
+    return x.square().mean(dim=-1).sqrt()
+
+
+def col_rms(x: Tensor) -> Tensor:
+    r"""Column RMS magnitudes ``c_j = \|X_{:,j}\|_2 / \sqrt{m}`` (paper eq. 4); shape ``(..., n)``."""
+    x = x.to(_stat_dtype(x))
+    return x.square().mean(dim=-2).sqrt()
+
+
+def cv(v: Tensor, delta: float = DELTA) -> Tensor:
+    r"""Coefficient of variation of the entries of ``v`` above ``delta`` (paper eq. 5).
+
+    .. math::
+        \bar v = \frac{1}{k_+}\sum_{i: v_i > \delta} v_i,\qquad
+        \gamma = \frac{\sqrt{\frac{1}{k_+}\sum_{i: v_i>\delta}(v_i-\bar v)^2}}{\bar v}
+
+    The standard deviation is the population one (``1/k_+``). Reduces over the last dimension.
+    If no entry exceeds ``delta`` the CV is defined as 0 (nothing to balance).
+    """
+    v = v.to(_stat_dtype(v))
+    mask = v > delta
+    count = mask.sum(dim=-1).to(v.dtype)
+    safe_count = count.clamp(min=1.0)
+    mean = torch.where(mask, v, 0.0).sum(dim=-1) / safe_count
+    var = torch.where(mask, (v - mean.unsqueeze(-1)).square(), 0.0).sum(dim=-1) / safe_count
+    return torch.where(count > 0, var.sqrt() / mean.clamp(min=delta), 0.0)
+
+
+def row_col_cv(x: Tensor, delta: float = DELTA) -> tuple[Tensor, Tensor]:
+    """Row and column CVs ``(gamma_r, gamma_c)`` of ``x`` (paper eq. 4-5); each of shape ``x.shape[:-2]``."""
+    return cv(row_rms(x), delta), cv(col_rms(x), delta)
+
+
+def _inverse(v: Tensor, delta: float) -> Tensor:
+    """``1/v`` where ``v > delta``, else 0: rows/columns treated as zero are mapped to zero."""
+    return torch.where(v > delta, 1.0 / v.clamp(min=delta), 0.0)
+
+
+def row_normalize(x: Tensor, delta: float = DELTA) -> Tensor:
+    r"""``N_r(X) = diag(r^{-1}) X`` (paper eq. 7): every nonzero row rescaled to unit RMS."""
+    x = x.to(_stat_dtype(x))
+    return x * _inverse(row_rms(x), delta).unsqueeze(-1)
+
+
+def col_normalize(x: Tensor, delta: float = DELTA) -> Tensor:
+    r"""``N_c(X) = X diag(c^{-1})`` (paper eq. 7): every nonzero column rescaled to unit RMS."""
+    x = x.to(_stat_dtype(x))
+    return x * _inverse(col_rms(x), delta).unsqueeze(-2)
+
+
+def equilibrate(x: Tensor, delta: float = DELTA) -> Tensor:
+    r"""Two-sided normalisation ``N_c(N_r(X))`` (paper eq. 9), used for embeddings and LM heads.
+
+    Row normalisation first, then column normalisation; the result has unit-RMS columns (column
+    CV 0) and, for a non-degenerate input, overall RMS 1.
+    """
+    return col_normalize(row_normalize(x, delta), delta)
+
+
+def rms_normalize(x: Tensor, delta: float = DELTA) -> Tensor:
+    r"""Global-RMS normalisation ``N(B) = B / (\|B\|_2 / \sqrt{d})`` (paper eq. 10), for 1-D parameters.
+
+    Normalises over the whole tensor (all dimensions); a tensor whose RMS is at or below ``delta``
+    maps to zero.
+    """
+    x = x.to(_stat_dtype(x))
+    rms = x.square().mean().sqrt()
+    return x * _inverse(rms, delta)
+
+
+def adaptive_normalize(u: Tensor, delta: float = DELTA) -> tuple[Tensor, Tensor]:
+    r"""MeqMuon's adaptive one-sided normalisation of an orthogonalised update (paper eq. 8).
+
+    .. math::
+        \tilde U = N_r(U)\ \text{if}\ \gamma_r(U) \ge \gamma_c(U)\ \text{else}\ N_c(U)
+
+    Ties choose rows. The choice is a tensor (``torch.where``), never a Python branch, so the
+    function causes no host-device synchronisation and compiles with ``fullgraph=True``.
+    Batched over leading dimensions: each matrix chooses independently.
+
+    Returns:
+        ``(u_tilde, chose_rows)``: the normalised update (float32, or float64 for float64 input)
+        and a bool tensor of shape ``u.shape[:-2]``, True where rows were normalised.
+    """
+    u = u.to(_stat_dtype(u))
+    r = row_rms(u)
+    c = col_rms(u)
+    chose_rows = cv(r, delta) >= cv(c, delta)
+    rows = chose_rows[..., None, None]
+    # Multiply by the row scale where rows were chosen and by the column scale elsewhere; the
+    # unused side's factor is 1. Two broadcasts, no copy of both candidate results.
+    row_scale = torch.where(rows, _inverse(r, delta).unsqueeze(-1), 1.0)
+    col_scale = torch.where(rows, 1.0, _inverse(c, delta).unsqueeze(-2))
+    return u * row_scale * col_scale, chose_rows
