@@ -21,8 +21,15 @@ from .groups import KINDS, infer_kind
 from .rules import RULES, Item, Rule
 
 
-def _check_number(group: Mapping[str, Any], key: str, *, low: float, high: float | None = None,
-                  low_inclusive: bool = True, high_inclusive: bool = False) -> None:
+def _check_number(
+    group: Mapping[str, Any],
+    key: str,
+    *,
+    low: float,
+    high: float | None = None,
+    low_inclusive: bool = True,
+    high_inclusive: bool = False,
+) -> None:
     value = group[key]
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"Invalid {key}: {value!r} (expected a finite number)")
@@ -31,7 +38,9 @@ def _check_number(group: Mapping[str, Any], key: str, *, low: float, high: float
     if not (ok_low and ok_high):
         lo = "[" if low_inclusive else "("
         hi = "]" if high_inclusive else ")"
-        raise ValueError(f"Invalid {key}: {value!r} (expected a value in {lo}{low}, {'inf' if high is None else high}{hi})")
+        raise ValueError(
+            f"Invalid {key}: {value!r} (expected a value in {lo}{low}, {'inf' if high is None else high}{hi})"
+        )
 
 
 def validate_group(group: Mapping[str, Any], keys: Iterable[str]) -> None:

@@ -135,9 +135,7 @@ def param_groups(
         ValueError: if some trainable parameter would land in no group or in two.
     """
     info = classify_parameters(model)
-    groups: dict[str, dict[str, Any]] = {
-        k: {"params": [], "names": [], "kind": k, "tied": False} for k in KINDS
-    }
+    groups: dict[str, dict[str, Any]] = {k: {"params": [], "names": [], "kind": k, "tied": False} for k in KINDS}
     for name, kind in info["kinds"].items():
         groups[kind]["params"].append(info["params"][name])
         groups[kind]["names"].append(name)

@@ -81,9 +81,17 @@ class MeqMuon(RoleOptimizer):
         ns_dtype: torch.dtype | None = torch.bfloat16,
         state_dtype: torch.dtype | None = None,
     ) -> None:
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, rho=rho,
-                        ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients), ns_dtype=ns_dtype,
-                        state_dtype=state_dtype)
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            rho=rho,
+            ns_steps=ns_steps,
+            ns_coefficients=tuple(ns_coefficients),
+            ns_dtype=ns_dtype,
+            state_dtype=state_dtype,
+        )
         super().__init__(params, defaults)
 
 
@@ -119,9 +127,19 @@ class Muon(RoleOptimizer):
         eps: float = ADAMW_EPS,
         state_dtype: torch.dtype | None = None,
     ) -> None:
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, rho=rho,
-                        ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients), ns_dtype=ns_dtype,
-                        betas=tuple(betas), eps=eps, state_dtype=state_dtype)
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            rho=rho,
+            ns_steps=ns_steps,
+            ns_coefficients=tuple(ns_coefficients),
+            ns_dtype=ns_dtype,
+            betas=tuple(betas),
+            eps=eps,
+            state_dtype=state_dtype,
+        )
         super().__init__(params, defaults)
 
 
@@ -154,9 +172,20 @@ class NorMuon(RoleOptimizer):
         eps: float = ADAMW_EPS,
         state_dtype: torch.dtype | None = None,
     ) -> None:
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, rho=rho,
-                        beta2=beta2, ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients),
-                        ns_dtype=ns_dtype, betas=tuple(betas), eps=eps, state_dtype=state_dtype)
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            rho=rho,
+            beta2=beta2,
+            ns_steps=ns_steps,
+            ns_coefficients=tuple(ns_coefficients),
+            ns_dtype=ns_dtype,
+            betas=tuple(betas),
+            eps=eps,
+            state_dtype=state_dtype,
+        )
         super().__init__(params, defaults)
 
 
@@ -188,8 +217,9 @@ class Scale(RoleOptimizer):
         eps: float = 1e-8,
         state_dtype: torch.dtype | None = None,
     ) -> None:
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, betas=tuple(betas), eps=eps,
-                        state_dtype=state_dtype)
+        defaults = dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, betas=tuple(betas), eps=eps, state_dtype=state_dtype
+        )
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

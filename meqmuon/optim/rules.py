@@ -140,7 +140,9 @@ class _MomentumRule(Rule):
         return math.prod(shape)
 
     def init_state(self, p, state, group):
-        state["momentum_buffer"] = torch.zeros_like(p, dtype=_state_dtype(p, group), memory_format=torch.preserve_format)
+        state["momentum_buffer"] = torch.zeros_like(
+            p, dtype=_state_dtype(p, group), memory_format=torch.preserve_format
+        )
         state["step"] = 0
 
     def _inputs(self, items, group):
@@ -381,7 +383,9 @@ class ScaleHead(Rule):
 
     def init_state(self, p, state, group):
         state["step"] = 0
-        state["momentum_buffer"] = torch.zeros_like(p, dtype=_state_dtype(p, group), memory_format=torch.preserve_format)
+        state["momentum_buffer"] = torch.zeros_like(
+            p, dtype=_state_dtype(p, group), memory_format=torch.preserve_format
+        )
 
     def step(self, items, group):
         directions = []
