@@ -202,7 +202,7 @@ class NorMuonHidden(_MomentumRule):
     ``rho * sqrt(max(m, n))`` (dion's "rms_norm" adjust_lr, so NorMuon shares Muon's lr grid;
     upstream's single file uses ``sqrt(max(1, m/n))`` with a 10-20x larger lr instead).
 
-    Deliberate deviation: ``v`` and the normalisation are float32 whatever the parameter dtype,
+    Deliberate deviation: ``v`` and the normalisation are at least float32 whatever the parameter dtype,
     avoiding the upstream bf16/fp32 ``lerp`` dtype failure (zichongli5/NorMuon issue 7, PR 10).
     """
 
@@ -215,7 +215,9 @@ class NorMuonHidden(_MomentumRule):
 
     def init_state(self, p, state, group):
         super().init_state(p, state, group)
-        state["second_moment"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
+        state["second_moment"] = torch.zeros(
+            p.shape[0], dtype=torch.promote_types(p.dtype, torch.float32), device=p.device
+        )
 
     def step(self, items, group):
         inputs = self._inputs(items, group)
@@ -224,7 +226,7 @@ class NorMuonHidden(_MomentumRule):
         for idx in _by_matrix_shape(inputs).values():
             stacked = _stack_matrices(inputs, idx)
             O = F.orthogonalize(stacked, group["ns_steps"], tuple(group["ns_coefficients"]), group["ns_dtype"])
-            O = O.float() if O.dtype != torch.float64 else O
+            O = _at_least_fp32(O)
             v = torch.stack([items[i].state["second_moment"] for i in idx]).to(O.dtype)
             v.lerp_(O.square().mean(dim=-1), 1.0 - beta2)
             scaled = O / (v.sqrt().unsqueeze(-1) + NORMUON_EPS)
@@ -327,13 +329,17 @@ class AdamScale(AdamW):
 # --------------------------------------------------------------------------------------------
 
 
+def _at_least_fp32(x: Tensor) -> Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _scale_row(x: Tensor) -> Tensor:
-    x = F.as_matrix(x).float()
+    x = _at_least_fp32(F.as_matrix(x))
     return x / x.square().mean(dim=-1, keepdim=True).sqrt().clamp(min=SCALE_EPS)
 
 
 def _scale_col(x: Tensor) -> Tensor:
-    x = F.as_matrix(x).float()
+    x = _at_least_fp32(F.as_matrix(x))
     return x / x.square().mean(dim=-2, keepdim=True).sqrt().clamp(min=SCALE_EPS)
 
 
