@@ -316,7 +316,7 @@ def test_muon_parity_with_torch_muon_and_adamw(monkeypatch):
     worst = max(
         (p - q).abs().max().item() for p, q in zip(ours_model.parameters(), torch_model.parameters(), strict=True)
     )
-    moved = max((p - q).abs().max().item() for p, q in zip(ours_model.parameters(), initial.parameters()))
+    moved = max((p - q).abs().max().item() for p, q in zip(ours_model.parameters(), initial.parameters(), strict=True))
     assert moved > 1e-2  # the parameters really moved
     assert worst < 2e-6
 
