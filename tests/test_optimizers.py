@@ -581,3 +581,26 @@ def test_param_groups_covers_everything_once_and_skips_frozen():
     assert vec["lr"] == 0.5 and "lr" not in groups[0]
     table = meqmuon.describe_groups(groups)
     assert "| embedding | 1 |" in table and "lm_head.weight" in table
+
+
+def test_capture_hook_sees_pre_ns_inputs_and_is_off_by_default():
+    model = make_model()
+    opt = meqmuon.MeqMuon(meqmuon.param_groups(model), lr=1e-2, ns_dtype=torch.float64)
+    seen = {}
+    opt.set_capture_hook(lambda name, kind, what, x: seen.__setitem__(name, (kind, what, x.clone())))
+    loss_fn(model, batches(1)[0]).backward()
+    grad_q = model.q.weight.grad.clone()
+    opt.step()
+    assert set(seen) == {n for n, _ in model.named_parameters()}
+    kind, what, x = seen["q.weight"]
+    # first step: B = G, Nesterov input G + mu*B = (1 + mu) G
+    assert (kind, what) == ("hidden", "momentum_input") and torch.allclose(x, 1.95 * grad_q)
+    assert seen["lm_head.weight"][0] == "head"
+    opt.set_capture_hook(None)
+    seen.clear()
+    opt.step()
+    assert seen == {}
+    muon = meqmuon.Muon(meqmuon.param_groups(model), lr=1e-2)
+    muon.set_capture_hook(lambda name, kind, what, x: seen.__setitem__(name, what))
+    muon.step()
+    assert seen["embed_tokens.weight"] == "gradient" and seen["q.weight"] == "momentum_input"

@@ -11,14 +11,14 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
 from torch.optim import Optimizer
 
 from .groups import KINDS, infer_kind
-from .rules import RULES, Item, Rule
+from .rules import RULES, Item, Rule, StepContext
 
 
 def _check_number(
@@ -92,7 +92,19 @@ class RoleOptimizer(Optimizer):
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         self._warned_inferred = False
+        self._capture_hook: Callable[[str, str, str, torch.Tensor], None] | None = None
         super().__init__(params, defaults)
+
+    def set_capture_hook(self, hook: Callable[[str, str, str, torch.Tensor], None] | None) -> None:
+        """Install (or, with ``None``, remove) an opt-in diagnostics hook called during ``step()``.
+
+        The hook is called as ``hook(name, kind, what, tensor)`` for every parameter updated:
+        ``what == "momentum_input"`` with the direction input of momentum rules (for hidden
+        weights, the matrix that enters Newton-Schulz), or ``"gradient"`` with the raw gradient for
+        Adam-type and SCALE rules. The tensor is the optimizer's own buffer: copy what you keep.
+        Off by default; when off, nothing is called and nothing is copied.
+        """
+        self._capture_hook = hook
 
     # ---- construction and validation -------------------------------------------------------
 
@@ -166,7 +178,8 @@ class RoleOptimizer(Optimizer):
                 loss = closure()
         for group in self.param_groups:
             for rule, items in self._group_items(group).items():
-                rule.step(items, group)
+                kind = group.get("kind") or infer_kind(items[0].param)
+                rule.step(items, group, StepContext(self._capture_hook, kind))
         return loss
 
     # ---- introspection -----------------------------------------------------------------------

@@ -48,6 +48,26 @@ def _shape_scale(p: Tensor) -> float:
     return math.sqrt(max(m, n))
 
 
+class StepContext:
+    """Per-step extras the engine hands to rules. ``capture`` is an opt-in diagnostics hook.
+
+    When ``capture`` is set, momentum rules call it as ``capture(name, kind, "momentum_input", x)``
+    with the direction input (the pre-Newton-Schulz matrix for hidden weights), and Adam/SCALE
+    rules with ``"gradient"`` and the raw gradient. Default ``None``: no call, no cost.
+    """
+
+    __slots__ = ("capture", "kind")
+
+    def __init__(self, capture: Callable[[str, str, str, Tensor], None] | None = None, kind: str = "") -> None:
+        self.capture = capture
+        self.kind = kind
+
+    def emit(self, items: Sequence[Item], tensors: Sequence[Tensor], what: str) -> None:
+        if self.capture is not None:
+            for it, x in zip(items, tensors, strict=True):
+                self.capture(it.name, self.kind, what, x)
+
+
 class Item:
     """One parameter in a rule call: the tensor, its gradient, its state and its name."""
 
@@ -124,7 +144,7 @@ class Rule:
     def init_state(self, p: Tensor, state: dict[str, Any], group: dict) -> None:
         raise NotImplementedError
 
-    def step(self, items: Sequence[Item], group: dict) -> None:
+    def step(self, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
         raise NotImplementedError
 
 
@@ -145,10 +165,12 @@ class _MomentumRule(Rule):
         )
         state["step"] = 0
 
-    def _inputs(self, items, group):
+    def _inputs(self, items, group, ctx):
         for it in items:
             it.state["step"] += 1
-        return _momentum_inputs(items, group)
+        inputs = _momentum_inputs(items, group)
+        ctx.emit(items, inputs, "momentum_input")
+        return inputs
 
 
 class MeqHidden(_MomentumRule):
@@ -165,8 +187,8 @@ class MeqHidden(_MomentumRule):
         super().init_state(p, state, group)
         state["rows_chosen"] = torch.zeros((), dtype=torch.int64, device=p.device)
 
-    def step(self, items, group):
-        inputs = self._inputs(items, group)
+    def step(self, items, group, ctx):
+        inputs = self._inputs(items, group, ctx)
         directions: list[Tensor | None] = [None] * len(items)
         for idx in _by_matrix_shape(inputs).values():
             stacked = _stack_matrices(inputs, idx)
@@ -186,8 +208,8 @@ class MoonlightHidden(_MomentumRule):
     needs_matrix = True
     hyperparameters = ("momentum", "nesterov", "rho", "ns_steps", "ns_coefficients", "ns_dtype")
 
-    def step(self, items, group):
-        inputs = self._inputs(items, group)
+    def step(self, items, group, ctx):
+        inputs = self._inputs(items, group, ctx)
         directions = orthogonalize_many(inputs, group)
         scales = [group["rho"] * _shape_scale(it.param) for it in items]
         apply_update(items, directions, scales, group)
@@ -219,8 +241,8 @@ class NorMuonHidden(_MomentumRule):
             p.shape[0], dtype=torch.promote_types(p.dtype, torch.float32), device=p.device
         )
 
-    def step(self, items, group):
-        inputs = self._inputs(items, group)
+    def step(self, items, group, ctx):
+        inputs = self._inputs(items, group, ctx)
         beta2 = group["beta2"]
         directions: list[Tensor | None] = [None] * len(items)
         for idx in _by_matrix_shape(inputs).values():
@@ -247,8 +269,8 @@ class Equilibrate(_MomentumRule):
     needs_matrix = True
     hyperparameters = ("momentum", "nesterov", "rho")
 
-    def step(self, items, group):
-        inputs = self._inputs(items, group)
+    def step(self, items, group, ctx):
+        inputs = self._inputs(items, group, ctx)
         directions = [F.equilibrate(F.as_matrix(x)) for x in inputs]
         apply_update(items, directions, [group["rho"]] * len(items), group)
 
@@ -259,8 +281,8 @@ class RmsNormalize(_MomentumRule):
     name = "rms_normalize"
     hyperparameters = ("momentum", "nesterov", "rho")
 
-    def step(self, items, group):
-        inputs = self._inputs(items, group)
+    def step(self, items, group, ctx):
+        inputs = self._inputs(items, group, ctx)
         directions = [F.rms_normalize(x) for x in inputs]
         apply_update(items, directions, [group["rho"]] * len(items), group)
 
@@ -293,7 +315,8 @@ class AdamW(Rule):
         state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
 
-    def step(self, items, group):
+    def step(self, items, group, ctx):
+        ctx.emit(items, [it.grad for it in items], "gradient")
         beta1, beta2 = group["betas"]
         eps = group["eps"]
         directions, scales = [], []
@@ -355,7 +378,8 @@ class _ScaleRaw(Rule):
     def init_state(self, p, state, group):
         state["step"] = 0
 
-    def step(self, items, group):
+    def step(self, items, group, ctx):
+        ctx.emit(items, [it.grad for it in items], "gradient")
         for it in items:
             it.state["step"] += 1
         directions = [type(self).normalise(it.grad) for it in items]
@@ -393,7 +417,8 @@ class ScaleHead(Rule):
             p, dtype=_state_dtype(p, group), memory_format=torch.preserve_format
         )
 
-    def step(self, items, group):
+    def step(self, items, group, ctx):
+        ctx.emit(items, [it.grad for it in items], "gradient")
         directions = []
         for it in items:
             it.state["step"] += 1
