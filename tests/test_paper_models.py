@@ -53,8 +53,9 @@ def test_param_groups_on_paper_models(paper_model):
     assert len(kinds) == sum(len(g["params"]) for g in groups)  # no tensor twice
     emb = next(g for g in groups if g["kind"] == "embedding")
     assert emb["tied"] is tied
-    assert [g["kind"] for g in groups] == (["hidden", "embedding", "vector"] if tied
-                                           else ["hidden", "embedding", "head", "vector"])
+    assert [g["kind"] for g in groups] == (
+        ["hidden", "embedding", "vector"] if tied else ["hidden", "embedding", "head", "vector"]
+    )
     assert all(kinds[n] == "hidden" for n in kinds if n.endswith(("_proj.weight",)))
     assert all(kinds[n] == "vector" for n in kinds if "norm" in n)
     if name == "qwen2-0.5b":
