@@ -1,0 +1,204 @@
+"""The one optimizer engine: a ``torch.optim.Optimizer`` that dispatches each parameter to a rule by kind.
+
+Every public optimizer (MeqMuon, Muon, NorMuon, Scale and the ablations) is this engine with a
+table ``RULES: kind -> rule name`` and its own defaults. Because all parameters live in param
+groups of one ``torch.optim.Optimizer``, LR schedulers, ``state_dict``/``load_state_dict``, HF
+``Trainer(optimizers=...)`` and ``torch.compile`` of the training step work unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch.optim import Optimizer
+
+from .groups import KINDS, infer_kind
+from .rules import RULES, Item, Rule, StepContext
+
+
+def _check_number(
+    group: Mapping[str, Any],
+    key: str,
+    *,
+    low: float,
+    high: float | None = None,
+    low_inclusive: bool = True,
+    high_inclusive: bool = False,
+) -> None:
+    value = group[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"Invalid {key}: {value!r} (expected a finite number)")
+    ok_low = value >= low if low_inclusive else value > low
+    ok_high = True if high is None else (value <= high if high_inclusive else value < high)
+    if not (ok_low and ok_high):
+        lo = "[" if low_inclusive else "("
+        hi = "]" if high_inclusive else ")"
+        raise ValueError(
+            f"Invalid {key}: {value!r} (expected a value in {lo}{low}, {'inf' if high is None else high}{hi})"
+        )
+
+
+def validate_group(group: Mapping[str, Any], keys: Iterable[str]) -> None:
+    """Check the hyperparameters ``keys`` of ``group``; raise ``ValueError`` naming the bad one."""
+    for key in keys:
+        if key in ("momentum", "beta2"):
+            _check_number(group, key, low=0.0, high=1.0)
+        elif key in ("lr", "weight_decay", "eps"):
+            _check_number(group, key, low=0.0)
+        elif key == "rho":
+            _check_number(group, key, low=0.0, low_inclusive=False)
+        elif key == "nesterov":
+            if not isinstance(group[key], bool):
+                raise ValueError(f"Invalid nesterov: {group[key]!r} (expected True or False)")
+        elif key == "ns_steps":
+            v = group[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Invalid ns_steps: {v!r} (expected an integer >= 1)")
+        elif key == "ns_coefficients":
+            v = group[key]
+            if not (isinstance(v, tuple | list) and len(v) == 3 and all(isinstance(c, int | float) for c in v)):
+                raise ValueError(f"Invalid ns_coefficients: {v!r} (expected three numbers (a, b, c))")
+        elif key == "ns_dtype":
+            v = group[key]
+            if v is not None and not (isinstance(v, torch.dtype) and v.is_floating_point):
+                raise ValueError(f"Invalid ns_dtype: {v!r} (expected a floating torch.dtype or None)")
+        elif key == "betas":
+            v = group[key]
+            if not (isinstance(v, tuple | list) and len(v) == 2):
+                raise ValueError(f"Invalid betas: {v!r} (expected a pair (beta1, beta2))")
+            for i, b in enumerate(v):
+                _check_number({f"betas[{i}]": b}, f"betas[{i}]", low=0.0, high=1.0)
+        elif key == "state_dtype":
+            v = group[key]
+            if v is not None and not (isinstance(v, torch.dtype) and v.is_floating_point):
+                raise ValueError(f"Invalid state_dtype: {v!r} (expected a floating torch.dtype or None)")
+
+
+class RoleOptimizer(Optimizer):
+    """Base engine. Subclasses define ``RULES`` (kind -> rule name) and call ``__init__`` with defaults.
+
+    Param groups may carry ``kind`` (one of hidden, embedding, head, vector; see
+    :func:`meqmuon.param_groups`) and ``names``. A group without ``kind`` gets one inferred per
+    tensor from its shape (>=2-D: hidden, else vector), with a warning, because embeddings and
+    heads cannot be recognised from shape.
+    """
+
+    RULES: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        self._warned_inferred = False
+        self._capture_hook: Callable[[str, str, str, torch.Tensor], None] | None = None
+        super().__init__(params, defaults)
+
+    def set_capture_hook(self, hook: Callable[[str, str, str, torch.Tensor], None] | None) -> None:
+        """Install (or, with ``None``, remove) an opt-in diagnostics hook called during ``step()``.
+
+        The hook is called as ``hook(name, kind, what, tensor)`` for every parameter updated:
+        ``what == "momentum_input"`` with the direction input of momentum rules (for hidden
+        weights, the matrix that enters Newton-Schulz), or ``"gradient"`` with the raw gradient for
+        Adam-type and SCALE rules. The tensor is the optimizer's own buffer: copy what you keep.
+        Off by default; when off, nothing is called and nothing is copied.
+        """
+        self._capture_hook = hook
+
+    # ---- construction and validation -------------------------------------------------------
+
+    def _rule_for(self, kind: str) -> Rule:
+        return RULES[self.RULES[kind]]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        kind = group.get("kind")
+        if kind is not None and kind not in KINDS:
+            raise ValueError(f"Invalid kind: {kind!r} (expected one of {KINDS})")
+        if kind is None and not self._warned_inferred:
+            self._warned_inferred = True
+            warnings.warn(
+                f"{type(self).__name__}: a param group has no 'kind'; kinds are inferred from shape "
+                "(>=2-D: hidden, else vector). Token embeddings and LM heads cannot be recognised from shape: "
+                "route them with meqmuon.param_groups(model).",
+                UserWarning,
+                stacklevel=3,
+            )
+        names = group.get("names")
+        if names is not None and len(names) != len(group["params"]):
+            raise ValueError(f"param group 'names' has {len(names)} entries for {len(group['params'])} params")
+        keys = {"lr", "weight_decay"}
+        for i, p in enumerate(group["params"]):
+            pname = names[i] if names else f"params[{i}]"
+            if p.is_complex():
+                raise ValueError(f"{type(self).__name__} does not support complex parameters ({pname})")
+            pkind = kind or infer_kind(p)
+            rule = self._rule_for(pkind)
+            if rule.needs_matrix and p.ndim < 2:
+                raise ValueError(
+                    f"parameter {pname} of shape {tuple(p.shape)} is in a '{pkind}' group, whose rule "
+                    f"'{rule.name}' needs a >=2-D tensor"
+                )
+            keys.update(rule.hyperparameters)
+        if "state_dtype" in group:
+            keys.add("state_dtype")
+        validate_group(group, sorted(keys))
+
+    def _check_tied(self) -> None:  # overridden by presets that cannot handle tied weights
+        pass
+
+    # ---- stepping --------------------------------------------------------------------------
+
+    def _group_items(self, group: dict[str, Any]) -> dict[Rule, list[Item]]:
+        buckets: dict[Rule, list[Item]] = defaultdict(list)
+        kind = group.get("kind")
+        names = group.get("names")
+        for i, p in enumerate(group["params"]):
+            g = p.grad
+            if g is None:
+                continue
+            name = names[i] if names else f"params[{i}]"
+            if g.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients ({name})")
+            rule = self._rule_for(kind or infer_kind(p))
+            state = self.state[p]
+            if not state:
+                rule.init_state(p, state, group)
+            buckets[rule].append(Item(p, g, state, name))
+        return buckets
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D401 - torch signature
+        """Perform one optimisation step (no host-device synchronisation)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for rule, items in self._group_items(group).items():
+                kind = group.get("kind") or infer_kind(items[0].param)
+                rule.step(items, group, StepContext(self._capture_hook, kind))
+        return loss
+
+    # ---- introspection -----------------------------------------------------------------------
+
+    def _named_params(self) -> Iterable[tuple[str, torch.Tensor, dict[str, Any]]]:
+        for gi, group in enumerate(self.param_groups):
+            names = group.get("names")
+            for i, p in enumerate(group["params"]):
+                yield (names[i] if names else f"group{gi}.params[{i}]"), p, group
+
+    def selection_counts(self) -> dict[str, tuple[int, int]]:
+        """Per hidden parameter using MeqMuon's adaptive rule: ``(row_steps, column_steps)`` so far.
+
+        Counting happens on device during ``step()``; this call reads the counters (one sync).
+        """
+        out: dict[str, tuple[int, int]] = {}
+        for name, p, _group in self._named_params():
+            st = self.state.get(p)
+            if st and "rows_chosen" in st:
+                rows = int(st["rows_chosen"].item())
+                out[name] = (rows, int(st["step"]) - rows)
+        return out

@@ -1,0 +1,254 @@
+"""The public optimizers: each is the engine plus a rule table and defaults.
+
+| optimizer            | hidden            | embedding        | head             | vector        |
+|----------------------|-------------------|------------------|------------------|---------------|
+| MeqMuon              | meq_hidden        | equilibrate      | equilibrate      | rms_normalize |
+| Muon (Moonlight)     | moonlight_hidden  | adamw            | adamw            | adamw         |
+| NorMuon              | normuon_hidden    | adamw            | adamw            | adamw         |
+| Scale (SCALE)        | scale_row         | scale_col        | scale_head       | adam_scale    |
+| MuonOnlyHidden       | meq_hidden        | adamw            | adamw            | adamw         |
+| MuonOnlyEmbedding    | moonlight_hidden  | equilibrate      | equilibrate      | adamw         |
+| MuonOnlyVector       | moonlight_hidden  | adamw            | adamw            | rms_normalize |
+
+The three ablations are the paper's Table 7: each starts from Muon and changes one kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..functional import NS_COEFFICIENTS, NS_STEPS
+from .engine import RoleOptimizer
+
+# Defaults shared by the paper's runs (section 4): Nesterov momentum 0.95, 5 NS steps with
+# Keller Jordan's coefficients, RMS alignment rho = 0.2, decoupled weight decay 0.1,
+# AdamW betas (0.9, 0.95) for the AdamW parts of Muon and NorMuon.
+MOMENTUM = 0.95
+RHO = 0.2
+WEIGHT_DECAY = 0.1
+ADAMW_BETAS = (0.9, 0.95)
+ADAMW_EPS = 1e-8
+
+
+class MeqMuon(RoleOptimizer):
+    r"""MeqMuon: Matrix-Equilibrating Muon (Shi, Wang, Li; paper Algorithm 1).
+
+    One momentum buffer per parameter, no second moments. For every parameter
+    ``B_t = mu B_{t-1} + G_t`` and the direction input is ``G_t + mu B_t`` (Nesterov, default) or
+    ``B_t``; then, by kind:
+
+    - ``hidden`` (>=2-D body weights; 3-D+ viewed as ``(shape[0], -1)``):
+      ``U = Orth(input)`` by quintic Newton-Schulz, and
+      ``U~ = N_r(U) if gamma_r(U) >= gamma_c(U) else N_c(U)`` (eq. 8), chosen per matrix per step
+      as a tensor operation (no host sync); see :meth:`selection_counts`.
+    - ``embedding`` and ``head``: ``U~ = N_c(N_r(input))``, two-sided normalisation of the raw,
+      unorthogonalised momentum (eq. 9).
+    - ``vector``: ``U~ = input / (||input||_2 / sqrt(d))`` (eq. 10).
+
+    Update (eq. 11): ``W <- (1 - lr*wd) W - rho * lr * U~``. Every ``U~`` has RMS 1 for a
+    non-degenerate input, so the step RMS is ``rho * lr`` for all kinds and no ``sqrt(max(m, n))``
+    factor is needed. Rows/columns with RMS <= 1e-7 count as zero and stay zero.
+
+    Nesterov: the paper's experiments use Nesterov momentum with mu = 0.95 for hidden matrices
+    (section 4) and Algorithm 1 writes the plain ``B_t``; this implementation applies the same
+    ``nesterov`` flag to every kind (set ``nesterov`` per param group to change that for a kind).
+
+    Args:
+        params: parameters or param groups, ideally from :func:`meqmuon.param_groups`.
+        lr: learning rate ``eta``.
+        weight_decay: decoupled weight decay ``lambda``.
+        momentum: ``mu`` in [0, 1).
+        nesterov: use ``G_t + mu B_t`` as the direction input.
+        rho: RMS alignment coefficient (target update RMS ``rho * lr``).
+        ns_steps, ns_coefficients, ns_dtype: Newton-Schulz iterations, ``(a, b, c)`` and compute dtype.
+        state_dtype: dtype of the momentum buffers (default: the parameter's dtype).
+    """
+
+    RULES = {"hidden": "meq_hidden", "embedding": "equilibrate", "head": "equilibrate", "vector": "rms_normalize"}
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        weight_decay: float = WEIGHT_DECAY,
+        momentum: float = MOMENTUM,
+        nesterov: bool = True,
+        rho: float = RHO,
+        ns_steps: int = NS_STEPS,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        ns_dtype: torch.dtype | None = torch.bfloat16,
+        state_dtype: torch.dtype | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            rho=rho,
+            ns_steps=ns_steps,
+            ns_coefficients=tuple(ns_coefficients),
+            ns_dtype=ns_dtype,
+            state_dtype=state_dtype,
+        )
+        super().__init__(params, defaults)
+
+
+class Muon(RoleOptimizer):
+    r"""Muon in Moonlight's form (Liu et al. 2025, paper eq. 2), with AdamW for the other kinds.
+
+    Follows MoonshotAI/Moonlight c2ad5b2 ``examples/toy_train.py``:
+
+    - ``hidden``: ``B <- mu B + G``; ``O = Orth(G + mu B)`` (Nesterov) or ``Orth(B)``;
+      ``W <- (1 - lr wd) W - lr * rho * sqrt(max(m, n)) * O``.
+    - ``embedding``, ``head``, ``vector``: AdamW with the same ``lr`` and ``weight_decay``,
+      ``betas=(0.9, 0.95)``, ``eps=1e-8``, in ``torch.optim.AdamW``'s form (eps after bias
+      correction; Moonlight adds it before, a difference confined to the first steps).
+
+    Identical in exact arithmetic to ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`` plus
+    ``torch.optim.AdamW(betas=(0.9, 0.95))`` on the other parameters (tested).
+    """
+
+    RULES = {"hidden": "moonlight_hidden", "embedding": "adamw", "head": "adamw", "vector": "adamw"}
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        weight_decay: float = WEIGHT_DECAY,
+        momentum: float = MOMENTUM,
+        nesterov: bool = True,
+        rho: float = RHO,
+        ns_steps: int = NS_STEPS,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        ns_dtype: torch.dtype | None = torch.bfloat16,
+        betas: tuple[float, float] = ADAMW_BETAS,
+        eps: float = ADAMW_EPS,
+        state_dtype: torch.dtype | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            rho=rho,
+            ns_steps=ns_steps,
+            ns_coefficients=tuple(ns_coefficients),
+            ns_dtype=ns_dtype,
+            betas=tuple(betas),
+            eps=eps,
+            state_dtype=state_dtype,
+        )
+        super().__init__(params, defaults)
+
+
+class NorMuon(RoleOptimizer):
+    r"""NorMuon (Li et al. 2025) with AdamW for the other kinds, on Muon's lr grid.
+
+    Hidden matrices (zichongli5/NorMuon d45c9a4 ``normuon_update``): Nesterov momentum,
+    ``O = Orth(.)``, per-row second moment ``v <- beta2 v + (1 - beta2) mean_j O_ij^2`` (float32,
+    one value per output row), ``O' = O / (sqrt(v) + 1e-10)`` rescaled to ``||O||_F``, and step
+    ``lr * rho * sqrt(max(m, n)) * O'`` (dion's "rms_norm" scale instead of upstream's
+    ``sqrt(max(1, m/n))``, so that NorMuon shares the lr grid of Muon and MeqMuon, as the paper
+    compares them). Other kinds: AdamW as in :class:`Muon`.
+    """
+
+    RULES = {"hidden": "normuon_hidden", "embedding": "adamw", "head": "adamw", "vector": "adamw"}
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        weight_decay: float = WEIGHT_DECAY,
+        momentum: float = MOMENTUM,
+        nesterov: bool = True,
+        rho: float = RHO,
+        beta2: float = 0.95,
+        ns_steps: int = NS_STEPS,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        ns_dtype: torch.dtype | None = torch.bfloat16,
+        betas: tuple[float, float] = ADAMW_BETAS,
+        eps: float = ADAMW_EPS,
+        state_dtype: torch.dtype | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            rho=rho,
+            beta2=beta2,
+            ns_steps=ns_steps,
+            ns_coefficients=tuple(ns_coefficients),
+            ns_dtype=ns_dtype,
+            betas=tuple(betas),
+            eps=eps,
+            state_dtype=state_dtype,
+        )
+        super().__init__(params, defaults)
+
+
+class Scale(RoleOptimizer):
+    r"""SCALE (Glentis, Li, Han, Hong; official code OptimAI-Lab/Minimalist_LLM_Pretraining f5bd4e7).
+
+    - ``hidden``: the raw gradient (no momentum), each row (output neuron) scaled to unit RMS.
+    - ``embedding``: the raw gradient, each column (hidden coordinate) scaled to unit RMS over the
+      vocabulary (upstream's ``dim=0`` for ``embed_tokens``).
+    - ``head``: EMA momentum ``m <- lerp(m, g, 1 - momentum)`` (momentum 0.9), each row to unit RMS.
+    - ``vector``: Adam with bias correction, eps added to the uncorrected ``sqrt(v)``.
+    Slice RMS is clamped at 1e-8 as upstream. All kinds: ``W <- (1 - lr wd) W - lr D``.
+
+    SCALE treats the embedding and the head differently, so a tied embedding/head tensor is
+    undefined for it; such a group raises ``ValueError`` (the paper runs SCALE on untied Llama only).
+    Upstream used ``lr=1e-3``, ``weight_decay=0`` and a separate peak lr of 2e-2 for 1-D parameters;
+    give the vector group its own ``lr`` to reproduce that.
+    """
+
+    RULES = {"hidden": "scale_row", "embedding": "scale_col", "head": "scale_head", "vector": "adam_scale"}
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        weight_decay: float = WEIGHT_DECAY,
+        momentum: float = 0.9,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        state_dtype: torch.dtype | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, betas=tuple(betas), eps=eps, state_dtype=state_dtype
+        )
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if param_group.get("tied"):
+            names = param_group.get("tied_names") or param_group.get("names") or []
+            raise ValueError(
+                f"SCALE cannot update a tied embedding/LM-head tensor {names}: it normalises the input embedding "
+                "column-wise and the LM head row-wise with momentum, which is undefined for one shared tensor "
+                "(the paper runs SCALE on untied Llama models only). Use an untied model."
+            )
+        super().add_param_group(param_group)
+
+
+class MuonOnlyHidden(Muon):
+    """Ablation (paper Table 7, "Only 2D weights in hidden layers"): Muon, but hidden matrices use
+    MeqMuon's adaptive one-sided normalisation (scale ``rho``, no ``sqrt(max(m, n))``)."""
+
+    RULES = {"hidden": "meq_hidden", "embedding": "adamw", "head": "adamw", "vector": "adamw"}
+
+
+class MuonOnlyEmbedding(Muon):
+    """Ablation (Table 7, "Only remaining 2D parameters"): Muon, but embeddings and LM heads use
+    MeqMuon's two-sided normalisation of their momentum instead of AdamW."""
+
+    RULES = {"hidden": "moonlight_hidden", "embedding": "equilibrate", "head": "equilibrate", "vector": "adamw"}
+
+
+class MuonOnlyVector(Muon):
+    """Ablation (Table 7, "Only 1D parameters"): Muon, but 1-D parameters use MeqMuon's global-RMS
+    normalisation of their momentum instead of AdamW."""
+
+    RULES = {"hidden": "moonlight_hidden", "embedding": "adamw", "head": "adamw", "vector": "rms_normalize"}

@@ -1,0 +1,445 @@
+"""Update rules: one object per rule, each turning gradients (and its state) into a parameter update.
+
+An optimizer in this package is an assignment of rules to parameter kinds (see ``presets.py``).
+Every rule applies decoupled weight decay and its step the same way,
+
+    W <- (1 - lr * wd) * W - lr * scale * D,
+
+where ``D`` is the rule's direction and ``scale`` its multiplier (``rho`` for MeqMuon's rules,
+``rho * sqrt(max(m, n))`` for Moonlight's Muon, 1 for Adam-type and SCALE rules).
+
+A rule receives all parameters of its kind in one param group at once, so matrices of the same
+shape are orthogonalised in one batched Newton-Schulz call. No rule makes a host-device sync:
+step counters are Python ints, choices are tensors.
+
+Momentum convention (paper eq. 6 and Moonlight): ``B_t = mu * B_{t-1} + G_t``; the direction input
+is ``G_t + mu * B_t`` with Nesterov, else ``B_t``. torch.optim.Muon and NorMuon keep an EMA
+``M = lerp(M, G, 1 - mu)`` instead; the two differ by the scalar ``1 - mu`` only, which every
+normalising rule removes (Newton-Schulz, row/column/RMS normalisation are scale-invariant).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from .. import functional as F
+
+# SCALE divides by the slice RMS clamped at this value (OptimAI-Lab/Minimalist_LLM_Pretraining
+# f5bd4e7, mem_eff_pt/pt_scale/scale_optimizer.py: ``.clamp_min(1e-8)``).
+SCALE_EPS = 1e-8
+# NorMuon's epsilons (zichongli5/NorMuon d45c9a4, normuon.py): 1e-10 in the row scaling and in the
+# Frobenius-norm restore.
+NORMUON_EPS = 1e-10
+
+
+def _matrix_shape(p: Tensor) -> tuple[int, int]:
+    return (p.shape[0], p[0].numel()) if p.ndim >= 2 else (1, p.numel())
+
+
+def _shape_scale(p: Tensor) -> float:
+    """Moonlight's RMS-matching factor ``sqrt(max(m, n))`` of the matrix view of ``p``."""
+    m, n = _matrix_shape(p)
+    return math.sqrt(max(m, n))
+
+
+class StepContext:
+    """Per-step extras the engine hands to rules. ``capture`` is an opt-in diagnostics hook.
+
+    When ``capture`` is set, momentum rules call it as ``capture(name, kind, "momentum_input", x)``
+    with the direction input (the pre-Newton-Schulz matrix for hidden weights), and Adam/SCALE
+    rules with ``"gradient"`` and the raw gradient. Default ``None``: no call, no cost.
+    """
+
+    __slots__ = ("capture", "kind")
+
+    def __init__(self, capture: Callable[[str, str, str, Tensor], None] | None = None, kind: str = "") -> None:
+        self.capture = capture
+        self.kind = kind
+
+    def emit(self, items: Sequence[Item], tensors: Sequence[Tensor], what: str) -> None:
+        if self.capture is not None:
+            for it, x in zip(items, tensors, strict=True):
+                self.capture(it.name, self.kind, what, x)
+
+
+class Item:
+    """One parameter in a rule call: the tensor, its gradient, its state and its name."""
+
+    __slots__ = ("param", "grad", "state", "name")
+
+    def __init__(self, param: Tensor, grad: Tensor, state: dict[str, Any], name: str) -> None:
+        self.param = param
+        self.grad = grad
+        self.state = state
+        self.name = name
+
+
+def apply_update(items: Sequence[Item], directions: Sequence[Tensor], scales: Sequence[float], group: dict) -> None:
+    """``W <- (1 - lr*wd) W - lr * scale * D`` for every item (decoupled weight decay, unadjusted lr)."""
+    lr, wd = group["lr"], group["weight_decay"]
+    params = [it.param for it in items]
+    if wd != 0:
+        torch._foreach_mul_(params, 1.0 - lr * wd)
+    for p, d, s in zip(params, directions, scales, strict=True):
+        p.add_(d.reshape(p.shape).to(p.dtype), alpha=-lr * s)
+
+
+def _state_dtype(p: Tensor, group: dict) -> torch.dtype:
+    return group.get("state_dtype") or p.dtype
+
+
+def _momentum_inputs(items: Sequence[Item], group: dict) -> list[Tensor]:
+    """Update ``B <- mu B + G`` in place and return the direction inputs (Nesterov or plain)."""
+    mu, nesterov = group["momentum"], group["nesterov"]
+    bufs = [it.state["momentum_buffer"] for it in items]
+    grads = [it.grad if it.grad.dtype == b.dtype else it.grad.to(b.dtype) for it, b in zip(items, bufs, strict=True)]
+    torch._foreach_mul_(bufs, mu)
+    torch._foreach_add_(bufs, grads)
+    if nesterov:
+        return list(torch._foreach_add(grads, bufs, alpha=mu))
+    return bufs
+
+
+def _by_matrix_shape(tensors: Sequence[Tensor]) -> dict[tuple, list[int]]:
+    buckets: dict[tuple, list[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        buckets[(*_matrix_shape(t), t.dtype, t.device)].append(i)
+    return buckets
+
+
+def _stack_matrices(tensors: Sequence[Tensor], idx: Sequence[int]) -> Tensor:
+    return torch.stack([F.as_matrix(tensors[i]) for i in idx])
+
+
+def orthogonalize_many(inputs: Sequence[Tensor], group: dict) -> list[Tensor]:
+    """Newton-Schulz on every input, one batched call per matrix shape (paper eq. 3)."""
+    out: list[Tensor | None] = [None] * len(inputs)
+    for idx in _by_matrix_shape(inputs).values():
+        stacked = _stack_matrices(inputs, idx)
+        ortho = F.orthogonalize(stacked, group["ns_steps"], tuple(group["ns_coefficients"]), group["ns_dtype"])
+        for j, i in enumerate(idx):
+            out[i] = ortho[j]
+    return out  # type: ignore[return-value]
+
+
+class Rule:
+    """Base class. Subclasses set ``name``, the state they keep and implement ``step``."""
+
+    name: ClassVar[str]
+    #: Parameter kinds this rule accepts (matrix rules need >=2-D tensors).
+    needs_matrix: ClassVar[bool] = False
+    #: Hyperparameter keys the rule reads from its group (validated by the engine).
+    hyperparameters: ClassVar[tuple[str, ...]] = ()
+
+    def state_elements(self, shape: torch.Size | tuple[int, ...]) -> int:
+        """Number of state elements (excluding scalar counters) kept for a parameter of ``shape``."""
+        raise NotImplementedError
+
+    def init_state(self, p: Tensor, state: dict[str, Any], group: dict) -> None:
+        raise NotImplementedError
+
+    def step(self, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------------------------
+# Momentum-based normalising rules (MeqMuon, Moonlight Muon, NorMuon)
+# --------------------------------------------------------------------------------------------
+
+
+class _MomentumRule(Rule):
+    hyperparameters = ("momentum", "nesterov")
+
+    def state_elements(self, shape):
+        return math.prod(shape)
+
+    def init_state(self, p, state, group):
+        state["momentum_buffer"] = torch.zeros_like(
+            p, dtype=_state_dtype(p, group), memory_format=torch.preserve_format
+        )
+        state["step"] = 0
+
+    def _inputs(self, items, group, ctx):
+        for it in items:
+            it.state["step"] += 1
+        inputs = _momentum_inputs(items, group)
+        ctx.emit(items, inputs, "momentum_input")
+        return inputs
+
+
+class MeqHidden(_MomentumRule):
+    """MeqMuon for hidden matrices (paper Algorithm 1, eq. 8): ``U = Orth(B)``, then row- or
+    column-normalise ``U``, whichever side has the larger CV (ties: rows). Scale ``rho``.
+
+    Keeps a 0-D int64 counter ``rows_chosen`` per parameter on its device (no sync)."""
+
+    name = "meq_hidden"
+    needs_matrix = True
+    hyperparameters = ("momentum", "nesterov", "rho", "ns_steps", "ns_coefficients", "ns_dtype")
+
+    def init_state(self, p, state, group):
+        super().init_state(p, state, group)
+        state["rows_chosen"] = torch.zeros((), dtype=torch.int64, device=p.device)
+
+    def step(self, items, group, ctx):
+        inputs = self._inputs(items, group, ctx)
+        directions: list[Tensor | None] = [None] * len(items)
+        for idx in _by_matrix_shape(inputs).values():
+            stacked = _stack_matrices(inputs, idx)
+            ortho = F.orthogonalize(stacked, group["ns_steps"], tuple(group["ns_coefficients"]), group["ns_dtype"])
+            normed, chose_rows = F.adaptive_normalize(ortho)
+            for j, i in enumerate(idx):
+                directions[i] = normed[j]
+                items[i].state["rows_chosen"].add_(chose_rows[j])
+        apply_update(items, directions, [group["rho"]] * len(items), group)  # type: ignore[arg-type]
+
+
+class MoonlightHidden(_MomentumRule):
+    """Muon in Moonlight's form (paper eq. 2; MoonshotAI/Moonlight c2ad5b2 examples/toy_train.py):
+    ``W <- (1 - lr wd) W - lr * rho * sqrt(max(m, n)) * Orth(B)``."""
+
+    name = "moonlight_hidden"
+    needs_matrix = True
+    hyperparameters = ("momentum", "nesterov", "rho", "ns_steps", "ns_coefficients", "ns_dtype")
+
+    def step(self, items, group, ctx):
+        inputs = self._inputs(items, group, ctx)
+        directions = orthogonalize_many(inputs, group)
+        scales = [group["rho"] * _shape_scale(it.param) for it in items]
+        apply_update(items, directions, scales, group)
+
+
+class NorMuonHidden(_MomentumRule):
+    """NorMuon for hidden matrices (zichongli5/NorMuon d45c9a4 ``normuon_update``; Li et al. 2025).
+
+    ``O = Orth(B)``; per-row second moment ``v <- lerp(v, mean_j O_ij^2, 1 - beta2)`` (no bias
+    correction, as upstream; it would be a global scalar that the restore below cancels);
+    ``O' = O / (sqrt(v) + 1e-10)``; ``O' <- O' * ||O||_F / (||O'||_F + 1e-10)``; scale
+    ``rho * sqrt(max(m, n))`` (dion's "rms_norm" adjust_lr, so NorMuon shares Muon's lr grid;
+    upstream's single file uses ``sqrt(max(1, m/n))`` with a 10-20x larger lr instead).
+
+    Deliberate deviation: ``v`` and the normalisation are at least float32 whatever the parameter dtype,
+    avoiding the upstream bf16/fp32 ``lerp`` dtype failure (zichongli5/NorMuon issue 7, PR 10).
+    """
+
+    name = "normuon_hidden"
+    needs_matrix = True
+    hyperparameters = ("momentum", "nesterov", "rho", "beta2", "ns_steps", "ns_coefficients", "ns_dtype")
+
+    def state_elements(self, shape):
+        return math.prod(shape) + shape[0]
+
+    def init_state(self, p, state, group):
+        super().init_state(p, state, group)
+        state["second_moment"] = torch.zeros(
+            p.shape[0], dtype=torch.promote_types(p.dtype, torch.float32), device=p.device
+        )
+
+    def step(self, items, group, ctx):
+        inputs = self._inputs(items, group, ctx)
+        beta2 = group["beta2"]
+        directions: list[Tensor | None] = [None] * len(items)
+        for idx in _by_matrix_shape(inputs).values():
+            stacked = _stack_matrices(inputs, idx)
+            O = F.orthogonalize(stacked, group["ns_steps"], tuple(group["ns_coefficients"]), group["ns_dtype"])
+            O = _at_least_fp32(O)
+            v = torch.stack([items[i].state["second_moment"] for i in idx]).to(O.dtype)
+            v.lerp_(O.square().mean(dim=-1), 1.0 - beta2)
+            scaled = O / (v.sqrt().unsqueeze(-1) + NORMUON_EPS)
+            fro_o = torch.linalg.vector_norm(O, dim=(-2, -1), keepdim=True)
+            fro_s = torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True)
+            scaled = scaled * (fro_o / (fro_s + NORMUON_EPS))
+            for j, i in enumerate(idx):
+                items[i].state["second_moment"].copy_(v[j])
+                directions[i] = scaled[j]
+        scales = [group["rho"] * _shape_scale(it.param) for it in items]
+        apply_update(items, directions, scales, group)  # type: ignore[arg-type]
+
+
+class Equilibrate(_MomentumRule):
+    """MeqMuon for embeddings and LM heads (paper eq. 9): ``N_c(N_r(B))``, scale ``rho``."""
+
+    name = "equilibrate"
+    needs_matrix = True
+    hyperparameters = ("momentum", "nesterov", "rho")
+
+    def step(self, items, group, ctx):
+        inputs = self._inputs(items, group, ctx)
+        directions = [F.equilibrate(F.as_matrix(x)) for x in inputs]
+        apply_update(items, directions, [group["rho"]] * len(items), group)
+
+
+class RmsNormalize(_MomentumRule):
+    """MeqMuon for 1-D parameters (paper eq. 10): ``B / (||B||_2 / sqrt(d))``, scale ``rho``."""
+
+    name = "rms_normalize"
+    hyperparameters = ("momentum", "nesterov", "rho")
+
+    def step(self, items, group, ctx):
+        inputs = self._inputs(items, group, ctx)
+        directions = [F.rms_normalize(x) for x in inputs]
+        apply_update(items, directions, [group["rho"]] * len(items), group)
+
+
+# --------------------------------------------------------------------------------------------
+# Adam-type rules
+# --------------------------------------------------------------------------------------------
+
+
+class AdamW(Rule):
+    """AdamW exactly as ``torch.optim.AdamW`` (paper eq. 1-2): eps added after bias correction.
+
+    Used for embedding/head/vector kinds by Muon and NorMuon. Moonlight's toy_train.py adds eps to
+    the uncorrected ``sqrt(v)``; the two differ only in the first steps (baselines.md section 2),
+    and torch's form is what the paper states (eq. 1) and lets us test parity with
+    ``torch.optim.AdamW`` exactly.
+    """
+
+    name = "adamw"
+    hyperparameters = ("betas", "eps")
+    #: Moonlight/SCALE form: eps added to the uncorrected sqrt(v).
+    eps_before_correction: ClassVar[bool] = False
+
+    def state_elements(self, shape):
+        return 2 * math.prod(shape)
+
+    def init_state(self, p, state, group):
+        dtype = _state_dtype(p, group)
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+
+    def step(self, items, group, ctx):
+        ctx.emit(items, [it.grad for it in items], "gradient")
+        beta1, beta2 = group["betas"]
+        eps = group["eps"]
+        directions, scales = [], []
+        for it in items:
+            st = it.state
+            st["step"] += 1
+            t = st["step"]
+            m, v = st["exp_avg"], st["exp_avg_sq"]
+            g = it.grad.to(m.dtype)
+            m.lerp_(g, 1.0 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+            bc1 = 1.0 - beta1**t
+            bc2 = 1.0 - beta2**t
+            if self.eps_before_correction:
+                directions.append(m / (v.sqrt() + eps))
+                scales.append(math.sqrt(bc2) / bc1)
+            else:
+                directions.append(m / (v.sqrt() / math.sqrt(bc2) + eps))
+                scales.append(1.0 / bc1)
+        apply_update(items, directions, scales, group)
+
+
+class AdamScale(AdamW):
+    """SCALE's internal Adam for 1-D parameters (OptimAI-Lab/Minimalist_LLM_Pretraining f5bd4e7):
+    bias-corrected Adam with eps added to the uncorrected ``sqrt(v)``, decoupled weight decay."""
+
+    name = "adam_scale"
+    eps_before_correction = True
+
+
+# --------------------------------------------------------------------------------------------
+# SCALE (Glentis et al.; official code OptimAI-Lab/Minimalist_LLM_Pretraining f5bd4e7)
+# --------------------------------------------------------------------------------------------
+
+
+def _at_least_fp32(x: Tensor) -> Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _scale_row(x: Tensor) -> Tensor:
+    x = _at_least_fp32(F.as_matrix(x))
+    return x / x.square().mean(dim=-1, keepdim=True).sqrt().clamp(min=SCALE_EPS)
+
+
+def _scale_col(x: Tensor) -> Tensor:
+    x = _at_least_fp32(F.as_matrix(x))
+    return x / x.square().mean(dim=-2, keepdim=True).sqrt().clamp(min=SCALE_EPS)
+
+
+class _ScaleRaw(Rule):
+    """SCALE without momentum: normalise the raw gradient slice-wise; no state."""
+
+    normalise: ClassVar[Callable[[Tensor], Tensor]]
+    needs_matrix = True
+
+    def state_elements(self, shape):
+        return 0
+
+    def init_state(self, p, state, group):
+        state["step"] = 0
+
+    def step(self, items, group, ctx):
+        ctx.emit(items, [it.grad for it in items], "gradient")
+        for it in items:
+            it.state["step"] += 1
+        directions = [type(self).normalise(it.grad) for it in items]
+        apply_update(items, directions, [1.0] * len(items), group)
+
+
+class ScaleRow(_ScaleRaw):
+    """SCALE for hidden matrices: raw gradient, each row (output neuron) to unit RMS over inputs."""
+
+    name = "scale_row"
+    normalise = staticmethod(_scale_row)
+
+
+class ScaleCol(_ScaleRaw):
+    """SCALE for the input embedding ``(vocab, d)``: each column (hidden coordinate) to unit RMS over the vocabulary."""
+
+    name = "scale_col"
+    normalise = staticmethod(_scale_col)
+
+
+class ScaleHead(Rule):
+    """SCALE for the LM head: EMA momentum ``m <- lerp(m, g, 1 - beta)`` (no Nesterov, no bias
+    correction), then each vocabulary row to unit RMS."""
+
+    name = "scale_head"
+    needs_matrix = True
+    hyperparameters = ("momentum",)
+
+    def state_elements(self, shape):
+        return math.prod(shape)
+
+    def init_state(self, p, state, group):
+        state["step"] = 0
+        state["momentum_buffer"] = torch.zeros_like(
+            p, dtype=_state_dtype(p, group), memory_format=torch.preserve_format
+        )
+
+    def step(self, items, group, ctx):
+        ctx.emit(items, [it.grad for it in items], "gradient")
+        directions = []
+        for it in items:
+            it.state["step"] += 1
+            m = it.state["momentum_buffer"]
+            m.lerp_(it.grad.to(m.dtype), 1.0 - group["momentum"])
+            directions.append(_scale_row(m))
+        apply_update(items, directions, [1.0] * len(items), group)
+
+
+RULES: dict[str, Rule] = {
+    r.name: r
+    for r in (
+        MeqHidden(),
+        MoonlightHidden(),
+        NorMuonHidden(),
+        Equilibrate(),
+        RmsNormalize(),
+        AdamW(),
+        AdamScale(),
+        ScaleRow(),
+        ScaleCol(),
+        ScaleHead(),
+    )
+}

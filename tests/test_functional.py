@@ -1,0 +1,269 @@
+"""meqmuon.functional against float64 references written here from the paper's equations.
+
+The references use plain Python loops over rows and columns (eq. 4-5, 7-10) and an unbatched
+Newton-Schulz written from eq. 3, so they share no code with the implementation. Tolerances:
+1e-12 for float64 paths (pure rounding), properties at 1e-6 as the issue states.
+"""
+
+import math
+
+import pytest
+import torch
+
+from meqmuon import functional as F
+
+DELTA = 1e-7
+
+
+# ---- references from the paper ------------------------------------------------------------
+
+
+def ref_row_rms(X):
+    m, n = X.shape
+    return [math.sqrt(sum(float(X[i, j]) ** 2 for j in range(n)) / n) for i in range(m)]
+
+
+def ref_col_rms(X):
+    m, n = X.shape
+    return [math.sqrt(sum(float(X[i, j]) ** 2 for i in range(m)) / m) for j in range(n)]
+
+
+def ref_cv(values):
+    pos = [v for v in values if v > DELTA]
+    if not pos:
+        return 0.0
+    mean = sum(pos) / len(pos)
+    return math.sqrt(sum((v - mean) ** 2 for v in pos) / len(pos)) / mean
+
+
+def ref_row_norm(X):
+    r = ref_row_rms(X)
+    Y = X.clone()
+    for i in range(X.shape[0]):
+        Y[i, :] = X[i, :] / r[i] if r[i] > DELTA else 0.0
+    return Y
+
+
+def ref_col_norm(X):
+    c = ref_col_rms(X)
+    Y = X.clone()
+    for j in range(X.shape[1]):
+        Y[:, j] = X[:, j] / c[j] if c[j] > DELTA else 0.0
+    return Y
+
+
+def ref_ns(H, steps=5, abc=(3.4445, -4.7750, 2.0315)):
+    """Eq. 3 on the wide orientation, in float64."""
+    a, b, c = abc
+    tall = H.shape[0] > H.shape[1]
+    X = H.T.clone() if tall else H.clone()
+    X = X / torch.linalg.norm(X)
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if tall else X
+
+
+def rand(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def imbalanced(m, n, seed=0):
+    """A matrix with deliberately unequal row and column scales."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.rand(m, 1, generator=g, dtype=torch.float64) * 3 + 0.1
+    cols = torch.rand(1, n, generator=g, dtype=torch.float64) * 2 + 0.1
+    return rand(m, n, seed=seed + 1) * rows * cols
+
+
+# ---- exact rules ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(7, 5), (5, 7), (6, 6)])
+def test_rms_and_cv_match_equations(shape):
+    X = imbalanced(*shape)
+    X[2] = 0.0  # a zero row is excluded from the row CV
+    assert torch.allclose(F.row_rms(X), torch.tensor(ref_row_rms(X), dtype=torch.float64), atol=1e-14)
+    assert torch.allclose(F.col_rms(X), torch.tensor(ref_col_rms(X), dtype=torch.float64), atol=1e-14)
+    gr, gc = F.row_col_cv(X)
+    assert gr.item() == pytest.approx(ref_cv(ref_row_rms(X)), abs=1e-12)
+    assert gc.item() == pytest.approx(ref_cv(ref_col_rms(X)), abs=1e-12)
+
+
+def test_cv_excludes_values_at_or_below_delta():
+    v = torch.tensor([1.0, 3.0, 1e-7, 0.0, 5e-8], dtype=torch.float64)
+    assert F.cv(v).item() == pytest.approx(ref_cv(v.tolist()), abs=1e-14)
+    assert F.cv(v).item() == pytest.approx(0.5, abs=1e-14)  # mean 2, std 1 over {1, 3}
+    assert F.cv(torch.zeros(4)).item() == 0.0
+
+
+def test_cv_batched():
+    X = torch.stack([imbalanced(6, 4, seed=s) for s in range(3)])
+    gr, gc = F.row_col_cv(X)
+    for k in range(3):
+        assert gr[k].item() == pytest.approx(ref_cv(ref_row_rms(X[k])), abs=1e-12)
+        assert gc[k].item() == pytest.approx(ref_cv(ref_col_rms(X[k])), abs=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(9, 4), (4, 9)])
+def test_row_col_normalize_match_equations(shape):
+    X = imbalanced(*shape)
+    X[:, 1] = 0.0
+    assert torch.allclose(F.row_normalize(X), ref_row_norm(X), atol=1e-13)
+    assert torch.allclose(F.col_normalize(X), ref_col_norm(X), atol=1e-13)
+
+
+def test_equilibrate_is_col_of_row():
+    X = imbalanced(11, 6)
+    assert torch.allclose(F.equilibrate(X), ref_col_norm(ref_row_norm(X)), atol=1e-13)
+
+
+def test_rms_normalize_matches_eq10():
+    b = rand(13)
+    d = b.numel()
+    expected = b / (torch.linalg.norm(b) / math.sqrt(d))
+    assert torch.allclose(F.rms_normalize(b), expected, atol=1e-14)
+
+
+@pytest.mark.parametrize("shape", [(12, 5), (5, 12), (8, 8)])
+def test_orthogonalize_matches_eq3_in_float64(shape):
+    H = rand(*shape, seed=3)
+    out = F.orthogonalize(H, dtype=torch.float64)
+    assert out.dtype == torch.float64
+    assert torch.allclose(out, ref_ns(H), atol=1e-12)
+
+
+def test_orthogonalize_batched_equals_per_matrix():
+    H = rand(4, 10, 6, seed=5)
+    out = F.orthogonalize(H, dtype=torch.float64)
+    for k in range(4):
+        assert torch.allclose(out[k], ref_ns(H[k]), atol=1e-12)
+
+
+def test_orthogonalize_bf16_default_dtype_and_zero_input():
+    H = rand(6, 4).float()
+    assert F.orthogonalize(H).dtype == torch.bfloat16
+    z = F.orthogonalize(torch.zeros(5, 3))
+    assert torch.count_nonzero(z) == 0 and torch.isfinite(z.float()).all()
+
+
+def test_orthogonalize_converges_to_polar_factor_with_many_steps():
+    """With the convergent cubic (a, b, c) = (1.5, -0.5, 0), NS converges to P Q^T."""
+    H = rand(10, 6, seed=7)
+    P, _, Qt = torch.linalg.svd(H, full_matrices=False)
+    out = F.orthogonalize(H, steps=60, coefficients=(1.5, -0.5, 0.0), dtype=torch.float64)
+    assert torch.allclose(out, P @ Qt, atol=1e-10)
+
+
+@pytest.mark.parametrize("shape", [(10, 6), (6, 10), (8, 8)])
+def test_adaptive_normalize_matches_eq8(shape):
+    U = F.orthogonalize(imbalanced(*shape, seed=2), dtype=torch.float64)
+    out, chose_rows = F.adaptive_normalize(U)
+    gr, gc = ref_cv(ref_row_rms(U)), ref_cv(ref_col_rms(U))
+    expected = ref_row_norm(U) if gr >= gc else ref_col_norm(U)
+    assert bool(chose_rows) == (gr >= gc)
+    assert torch.allclose(out, expected, atol=1e-13)
+
+
+def test_adaptive_normalize_ties_choose_rows():
+    U = torch.ones(4, 4, dtype=torch.float64)  # both CVs are exactly 0
+    out, chose_rows = F.adaptive_normalize(U)
+    assert bool(chose_rows)
+    assert torch.allclose(out, ref_row_norm(U))
+
+
+def test_adaptive_normalize_batched_chooses_per_matrix():
+    a = imbalanced(8, 8, seed=1)
+    b = a.T.contiguous()  # transposing swaps the row and column CVs
+    out, chose = F.adaptive_normalize(torch.stack([a, b]))
+    assert chose[0].item() != chose[1].item()
+    for k, m in enumerate((a, b)):
+        single, _ = F.adaptive_normalize(m)
+        assert torch.allclose(out[k], single)
+
+
+# ---- properties stated in the issue ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("shape", [(24, 16), (16, 24), (20, 20)])
+def test_adaptive_normalize_properties(seed, shape):
+    """The chosen side's CV drops below 1e-6; the other side is not normalised.
+
+    The issue asks for "the other side's CV unchanged to 1e-6". That does not hold in general:
+    rescaling rows changes column norms (the paper's own Table 4 shows gate_proj's column CV
+    going 0.017 -> 0.018). What does hold, and is asserted here, is that only the chosen side was
+    rescaled: undoing the chosen side's scaling recovers ``U`` exactly.
+    """
+    U = F.orthogonalize(imbalanced(*shape, seed=seed), dtype=torch.float64)
+    out, chose_rows = F.adaptive_normalize(U)
+    gr2, gc2 = F.row_col_cv(out)
+    if chose_rows:
+        assert gr2 < 1e-6
+        assert torch.allclose(out * F.row_rms(U).unsqueeze(-1), U, atol=1e-13)
+    else:
+        assert gc2 < 1e-6
+        assert torch.allclose(out * F.col_rms(U).unsqueeze(-2), U, atol=1e-13)
+    # unit update RMS
+    assert out.square().mean().sqrt().item() == pytest.approx(1.0, abs=1e-12)
+
+
+def test_equilibrate_leaves_column_cv_zero_and_unit_rms():
+    X = imbalanced(40, 12, seed=9)
+    Y = F.equilibrate(X)
+    assert F.row_col_cv(Y)[1] < 1e-6
+    assert Y.square().mean().sqrt().item() == pytest.approx(1.0, abs=1e-12)
+    assert F.rms_normalize(rand(17)).square().mean().sqrt().item() == pytest.approx(1.0, abs=1e-12)
+
+
+def test_exact_orthogonalisation_of_tall_matrix_has_zero_column_cv():
+    X = imbalanced(30, 10, seed=4)
+    P, _, Qt = torch.linalg.svd(X, full_matrices=False)
+    Y = P @ Qt
+    gr, gc = F.row_col_cv(Y)
+    assert gc < 1e-6
+    assert gr > 1e-3  # the unconstrained side stays imbalanced
+    gr_w, gc_w = F.row_col_cv(Y.T)
+    assert gr_w < 1e-6
+
+
+@pytest.mark.parametrize("fn", [F.row_normalize, F.col_normalize, F.equilibrate, F.rms_normalize])
+@pytest.mark.parametrize("scale", [0.0, 1e-30, 1e-9, 1e30])
+def test_zero_and_tiny_inputs_never_give_nan_or_inf(fn, scale):
+    X = rand(6, 5) * scale
+    X[1] = 0.0
+    Y = fn(X)
+    assert torch.isfinite(Y).all()
+    if scale <= 1e-9:
+        assert torch.count_nonzero(Y) == 0  # RMS <= 1e-7 counts as zero
+    else:
+        assert torch.count_nonzero(Y[1]) == 0  # zero rows stay zero
+
+
+def test_adaptive_normalize_zero_and_tiny():
+    for X in (torch.zeros(5, 3), torch.full((5, 3), 1e-20)):
+        out, _ = F.adaptive_normalize(X)
+        assert torch.isfinite(out).all() and torch.count_nonzero(out) == 0
+
+
+def test_bf16_input_statistics_in_float32():
+    X = imbalanced(8, 6).to(torch.bfloat16)
+    out, _ = F.adaptive_normalize(X)
+    assert out.dtype == torch.float32
+
+
+def test_adaptive_normalize_compiles_fullgraph():
+    fn = torch.compile(F.adaptive_normalize, fullgraph=True)
+    X = imbalanced(12, 7).float()
+    out, chose = fn(X)
+    ref_out, ref_chose = F.adaptive_normalize(X)
+    assert torch.equal(chose, ref_chose)
+    assert torch.allclose(out, ref_out, atol=1e-6)
+
+
+def test_as_matrix_conv_shape():
+    w = torch.zeros(8, 3, 3, 3)
+    assert F.as_matrix(w).shape == (8, 27)
+    with pytest.raises(ValueError, match="at least 2"):
+        F.as_matrix(torch.zeros(3))

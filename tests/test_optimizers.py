@@ -1,0 +1,606 @@
+"""The named optimizers against float64 references written here from the paper and upstream code.
+
+Each reference below is a direct transcription of one update rule (paper Algorithm 1 / eq. 2-11;
+Moonlight toy_train.py; NorMuon normuon.py; SCALE scale_optimizer.py, see baselines.md), written
+per parameter with plain loops. The optimizers run in float64 with float64 Newton-Schulz, so the
+only differences are rounding: tolerance 1e-10 after several steps.
+"""
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import meqmuon
+
+A, B, C = 3.4445, -4.7750, 2.0315
+DELTA = 1e-7
+
+
+# ---- independent float64 references ----------------------------------------------------------
+
+
+def ns(H, steps=5):
+    tall = H.shape[0] > H.shape[1]
+    X = H.T if tall else H
+    X = X / torch.linalg.norm(X).clamp(min=1e-7)
+    for _ in range(steps):
+        Am = X @ X.T
+        X = A * X + (B * Am + C * Am @ Am) @ X
+    return X.T if tall else X
+
+
+def rms_vec(X, dim):
+    return X.square().mean(dim=dim).sqrt()
+
+
+def cv(v):
+    v = v[v > DELTA]
+    if v.numel() == 0:
+        return 0.0
+    return (v.var(unbiased=False).sqrt() / v.mean()).item()
+
+
+def inv(v):
+    return torch.where(v > DELTA, 1 / v.clamp(min=DELTA), torch.zeros_like(v))
+
+
+def meq_hidden_dir(U):
+    r, c = rms_vec(U, 1), rms_vec(U, 0)
+    if cv(r) >= cv(c):
+        return U * inv(r)[:, None], True
+    return U * inv(c)[None, :], False
+
+
+def equilibrate_dir(Bm):
+    Y = Bm * inv(rms_vec(Bm, 1))[:, None]
+    return Y * inv(rms_vec(Y, 0))[None, :]
+
+
+def rms_dir(b):
+    rms = b.square().mean().sqrt()
+    return b * inv(rms)
+
+
+class RefOptimizer:
+    """Per-parameter loop implementing a rule table in float64; kinds given explicitly."""
+
+    def __init__(
+        self,
+        params_kinds,
+        rules,
+        lr,
+        wd=0.1,
+        mu=0.95,
+        nesterov=True,
+        rho=0.2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        beta2=0.95,
+        scale_betas=(0.9, 0.999),
+        scale_mu=0.9,
+    ):
+        self.items = params_kinds
+        self.rules = rules
+        self.lr, self.wd, self.mu, self.nesterov, self.rho = lr, wd, mu, nesterov, rho
+        self.betas, self.eps, self.beta2 = betas, eps, beta2
+        self.scale_betas, self.scale_mu = scale_betas, scale_mu
+        self.state = {id(p): {} for p, _ in params_kinds}
+        self.rows_chosen = {id(p): 0 for p, _ in params_kinds}
+
+    @torch.no_grad()
+    def step(self):
+        lr, wd = self.lr, self.wd
+        for p, kind in self.items:
+            g = p.grad
+            st = self.state[id(p)]
+            rule = self.rules[kind]
+            st["t"] = st.get("t", 0) + 1
+            t = st["t"]
+            W = p.data
+            if rule in ("meq_hidden", "moonlight_hidden", "normuon_hidden", "equilibrate", "rms_normalize"):
+                Bm = st.setdefault("B", torch.zeros_like(p))
+                Bm.mul_(self.mu).add_(g)
+                x = g + self.mu * Bm if self.nesterov else Bm.clone()
+                if rule == "rms_normalize":
+                    d, s = rms_dir(x), self.rho
+                else:
+                    X = x.reshape(x.shape[0], -1)
+                    m, n = X.shape
+                    if rule == "equilibrate":
+                        d, s = equilibrate_dir(X), self.rho
+                    elif rule == "meq_hidden":
+                        d, rows = meq_hidden_dir(ns(X))
+                        self.rows_chosen[id(p)] += int(rows)
+                        s = self.rho
+                    elif rule == "moonlight_hidden":
+                        d, s = ns(X), self.rho * math.sqrt(max(m, n))
+                    else:  # normuon
+                        O = ns(X)
+                        v = st.setdefault("v", torch.zeros(m, dtype=X.dtype))
+                        v.mul_(self.beta2).add_((1 - self.beta2) * O.square().mean(dim=1))
+                        Oh = O / (v.sqrt()[:, None] + 1e-10)
+                        Oh = Oh * torch.linalg.norm(O) / (torch.linalg.norm(Oh) + 1e-10)
+                        d, s = Oh, self.rho * math.sqrt(max(m, n))
+            elif rule in ("adamw", "adam_scale"):
+                b1, b2 = self.betas if rule == "adamw" else self.scale_betas
+                mm = st.setdefault("m", torch.zeros_like(p))
+                vv = st.setdefault("v", torch.zeros_like(p))
+                mm.mul_(b1).add_((1 - b1) * g)
+                vv.mul_(b2).add_((1 - b2) * g * g)
+                if rule == "adamw":  # torch.optim.AdamW: eps after bias correction
+                    d = (mm / (1 - b1**t)) / ((vv / (1 - b2**t)).sqrt() + self.eps)
+                else:  # SCALE's Adam: eps on the uncorrected sqrt(v)
+                    d = math.sqrt(1 - b2**t) / (1 - b1**t) * mm / (vv.sqrt() + self.eps)
+                s = 1.0
+            elif rule == "scale_row":  # upstream views 3-D+ gradients as (size(0), -1)
+                g2 = g.reshape(g.shape[0], -1)
+                d, s = g2 / rms_vec(g2, 1).clamp(min=1e-8)[:, None], 1.0
+            elif rule == "scale_col":
+                d, s = g / rms_vec(g, 0).clamp(min=1e-8)[None, :], 1.0
+            elif rule == "scale_head":
+                mm = st.setdefault("m", torch.zeros_like(p))
+                mm.mul_(self.scale_mu).add_((1 - self.scale_mu) * g)
+                d, s = mm / rms_vec(mm, 1).clamp(min=1e-8)[:, None], 1.0
+            else:
+                raise AssertionError(rule)
+            W.mul_(1 - lr * wd)
+            W.add_(d.reshape(W.shape), alpha=-lr * s)
+
+
+# ---- a small model with every kind, including a convolution --------------------------------
+
+
+class TinyNet(nn.Module):
+    """Embedding, hidden matrices of two shapes (two share a shape), a conv kernel, norms, a head."""
+
+    def __init__(self, vocab=23, d=12, tied=False):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.q = nn.Linear(d, d, bias=False)
+        self.k = nn.Linear(d, d, bias=False)
+        self.up = nn.Linear(d, 3 * d)
+        self.down = nn.Linear(3 * d, d, bias=False)
+        self.conv = nn.Conv1d(d, d, kernel_size=3, padding=1, bias=False)
+        self.norm = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, ids):
+        h = self.embed_tokens(ids)
+        h = h + self.k(torch.tanh(self.q(h)))
+        h = h + self.down(torch.relu(self.up(h)))
+        h = h + self.conv(h.transpose(1, 2)).transpose(1, 2)
+        return self.lm_head(self.norm(h))
+
+
+def make_model(dtype=torch.float64, seed=0, **kw):
+    torch.manual_seed(seed)
+    return TinyNet(**kw).to(dtype)
+
+
+def batches(n, vocab=23, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (3, 7), generator=g) for _ in range(n)]
+
+
+def loss_fn(model, ids):
+    logits = model(ids)
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def kinds_of(model):
+    return [(p, g["kind"]) for g in meqmuon.param_groups(model) for p in g["params"]]
+
+
+NAMES = list(meqmuon.OPTIMIZERS)
+OURS = [n for n in NAMES if n != "adamw"]
+
+
+# SCALE has no Nesterov option (its head momentum is a plain EMA), so it runs once.
+CASES = [(n, nest) for n in OURS for nest in (True, False) if not (n == "scale" and not nest)]
+
+
+@pytest.mark.parametrize("name, nesterov", CASES)
+def test_matches_float64_reference(name, nesterov):
+    model = make_model()
+    ref_model = copy.deepcopy(model)
+    kw = dict(lr=0.03, weight_decay=0.1)
+    if name != "scale":
+        kw.update(ns_dtype=torch.float64, nesterov=nesterov)
+    opt = meqmuon.build_optimizer(name, model, **kw)
+    ref = RefOptimizer(kinds_of(ref_model), meqmuon.rules_of(name), lr=0.03, nesterov=nesterov)
+    for ids in batches(4):
+        for m in (model, ref_model):
+            m.zero_grad()
+            loss_fn(m, ids).backward()
+        opt.step()
+        ref.step()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-10, rtol=0), n
+    if name in ("meqmuon", "meqmuon-only-hidden"):
+        counts = opt.selection_counts()
+        names = dict(ref_model.named_parameters())
+        for pname, (rows, cols) in counts.items():
+            assert rows + cols == 4
+            assert rows == ref.rows_chosen[id(names[pname])], pname
+
+
+def test_rule_tables():
+    assert meqmuon.rules_of("meqmuon") == {
+        "hidden": "meq_hidden",
+        "embedding": "equilibrate",
+        "head": "equilibrate",
+        "vector": "rms_normalize",
+    }
+    muon = meqmuon.rules_of("muon")
+    for ablation, kinds in [
+        ("meqmuon-only-hidden", {"hidden"}),
+        ("meqmuon-only-embedding", {"embedding", "head"}),
+        ("meqmuon-only-vector", {"vector"}),
+    ]:
+        table = meqmuon.rules_of(ablation)
+        assert {k for k in table if table[k] != muon[k]} == kinds
+        for k in kinds:
+            assert table[k] == meqmuon.rules_of("meqmuon")[k]
+
+
+# ---- Muon parity with torch.optim.Muon + torch.optim.AdamW -------------------------------------
+
+
+class SmallTransformer(nn.Module):
+    def __init__(self, vocab=40, d=32):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        # bias=False: an attention key bias has an exactly-zero true gradient (softmax is invariant
+        # to it), so AdamW would amplify pure rounding noise there and no parity test could pass.
+        layer = nn.TransformerEncoderLayer(d, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True, bias=False)
+        self.blocks = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        return self.lm_head(self.norm(self.blocks(self.embed_tokens(ids), mask=mask, is_causal=True)))
+
+
+def test_muon_parity_with_torch_muon_and_adamw(monkeypatch):
+    """Moonlight-form Muon == torch.optim.Muon(match_rms_adamw) + torch.optim.AdamW((0.9, 0.95)).
+
+    torch's Newton-Schulz always runs in bf16, whose rounding noise is about a third of one step
+    (landscape.md section 6), so both sides run NS in float32 here: torch's function is patched
+    to compute in float32 and ours gets ns_dtype=float32. Tolerance 2e-6 after 6 steps.
+    """
+    import torch.optim._muon as tm
+
+    original = tm._zeropower_via_newtonschulz
+
+    def ns_fp32(grad, ns_coefficients, ns_steps, eps):
+        a, b, c = ns_coefficients
+        X = grad.float()
+        if grad.size(0) > grad.size(1):
+            X = X.T
+        X = X / X.norm().clamp(min=eps)
+        for _ in range(ns_steps):
+            G = X @ X.T
+            X = torch.addmm(X, torch.addmm(G, G, G, beta=b, alpha=c), X, beta=a)
+        return X.T if grad.size(0) > grad.size(1) else X
+
+    monkeypatch.setattr(tm, "_zeropower_via_newtonschulz", ns_fp32)
+    assert tm._zeropower_via_newtonschulz is not original
+
+    torch.manual_seed(0)
+    ours_model = SmallTransformer()
+    torch_model = copy.deepcopy(ours_model)
+    initial = copy.deepcopy(ours_model)
+    ours = meqmuon.Muon(meqmuon.param_groups(ours_model), lr=2e-2, weight_decay=0.1, ns_dtype=torch.float32)
+    groups = meqmuon.param_groups(torch_model)
+    hidden = [p for g in groups if g["kind"] == "hidden" for p in g["params"]]
+    rest = [p for g in groups if g["kind"] != "hidden" for p in g["params"]]
+    assert all(p.ndim == 2 for p in hidden) and len(hidden) == 8
+    t_muon = torch.optim.Muon(hidden, lr=2e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    t_adamw = torch.optim.AdamW(rest, lr=2e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        ids = torch.randint(0, 40, (4, 10), generator=g)
+        for m in (ours_model, torch_model):
+            m.zero_grad()
+            loss_fn(m, ids).backward()
+        ours.step()
+        t_muon.step()
+        t_adamw.step()
+    worst = max(
+        (p - q).abs().max().item() for p, q in zip(ours_model.parameters(), torch_model.parameters(), strict=True)
+    )
+    moved = max((p - q).abs().max().item() for p, q in zip(ours_model.parameters(), initial.parameters(), strict=True))
+    assert moved > 1e-2  # the parameters really moved
+    assert worst < 2e-6
+
+
+# ---- behaviour -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["meqmuon", "meqmuon-only-hidden", "meqmuon-only-embedding", "meqmuon-only-vector"])
+def test_meqmuon_step_rms_is_rho_lr(name):
+    """Every MeqMuon-normalised kind moves by exactly rho*lr in RMS (weight decay off)."""
+    model = make_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = meqmuon.build_optimizer(name, model, lr=0.05, weight_decay=0.0, ns_dtype=torch.float64)
+    loss_fn(model, batches(1)[0]).backward()
+    opt.step()
+    meq = {k for k, r in meqmuon.rules_of(name).items() if r in ("meq_hidden", "equilibrate", "rms_normalize")}
+    checked = 0
+    for g in meqmuon.param_groups(model):
+        if g["kind"] not in meq:
+            continue
+        for n, p in zip(g["names"], g["params"], strict=True):
+            # Rows of absent tokens stay zero; columns are normalised over all rows (eq. 4 divides
+            # by sqrt(m)), so the whole-matrix RMS is still exactly 1.
+            delta = p.detach() - before[n]
+            assert delta.square().mean().sqrt().item() == pytest.approx(0.2 * 0.05, rel=1e-9), n
+            checked += 1
+    assert checked > 0
+
+
+def test_zero_gradients_and_tiny_values_are_finite():
+    model = make_model(dtype=torch.float32)
+    for name in NAMES:
+        opt = meqmuon.build_optimizer(name, model, lr=1e-2)
+        for scale in (0.0, 1e-30, 1e-12):
+            for p in model.parameters():
+                p.grad = torch.full_like(p, scale)
+            opt.step()
+        assert all(torch.isfinite(p).all() for p in model.parameters()), name
+
+
+def test_zero_rows_stay_zero_in_embedding_update():
+    model = make_model()
+    opt = meqmuon.MeqMuon(meqmuon.param_groups(model), lr=0.1, weight_decay=0.0, ns_dtype=torch.float64)
+    before = model.embed_tokens.weight.detach().clone()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    loss_fn(model, ids).backward()
+    opt.step()
+    changed = (model.embed_tokens.weight - before).abs().sum(1) > 0
+    assert changed.nonzero().flatten().tolist() == [1, 2, 3, 4]
+
+
+def test_selection_follows_geometry():
+    """A tall matrix's NS output has near-equal columns, so MeqMuon normalises rows; wide: columns."""
+    tall = nn.Parameter(torch.zeros(64, 16))
+    wide = nn.Parameter(torch.zeros(16, 64))
+    opt = meqmuon.MeqMuon([{"params": [tall, wide], "names": ["tall", "wide"], "kind": "hidden"}], lr=0.1)
+    for s in range(5):
+        g = torch.Generator().manual_seed(s)
+        tall.grad = torch.randn(64, 16, generator=g) * torch.linspace(0.1, 3, 64)[:, None]
+        wide.grad = tall.grad.T.contiguous()
+        opt.step()
+    assert opt.selection_counts() == {"tall": (5, 0), "wide": (0, 5)}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_dict_round_trip_is_bit_exact(name):
+    """k steps, save, load into a fresh optimizer and model copy, k more == 2k uninterrupted."""
+    data = batches(6, seed=11)
+
+    def run(model, opt, bs):
+        for ids in bs:
+            opt.zero_grad()
+            loss_fn(model, ids).backward()
+            opt.step()
+
+    straight = make_model(dtype=torch.float32)
+    run(straight, meqmuon.build_optimizer(name, straight, lr=1e-2), data)
+
+    first = make_model(dtype=torch.float32)
+    opt = meqmuon.build_optimizer(name, first, lr=1e-2)
+    run(first, opt, data[:3])
+    buf = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    resumed = make_model(dtype=torch.float32, seed=123)
+    resumed.load_state_dict(ckpt["model"])
+    opt2 = meqmuon.build_optimizer(name, resumed, lr=1e-2)
+    opt2.load_state_dict(ckpt["opt"])
+    run(resumed, opt2, data[3:])
+    for (n, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    if hasattr(opt2, "selection_counts") and name in ("meqmuon", "meqmuon-only-hidden"):
+        assert sum(r + c for r, c in opt2.selection_counts().values()) == 6 * 5  # 5 hidden tensors
+
+
+def test_step_makes_no_host_device_sync(monkeypatch):
+    """Any Python read of a tensor value (item, bool, float, int, tolist) inside step() fails the test."""
+    model = make_model(dtype=torch.float32)
+    opts = [meqmuon.build_optimizer(n, model, lr=1e-2) for n in OURS]
+    loss_fn(model, batches(1)[0]).backward()
+
+    def forbidden(*a, **k):
+        raise AssertionError("host-device synchronisation in step()")
+
+    for attr in ("item", "__bool__", "__float__", "__int__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, attr, forbidden)
+    for opt in opts:
+        opt.step()
+        opt.step()
+    monkeypatch.undo()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_state_dtype_follows_parameter_unless_configured():
+    model = make_model(dtype=torch.bfloat16)
+    opt = meqmuon.MeqMuon(meqmuon.param_groups(model), lr=1e-2)
+    loss_fn(model, batches(1)[0]).backward()
+    opt.step()
+    assert {s["momentum_buffer"].dtype for s in opt.state.values()} == {torch.bfloat16}
+    opt32 = meqmuon.MeqMuon(meqmuon.param_groups(model), lr=1e-2, state_dtype=torch.float32)
+    opt32.step()
+    assert {s["momentum_buffer"].dtype for s in opt32.state.values()} == {torch.float32}
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_lr_scheduler_and_compiled_model():
+    model = make_model(dtype=torch.float32)
+    opt = meqmuon.MeqMuon(meqmuon.param_groups(model), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    compiled = torch.compile(model)
+    losses = []
+    for ids in batches(4):
+        opt.zero_grad()
+        loss = loss_fn(compiled, ids)
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 / 5)
+    assert all(math.isfinite(x) for x in losses)
+
+
+def test_groups_without_kind_are_inferred_with_a_warning():
+    model = make_model(dtype=torch.float32)
+    with pytest.warns(UserWarning, match="param_groups"):
+        opt = meqmuon.MeqMuon(model.parameters(), lr=1e-2)
+    loss_fn(model, batches(1)[0]).backward()
+    opt.step()
+    st = opt.state[model.q.weight]
+    assert "rows_chosen" in st  # 2-D -> hidden rule
+    assert "rows_chosen" not in opt.state[model.norm.weight]
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lr=-1.0), "lr"),
+        (dict(momentum=1.0), "momentum"),
+        (dict(momentum=-0.1), "momentum"),
+        (dict(ns_steps=0), "ns_steps"),
+        (dict(rho=0.0), "rho"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(ns_coefficients=(1.0, 2.0)), "ns_coefficients"),
+        (dict(ns_dtype=torch.int32), "ns_dtype"),
+        (dict(nesterov="yes"), "nesterov"),
+        (dict(lr=float("nan")), "lr"),
+    ],
+)
+def test_invalid_hyperparameters_name_the_parameter(kwargs, match):
+    model = make_model(dtype=torch.float32)
+    with pytest.raises(ValueError, match=match):
+        meqmuon.MeqMuon(meqmuon.param_groups(model), **kwargs)
+
+
+def test_invalid_betas_and_beta2():
+    model = make_model(dtype=torch.float32)
+    with pytest.raises(ValueError, match="betas"):
+        meqmuon.Muon(meqmuon.param_groups(model), betas=(0.9, 1.5))
+    with pytest.raises(ValueError, match="beta2"):
+        meqmuon.NorMuon(meqmuon.param_groups(model), beta2=1.0)
+
+
+def test_bad_kinds_complex_and_sparse():
+    w = nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="kind"):
+        meqmuon.MeqMuon([{"params": [w], "kind": "bias"}])
+    with pytest.raises(ValueError, match=r"needs a >=2-D tensor"):
+        meqmuon.MeqMuon([{"params": [nn.Parameter(torch.zeros(3))], "kind": "hidden", "names": ["b"]}])
+    with pytest.raises(ValueError, match="complex"):
+        meqmuon.MeqMuon([{"params": [nn.Parameter(torch.zeros(3, 3, dtype=torch.complex64))], "kind": "hidden"}])
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = meqmuon.MeqMuon([{"params": list(emb.parameters()), "kind": "embedding", "names": ["emb.weight"]}])
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse.*emb.weight"):
+        opt.step()
+
+
+def test_build_optimizer_errors_list_valid_choices():
+    model = make_model(dtype=torch.float32)
+    with pytest.raises(ValueError, match="valid names: adamw, muon"):
+        meqmuon.build_optimizer("lion", model)
+    with pytest.raises(ValueError, match=r"unknown hyperparameter\(s\) \['betaz'\].*valid: lr"):
+        meqmuon.build_optimizer("muon", model, betaz=(0.9, 0.9))
+    opt = meqmuon.build_optimizer("adamw", model, lr=1e-3)
+    assert isinstance(opt, torch.optim.AdamW)
+    assert opt.param_groups[0]["betas"] == (0.9, 0.95) and opt.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_scale_rejects_tied_embeddings():
+    model = make_model(dtype=torch.float32, tied=True)
+    groups = meqmuon.param_groups(model)
+    assert [g["kind"] for g in groups] == ["hidden", "embedding", "vector"]
+    with pytest.raises(ValueError, match="SCALE cannot update a tied"):
+        meqmuon.Scale(groups)
+    meqmuon.MeqMuon(groups)  # fine for everyone else
+
+
+def test_optimizer_state_bytes_matches_rule_counts():
+    """Measured bytes after one step equal each rule table's count (section 4 formulas)."""
+    model = make_model(dtype=torch.float32)
+    groups = meqmuon.param_groups(model)
+    sizes = {g["kind"]: sum(p.numel() for p in g["params"]) for g in groups}
+    n_h = sizes["hidden"]
+    n_a = sum(v for k, v in sizes.items() if k != "hidden")
+    r_h = sum(p.shape[0] for g in groups if g["kind"] == "hidden" for p in g["params"])
+    n = n_h + n_a
+    expected = {
+        "meqmuon": n * 4,
+        "muon": (n_h + 2 * n_a) * 4,
+        "normuon": (n_h + 2 * n_a + r_h) * 4,
+        "adamw": 2 * n * 4,
+        "meqmuon-only-hidden": (n_h + 2 * n_a) * 4,
+        "meqmuon-only-embedding": (n_h + sizes["embedding"] + sizes["head"] + 2 * sizes["vector"]) * 4,
+        "meqmuon-only-vector": (n_h + 2 * (sizes["embedding"] + sizes["head"]) + sizes["vector"]) * 4,
+        "scale": (sizes["head"] + 2 * sizes["vector"]) * 4,
+    }
+    for name in NAMES:
+        opt = meqmuon.build_optimizer(name, model, lr=1e-3)
+        model.zero_grad()
+        loss_fn(model, batches(1)[0]).backward()
+        opt.step()
+        measured = meqmuon.optimizer_state_bytes(opt)
+        assert measured == expected[name], name
+        assert meqmuon.predicted_state_elements(meqmuon.rules_of(name), groups) * 4 == measured, name
+
+
+def test_param_groups_covers_everything_once_and_skips_frozen():
+    model = make_model(dtype=torch.float32)
+    model.norm.bias.requires_grad_(False)
+    groups = meqmuon.param_groups(model, lr={"vector": 0.5}, weight_decay=0.0)
+    names = [n for g in groups for n in g["names"]]
+    expected = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert sorted(names) == sorted(expected) and len(names) == len(set(names))
+    kinds = {n: g["kind"] for g in groups for n in g["names"]}
+    assert kinds["embed_tokens.weight"] == "embedding" and kinds["lm_head.weight"] == "head"
+    assert kinds["conv.weight"] == "hidden" and kinds["up.bias"] == "vector"
+    vec = next(g for g in groups if g["kind"] == "vector")
+    assert vec["lr"] == 0.5 and "lr" not in groups[0]
+    table = meqmuon.describe_groups(groups)
+    assert "| embedding | 1 |" in table and "lm_head.weight" in table
+
+
+def test_capture_hook_sees_pre_ns_inputs_and_is_off_by_default():
+    model = make_model()
+    opt = meqmuon.MeqMuon(meqmuon.param_groups(model), lr=1e-2, ns_dtype=torch.float64)
+    seen = {}
+    opt.set_capture_hook(lambda name, kind, what, x: seen.__setitem__(name, (kind, what, x.clone())))
+    loss_fn(model, batches(1)[0]).backward()
+    grad_q = model.q.weight.grad.clone()
+    opt.step()
+    assert set(seen) == {n for n, _ in model.named_parameters()}
+    kind, what, x = seen["q.weight"]
+    # first step: B = G, Nesterov input G + mu*B = (1 + mu) G
+    assert (kind, what) == ("hidden", "momentum_input") and torch.allclose(x, 1.95 * grad_q)
+    assert seen["lm_head.weight"][0] == "head"
+    opt.set_capture_hook(None)
+    seen.clear()
+    opt.step()
+    assert seen == {}
+    muon = meqmuon.Muon(meqmuon.param_groups(model), lr=1e-2)
+    muon.set_capture_hook(lambda name, kind, what, x: seen.__setitem__(name, what))
+    muon.step()
+    assert seen["embed_tokens.weight"] == "gradient" and seen["q.weight"] == "momentum_input"
