@@ -56,8 +56,17 @@ def tiny_lm_factory(
     return make_model, loss_fn
 
 
+def _normalise_row(row: dict[str, Any]) -> dict[str, Any]:
+    out = dict(row)
+    out.setdefault("val_ppl", row.get("perplexity"))
+    out.setdefault("optimizer_state_mib", row.get("optimizer state (MiB)"))
+    return out
+
+
 def ablation_table(summaries: Sequence[dict[str, Any]]) -> str:
     """Table 7 layout: variant, final validation PPL and measured optimizer-state memory (MiB); best PPL bold."""
+    # Accepts loop summaries (val_ppl, optimizer_state_mib) and run_compare rows (perplexity, ...).
+    summaries = [_normalise_row(s) for s in summaries]
     ppls = [s.get("val_ppl") for s in summaries if s.get("val_ppl") is not None]
     best = min(ppls) if ppls else None
     body = []
@@ -73,21 +82,20 @@ def ablation_table(summaries: Sequence[dict[str, Any]]) -> str:
                 str(s.get("lr", "")),
                 text,
                 "--" if mib is None else f"{mib:.3f}",
-                str(s.get("steps", "")),
             ]
         )
-    return markdown_table(["Variant", "lr", "Val PPL (↓)", "State memory (MiB, ↓)", "steps"], body, "lrrrr")
+    return markdown_table(["Variant", "lr", "Val PPL (↓)", "State memory (MiB, ↓)"], body, "lrrr")
 
 
 def run_ablation(
     *,
     model: str = "llama-tiny",
-    steps: int = 300,
+    steps: int = 150,
     lr: float | None = None,
     out_dir: Path = Path("runs/ablation"),
     optimizers: Sequence[str] = ABLATION_OPTIMIZERS,
     seq_len: int = 128,
-    batch: int = 16,
+    batch: int = 8,
     seed: int = 0,
     extra: Sequence[str] = (),
 ) -> str:
@@ -102,7 +110,7 @@ def run_ablation(
         seq_len, batch, seed: sequence length, global batch (sequences) and seed of every run.
         extra: further ``KEY=VALUE`` TrainConfig fields (values parsed as Python literals).
     """
-    from meqmuon.train.compare import run_compare
+    from meqmuon.train.compare import demo_config, run_compare
     from meqmuon.train.config import TrainConfig, parse_optimizer_args
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -110,8 +118,12 @@ def run_ablation(
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ValueError(f"unknown TrainConfig field(s) {unknown}; valid: {', '.join(sorted(fields))}")
-    base = TrainConfig(model=model, steps=steps, seq_len=seq_len, global_batch=batch, seed=seed, **overrides)
-    summaries = run_compare(list(optimizers), [lr] if lr is not None else None, base, Path(out_dir))
+    # The harness's CPU demo setting (built-in corpus, evaluation every 25 steps), resized as asked.
+    base = demo_config(
+        **{"model": model, "steps": steps, "seq_len": seq_len, "global_batch": batch, "seed": seed, **overrides}
+    )
+    lrs = {o: lr for o in optimizers} if lr is not None else {}  # else: run_compare's DEMO_LRS
+    summaries = run_compare(list(optimizers), lrs, base, Path(out_dir))
     order = {o: i for i, o in enumerate(optimizers)}
     summaries = sorted(summaries, key=lambda s: order.get(s.get("optimizer"), len(order)))
     return "\n".join(

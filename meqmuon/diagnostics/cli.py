@@ -261,11 +261,11 @@ def register(subparsers: Any) -> None:
 
     a = subparsers.add_parser("ablation", help="Muon vs single-component variants vs MeqMuon (Table 7)")
     a.add_argument("--model", default="llama-tiny")
-    a.add_argument("--steps", type=int, default=300)
+    a.add_argument("--steps", type=int, default=150)
     a.add_argument("--lr", type=float, default=None, help="one lr for every variant (default: the harness default)")
     a.add_argument("--optimizers", type=_names, default=list(ABLATION_OPTIMIZERS))
     a.add_argument("--seq-len", type=int, default=128)
-    a.add_argument("--batch", type=int, default=16, help="global batch in sequences")
+    a.add_argument("--batch", type=int, default=8, help="global batch in sequences")
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--set", action="append", metavar="KEY=VALUE", help="extra TrainConfig field (repeatable)")
     a.add_argument("--out", default="runs/ablation")
