@@ -36,6 +36,8 @@ __all__ = [
     "memory_table",
     "measure_state_bytes",
     "measure_table",
+    "label",
+    "relative_saving",
 ]
 
 #: Rows of the memory table: the five optimizers of Table 5 (plus AdamW, SCALE) and Table 7's ablations.
