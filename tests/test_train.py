@@ -75,10 +75,11 @@ def test_warmup_cosine_schedule_multiplies_each_group_lr():
 
 def test_resolve_config_derives_budget_and_rejects_indivisible_batch():
     cfg = resolve_config(TrainConfig(model="llama-tiny", optimizer="adamw"), unique_params=1000, world_size=1)
-    assert cfg.lr == 1e-3 and cfg.micro_batch == 512
+    assert cfg.lr == 1e-3 and cfg.micro_batch == 32  # automatic: largest divisor of 512 up to 32
     assert cfg.steps == math.ceil(20_000 / (512 * 1024)) and cfg.tokens == cfg.steps * 512 * 1024
     cfg = resolve_config(TrainConfig(global_batch=8, seq_len=4, tokens=100), unique_params=1, world_size=2)
     assert cfg.micro_batch == 4 and cfg.steps == 4  # ceil(100 / 32)
+    assert resolve_config(TrainConfig(global_batch=96), unique_params=1, world_size=2).micro_batch == 24
     with pytest.raises(ValueError, match="not divisible"):
         resolve_config(TrainConfig(global_batch=8, micro_batch=3), unique_params=1, world_size=1)
     with pytest.raises(ValueError, match="not divisible"):

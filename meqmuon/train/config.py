@@ -48,6 +48,9 @@ DEFAULT_LRS: dict[str, float] = {
     "meqmuon-only-vector": 2e-3,
 }
 
+#: Upper bound of the automatic micro-batch (sequences per forward pass per rank).
+MAX_AUTO_MICRO_BATCH = 32
+
 #: Keys that define the trajectory of a run: a checkpoint can only be resumed with the same values.
 #: Everything else (logging, saving, stopping, micro-batch, compile, device) may change on resume.
 IDENTITY_KEYS = (
@@ -79,7 +82,7 @@ class TrainConfig:
     steps: int | None = None  # optimizer updates; derived from tokens when None
     seq_len: int = 1024
     global_batch: int = 512  # sequences per update, over all ranks and micro-batches
-    micro_batch: int | None = None  # sequences per forward pass per rank; None -> no accumulation
+    micro_batch: int | None = None  # sequences per forward pass per rank; None -> see resolve_config
     # schedule and regularisation
     warmup_ratio: float = 0.05
     min_lr_ratio: float = 0.0
@@ -231,6 +234,9 @@ def validate_config(cfg: TrainConfig) -> None:
 def resolve_config(cfg: TrainConfig, *, unique_params: int, world_size: int) -> TrainConfig:
     """Fill the derived fields; returns a new config. Needs the model's unique parameter count.
 
+    ``micro_batch`` defaults to the largest divisor of ``global_batch / world_size`` that is at most
+    :data:`MAX_AUTO_MICRO_BATCH`; accumulation is ``global_batch / (world_size x micro_batch)``.
+
     Raises ``ValueError`` for an indivisible batch: ``global_batch`` must equal
     ``world_size x micro_batch x accumulation`` for a whole number of accumulation steps.
     """
@@ -243,7 +249,9 @@ def resolve_config(cfg: TrainConfig, *, unique_params: int, world_size: int) -> 
         raise ValueError(f"global batch {c.global_batch} is not divisible by the world size {world_size}")
     per_rank = c.global_batch // world_size
     if c.micro_batch is None:
-        c.micro_batch = per_rank
+        # Largest divisor of the per-rank batch up to MAX_AUTO_MICRO_BATCH: the paper's 512 x 1024 on one
+        # GPU would otherwise be a single 512-sequence forward pass (hundreds of GB of logits).
+        c.micro_batch = max(d for d in range(1, min(per_rank, MAX_AUTO_MICRO_BATCH) + 1) if per_rank % d == 0)
     if per_rank % c.micro_batch:
         raise ValueError(f"global batch {c.global_batch} is not divisible by world size {world_size} x micro "
                          f"batch {c.micro_batch}")
