@@ -1,0 +1,267 @@
+"""The ``meqmuon`` command: ``train | compare | sweep | plot`` (+ ``memory | diagnose | ablation``).
+
+``python -m meqmuon ...`` is the same command. Every run flag maps to a :class:`TrainConfig` field
+(``--global-batch`` -> ``global_batch``); flags that are not given keep the config's default, or,
+when resuming, the value stored in the run's ``config.json``. Errors are one line on stderr,
+``meqmuon: error: ...``, with exit status 1 (2 for command-line syntax, from argparse). Set
+``MEQMUON_DEBUG=1`` to get the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["build_parser", "main", "parse_count"]
+
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str) -> int:
+    """``"1.16B"`` -> 1160000000, ``"500k"``, ``"2e6"``, ``"1000"``; for ``--tokens``."""
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMbBgGtT]?)\s*", text)
+    try:
+        value = float(m.group(1)) * _SUFFIX.get(m.group(2).lower(), 1) if m else float("nan")
+    except ValueError:
+        value = float("nan")
+    if value != value:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (e.g. 1000, 2e6, 500M, 1.16B)")
+    return int(round(value))
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _add_run_args(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
+    """Flags shared by train/compare/sweep. Defaults are SUPPRESSed so that only given flags override."""
+    S = argparse.SUPPRESS
+    g = p.add_argument_group("run")
+    g.add_argument("--config", metavar="FILE", default=S, help="JSON config (e.g. a run's config.json); flags override")
+    g.add_argument("--model", default=S, help="registry name (llama-60m ... qwen2-0.5b, llama-tiny, ...)")
+    if not compare:
+        g.add_argument("--optimizer", default=S, help="adamw, muon, normuon, scale, meqmuon, meqmuon-only-*")
+        g.add_argument("--lr", type=float, default=S, help="peak learning rate (default: per optimizer)")
+    g.add_argument("--weight-decay", type=float, default=S, help="decoupled weight decay (0.1)")
+    g.add_argument("--optimizer-arg", action="append", metavar="KEY=VALUE", default=S,
+                   help="extra optimizer keyword, validated by build_optimizer (repeatable)")
+    g.add_argument("--data", default=S, help="builtin (offline), c4 (streamed), or a .jsonl/.txt file or directory")
+    g.add_argument("--tokenizer", default=S, help="HF tokenizer id; default: the model's own for c4, else built-in BPE")
+    g.add_argument("--vocab-size", type=int, default=S, help="built-in BPE vocabulary (4096)")
+    g.add_argument("--val-tokens", type=parse_count, default=S, help="validation targets (1M; fewer if less text)")
+    g.add_argument("--cache-dir", default=S, help="data cache (default $MEQMUON_CACHE or ~/.cache/meqmuon)")
+    g.add_argument("--tokens", type=parse_count, default=S, help="training tokens (default 20 x unique params)")
+    g.add_argument("--steps", type=int, default=S, help="optimizer updates (overrides --tokens)")
+    g.add_argument("--seq-len", type=int, default=S, help="tokens per sequence (1024)")
+    g.add_argument("--global-batch", type=int, default=S, help="sequences per update over all ranks (512)")
+    g.add_argument("--micro-batch", type=int, default=S, help="sequences per forward per rank (default: all)")
+    g.add_argument("--warmup-ratio", type=float, default=S, help="linear warmup share of updates (0.05)")
+    g.add_argument("--min-lr-ratio", type=float, default=S, help="cosine decays to this fraction of the lr (0)")
+    g.add_argument("--clip", type=float, default=S, help="clip the global grad norm to this value (default: off)")
+    g.add_argument("--seed", type=int, default=S, help="init, data order and RNG seed (0)")
+    g.add_argument("--precision", choices=["bf16", "fp32"], default=S, help="bf16 autocast (default) or fp32")
+    g.add_argument("--device", default=S, help="auto (cuda:LOCAL_RANK if available), cpu, cuda:0, ...")
+    g.add_argument("--compile", action="store_true", default=S, help="torch.compile the model")
+    g.add_argument("--out", default=S, help="run directory" + (" for all runs" if compare else ""))
+    g.add_argument("--eval-every", type=int, default=S, help="evaluate every N updates (default ~20 per run)")
+    g.add_argument("--save-every", type=int, default=S, help="checkpoint every N updates (default ~10 per run)")
+    g.add_argument("--keep-checkpoints", type=int, default=S, help="checkpoints kept per run (2)")
+    g.add_argument("--quiet", action="store_true", default=S, help="no progress bar or log lines")
+    g.add_argument("--tensorboard", action="store_true", default=S, help="also log to <run>/tensorboard")
+    if not compare:
+        g.add_argument("--stop-at-step", type=int, default=S, help="save and exit after this update")
+        g.add_argument("--resume", default=S, metavar="auto|PATH", help="continue the latest checkpoint of the run")
+        g.add_argument("--capture-steps", default=S, help="comma-separated updates to capture optimizer inputs at")
+        g.add_argument("--capture-layers", default=S, help="comma-separated layer indices to capture (default all)")
+
+
+_NOT_CONFIG = {"command", "func", "config", "optimizers", "lr_overrides", "lrs", "seeds", "files", "metric", "title"}
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    from meqmuon.train.config import parse_int_list, parse_optimizer_args
+
+    d = {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}
+    if "optimizer_arg" in d:
+        d["optimizer_args"] = parse_optimizer_args(d.pop("optimizer_arg"))
+    for key in ("capture_steps", "capture_layers"):
+        if key in d:
+            d[key] = parse_int_list(d[key], "--" + key.replace("_", "-"))
+    return d
+
+
+def _base_dict(args: argparse.Namespace) -> dict[str, Any]:
+    from meqmuon.train.config import load_config_file
+
+    return load_config_file(args.config) if "config" in args else {}
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from meqmuon.train.config import config_from_dict, load_config_file
+    from meqmuon.train.loop import run_dir_of, train
+
+    over = _overrides(args)
+    d = {**_base_dict(args), **over}
+    if d.get("resume"):
+        # Resuming: start from the run's own resolved config so a bare `--resume auto --out DIR` suffices.
+        run_dir = run_dir_of(config_from_dict(d))
+        saved_path = run_dir / "config.json"
+        if saved_path.is_file():
+            saved = load_config_file(saved_path)
+            for per_invocation in ("stop_at_step", "resume", "quiet", "out"):
+                saved.pop(per_invocation, None)
+            d = {**saved, **_base_dict(args), **over}
+    summary = train(config_from_dict(d))
+    if summary.get("finished"):
+        keys = ("val_loss", "val_ppl", "val_bpb", "tokens", "tokens_per_s", "optimizer_state_mib", "run_dir")
+        print(json.dumps({k: summary[k] for k in keys}))
+    return 0
+
+
+def _compare_lrs(items: list[str] | None) -> dict[str, float]:
+    out = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        try:
+            lr = float(value)
+        except ValueError:
+            lr = float("nan")
+        if not sep or not name or not lr > 0 or lr == float("inf"):
+            raise ValueError(f"--lr expects NAME=VALUE with a positive VALUE, got {item!r}")
+        out[name.strip().lower()] = lr
+    return out
+
+
+def _check_optimizers(names: list[str]) -> list[str]:
+    from meqmuon import OPTIMIZERS
+
+    names = [n.lower() for n in names]
+    bad = [n for n in names if n not in OPTIMIZERS]
+    if bad:
+        raise ValueError(f"unknown optimizer(s) {bad}; valid optimizers: {', '.join(OPTIMIZERS)}")
+    return names
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from meqmuon.train.compare import DEMO_OPTIMIZERS, demo_config, run_compare
+    from meqmuon.train.config import config_from_dict, config_to_dict, validate_config
+
+    optimizers = _check_optimizers(_csv(args.optimizers) if args.optimizers else list(DEMO_OPTIMIZERS))
+    lrs = _compare_lrs(args.lr_overrides)
+    over = _overrides(args)
+    out = Path(over.pop("out", "runs/compare"))
+    base = config_from_dict({**config_to_dict(demo_config()), **_base_dict(args), **over})
+    validate_config(base)  # fail before the first run, not after it
+    rows = run_compare(optimizers, lrs, base, out)
+    from meqmuon.train.compare import format_table
+
+    print(format_table(rows))
+    print(f"\n(table: {out / 'table.md'}, plot: {out / 'val_ppl.png'})")
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from meqmuon.train.compare import demo_config, format_sweep_table, run_sweep
+    from meqmuon.train.config import config_from_dict, config_to_dict, validate_config
+
+    optimizers = _check_optimizers(_csv(args.optimizers))
+    try:
+        lrs = [float(x) for x in _csv(args.lrs)]
+        seeds = [int(x) for x in _csv(args.seeds)]
+    except ValueError as e:
+        raise ValueError(f"--lrs/--seeds: {e}") from None
+    over = _overrides(args)
+    out = Path(over.pop("out", "runs/sweep"))
+    base = config_from_dict({**config_to_dict(demo_config()), **_base_dict(args), **over})
+    validate_config(base)
+    rows = run_sweep(optimizers, lrs, seeds, base, out)
+    print(format_sweep_table(rows))
+    print(f"\n(table: {out / 'sweep.md'})")
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from meqmuon.train.plot import plot_runs
+
+    path = plot_runs(args.files, args.out, metric=args.metric, title=args.title)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``meqmuon`` (diagnostics subcommands added when that package is present)."""
+    parser = argparse.ArgumentParser(prog="meqmuon", description="MeqMuon pretraining harness")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("train", help="train one model with one optimizer",
+                       description="Train one run. Example: meqmuon train --model llama-60m --optimizer meqmuon "
+                                   "--lr 2e-3 --data c4")
+    _add_run_args(p)
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("compare", help="offline demo: the same tiny run with several optimizers",
+                       description="Same model, initial weights, data order and validation set for every optimizer; "
+                                   "prints and saves a markdown table and a perplexity plot.")
+    p.add_argument("--optimizers", default=None, help="comma-separated (default adamw,muon,normuon,meqmuon)")
+    p.add_argument("--lr", dest="lr_overrides", action="append", metavar="NAME=VALUE", default=None,
+                   help="per-optimizer lr override, e.g. --lr meqmuon=2e-2 (repeatable)")
+    _add_run_args(p, compare=True)
+    p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("sweep", help="grid over optimizers x learning rates x seeds")
+    p.add_argument("--optimizers", required=True, help="comma-separated optimizer names")
+    p.add_argument("--lrs", required=True, help="comma-separated learning rates")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (0)")
+    _add_run_args(p, compare=True)
+    p.set_defaults(func=_cmd_sweep)
+
+    p = sub.add_parser("plot", help="plot metrics.jsonl files against tokens")
+    p.add_argument("files", nargs="+", help="metrics.jsonl files or run directories")
+    p.add_argument("--out", default="plot.png", help="PNG path (plot.png)")
+    p.add_argument("--metric", default="val_ppl", help="val_ppl (default), val_loss, val_bpb or loss (train)")
+    p.add_argument("--title", default=None)
+    p.set_defaults(func=_cmd_plot)
+
+    try:
+        from meqmuon.diagnostics import cli as diagnostics_cli
+    except ModuleNotFoundError as e:
+        if e.name not in ("meqmuon.diagnostics", "meqmuon.diagnostics.cli"):
+            raise
+    else:
+        diagnostics_cli.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``meqmuon``; returns the exit status (argparse errors raise ``SystemExit(2)``)."""
+    from meqmuon.train.checkpoint import CheckpointError
+    from meqmuon.train.loop import TrainingDiverged
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, TypeError, CheckpointError, TrainingDiverged, RuntimeError, OSError) as e:
+        if os.environ.get("MEQMUON_DEBUG"):
+            raise
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"meqmuon: error: {msg}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("meqmuon: interrupted", file=sys.stderr)
+        return 130
+
+
+def _entry() -> None:  # pragma: no cover - exercised through subprocesses
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # gloo processes sometimes abort in their atexit handlers after finishing; leave at once.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -1,0 +1,1 @@
+"""Pretraining harness for the MeqMuon experiments: model registry, data pipeline, training loop."""

@@ -1,0 +1,137 @@
+"""Complete, atomic, ``weights_only``-loadable checkpoints (design notes, convention 8).
+
+A checkpoint holds everything the next update depends on: model weights, optimizer state,
+LR-scheduler state, the train stream's position, the RNG states of torch (CPU and CUDA), Python and
+NumPy, the step/token counters and the resolved config. It is written to a temporary file and
+renamed with ``os.replace`` (atomic on POSIX), so a crash while saving never leaves a half-written
+``step_*.pt``; older checkpoints are pruned only after the new one is in place.
+
+It is loaded with ``torch.load(weights_only=True)``, which only unpickles tensors, primitives,
+dicts/lists/tuples and a few torch types; therefore the RNG states are stored as tensors and
+primitives (Python's ``random`` state is a tuple of ints; NumPy's a uint32 array). ``torch.dtype``
+values in optimizer param groups (``ns_dtype``) are on the ``weights_only`` allow-list
+(``tests/test_train.py`` checks the round trip).
+
+Layout: ``<run>/checkpoints/step_0000123.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "CheckpointError",
+    "FORMAT",
+    "checkpoint_dir",
+    "checkpoint_path",
+    "list_checkpoints",
+    "latest_checkpoint",
+    "find_checkpoint",
+    "save_checkpoint",
+    "load_checkpoint",
+    "rng_state",
+    "set_rng_state",
+]
+
+FORMAT = "meqmuon-checkpoint-v1"
+_NAME = re.compile(r"^step_(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read or does not belong to this run."""
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    return checkpoint_dir(run_dir) / f"step_{step:07d}.pt"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every checkpoint of a run, oldest first."""
+    d = checkpoint_dir(run_dir)
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name))]
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1][1] if ckpts else None
+
+
+def find_checkpoint(resume: str, run_dir: str | Path) -> Path | None:
+    """The checkpoint ``--resume`` names: ``auto`` -> latest in ``run_dir`` (None if there is none),
+    a run directory -> its latest (an error if it has none), a file -> that file."""
+    if resume == "auto":
+        return latest_checkpoint(run_dir)
+    p = Path(resume)
+    if p.is_dir():
+        latest = latest_checkpoint(p)
+        if latest is None:
+            raise CheckpointError(f"no checkpoints in run directory {p}")
+        return latest
+    if not p.is_file():
+        raise CheckpointError(f"checkpoint does not exist: {p}")
+    return p
+
+
+def rng_state() -> dict[str, Any]:
+    """RNG states of torch (CPU, every CUDA device), Python and NumPy, as tensors and primitives."""
+    version, internal, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+        "numpy": {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                  "has_gauss": int(np_has_gauss), "gauss": float(np_gauss)},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of :func:`rng_state`."""
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: str | Path, step: int, payload: dict[str, Any], keep: int = 2) -> Path:
+    """Write ``payload`` (plus the format tag and step) atomically; keep the newest ``keep`` files."""
+    path = checkpoint_path(run_dir, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save({"format": FORMAT, "step": step, **payload}, tmp)
+    os.replace(tmp, path)
+    for _, old in list_checkpoints(run_dir)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Load a checkpoint with ``weights_only=True``; unreadable or foreign files raise ``CheckpointError``."""
+    p = Path(path)
+    try:
+        ckpt = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, bad pickle, not a torch file: all mean "corrupt"
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot read checkpoint {p} (corrupt or not a meqmuon checkpoint): {msg}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise CheckpointError(f"{p} is not a {FORMAT} checkpoint")
+    return ckpt

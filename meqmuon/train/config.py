@@ -1,0 +1,270 @@
+"""Typed run configuration of the training harness (``TrainConfig``) and its resolution rules.
+
+Every field has a default; ``resolve_config`` fills the derived ones (lr from the optimizer, run
+length from the token budget, evaluation interval, output directory) so that the JSON written into
+each run directory states every value the run used (design notes, convention 6).
+
+Defaults follow the paper's setup (section 4): global batch 512 x 1024 tokens, 20 tokens per unique
+parameter, 5 % linear warmup then cosine decay to zero, weight decay 0.1, no gradient clipping, bf16
+autocast with fp32 master weights.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TrainConfig",
+    "DEFAULT_LRS",
+    "IDENTITY_KEYS",
+    "config_from_dict",
+    "config_to_dict",
+    "load_config_file",
+    "parse_optimizer_args",
+    "parse_int_list",
+    "resolve_config",
+    "validate_config",
+    "optimizer_kwargs",
+]
+
+#: Learning rate used when ``--lr`` is not given. MeqMuon: the paper's 2e-3 (Llama-60M, section 4);
+#: the Muon-family baselines share it; AdamW 1e-3 (GaLore's Llama-60M/130M setting).
+DEFAULT_LRS: dict[str, float] = {
+    "adamw": 1e-3,
+    "muon": 2e-3,
+    "normuon": 2e-3,
+    "scale": 2e-3,
+    "meqmuon": 2e-3,
+    "meqmuon-only-hidden": 2e-3,
+    "meqmuon-only-embedding": 2e-3,
+    "meqmuon-only-vector": 2e-3,
+}
+
+#: Upper bound of the automatic micro-batch (sequences per forward pass per rank).
+MAX_AUTO_MICRO_BATCH = 32
+
+#: Keys that define the trajectory of a run: a checkpoint can only be resumed with the same values.
+#: Everything else (logging, saving, stopping, micro-batch, compile, device) may change on resume.
+IDENTITY_KEYS = (
+    "model", "optimizer", "lr", "weight_decay", "optimizer_args", "data", "tokenizer", "vocab_size",
+    "val_fraction", "seq_len", "global_batch", "steps", "warmup_ratio", "min_lr_ratio", "clip", "seed",
+    "precision",
+)
+
+
+@dataclass
+class TrainConfig:
+    """One training run. ``None`` means "derive it" (see :func:`resolve_config`)."""
+
+    # what to train
+    model: str = "llama-tiny"
+    optimizer: str = "meqmuon"
+    lr: float | None = None  # None -> DEFAULT_LRS[optimizer]
+    weight_decay: float = 0.1
+    optimizer_args: dict[str, Any] = field(default_factory=dict)  # passthrough to build_optimizer
+    # data
+    data: str = "builtin"  # "builtin", "c4" or a path (file or directory)
+    tokenizer: str | None = None  # HF hub id; None -> the model's own for c4, the built-in BPE otherwise
+    vocab_size: int = 4096  # built-in BPE vocabulary (ignored with a hub tokenizer)
+    val_fraction: float = 0.05
+    val_tokens: int = 1_000_000  # validation targets wanted (fewer if the held-out text is shorter)
+    cache_dir: str | None = None  # None -> $MEQMUON_CACHE or ~/.cache/meqmuon
+    # run length and batch
+    tokens: int | None = None  # None -> 20 x unique parameters (when steps is None too)
+    steps: int | None = None  # optimizer updates; derived from tokens when None
+    seq_len: int = 1024
+    global_batch: int = 512  # sequences per update, over all ranks and micro-batches
+    micro_batch: int | None = None  # sequences per forward pass per rank; None -> see resolve_config
+    # schedule and regularisation
+    warmup_ratio: float = 0.05
+    min_lr_ratio: float = 0.0
+    clip: float | None = None  # max global grad norm; None -> no clipping (the paper's setting)
+    seed: int = 0
+    # numerics and hardware
+    precision: str = "bf16"  # "bf16" (autocast, fp32 master weights) or "fp32"
+    device: str = "auto"  # "auto" -> cuda:LOCAL_RANK if available, else cpu
+    compile: bool = False
+    # evaluation, checkpoints, logging
+    out: str | None = None  # None -> runs/<model>-<optimizer>-lr<lr>-s<seed>
+    eval_every: int | None = None  # None -> about 20 evaluations per run
+    save_every: int | None = None  # None -> about 10 checkpoints per run (also at the end and on stop)
+    keep_checkpoints: int = 2
+    stop_at_step: int | None = None  # save and exit cleanly after this step
+    resume: str | None = None  # "auto" or a checkpoint path / run directory
+    capture_steps: list[int] | None = None
+    capture_layers: list[int] | None = None
+    quiet: bool = False
+    tensorboard: bool = False
+
+
+def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """JSON-ready dict of every field."""
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(d: dict[str, Any]) -> TrainConfig:
+    """Build a config from a dict; unknown keys are an error that lists the valid ones."""
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    unknown = sorted(set(d) - set(names))
+    if unknown:
+        raise ValueError(f"unknown config key(s) {unknown}; valid keys: {', '.join(names)}")
+    return TrainConfig(**d)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a JSON config file (e.g. a run's ``config.json``) as a dict, checking its keys."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"config file does not exist: {p}")
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config file {p} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"config file {p} must hold a JSON object")
+    config_from_dict(d)  # key check
+    return d
+
+
+def _literal(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text  # plain strings such as ns_dtype=float32
+
+
+def parse_optimizer_args(items: list[str] | None) -> dict[str, Any]:
+    """``["momentum=0.9", "nesterov=False"]`` -> ``{"momentum": 0.9, "nesterov": False}``."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--optimizer-arg expects key=value, got {item!r}")
+        out[key.strip()] = _literal(value.strip())
+    return out
+
+
+def parse_int_list(text: str | None, what: str) -> list[int] | None:
+    """``"10,20"`` -> ``[10, 20]``."""
+    if text is None or text == "":
+        return None
+    try:
+        return [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} expects comma-separated integers, got {text!r}") from None
+
+
+def _dtype(value: Any) -> Any:
+    # dtypes travel through JSON and the command line as names ("bfloat16"); the optimizer wants torch.dtype.
+    if isinstance(value, str):
+        dt = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(dt, torch.dtype):
+            return dt
+        raise ValueError(f"unknown dtype {value!r}")
+    return value
+
+
+def optimizer_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+    """Keyword arguments for :func:`meqmuon.build_optimizer` (lr, weight decay, passthrough args)."""
+    extra = {k: (_dtype(v) if k.endswith("dtype") and v is not None else v) for k, v in cfg.optimizer_args.items()}
+    if "betas" in extra or "ns_coefficients" in extra:
+        for key in ("betas", "ns_coefficients"):
+            if key in extra:
+                extra[key] = tuple(extra[key])
+    return {"lr": cfg.lr, "weight_decay": cfg.weight_decay, **extra}
+
+
+def _positive(name: str, value: Any, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+def validate_config(cfg: TrainConfig) -> None:
+    """Cheap checks that need no data or model: names, signs, options. Raises ``ValueError``."""
+    from meqmuon import OPTIMIZERS, valid_hyperparameters
+    from meqmuon.train.models import MODELS
+
+    if cfg.model not in MODELS:
+        raise ValueError(f"unknown model {cfg.model!r}; valid models: {', '.join(MODELS)}")
+    if cfg.optimizer.lower() not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {cfg.optimizer!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
+    cfg.optimizer = cfg.optimizer.lower()
+    valid = valid_hyperparameters(cfg.optimizer)
+    unknown = sorted(set(cfg.optimizer_args) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown optimizer argument(s) {unknown} for {cfg.optimizer}; valid: {', '.join(valid)}")
+    for key in ("lr", "weight_decay"):
+        if key in cfg.optimizer_args:
+            raise ValueError(f"set {key} with --{key.replace('_', '-')}, not --optimizer-arg")
+    _positive("lr", cfg.lr)
+    for name in ("tokens", "steps", "seq_len", "global_batch", "micro_batch", "eval_every", "save_every",
+                 "val_tokens", "keep_checkpoints", "stop_at_step"):
+        value = getattr(cfg, name)
+        _positive(name, value)
+        if value is not None and not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    if cfg.weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {cfg.weight_decay}")
+    if not 0 <= cfg.warmup_ratio < 1:
+        raise ValueError(f"warmup_ratio must be in [0, 1), got {cfg.warmup_ratio}")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    _positive("clip", cfg.clip)
+    if cfg.precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision must be 'bf16' or 'fp32', got {cfg.precision!r}")
+    if cfg.resume is not None and cfg.resume != "auto" and not Path(cfg.resume).exists():
+        raise ValueError(f"--resume path does not exist: {cfg.resume}")
+    if cfg.capture_layers is not None and not cfg.capture_steps:
+        raise ValueError("--capture-layers needs --capture-steps")
+    for s in cfg.capture_steps or []:
+        if s <= 0:
+            raise ValueError(f"capture steps are 1-based update indices, got {s}")
+
+
+def resolve_config(cfg: TrainConfig, *, unique_params: int, world_size: int) -> TrainConfig:
+    """Fill the derived fields; returns a new config. Needs the model's unique parameter count.
+
+    ``micro_batch`` defaults to the largest divisor of ``global_batch / world_size`` that is at most
+    :data:`MAX_AUTO_MICRO_BATCH`; accumulation is ``global_batch / (world_size x micro_batch)``.
+
+    Raises ``ValueError`` for an indivisible batch: ``global_batch`` must equal
+    ``world_size x micro_batch x accumulation`` for a whole number of accumulation steps.
+    """
+    from meqmuon.train.models import TOKENS_PER_PARAM
+
+    c = dataclasses.replace(cfg, optimizer_args=dict(cfg.optimizer_args))
+    if c.lr is None:
+        c.lr = DEFAULT_LRS[c.optimizer]
+    if c.global_batch % world_size:
+        raise ValueError(f"global batch {c.global_batch} is not divisible by the world size {world_size}")
+    per_rank = c.global_batch // world_size
+    if c.micro_batch is None:
+        # Largest divisor of the per-rank batch up to MAX_AUTO_MICRO_BATCH: the paper's 512 x 1024 on one
+        # GPU would otherwise be a single 512-sequence forward pass (hundreds of GB of logits).
+        c.micro_batch = max(d for d in range(1, min(per_rank, MAX_AUTO_MICRO_BATCH) + 1) if per_rank % d == 0)
+    if per_rank % c.micro_batch:
+        raise ValueError(f"global batch {c.global_batch} is not divisible by world size {world_size} x micro "
+                         f"batch {c.micro_batch}")
+    tokens_per_step = c.global_batch * c.seq_len
+    if c.steps is None:
+        if c.tokens is None:
+            c.tokens = TOKENS_PER_PARAM * unique_params
+        c.steps = max(1, math.ceil(c.tokens / tokens_per_step))
+    c.tokens = c.steps * tokens_per_step  # the budget actually trained
+    if c.eval_every is None:
+        c.eval_every = max(1, c.steps // 20)
+    if c.save_every is None:
+        c.save_every = max(1, c.steps // 10)
+    if c.out is None:
+        c.out = f"runs/{c.model}-{c.optimizer}-lr{c.lr:g}-s{c.seed}"
+    return c

@@ -1,0 +1,353 @@
+"""Document sources: the built-in offline corpus, local text/JSON shards, and English C4 (streamed).
+
+Built-in corpus
+    Text every CPython installation carries: the values of ``pydoc_data.topics.topics`` (the
+    language-reference sections ``help()`` shows, sorted by key) followed by the docstrings of a fixed,
+    sorted list of standard-library modules (:data:`STDLIB_MODULES`), their public classes and
+    functions, and the public methods of those classes. One docstring is one document, prefixed by
+    the object's qualified name. Docstrings are normalised with ``inspect.cleandoc``, documents shorter
+    than :data:`MIN_DOC_CHARS` characters are dropped, duplicates are dropped (first occurrence
+    wins) and documents whose text contains a memory address (``at 0x``) are dropped so that
+    nothing depends on the process. Modules that fail to import are skipped. Everything is sorted,
+    so the corpus is identical across runs of the same Python build; the Python version is part of
+    every cache key (:func:`builtin_corpus_key`).
+
+Train/validation split
+    Deterministic at the document level: a document goes to validation when the first 8 bytes of
+    the SHA-256 of its UTF-8 text, read as an integer, modulo 10000 fall below
+    ``val_fraction * 10000`` (5 % by default). It depends on the text alone, never on order or on
+    Python's salted ``hash``.
+
+Local files (``--data PATH...``)
+    ``*.jsonl`` / ``*.json`` and their ``.gz`` versions hold one JSON object per line with a
+    ``"text"`` field (the C4 shard format); ``*.txt`` (or ``.txt.gz``) files are split into
+    documents on blank lines (one or more empty lines end a document), which also covers
+    one-document-per-file. Directories are expanded recursively in sorted order.
+
+C4
+    ``datasets.load_dataset("allenai/c4", "en", split=..., streaming=True)``; see
+    :func:`c4_documents`. Needs network access to the Hugging Face hub.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib
+import inspect
+import io
+import json
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+__all__ = [
+    "CORPUS_VERSION",
+    "MIN_DOC_CHARS",
+    "STDLIB_MODULES",
+    "builtin_corpus_key",
+    "builtin_documents",
+    "is_validation",
+    "split_documents",
+    "expand_paths",
+    "iter_file_documents",
+    "local_documents",
+    "c4_documents",
+]
+
+#: Bump when the way the built-in corpus is assembled changes (invalidates caches).
+CORPUS_VERSION = 1
+#: Documents shorter than this (characters) are dropped: one-line docstrings add little text.
+MIN_DOC_CHARS = 60
+
+# Fixed, sorted list of standard-library modules (and the pure-Python twins of C modules) whose import
+# has no side effects worth worrying about: no GUI (tkinter, turtle, idlelib), no "this"/"antigravity",
+# no test packages, no lib2to3 (pickles its grammar), no readline (may write terminal escapes), no
+# distutils (setuptools replaces it, so its text would depend on the environment). Platform-specific
+# ones (e.g. asyncio.windows_events) simply fail to import and are skipped.
+STDLIB_MODULES: tuple[str, ...] = tuple(sorted({
+    "_collections_abc", "_compression", "_markupbase", "_pydecimal", "_pyio", "_strptime",
+    "_threading_local", "abc", "aifc", "argparse", "array", "ast", "asynchat", "asyncio",
+    "asyncio.base_events", "asyncio.base_futures", "asyncio.base_subprocess", "asyncio.base_tasks",
+    "asyncio.constants", "asyncio.coroutines", "asyncio.events", "asyncio.exceptions",
+    "asyncio.format_helpers", "asyncio.futures", "asyncio.locks", "asyncio.log", "asyncio.mixins",
+    "asyncio.proactor_events", "asyncio.protocols", "asyncio.queues", "asyncio.runners",
+    "asyncio.selector_events", "asyncio.sslproto", "asyncio.staggered", "asyncio.streams",
+    "asyncio.subprocess", "asyncio.taskgroups", "asyncio.tasks", "asyncio.threads",
+    "asyncio.timeouts", "asyncio.transports", "asyncio.trsock", "asyncio.unix_events",
+    "asyncio.windows_events", "asyncio.windows_utils", "asyncore", "atexit", "audioop", "base64",
+    "bdb", "binascii", "bisect", "builtins", "bz2", "cProfile", "calendar", "cgi", "cgitb", "chunk",
+    "cmath", "cmd", "code", "codecs", "codeop", "collections", "collections.abc", "colorsys",
+    "compileall", "concurrent", "concurrent.futures", "concurrent.futures.process",
+    "concurrent.futures.thread", "configparser", "contextlib", "contextvars", "copy", "copyreg",
+    "crypt", "csv", "ctypes", "ctypes.macholib", "ctypes.macholib.dyld", "ctypes.macholib.dylib",
+    "ctypes.macholib.framework", "ctypes.util", "ctypes.wintypes", "curses", "curses.ascii",
+    "curses.has_key", "curses.panel", "curses.textpad", "dataclasses", "datetime", "dbm",
+    "dbm.dumb", "dbm.gnu", "dbm.ndbm", "decimal", "difflib", "dis", "doctest", "email",
+    "email.base64mime", "email.charset", "email.contentmanager", "email.encoders", "email.errors",
+    "email.feedparser", "email.generator", "email.header", "email.headerregistry",
+    "email.iterators", "email.message", "email.mime", "email.mime.application", "email.mime.audio",
+    "email.mime.base", "email.mime.image", "email.mime.message", "email.mime.multipart",
+    "email.mime.nonmultipart", "email.mime.text", "email.parser", "email.policy",
+    "email.quoprimime", "email.utils", "enum", "errno", "faulthandler", "fcntl", "filecmp",
+    "fileinput", "fnmatch", "fractions", "ftplib", "functools", "gc", "genericpath", "getopt",
+    "getpass", "gettext", "glob", "graphlib", "grp", "gzip", "hashlib", "heapq", "hmac", "html",
+    "html.entities", "html.parser", "http", "http.client", "http.cookiejar", "http.cookies",
+    "http.server", "imaplib", "imghdr", "imp", "importlib", "importlib.abc", "importlib.machinery",
+    "importlib.metadata", "importlib.readers", "importlib.resources", "importlib.resources.abc",
+    "importlib.resources.readers", "importlib.resources.simple", "importlib.simple",
+    "importlib.util", "inspect", "io", "ipaddress", "itertools", "json", "json.decoder",
+    "json.encoder", "json.scanner", "json.tool", "keyword", "linecache", "locale", "logging",
+    "logging.config", "logging.handlers", "lzma", "mailbox", "mailcap", "marshal", "math",
+    "mimetypes", "mmap", "modulefinder", "multiprocessing", "multiprocessing.connection",
+    "multiprocessing.context", "multiprocessing.dummy", "multiprocessing.dummy.connection",
+    "multiprocessing.forkserver", "multiprocessing.heap", "multiprocessing.managers",
+    "multiprocessing.pool", "multiprocessing.popen_fork", "multiprocessing.popen_forkserver",
+    "multiprocessing.popen_spawn_posix", "multiprocessing.popen_spawn_win32",
+    "multiprocessing.process", "multiprocessing.queues", "multiprocessing.reduction",
+    "multiprocessing.resource_sharer", "multiprocessing.resource_tracker",
+    "multiprocessing.shared_memory", "multiprocessing.sharedctypes", "multiprocessing.spawn",
+    "multiprocessing.synchronize", "multiprocessing.util", "netrc", "nis", "nntplib", "ntpath",
+    "nturl2path", "numbers", "opcode", "operator", "optparse", "os", "ossaudiodev", "pathlib",
+    "pdb", "pickle", "pickletools", "pipes", "pkgutil", "platform", "plistlib", "poplib", "posix",
+    "posixpath", "pprint", "profile", "pstats", "pty", "pwd", "py_compile", "pyclbr", "pydoc",
+    "pyexpat", "queue", "quopri", "random", "re", "reprlib", "resource", "runpy", "sched",
+    "secrets", "select", "selectors", "shelve", "shlex", "shutil", "signal", "smtpd", "smtplib",
+    "sndhdr", "socket", "socketserver", "spwd", "sqlite3", "sqlite3.dbapi2", "sqlite3.dump",
+    "sre_compile", "sre_constants", "sre_parse", "ssl", "stat", "statistics", "string",
+    "stringprep", "struct", "subprocess", "sunau", "symtable", "sys", "sysconfig", "syslog",
+    "tabnanny", "tarfile", "telnetlib", "tempfile", "termios", "textwrap", "threading", "time",
+    "timeit", "token", "tokenize", "tomllib", "trace", "traceback", "tracemalloc", "tty", "types",
+    "typing", "unicodedata", "unittest", "unittest.async_case", "unittest.case", "unittest.loader",
+    "unittest.main", "unittest.mock", "unittest.result", "unittest.runner", "unittest.signals",
+    "unittest.suite", "unittest.util", "urllib", "urllib.error", "urllib.parse", "urllib.request",
+    "urllib.response", "urllib.robotparser", "uu", "uuid", "warnings", "wave", "weakref", "wsgiref",
+    "wsgiref.handlers", "wsgiref.headers", "wsgiref.simple_server", "wsgiref.types", "wsgiref.util",
+    "wsgiref.validate", "xdrlib", "xml", "xml.dom", "xml.dom.NodeFilter", "xml.dom.domreg",
+    "xml.dom.expatbuilder", "xml.dom.minicompat", "xml.dom.minidom", "xml.dom.pulldom",
+    "xml.dom.xmlbuilder", "xml.etree", "xml.etree.ElementInclude", "xml.etree.ElementPath",
+    "xml.etree.ElementTree", "xml.etree.cElementTree", "xml.parsers", "xml.parsers.expat",
+    "xml.sax", "xml.sax.expatreader", "xml.sax.handler", "xml.sax.saxutils", "xml.sax.xmlreader",
+    "xmlrpc", "xmlrpc.client", "xmlrpc.server", "zipapp", "zipfile", "zipimport", "zlib", "zoneinfo",
+}))
+
+
+def builtin_corpus_key() -> str:
+    """Cache key of the built-in corpus: corpus version + exact Python implementation and version."""
+    impl = sys.implementation.name
+    ver = ".".join(str(x) for x in sys.version_info[:3])
+    return f"builtin-v{CORPUS_VERSION}-{impl}{ver}"
+
+
+def _member_names(module) -> list[str]:
+    # Every global except dunders: helper classes outside __all__ and documented _private helpers
+    # are prose too (public-only gives ~1.6 MB); re-exports are filtered out by the caller.
+    return sorted(n for n in vars(module) if isinstance(n, str) and not n.startswith("__"))
+
+
+def _is_documented_method(attr: str) -> bool:
+    # Dunder docstrings are boilerplate ("Return self==value."), except constructors.
+    return not (attr.startswith("__") and attr.endswith("__")) or attr == "__init__"
+
+
+def _doc_of(obj) -> str | None:
+    # obj.__doc__ (not inspect.getdoc) so inherited docstrings do not repeat under every subclass.
+    doc = getattr(obj, "__doc__", None)
+    return inspect.cleandoc(doc) if isinstance(doc, str) else None
+
+
+def _module_documents(modname: str) -> Iterator[tuple[str, str]]:
+    """(qualified name, docstring) pairs of one module, in sorted order."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecated modules warn on import
+            module = importlib.import_module(modname)
+    except Exception:  # noqa: BLE001 - any import failure: skip the module
+        return
+    yield modname, _doc_of(module) or ""
+    for name in _member_names(module):
+        obj = getattr(module, name, None)
+        is_cls = inspect.isclass(obj)
+        if not (is_cls or inspect.isfunction(obj) or inspect.isbuiltin(obj)):
+            continue
+        # Only objects defined here (or in the module's C twin, e.g. _socket for socket): re-exports
+        # would otherwise repeat under every importer.
+        owner = getattr(obj, "__module__", None)
+        if isinstance(owner, str) and owner != modname and owner.lstrip("_") != modname:
+            continue
+        yield f"{modname}.{name}", _doc_of(obj) or ""
+        if is_cls:
+            for attr in sorted(a for a in vars(obj) if _is_documented_method(a)):
+                member = vars(obj)[attr]
+                if isinstance(member, (staticmethod, classmethod)):
+                    member = member.__func__
+                if callable(member) or isinstance(member, property):
+                    yield f"{modname}.{name}.{attr}", _doc_of(member) or ""
+
+
+def builtin_documents() -> list[str]:
+    """The built-in corpus as a list of documents (deterministic for a given Python build).
+
+    Collected in a fresh ``python -I -S`` subprocess: in the calling process, third-party packages
+    patch the standard library (transformers adds methods to ``logging.Logger``, typing_extensions
+    swaps ``typing`` helpers) and earlier imports change module attributes, so the text would depend
+    on what was imported before. ``-S`` also keeps ``.pth`` hooks (e.g. setuptools') out.
+    """
+    global _CACHED
+    if _CACHED is None:
+        code = Path(__file__).read_text(encoding="utf-8") + (
+            "\nimport json as _j, sys as _s\n_s.stdout.write(_j.dumps(_collect_documents()))\n"
+        )
+        # The module imports only the standard library, so its source runs without site-packages.
+        out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, check=True,
+                             env={"PYTHONIOENCODING": "utf-8", "LC_ALL": "C.UTF-8"})
+        _CACHED = json.loads(out.stdout)
+    return list(_CACHED)
+
+
+_CACHED: list[str] | None = None
+
+
+def _collect_documents() -> list[str]:
+    """Assemble the corpus in this process (see :func:`builtin_documents` for why not directly)."""
+    import pydoc_data.topics
+
+    docs: list[str] = []
+    seen: set[str] = set()
+
+    def add(title: str, body: str) -> None:
+        body = body.strip()
+        if len(body) < MIN_DOC_CHARS or body in seen or " at 0x" in body:
+            return
+        seen.add(body)
+        docs.append(f"{title}\n\n{body}")
+
+    topics = pydoc_data.topics.topics
+    for key in sorted(topics):
+        add(key, topics[key])
+    for modname in STDLIB_MODULES:
+        for title, body in _module_documents(modname):
+            add(title, body)
+    return docs
+
+
+def _bucket(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") % 10000
+
+
+def is_validation(text: str, val_fraction: float = 0.05) -> bool:
+    """Whether a document belongs to the held-out split (stable hash of its text)."""
+    return _bucket(text) < round(val_fraction * 10000)
+
+
+def split_documents(docs: Iterable[str], val_fraction: float = 0.05) -> tuple[list[str], list[str]]:
+    """Split documents into (train, validation), preserving order within each split."""
+    train, val = [], []
+    for d in docs:
+        (val if is_validation(d, val_fraction) else train).append(d)
+    return train, val
+
+
+_SUFFIXES = (".jsonl", ".json", ".txt")
+
+
+def _kind(path: Path) -> str | None:
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        name = name[:-3]
+    return next((s for s in _SUFFIXES if name.endswith(s)), None)
+
+
+def expand_paths(paths: str | Path | Iterable[str | Path]) -> list[Path]:
+    """Resolve files and directories (recursively, sorted) into the list of readable data files.
+
+    Raises ``ValueError`` naming the path when it does not exist or a directory holds no data file.
+    """
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    files: list[Path] = []
+    for p in paths:
+        path = Path(p).expanduser()
+        if not path.exists():
+            raise ValueError(f"data path does not exist: {path}")
+        if path.is_dir():
+            found = sorted(f for f in path.rglob("*") if f.is_file() and _kind(f))
+            if not found:
+                raise ValueError(f"no .jsonl/.json/.txt(.gz) files under data directory: {path}")
+            files.extend(found)
+        elif _kind(path) is None:
+            raise ValueError(f"unsupported data file (want .jsonl, .json, .txt, optionally .gz): {path}")
+        else:
+            files.append(path)
+    return files
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    if path.name.lower().endswith(".gz"):
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def iter_file_documents(path: Path) -> Iterator[str]:
+    """Documents of one data file (see the module docstring for the formats)."""
+    kind = _kind(path)
+    with _open_text(path) as f:
+        if kind == ".txt":
+            block: list[str] = []
+            for line in f:
+                if line.strip():
+                    block.append(line.rstrip("\n"))
+                elif block:
+                    yield "\n".join(block)
+                    block = []
+            if block:
+                yield "\n".join(block)
+        else:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line)["text"]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{path}:{lineno}: expected a JSON object with a 'text' field") from e
+                if text.strip():
+                    yield text
+
+
+def local_documents(paths: str | Path | Iterable[str | Path]) -> tuple[list[Path], list[str]]:
+    """(files, documents) of local data paths; ``ValueError`` naming a path that holds no text."""
+    files = expand_paths(paths)
+    docs: list[str] = []
+    for f in files:
+        n = len(docs)
+        docs.extend(iter_file_documents(f))
+        if len(docs) == n:
+            raise ValueError(f"data file holds no text: {f}")
+    return files, docs
+
+
+def c4_documents(split: str, *, rank: int = 0, world_size: int = 1, seed: int | None = None,
+                 shuffle_buffer: int = 10_000):
+    """English C4 documents streamed from the hub (``allenai/c4``, config ``en``).
+
+    Returns a ``datasets.IterableDataset`` of ``{"text": ...}`` rows, split across ranks with
+    ``datasets.distributed.split_dataset_by_node`` (C4 ``en`` has 1024 train shards, so for a
+    world size dividing 1024 each rank reads whole, disjoint shards). With ``seed`` the shard order
+    and a ``shuffle_buffer``-document buffer are shuffled (as in GaLore's C4 loader).
+    """
+    try:
+        from datasets import load_dataset
+        from datasets.distributed import split_dataset_by_node
+
+        ds = load_dataset("allenai/c4", "en", split=split, streaming=True)
+    except Exception as e:  # noqa: BLE001 - network, auth, missing package: one clear line
+        raise RuntimeError(f"cannot stream allenai/c4 ({split}) from the Hugging Face hub: "
+                           f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    ds = ds.select_columns(["text"])
+    if seed is not None and shuffle_buffer > 0:
+        ds = ds.shuffle(seed=seed, buffer_size=shuffle_buffer)
+    if world_size > 1:
+        ds = split_dataset_by_node(ds, rank=rank, world_size=world_size)
+    return ds

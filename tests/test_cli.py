@@ -1,0 +1,179 @@
+"""The ``meqmuon`` command: bad input gives one clear line and a non-zero exit, and loses nothing.
+
+Each error case checks three things: the exit status is non-zero, stderr is exactly one line starting
+with ``meqmuon: error:`` that names the problem, and files already in the run directory are untouched.
+Also covered: ``--stop-at-step`` + a bare ``--resume auto`` (config read back from the run), ``plot``,
+``sweep`` and ``python -m meqmuon``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meqmuon.cli import main, parse_count
+from meqmuon.train.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def small(cache: str, out: Path, *extra: str) -> list[str]:
+    return ["train", "--model", "llama-tiny", "--vocab-size", "512", "--seq-len", "32", "--global-batch", "8",
+            "--steps", "4", "--eval-every", "2", "--val-tokens", "256", "--cache-dir", cache, "--out", str(out),
+            "--quiet", *extra]
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("meqmuon: error: ")
+    return err[0]
+
+
+def snapshot(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()} if d.exists() else {}
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--model", "llama-huge"], "unknown model 'llama-huge'; valid models: llama-60m"),
+        (["--optimizer", "sgd"], "unknown optimizer 'sgd'; valid optimizers: adamw, muon"),
+        (["--lr", "0"], "lr must be a positive number"),
+        (["--lr=-1e-3"], "lr must be a positive number"),
+        (["--tokens", "0"], "tokens must be a positive number"),
+        (["--global-batch", "-8"], "global_batch must be a positive number"),
+        (["--micro-batch", "3"], "global batch 8 is not divisible by world size 1 x micro batch 3"),
+        (["--optimizer-arg", "betaz=0.9"], "unknown optimizer argument(s) ['betaz']"),
+        (["--data", "/nonexistent/corpus.jsonl"], "data path does not exist"),
+        (["--model", "llama-tiny-tied", "--optimizer", "scale"], "tied"),
+    ],
+)
+def test_bad_input_is_one_line_error(cache, tmp_path, capsys, extra, needle):
+    assert main(small(cache, tmp_path / "run", *extra)) == 1
+    assert needle in one_error_line(capsys)
+    assert not (tmp_path / "run").exists()  # nothing was created
+
+
+def test_data_file_without_text(cache, tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    assert main(small(cache, tmp_path / "run", "--data", str(empty))) == 1
+    assert "holds no text" in one_error_line(capsys)
+
+
+def test_unknown_config_key(cache, tmp_path, capsys):
+    cfg = tmp_path / "exp.json"
+    cfg.write_text(json.dumps({"model": "llama-tiny", "learning_rate": 1e-3}))
+    assert main(small(cache, tmp_path / "run", "--config", str(cfg))) == 1
+    line = one_error_line(capsys)
+    assert "unknown config key(s) ['learning_rate']" in line and "valid keys: model, optimizer" in line
+
+
+def test_unknown_compare_optimizer(capsys, tmp_path):
+    assert main(["compare", "--optimizers", "adamw,lion", "--out", str(tmp_path / "c")]) == 1
+    assert "unknown optimizer(s) ['lion']" in one_error_line(capsys)
+    assert main(["compare", "--lr", "adamw=-1", "--out", str(tmp_path / "c")]) == 1
+    assert "positive VALUE" in one_error_line(capsys)
+
+
+def test_stop_then_bare_resume_auto_and_protection_of_existing_runs(cache, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(small(cache, run, "--optimizer", "meqmuon", "--lr", "1e-2", "--stop-at-step", "2")) == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == "step_0000002.pt"
+    before = snapshot(run)
+
+    # Starting again without --resume must refuse and keep everything.
+    assert main(small(cache, run)) == 1
+    assert "already holds a run; pass --resume auto" in one_error_line(capsys)
+    assert snapshot(run) == before
+
+    # Resuming with a different trajectory-defining setting is refused too.
+    assert main(["train", "--out", str(run), "--resume", "auto", "--lr", "5e-3", "--quiet"]) == 1
+    assert "does not match this run: it has lr=0.01" in one_error_line(capsys)
+    assert snapshot(run) == before
+
+    # A bare `--resume auto --out DIR` continues with the run's own config.
+    assert main(["train", "--out", str(run), "--resume", "auto", "--quiet"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["optimizer"] == "meqmuon" and summary["lr"] == 1e-2
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
+    assert steps == [1, 2, 3, 4]
+    config = json.loads((run / "config.json").read_text())
+    assert config["micro_batch"] == 8 and config["tokens"] == 4 * 8 * 32 and config["stop_at_step"] is None
+
+
+def test_corrupt_checkpoint_is_reported_and_kept(cache, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(small(cache, run, "--stop-at-step", "2")) == 0
+    ckpt = run / "checkpoints" / "step_0000002.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])  # truncated, as after a disk-full copy
+    before = snapshot(run)
+    assert main(["train", "--out", str(run), "--resume", "auto", "--quiet"]) == 1
+    assert "cannot read checkpoint" in one_error_line(capsys)
+    assert snapshot(run) == before
+
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint at all")
+    assert main(small(cache, tmp_path / "other", "--resume", str(garbage))) == 1
+    assert "cannot read checkpoint" in one_error_line(capsys)
+
+    assert main(small(cache, tmp_path / "other", "--resume", str(tmp_path / "missing.pt"))) == 1
+    assert "--resume path does not exist" in one_error_line(capsys)
+
+
+def test_checkpoint_of_another_model_is_rejected(cache, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(small(cache, run, "--stop-at-step", "2")) == 0
+    ckpt = str(run / "checkpoints" / "step_0000002.pt")
+    assert main(small(cache, tmp_path / "x", "--model", "qwen2-tiny", "--resume", ckpt)) == 1
+    assert "does not match this run: it has model='llama-tiny'" in one_error_line(capsys)
+
+
+def test_nan_loss_exits_nonzero_and_names_the_step(cache, tmp_path, capsys):
+    run = tmp_path / "nan"
+    assert main(small(cache, run, "--optimizer", "adamw", "--lr", "1e30", "--steps", "20", "--save-every", "1")) == 1
+    line = one_error_line(capsys)
+    assert "at step" in line and ("nan" in line or "inf" in line) and "last good checkpoint" in line
+    assert not (run / "summary.json").exists()
+
+
+def test_plot_and_sweep(cache, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    args = ["sweep", "--optimizers", "adamw", "--lrs", "1e-3,3e-3", "--seeds", "0", "--vocab-size", "512",
+            "--seq-len", "32", "--global-batch", "8", "--steps", "3", "--eval-every", "3", "--val-tokens", "256",
+            "--cache-dir", cache, "--out", str(out), "--quiet"]
+    assert main(args) == 0
+    table = (out / "sweep.md").read_text()
+    assert "| adamw | " in table and table.count("**") == 4  # exactly one best lr, bold in two cells
+    assert main(["plot", str(out / "adamw-lr0.001-s0" / "metrics.jsonl"), str(out / "adamw-lr0.003-s0"),
+                 "--out", str(tmp_path / "p.png"), "--metric", "loss"]) == 0
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    assert main(["plot", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "q.png")]) == 1
+    assert "metrics file does not exist" in one_error_line(capsys)
+
+
+def test_parse_count():
+    assert parse_count("1.16B") == 1_160_000_000 and parse_count("500k") == 500_000 and parse_count("2e6") == 2_000_000
+
+
+def test_python_dash_m_and_argparse_errors():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    help_ = subprocess.run([sys.executable, "-m", "meqmuon", "--help"], env=env, capture_output=True, text=True)
+    assert help_.returncode == 0
+    for cmd in ("train", "compare", "sweep", "plot"):
+        assert cmd in help_.stdout
+    bad = subprocess.run([sys.executable, "-m", "meqmuon", "train", "--lr", "abc"], env=env, capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "meqmuon train: error: argument --lr: invalid float value: 'abc'" in bad.stderr
