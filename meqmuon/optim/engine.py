@@ -97,7 +97,10 @@ class RoleOptimizer(Optimizer):
 
     RULES: ClassVar[dict[str, str]] = {}
 
-    def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any = None) -> None:
+    def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any = None, compile: bool = False) -> None:
+        if not isinstance(compile, bool):
+            raise ValueError(f"Invalid compile: {compile!r} (expected True or False)")
+        self._compile = compile
         self._warned_inferred = False
         self._capture_hook: Callable[[str, str, str, torch.Tensor], None] | None = None
         self._process_group = resolve_process_group(process_group)
@@ -193,9 +196,14 @@ class RoleOptimizer(Optimizer):
                 loss = closure()
         for group in self.param_groups:
             split = self._splitter(group)
+            if self._compile and split.sharded:
+                raise NotImplementedError(
+                    "compile=True is not supported with FSDP2 (DTensor) parameters yet: the fused kernels would need "
+                    "the cross-shard reductions inside the compiled region. Use compile=False."
+                )
             for rule, items in self._group_items(group).items():
                 kind = group.get("kind") or infer_kind(items[0].param)
-                rule.step(items, group, StepContext(self._capture_hook, kind, split))
+                rule.step(items, group, StepContext(self._capture_hook, kind, split, self._compile))
         return loss
 
     # ---- introspection -----------------------------------------------------------------------

@@ -67,6 +67,9 @@ class MeqMuon(RoleOptimizer):
         process_group: group over which the Newton-Schulz work of hidden matrices is split (DDP);
             ``None``: the default group if ``torch.distributed`` is initialised, else one process.
             DTensor (FSDP2) parameters follow their own mesh. See :mod:`meqmuon.optim.distributed`.
+        compile: fuse each rule's normalisation with the weight-decay and step update with
+            ``torch.compile`` (:mod:`meqmuon.optim.fused`); lr/weight-decay changes do not recompile.
+            Not yet available with FSDP2 parameters (raises).
     """
 
     RULES = {"hidden": "meq_hidden", "embedding": "equilibrate", "head": "equilibrate", "vector": "rms_normalize"}
@@ -84,6 +87,7 @@ class MeqMuon(RoleOptimizer):
         ns_dtype: torch.dtype | None = torch.bfloat16,
         state_dtype: torch.dtype | None = None,
         process_group: Any = None,
+        compile: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -96,7 +100,7 @@ class MeqMuon(RoleOptimizer):
             ns_dtype=ns_dtype,
             state_dtype=state_dtype,
         )
-        super().__init__(params, defaults, process_group=process_group)
+        super().__init__(params, defaults, process_group=process_group, compile=compile)
 
 
 class Muon(RoleOptimizer):

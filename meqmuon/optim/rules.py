@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
+from . import fused
 from .distributed import LocalSplit, local, rows_state_like
 
 # SCALE divides by the slice RMS clamped at this value (OptimAI-Lab/Minimalist_LLM_Pretraining
@@ -56,16 +57,19 @@ class StepContext:
     rules with ``"gradient"`` and the raw gradient. Default ``None``: no call, no cost.
     """
 
-    __slots__ = ("capture", "kind", "split")
+    __slots__ = ("capture", "kind", "split", "compile")
 
     def __init__(
         self,
         capture: Callable[[str, str, str, Tensor], None] | None = None,
         kind: str = "",
         split: LocalSplit | None = None,
+        compile: bool = False,
     ) -> None:
         self.capture = capture
         self.kind = kind
+        #: Use the torch.compile-fused normalise+update kernels of ``fused.py`` where a rule has one.
+        self.compile = compile
         #: Work splitter (see ``distributed.py``): who orthogonalises which matrix, sums over shards.
         self.split = split if split is not None else LocalSplit()
 
@@ -192,6 +196,12 @@ class MeqHidden(_MomentumRule):
     def step(self, items, group, ctx):
         inputs = self._inputs(items, group, ctx)
         directions: list[Tensor | None] = [None] * len(items)
+        if ctx.compile:
+            for idx, ortho in orthogonalize_buckets(items, inputs, group, ctx):
+                params = [items[i].param for i in idx]
+                chose_rows = fused.meq_hidden_update(ortho, params, group["lr"], group["weight_decay"], group["rho"])
+                torch._foreach_add_([items[i].state["rows_chosen"] for i in idx], list(chose_rows.unbind(0)))
+            return
         for idx, ortho in orthogonalize_buckets(items, inputs, group, ctx):
             rows = _matrix_shape(items[idx[0]].shape)[0]
             normed, chose_rows = F.adaptive_normalize(ortho, psum=ctx.split.psum, rows=rows)
@@ -277,6 +287,10 @@ class Equilibrate(_MomentumRule):
 
     def step(self, items, group, ctx):
         inputs = self._inputs(items, group, ctx)
+        if ctx.compile:
+            params = [it.param for it in items]
+            fused.equilibrate_update(inputs, params, group["lr"], group["weight_decay"], group["rho"])
+            return
         psum = ctx.split.psum
         directions = [
             F.equilibrate(F.as_matrix(x), psum=psum, rows=_matrix_shape(it.shape)[0])
@@ -293,6 +307,9 @@ class RmsNormalize(_MomentumRule):
 
     def step(self, items, group, ctx):
         inputs = self._inputs(items, group, ctx)
+        if ctx.compile:
+            fused.rms_update(inputs, [it.param for it in items], group["lr"], group["weight_decay"], group["rho"])
+            return
         psum = ctx.split.psum
         directions = [
             F.rms_normalize(x, psum=psum, numel=math.prod(it.shape)) for it, x in zip(items, inputs, strict=True)
