@@ -119,16 +119,13 @@ def orthogonalize(
         X = X.mT
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
     X = X / norm.clamp(min=eps)
-    # One batch dimension so that baddbmm applies; baddbmm fuses the scaled sums into the matmul
-    # (torch.optim.Muon does the same with addmm), which is ~1.4x faster on CPU than separate
-    # elementwise ops (benchmarks/step_time.py).
-    batch_shape = X.shape[:-2]
-    X = X.reshape(-1, *X.shape[-2:])
+    # Plain matmul + elementwise ops. A baddbmm-fused form was ~1.4x faster on CPU but, for some
+    # inputs, gave the last matrix of an odd-sized stack different bits from orthogonalising it
+    # alone, which breaks the DDP split's bit-exactness (tests/test_distributed.py); not used.
     for _ in range(steps):
-        A = torch.bmm(X, X.mT)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
-    X = X.reshape(*batch_shape, *X.shape[-2:])
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
     if transposed:
         X = X.mT
     return X
