@@ -14,9 +14,19 @@ NaN or Inf.
 
 All statistics are computed in at least float32, whatever the input dtype (bf16 inputs are
 upcast), and normalised outputs are returned in that computation dtype; callers cast back.
+
+Sharded rows (FSDP2). Functions whose statistics sum over rows (column RMS, CVs over the row
+vector, the global RMS) accept ``psum`` and the global row count ``rows``: ``x`` then holds a
+contiguous block of rows of the full matrix, ``psum(t)`` sums a tensor of partial sums over all
+blocks (an all-reduce), and the result equals the unsharded one up to the rounding of the partial
+sums. Sums within a row are local, so row statistics never communicate. With ``psum=None``
+(the default) the code path is exactly the unsharded one.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -45,6 +55,9 @@ DELTA = 1e-7
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 #: Number of Newton-Schulz iterations K (paper, section 2 and section 4).
 NS_STEPS = 5
+#: Sums partial statistics over all row shards of a matrix (an all-reduce); ``None``: unsharded.
+PSum = Callable[[Tensor], Tensor] | None
+
 #: Lower bound on the Frobenius norm in the Newton-Schulz pre-normalisation; torch.optim.Muon
 #: clamps the norm at this value (``eps=1e-7``), so a zero matrix maps to zero.
 NS_EPS = 1e-7
@@ -63,7 +76,8 @@ def as_matrix(x: Tensor) -> Tensor:
     """
     if x.ndim < 2:
         raise ValueError(f"as_matrix needs a tensor with at least 2 dimensions, got shape {tuple(x.shape)}")
-    return x if x.ndim == 2 else x.reshape(x.shape[0], -1)
+    # Explicit column count (not -1) so that an empty row shard (0 rows under FSDP2) still reshapes.
+    return x if x.ndim == 2 else x.reshape(x.shape[0], math.prod(x.shape[1:]))
 
 
 def orthogonalize(
@@ -105,6 +119,9 @@ def orthogonalize(
         X = X.mT
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
     X = X / norm.clamp(min=eps)
+    # Plain matmul + elementwise ops. A baddbmm-fused form was ~1.4x faster on CPU but, for some
+    # inputs, gave the last matrix of an odd-sized stack different bits from orthogonalising it
+    # alone, which breaks the DDP split's bit-exactness (tests/test_distributed.py); not used.
     for _ in range(steps):
         A = X @ X.mT
         B = b * A + c * (A @ A)
@@ -120,13 +137,19 @@ def row_rms(x: Tensor) -> Tensor:
     return x.square().mean(dim=-1).sqrt()
 
 
-def col_rms(x: Tensor) -> Tensor:
-    r"""Column RMS magnitudes ``c_j = \|X_{:,j}\|_2 / \sqrt{m}`` (paper eq. 4); shape ``(..., n)``."""
+def col_rms(x: Tensor, psum: PSum = None, rows: int | None = None) -> Tensor:
+    r"""Column RMS magnitudes ``c_j = \|X_{:,j}\|_2 / \sqrt{m}`` (paper eq. 4); shape ``(..., n)``.
+
+    With ``psum`` (rows sharded), ``m = rows`` is the global row count and the column sums of
+    squares are summed over shards.
+    """
     x = x.to(_stat_dtype(x))
-    return x.square().mean(dim=-2).sqrt()
+    if psum is None:
+        return x.square().mean(dim=-2).sqrt()
+    return (psum(x.square().sum(dim=-2)) / rows).sqrt()
 
 
-def cv(v: Tensor, delta: float = DELTA) -> Tensor:
+def cv(v: Tensor, delta: float = DELTA, psum: PSum = None) -> Tensor:
     r"""Coefficient of variation of the entries of ``v`` above ``delta`` (paper eq. 5).
 
     .. math::
@@ -135,13 +158,22 @@ def cv(v: Tensor, delta: float = DELTA) -> Tensor:
 
     The standard deviation is the population one (``1/k_+``). Reduces over the last dimension.
     If no entry exceeds ``delta`` the CV is defined as 0 (nothing to balance).
+    With ``psum``, the last dimension of ``v`` is sharded: counts and sums are reduced over shards
+    (two passes, mean first, so the variance has no cancellation).
     """
     v = v.to(_stat_dtype(v))
     mask = v > delta
     count = mask.sum(dim=-1).to(v.dtype)
+    total = torch.where(mask, v, 0.0).sum(dim=-1)
+    if psum is not None:
+        both = psum(torch.stack([count, total]))
+        count, total = both[0], both[1]
     safe_count = count.clamp(min=1.0)
-    mean = torch.where(mask, v, 0.0).sum(dim=-1) / safe_count
-    var = torch.where(mask, (v - mean.unsqueeze(-1)).square(), 0.0).sum(dim=-1) / safe_count
+    mean = total / safe_count
+    sq = torch.where(mask, (v - mean.unsqueeze(-1)).square(), 0.0).sum(dim=-1)
+    if psum is not None:
+        sq = psum(sq)
+    var = sq / safe_count
     return torch.where(count > 0, var.sqrt() / mean.clamp(min=delta), 0.0)
 
 
@@ -161,33 +193,35 @@ def row_normalize(x: Tensor, delta: float = DELTA) -> Tensor:
     return x * _inverse(row_rms(x), delta).unsqueeze(-1)
 
 
-def col_normalize(x: Tensor, delta: float = DELTA) -> Tensor:
+def col_normalize(x: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None) -> Tensor:
     r"""``N_c(X) = X diag(c^{-1})`` (paper eq. 7): every nonzero column rescaled to unit RMS."""
     x = x.to(_stat_dtype(x))
-    return x * _inverse(col_rms(x), delta).unsqueeze(-2)
+    return x * _inverse(col_rms(x, psum, rows), delta).unsqueeze(-2)
 
 
-def equilibrate(x: Tensor, delta: float = DELTA) -> Tensor:
+def equilibrate(x: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None) -> Tensor:
     r"""Two-sided normalisation ``N_c(N_r(X))`` (paper eq. 9), used for embeddings and LM heads.
 
     Row normalisation first, then column normalisation; the result has unit-RMS columns (column
     CV 0) and, for a non-degenerate input, overall RMS 1.
     """
-    return col_normalize(row_normalize(x, delta), delta)
+    return col_normalize(row_normalize(x, delta), delta, psum, rows)
 
 
-def rms_normalize(x: Tensor, delta: float = DELTA) -> Tensor:
+def rms_normalize(x: Tensor, delta: float = DELTA, psum: PSum = None, numel: int | None = None) -> Tensor:
     r"""Global-RMS normalisation ``N(B) = B / (\|B\|_2 / \sqrt{d})`` (paper eq. 10), for 1-D parameters.
 
     Normalises over the whole tensor (all dimensions); a tensor whose RMS is at or below ``delta``
-    maps to zero.
+    maps to zero. With ``psum`` (sharded), ``numel`` is the global element count.
     """
     x = x.to(_stat_dtype(x))
-    rms = x.square().mean().sqrt()
+    rms = x.square().mean().sqrt() if psum is None else (psum(x.square().sum()) / numel).sqrt()
     return x * _inverse(rms, delta)
 
 
-def adaptive_normalize(u: Tensor, delta: float = DELTA) -> tuple[Tensor, Tensor]:
+def adaptive_normalize(
+    u: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None
+) -> tuple[Tensor, Tensor]:
     r"""MeqMuon's adaptive one-sided normalisation of an orthogonalised update (paper eq. 8).
 
     .. math::
@@ -195,7 +229,9 @@ def adaptive_normalize(u: Tensor, delta: float = DELTA) -> tuple[Tensor, Tensor]
 
     Ties choose rows. The choice is a tensor (``torch.where``), never a Python branch, so the
     function causes no host-device synchronisation and compiles with ``fullgraph=True``.
-    Batched over leading dimensions: each matrix chooses independently.
+    Batched over leading dimensions: each matrix chooses independently. With ``psum`` (rows
+    sharded), the column RMS and the row CV are reduced over shards, so every shard makes the
+    same choice as the whole matrix would.
 
     Returns:
         ``(u_tilde, chose_rows)``: the normalised update (float32, or float64 for float64 input)
@@ -203,8 +239,8 @@ def adaptive_normalize(u: Tensor, delta: float = DELTA) -> tuple[Tensor, Tensor]
     """
     u = u.to(_stat_dtype(u))
     r = row_rms(u)
-    c = col_rms(u)
-    chose_rows = cv(r, delta) >= cv(c, delta)
+    c = col_rms(u, psum, rows)
+    chose_rows = cv(r, delta, psum) >= cv(c, delta)
     rows = chose_rows[..., None, None]
     # Multiply by the row scale where rows were chosen and by the column scale elsewhere; the
     # unused side's factor is 1. Two broadcasts, no copy of both candidate results.

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
+from .distributed import LocalSplit, is_dtensor, resolve_process_group, splitter_for
 from .groups import KINDS, infer_kind
 from .rules import RULES, Item, Rule, StepContext
 
@@ -86,13 +87,23 @@ class RoleOptimizer(Optimizer):
     :func:`meqmuon.param_groups`) and ``names``. A group without ``kind`` gets one inferred per
     tensor from its shape (>=2-D: hidden, else vector), with a warning, because embeddings and
     heads cannot be recognised from shape.
+
+    Distributed (see ``distributed.py``): with plain-tensor parameters and ``torch.distributed``
+    initialised, the Newton-Schulz work of hidden matrices is split over ``process_group`` (default:
+    the default group; DDP, gradients already all-reduced); with DTensor parameters (FSDP2) the
+    work follows their mesh. The process group is an attribute, not a param-group entry, so
+    ``state_dict()`` is the same as single-process and loads into any world size.
     """
 
     RULES: ClassVar[dict[str, str]] = {}
 
-    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+    def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any = None, compile: bool = False) -> None:
+        if not isinstance(compile, bool):
+            raise ValueError(f"Invalid compile: {compile!r} (expected True or False)")
+        self._compile = compile
         self._warned_inferred = False
         self._capture_hook: Callable[[str, str, str, torch.Tensor], None] | None = None
+        self._process_group = resolve_process_group(process_group)
         super().__init__(params, defaults)
 
     def set_capture_hook(self, hook: Callable[[str, str, str, torch.Tensor], None] | None) -> None:
@@ -152,6 +163,7 @@ class RoleOptimizer(Optimizer):
     # ---- stepping --------------------------------------------------------------------------
 
     def _group_items(self, group: dict[str, Any]) -> dict[Rule, list[Item]]:
+        """Items with a gradient, by rule; DTensors are unwrapped to their local shards here."""
         buckets: dict[Rule, list[Item]] = defaultdict(list)
         kind = group.get("kind")
         names = group.get("names")
@@ -166,8 +178,14 @@ class RoleOptimizer(Optimizer):
             state = self.state[p]
             if not state:
                 rule.init_state(p, state, group)
-            buckets[rule].append(Item(p, g, state, name))
+            if is_dtensor(p):
+                buckets[rule].append(Item(p.to_local(), g.to_local(), state, name, p.shape))
+            else:
+                buckets[rule].append(Item(p, g, state, name))
         return buckets
+
+    def _splitter(self, group: dict[str, Any]) -> LocalSplit:
+        return splitter_for(group["params"], self._process_group)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D401 - torch signature
@@ -177,9 +195,15 @@ class RoleOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            split = self._splitter(group)
+            if self._compile and split.sharded:
+                raise NotImplementedError(
+                    "compile=True is not supported with FSDP2 (DTensor) parameters yet: the fused kernels would need "
+                    "the cross-shard reductions inside the compiled region. Use compile=False."
+                )
             for rule, items in self._group_items(group).items():
                 kind = group.get("kind") or infer_kind(items[0].param)
-                rule.step(items, group, StepContext(self._capture_hook, kind))
+                rule.step(items, group, StepContext(self._capture_hook, kind, split, self._compile))
         return loss
 
     # ---- introspection -----------------------------------------------------------------------

@@ -64,6 +64,12 @@ class MeqMuon(RoleOptimizer):
         rho: RMS alignment coefficient (target update RMS ``rho * lr``).
         ns_steps, ns_coefficients, ns_dtype: Newton-Schulz iterations, ``(a, b, c)`` and compute dtype.
         state_dtype: dtype of the momentum buffers (default: the parameter's dtype).
+        process_group: group over which the Newton-Schulz work of hidden matrices is split (DDP);
+            ``None``: the default group if ``torch.distributed`` is initialised, else one process.
+            DTensor (FSDP2) parameters follow their own mesh. See :mod:`meqmuon.optim.distributed`.
+        compile: fuse each rule's normalisation with the weight-decay and step update with
+            ``torch.compile`` (:mod:`meqmuon.optim.fused`); lr/weight-decay changes do not recompile.
+            Not yet available with FSDP2 parameters (raises).
     """
 
     RULES = {"hidden": "meq_hidden", "embedding": "equilibrate", "head": "equilibrate", "vector": "rms_normalize"}
@@ -80,6 +86,8 @@ class MeqMuon(RoleOptimizer):
         ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
         ns_dtype: torch.dtype | None = torch.bfloat16,
         state_dtype: torch.dtype | None = None,
+        process_group: Any = None,
+        compile: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -92,7 +100,7 @@ class MeqMuon(RoleOptimizer):
             ns_dtype=ns_dtype,
             state_dtype=state_dtype,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, process_group=process_group, compile=compile)
 
 
 class Muon(RoleOptimizer):
@@ -126,6 +134,7 @@ class Muon(RoleOptimizer):
         betas: tuple[float, float] = ADAMW_BETAS,
         eps: float = ADAMW_EPS,
         state_dtype: torch.dtype | None = None,
+        process_group: Any = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -140,7 +149,7 @@ class Muon(RoleOptimizer):
             eps=eps,
             state_dtype=state_dtype,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, process_group=process_group)
 
 
 class NorMuon(RoleOptimizer):
@@ -171,6 +180,7 @@ class NorMuon(RoleOptimizer):
         betas: tuple[float, float] = ADAMW_BETAS,
         eps: float = ADAMW_EPS,
         state_dtype: torch.dtype | None = None,
+        process_group: Any = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -186,7 +196,7 @@ class NorMuon(RoleOptimizer):
             eps=eps,
             state_dtype=state_dtype,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, process_group=process_group)
 
 
 class Scale(RoleOptimizer):
@@ -216,11 +226,12 @@ class Scale(RoleOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         state_dtype: torch.dtype | None = None,
+        process_group: Any = None,
     ) -> None:
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, betas=tuple(betas), eps=eps, state_dtype=state_dtype
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, process_group=process_group)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if param_group.get("tied"):

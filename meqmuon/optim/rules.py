@@ -21,7 +21,6 @@ normalising rule removes (Newton-Schulz, row/column/RMS normalisation are scale-
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -29,6 +28,8 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
+from . import fused
+from .distributed import LocalSplit, local, rows_state_like
 
 # SCALE divides by the slice RMS clamped at this value (OptimAI-Lab/Minimalist_LLM_Pretraining
 # f5bd4e7, mem_eff_pt/pt_scale/scale_optimizer.py: ``.clamp_min(1e-8)``).
@@ -38,13 +39,13 @@ SCALE_EPS = 1e-8
 NORMUON_EPS = 1e-10
 
 
-def _matrix_shape(p: Tensor) -> tuple[int, int]:
-    return (p.shape[0], p[0].numel()) if p.ndim >= 2 else (1, p.numel())
+def _matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+    return (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
 
 
-def _shape_scale(p: Tensor) -> float:
-    """Moonlight's RMS-matching factor ``sqrt(max(m, n))`` of the matrix view of ``p``."""
-    m, n = _matrix_shape(p)
+def _shape_scale(shape: torch.Size | tuple[int, ...]) -> float:
+    """Moonlight's RMS-matching factor ``sqrt(max(m, n))`` of the matrix view of a (global) shape."""
+    m, n = _matrix_shape(shape)
     return math.sqrt(max(m, n))
 
 
@@ -56,11 +57,21 @@ class StepContext:
     rules with ``"gradient"`` and the raw gradient. Default ``None``: no call, no cost.
     """
 
-    __slots__ = ("capture", "kind")
+    __slots__ = ("capture", "kind", "split", "compile")
 
-    def __init__(self, capture: Callable[[str, str, str, Tensor], None] | None = None, kind: str = "") -> None:
+    def __init__(
+        self,
+        capture: Callable[[str, str, str, Tensor], None] | None = None,
+        kind: str = "",
+        split: LocalSplit | None = None,
+        compile: bool = False,
+    ) -> None:
         self.capture = capture
         self.kind = kind
+        #: Use the torch.compile-fused normalise+update kernels of ``fused.py`` where a rule has one.
+        self.compile = compile
+        #: Work splitter (see ``distributed.py``): who orthogonalises which matrix, sums over shards.
+        self.split = split if split is not None else LocalSplit()
 
     def emit(self, items: Sequence[Item], tensors: Sequence[Tensor], what: str) -> None:
         if self.capture is not None:
@@ -69,15 +80,23 @@ class StepContext:
 
 
 class Item:
-    """One parameter in a rule call: the tensor, its gradient, its state and its name."""
+    """One parameter in a rule call: the tensor, its gradient, its state, its name and its global shape.
 
-    __slots__ = ("param", "grad", "state", "name")
+    Under FSDP2 ``param`` and ``grad`` are the local row shards (plain tensors sharing storage with
+    the DTensors), ``shape`` the full shape, and state tensors are DTensors (read them with
+    :func:`meqmuon.optim.distributed.local`).
+    """
 
-    def __init__(self, param: Tensor, grad: Tensor, state: dict[str, Any], name: str) -> None:
+    __slots__ = ("param", "grad", "state", "name", "shape")
+
+    def __init__(
+        self, param: Tensor, grad: Tensor, state: dict[str, Any], name: str, shape: torch.Size | None = None
+    ) -> None:
         self.param = param
         self.grad = grad
         self.state = state
         self.name = name
+        self.shape = param.shape if shape is None else shape
 
 
 def apply_update(items: Sequence[Item], directions: Sequence[Tensor], scales: Sequence[float], group: dict) -> None:
@@ -97,7 +116,7 @@ def _state_dtype(p: Tensor, group: dict) -> torch.dtype:
 def _momentum_inputs(items: Sequence[Item], group: dict) -> list[Tensor]:
     """Update ``B <- mu B + G`` in place and return the direction inputs (Nesterov or plain)."""
     mu, nesterov = group["momentum"], group["nesterov"]
-    bufs = [it.state["momentum_buffer"] for it in items]
+    bufs = [local(it.state["momentum_buffer"]) for it in items]
     grads = [it.grad if it.grad.dtype == b.dtype else it.grad.to(b.dtype) for it, b in zip(items, bufs, strict=True)]
     torch._foreach_mul_(bufs, mu)
     torch._foreach_add_(bufs, grads)
@@ -106,26 +125,12 @@ def _momentum_inputs(items: Sequence[Item], group: dict) -> list[Tensor]:
     return bufs
 
 
-def _by_matrix_shape(tensors: Sequence[Tensor]) -> dict[tuple, list[int]]:
-    buckets: dict[tuple, list[int]] = defaultdict(list)
-    for i, t in enumerate(tensors):
-        buckets[(*_matrix_shape(t), t.dtype, t.device)].append(i)
-    return buckets
-
-
-def _stack_matrices(tensors: Sequence[Tensor], idx: Sequence[int]) -> Tensor:
-    return torch.stack([F.as_matrix(tensors[i]) for i in idx])
-
-
-def orthogonalize_many(inputs: Sequence[Tensor], group: dict) -> list[Tensor]:
-    """Newton-Schulz on every input, one batched call per matrix shape (paper eq. 3)."""
-    out: list[Tensor | None] = [None] * len(inputs)
-    for idx in _by_matrix_shape(inputs).values():
-        stacked = _stack_matrices(inputs, idx)
-        ortho = F.orthogonalize(stacked, group["ns_steps"], tuple(group["ns_coefficients"]), group["ns_dtype"])
-        for j, i in enumerate(idx):
-            out[i] = ortho[j]
-    return out  # type: ignore[return-value]
+def orthogonalize_buckets(
+    items: Sequence[Item], inputs: Sequence[Tensor], group: dict, ctx: StepContext
+) -> list[tuple[list[int], Tensor]]:
+    """Newton-Schulz on every input, one batched call per matrix shape (paper eq. 3), split over
+    ranks by ``ctx.split``. Returns ``[(indices, stack)]`` per shape bucket."""
+    return ctx.split.orthogonalize(inputs, [_matrix_shape(it.shape) for it in items], group)
 
 
 class Rule:
@@ -185,15 +190,21 @@ class MeqHidden(_MomentumRule):
 
     def init_state(self, p, state, group):
         super().init_state(p, state, group)
+        # Plain tensor even under FSDP2: every rank makes the same choice for the whole matrix.
         state["rows_chosen"] = torch.zeros((), dtype=torch.int64, device=p.device)
 
     def step(self, items, group, ctx):
         inputs = self._inputs(items, group, ctx)
         directions: list[Tensor | None] = [None] * len(items)
-        for idx in _by_matrix_shape(inputs).values():
-            stacked = _stack_matrices(inputs, idx)
-            ortho = F.orthogonalize(stacked, group["ns_steps"], tuple(group["ns_coefficients"]), group["ns_dtype"])
-            normed, chose_rows = F.adaptive_normalize(ortho)
+        if ctx.compile:
+            for idx, ortho in orthogonalize_buckets(items, inputs, group, ctx):
+                params = [items[i].param for i in idx]
+                chose_rows = fused.meq_hidden_update(ortho, params, group["lr"], group["weight_decay"], group["rho"])
+                torch._foreach_add_([items[i].state["rows_chosen"] for i in idx], list(chose_rows.unbind(0)))
+            return
+        for idx, ortho in orthogonalize_buckets(items, inputs, group, ctx):
+            rows = _matrix_shape(items[idx[0]].shape)[0]
+            normed, chose_rows = F.adaptive_normalize(ortho, psum=ctx.split.psum, rows=rows)
             for j, i in enumerate(idx):
                 directions[i] = normed[j]
                 items[i].state["rows_chosen"].add_(chose_rows[j])
@@ -210,9 +221,12 @@ class MoonlightHidden(_MomentumRule):
 
     def step(self, items, group, ctx):
         inputs = self._inputs(items, group, ctx)
-        directions = orthogonalize_many(inputs, group)
-        scales = [group["rho"] * _shape_scale(it.param) for it in items]
-        apply_update(items, directions, scales, group)
+        directions: list[Tensor | None] = [None] * len(items)
+        for idx, ortho in orthogonalize_buckets(items, inputs, group, ctx):
+            for j, i in enumerate(idx):
+                directions[i] = ortho[j]
+        scales = [group["rho"] * _shape_scale(it.shape) for it in items]
+        apply_update(items, directions, scales, group)  # type: ignore[arg-type]
 
 
 class NorMuonHidden(_MomentumRule):
@@ -237,28 +251,30 @@ class NorMuonHidden(_MomentumRule):
 
     def init_state(self, p, state, group):
         super().init_state(p, state, group)
-        state["second_moment"] = torch.zeros(
-            p.shape[0], dtype=torch.promote_types(p.dtype, torch.float32), device=p.device
-        )
+        state["second_moment"] = rows_state_like(p, torch.promote_types(p.dtype, torch.float32))
 
     def step(self, items, group, ctx):
         inputs = self._inputs(items, group, ctx)
         beta2 = group["beta2"]
         directions: list[Tensor | None] = [None] * len(items)
-        for idx in _by_matrix_shape(inputs).values():
-            stacked = _stack_matrices(inputs, idx)
-            O = F.orthogonalize(stacked, group["ns_steps"], tuple(group["ns_coefficients"]), group["ns_dtype"])
+        psum = ctx.split.psum
+        for idx, O in orthogonalize_buckets(items, inputs, group, ctx):
             O = _at_least_fp32(O)
-            v = torch.stack([items[i].state["second_moment"] for i in idx]).to(O.dtype)
+            # Rows are whole on every shard, so the per-row second moment is local under FSDP2.
+            v = torch.stack([local(items[i].state["second_moment"]) for i in idx]).to(O.dtype)
             v.lerp_(O.square().mean(dim=-1), 1.0 - beta2)
             scaled = O / (v.sqrt().unsqueeze(-1) + NORMUON_EPS)
-            fro_o = torch.linalg.vector_norm(O, dim=(-2, -1), keepdim=True)
-            fro_s = torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True)
+            if psum is None:
+                fro_o = torch.linalg.vector_norm(O, dim=(-2, -1), keepdim=True)
+                fro_s = torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True)
+            else:  # Frobenius norms of the whole matrices: sum the shards' sums of squares
+                sq = psum(torch.stack([O.square().sum(dim=(-2, -1)), scaled.square().sum(dim=(-2, -1))]))
+                fro_o, fro_s = sq[0].sqrt()[:, None, None], sq[1].sqrt()[:, None, None]
             scaled = scaled * (fro_o / (fro_s + NORMUON_EPS))
             for j, i in enumerate(idx):
-                items[i].state["second_moment"].copy_(v[j])
+                local(items[i].state["second_moment"]).copy_(v[j])
                 directions[i] = scaled[j]
-        scales = [group["rho"] * _shape_scale(it.param) for it in items]
+        scales = [group["rho"] * _shape_scale(it.shape) for it in items]
         apply_update(items, directions, scales, group)  # type: ignore[arg-type]
 
 
@@ -271,7 +287,15 @@ class Equilibrate(_MomentumRule):
 
     def step(self, items, group, ctx):
         inputs = self._inputs(items, group, ctx)
-        directions = [F.equilibrate(F.as_matrix(x)) for x in inputs]
+        if ctx.compile:
+            params = [it.param for it in items]
+            fused.equilibrate_update(inputs, params, group["lr"], group["weight_decay"], group["rho"])
+            return
+        psum = ctx.split.psum
+        directions = [
+            F.equilibrate(F.as_matrix(x), psum=psum, rows=_matrix_shape(it.shape)[0])
+            for it, x in zip(items, inputs, strict=True)
+        ]
         apply_update(items, directions, [group["rho"]] * len(items), group)
 
 
@@ -283,7 +307,13 @@ class RmsNormalize(_MomentumRule):
 
     def step(self, items, group, ctx):
         inputs = self._inputs(items, group, ctx)
-        directions = [F.rms_normalize(x) for x in inputs]
+        if ctx.compile:
+            fused.rms_update(inputs, [it.param for it in items], group["lr"], group["weight_decay"], group["rho"])
+            return
+        psum = ctx.split.psum
+        directions = [
+            F.rms_normalize(x, psum=psum, numel=math.prod(it.shape)) for it, x in zip(items, inputs, strict=True)
+        ]
         apply_update(items, directions, [group["rho"]] * len(items), group)
 
 
@@ -324,7 +354,7 @@ class AdamW(Rule):
             st = it.state
             st["step"] += 1
             t = st["step"]
-            m, v = st["exp_avg"], st["exp_avg_sq"]
+            m, v = local(st["exp_avg"]), local(st["exp_avg_sq"])
             g = it.grad.to(m.dtype)
             m.lerp_(g, 1.0 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
@@ -356,14 +386,19 @@ def _at_least_fp32(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _scale_row(x: Tensor) -> Tensor:
+def _scale_row(x: Tensor, psum: F.PSum = None, rows: int | None = None) -> Tensor:
+    # Row statistics are local to a row shard: psum/rows are not needed.
     x = _at_least_fp32(F.as_matrix(x))
     return x / x.square().mean(dim=-1, keepdim=True).sqrt().clamp(min=SCALE_EPS)
 
 
-def _scale_col(x: Tensor) -> Tensor:
+def _scale_col(x: Tensor, psum: F.PSum = None, rows: int | None = None) -> Tensor:
     x = _at_least_fp32(F.as_matrix(x))
-    return x / x.square().mean(dim=-2, keepdim=True).sqrt().clamp(min=SCALE_EPS)
+    if psum is None:
+        ms = x.square().mean(dim=-2, keepdim=True)
+    else:  # column sums of squares over all row shards
+        ms = psum(x.square().sum(dim=-2, keepdim=True)) / rows
+    return x / ms.sqrt().clamp(min=SCALE_EPS)
 
 
 class _ScaleRaw(Rule):
@@ -382,7 +417,8 @@ class _ScaleRaw(Rule):
         ctx.emit(items, [it.grad for it in items], "gradient")
         for it in items:
             it.state["step"] += 1
-        directions = [type(self).normalise(it.grad) for it in items]
+        psum = ctx.split.psum
+        directions = [type(self).normalise(it.grad, psum, _matrix_shape(it.shape)[0]) for it in items]
         apply_update(items, directions, [1.0] * len(items), group)
 
 
@@ -422,7 +458,7 @@ class ScaleHead(Rule):
         directions = []
         for it in items:
             it.state["step"] += 1
-            m = it.state["momentum_buffer"]
+            m = local(it.state["momentum_buffer"])
             m.lerp_(it.grad.to(m.dtype), 1.0 - group["momentum"])
             directions.append(_scale_row(m))
         apply_update(items, directions, [1.0] * len(items), group)

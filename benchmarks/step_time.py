@@ -1,0 +1,161 @@
+"""Optimizer step time on the parameter shapes of a paper model (random gradients), plus the NS FLOP floor.
+
+Usage (CPU here; any device with ``--device``)::
+
+    python benchmarks/step_time.py --model llama-60m --threads 2 --repeats 5
+
+All optimizers are timed in one run, interleaved round-robin (the machine is shared and noisy), and
+reported as ratios. The FLOP floor is the Newton-Schulz FLOP count divided by the measured bf16
+batched-matmul rate *on the same shapes* (the three matmuls of one NS iteration per shape bucket):
+it is the time NS would take if nothing but its matmuls ran, at the rate this machine achieves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from collections import Counter
+from datetime import date
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import LLAMA, llama_shapes  # noqa: E402
+
+import meqmuon  # noqa: E402
+from meqmuon.optim.distributed import ns_flops  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_params(shapes, device, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    params = {
+        k: [nn.Parameter((torch.randn(s, generator=g) * 0.02).to(device, dtype)) for s in v] for k, v in shapes.items()
+    }
+    for ps in params.values():
+        for p in ps:
+            p.grad = torch.randn_like(p)
+    return params
+
+
+def groups_of(params):
+    return [{"params": ps, "kind": k, "names": [f"{k}.{i}" for i in range(len(ps))]} for k, ps in params.items() if ps]
+
+
+class TorchMuonAdamW:
+    """``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`` on hidden matrices + ``torch.optim.AdamW`` on the rest."""
+
+    def __init__(self, params, lr=1e-3):
+        hidden = params["hidden"]
+        rest = [p for k, ps in params.items() if k != "hidden" for p in ps]
+        self.muon = torch.optim.Muon(hidden, lr=lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+        self.adamw = torch.optim.AdamW(rest, lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+
+    def step(self):
+        self.muon.step()
+        self.adamw.step()
+
+
+def build(name, params):
+    all_params = [p for ps in params.values() for p in ps]
+    if name == "torch Muon+AdamW":
+        return TorchMuonAdamW(params)
+    if name == "torch AdamW":
+        return torch.optim.AdamW(all_params, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    base, _, flag = name.partition(" ")
+    kw = {"compile": True} if flag == "(compile)" else {}
+    return meqmuon.build_optimizer(base, groups_of(params), lr=1e-3, **kw)
+
+
+def time_call(fn, device, repeats):
+    out = []
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def matmul_floor(hidden_shapes, device, repeats, steps=5):
+    """Seconds for the NS matmuls at the measured bf16 bmm rate, and the total NS FLOPs."""
+    total_t, total_f = 0.0, 0
+    for (m, n), k in Counter((s[0], s[1]) for s in hidden_shapes).items():
+        a, b = min(m, n), max(m, n)
+        X = torch.randn(k, a, b, device=device, dtype=torch.bfloat16)
+        A = torch.randn(k, a, a, device=device, dtype=torch.bfloat16)
+        ops = [lambda X=X: torch.bmm(X, X.mT), lambda A=A: torch.bmm(A, A), lambda A=A, X=X: torch.bmm(A, X)]
+        t_iter = 0.0
+        for op in ops:
+            op()
+            t_iter += statistics.median(time_call(op, device, repeats))
+        total_t += steps * t_iter
+        total_f += k * ns_flops(m, n, steps)
+    return total_t, total_f
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama-60m", choices=sorted(LLAMA))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--compile", action="store_true", help="also time MeqMuon with compile=True")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    shapes = llama_shapes(args.model)
+    names = ["meqmuon", "muon", "normuon", "torch Muon+AdamW", "torch AdamW"]
+    if args.compile:
+        names.insert(1, "meqmuon (compile)")
+    opts = {}
+    params = {}
+    for name in names:
+        params[name] = make_params(shapes, device)
+        opts[name] = build(name, params[name])
+        for _ in range(args.warmup):
+            opts[name].step()
+    times = {n: [] for n in names}
+    for _ in range(args.repeats):  # round-robin so that load changes hit all optimizers alike
+        for name in names:
+            times[name] += time_call(opts[name].step, device, 1)
+    med = {n: statistics.median(t) for n, t in times.items()}
+    floor, flops = matmul_floor(shapes["hidden"], device, args.repeats)
+    ref = med["torch Muon+AdamW"]
+    n_params = sum(torch.Size(s).numel() for v in shapes.values() for s in v)
+    lines = [
+        f"### {args.model} optimizer step ({n_params / 1e6:.2f}M parameters, fp32 params, bf16 NS)",
+        "",
+        f"- date {date.today()}, machine: {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}, device {device}",
+        f"- command: `python benchmarks/step_time.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
+        f"- Newton-Schulz FLOPs per step: {flops / 1e9:.1f} GFLOP; measured bf16 bmm rate on these shapes: "
+        f"{flops / floor / 1e9:.0f} GFLOP/s; FLOP floor {floor * 1e3:.0f} ms",
+        "",
+        "| optimizer | median step (ms) | / torch Muon+AdamW | / FLOP floor | NS rate achieved |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for n in names:
+        has_ns = n not in ("torch AdamW",)
+        lines.append(
+            f"| {n} | {med[n] * 1e3:.0f} | {med[n] / ref:.2f} | {med[n] / floor:.2f} | "
+            + (f"{floor / med[n]:.0%}" if has_ns else "-")
+            + " |"
+        )
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,342 @@
+"""Distributed MeqMuon (issue 5): DDP work split and FSDP2 (DTensor) sharding, 2 processes on gloo (CPU).
+
+What is proven and why the tolerances:
+
+- DDP (``ReplicatedSplit``): given identical gradients on every rank, 2 ranks produce *bit for bit*
+  the parameters of one process after several steps, for MeqMuon, Muon and NorMuon. This holds
+  because Newton-Schulz of a sub-stack gives the same bits as of the full stack (checked directly
+  below) and everything after it runs identically on every rank. The Newton-Schulz work is really
+  split: the two ranks together orthogonalise each matrix exactly once per step.
+- The optimizer state is complete on every rank: the two ranks' ``state_dict()`` are equal, and the
+  one saved on rank 0 mid-run, loaded into a fresh *single-process* optimizer, continues bit for
+  bit like the distributed run (KellerJordan/Muon issue 46 is the failure this rules out).
+- FSDP2 (``fully_shard``, ``Shard(0)``; odd dim-0 sizes and an empty shard included): MeqMuon
+  (hidden, embedding/head and vector rules), Muon, NorMuon and SCALE equal the unsharded optimizer
+  to 1e-6 (float32 parameters). Newton-Schulz inputs arrive bit-identical at the owner rank; the
+  only differences are the rounding of partial sums of squares reduced across shards (~1e-7
+  relative), times a few steps of size ``lr``. MeqMuon's row/column choices are equal exactly.
+
+Workers are spawned inside the tests; each ends with ``destroy_process_group`` and ``os._exit``
+(a gloo process may otherwise abort at interpreter exit after finishing its work).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import meqmuon
+from meqmuon import functional as F
+from meqmuon.optim import distributed as D
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+
+WORLD = 2
+STEPS = 4
+SAVE_AT = 2
+# Shapes chosen so that shape buckets have 3, 2, 1 and 1 matrices (uneven split across 2 ranks),
+# with tall, wide and square matrices and a convolution kernel.
+HIDDEN = [(16, 32), (16, 32), (16, 32), (32, 16), (32, 16), (24, 24), (8, 4, 3)]
+EMBED, HEAD, VECTORS = (40, 16), (40, 16), [(16,), (24,)]
+# FSDP2 shapes: odd dim-0 sizes (uneven shards) and a 1-row matrix (rank 1's shard is empty).
+FSDP_HIDDEN = [(15, 8), (15, 8), (7, 12), (7, 12), (7, 12), (12, 12), (1, 6)]
+FSDP_EMBED, FSDP_HEAD, FSDP_VECTORS = (21, 8), (21, 8), [(15,), (7,)]
+DDP_NAMES = ["meqmuon", "muon", "normuon"]
+FSDP_NAMES = ["meqmuon", "muon", "normuon", "scale"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _params(hidden, embed, head, vectors, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda shape: nn.Parameter(torch.randn(*shape, generator=g) * 0.1)  # noqa: E731
+    return {
+        "hidden": [make(s) for s in hidden],
+        "embedding": [make(embed)],
+        "head": [make(head)],
+        "vector": [make(s) for s in vectors],
+    }
+
+
+def _groups(params):
+    return [{"params": ps, "kind": k, "names": [f"{k}.{i}" for i in range(len(ps))]} for k, ps in params.items() if ps]
+
+
+def _grads(params, step):
+    """Deterministic gradients for a step, the same in every process (some rows zero, as for absent tokens)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    out = {}
+    for k, ps in params.items():
+        out[k] = [
+            torch.randn(p.shape, generator=g)
+            * (1 + 0.5 * torch.rand(p.shape[:1], generator=g)).reshape(-1, *([1] * (p.ndim - 1)))
+            for p in ps
+        ]
+    out["embedding"][0][::5] = 0.0
+    return out
+
+
+def _set_grads(params, step):
+    for k, gs in _grads(params, step).items():
+        for p, gr in zip(params[k], gs, strict=True):
+            p.grad = gr
+
+
+def _opt(name, groups, **kw):
+    return meqmuon.build_optimizer(name, groups, lr=0.02, weight_decay=0.1, **kw)
+
+
+def _flat(params):
+    return [p.detach().clone() for k in ("hidden", "embedding", "head", "vector") for p in params[k]]
+
+
+def _spawn(fn, tmp_path, *args):
+    port = _free_port()
+    mp.spawn(_entry, args=(fn, port, str(tmp_path), args), nprocs=WORLD, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _entry(rank, fn, port, tmp, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        result = fn(rank, *args)
+        torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+# ---- single-process facts the distributed path relies on ----------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(7, 16, 32), (5, 24, 12), (2, 32, 16)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_newton_schulz_is_batch_size_independent(shape, dtype):
+    """NS of any sub-stack equals the same matrices of the full-stack NS bit for bit (1 and 2 threads)."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            full = F.orthogonalize(x, dtype=dtype)
+            for lo, hi in [(0, 1), (1, 3), (2, shape[0]), (shape[0] - 1, shape[0])]:
+                assert torch.equal(full[lo:hi], F.orthogonalize(x[lo:hi], dtype=dtype)), (t, lo, hi)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_assign_counts_is_balanced_and_covers_every_matrix():
+    sizes, costs = [3, 2, 1, 1, 5], [4.0, 2.0, 9.0, 9.0, 1.0]
+    plan = D.assign_counts(sizes, costs, 2)
+    assert plan == D.assign_counts(sizes, costs, 2)  # deterministic
+    assert [sum(c) for c in plan] == sizes
+    assert all(max(c) - min(c) <= 1 for c in plan)
+    # the two single 9-FLOP matrices go to different ranks
+    assert plan[2] != plan[3]
+    loads = [sum(c[r] * w for c, w in zip(plan, costs, strict=True)) for r in range(2)]
+    assert abs(loads[0] - loads[1]) <= max(costs)
+
+
+def test_ns_flops_formula():
+    # square m=n: 5 * (4 m^3 + 2 m^3); tall and wide give the same count (wide orientation)
+    assert D.ns_flops(4, 4, 5) == 5 * 6 * 64
+    assert D.ns_flops(3, 8, 1) == D.ns_flops(8, 3, 1) == 4 * 9 * 8 + 2 * 27
+
+
+def test_process_group_none_without_distributed_is_single_process():
+    assert not dist.is_initialized()
+    params = _params(HIDDEN, EMBED, HEAD, VECTORS)
+    opt = _opt("meqmuon", _groups(params))
+    assert opt._process_group is None
+    assert type(opt._splitter(opt.param_groups[0])) is D.LocalSplit
+
+
+# ---- DDP ------------------------------------------------------------------------------------
+
+
+def _ddp_worker(rank, name):
+    ns_count = [0]
+    real_ns = D._ns
+
+    def counting_ns(x, group):
+        ns_count[0] += x.shape[0]
+        return real_ns(x, group)
+
+    D._ns = counting_ns
+    params = _params(HIDDEN, EMBED, HEAD, VECTORS)
+    opt = _opt(name, _groups(params))
+    assert isinstance(opt._splitter(opt.param_groups[0]), D.ReplicatedSplit)
+    saved = None
+    for step in range(STEPS):
+        _set_grads(params, step)
+        opt.step()
+        if step + 1 == SAVE_AT:
+            buf = io.BytesIO()
+            torch.save(opt.state_dict(), buf)
+            saved = (buf.getvalue(), _flat(params))
+    counts = opt.selection_counts() if name == "meqmuon" else None
+    return {"params": _flat(params), "state": opt.state_dict(), "saved": saved, "ns": ns_count[0], "counts": counts}
+
+
+def _single_process(name, hidden=HIDDEN, embed=EMBED, head=HEAD, vectors=VECTORS, steps=STEPS):
+    params = _params(hidden, embed, head, vectors)
+    opt = _opt(name, _groups(params))
+    for step in range(steps):
+        _set_grads(params, step)
+        opt.step()
+    return params, opt
+
+
+def _state_equal(a, b):
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        for key, v in a["state"][k].items():
+            w = b["state"][k][key]
+            assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, (k, key)
+
+
+@pytest.mark.parametrize("name", DDP_NAMES)
+def test_ddp_split_is_bit_exact_and_state_complete(name, tmp_path):
+    results = _spawn(_ddp_worker, tmp_path, name)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref_params, ref_opt = _single_process(name)
+    finally:
+        torch.set_num_threads(threads)
+    ref = _flat(ref_params)
+    moved = max(
+        (a - b).abs().max().item() for a, b in zip(ref, _flat(_params(HIDDEN, EMBED, HEAD, VECTORS)), strict=True)
+    )
+    assert moved > 1e-3
+    for r, res in enumerate(results):
+        for i, (p, q) in enumerate(zip(res["params"], ref, strict=True)):
+            assert torch.equal(p, q), (name, r, i)
+    # complete state on every rank, equal to the single process's
+    _state_equal(results[0]["state"], results[1]["state"])
+    _state_equal(results[0]["state"], ref_opt.state_dict())
+    if name == "meqmuon":
+        assert results[0]["counts"] == results[1]["counts"] == ref_opt.selection_counts()
+    # Newton-Schulz work is split, not repeated: each matrix once per step over both ranks
+    n_hidden = len(HIDDEN)
+    assert results[0]["ns"] + results[1]["ns"] == n_hidden * STEPS
+    assert 0 < results[0]["ns"] < n_hidden * STEPS and 0 < results[1]["ns"] < n_hidden * STEPS
+
+
+def _resume_single_process(name, saved):
+    """Load rank 0's mid-run state_dict into a fresh single-process optimizer and finish the run."""
+    blob, flat = saved
+    params = _params(HIDDEN, EMBED, HEAD, VECTORS, seed=123)
+    with torch.no_grad():
+        for p, v in zip([p for k in ("hidden", "embedding", "head", "vector") for p in params[k]], flat, strict=True):
+            p.copy_(v)
+    opt = _opt(name, _groups(params))
+    opt.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
+    for step in range(SAVE_AT, STEPS):
+        _set_grads(params, step)
+        opt.step()
+    return _flat(params)
+
+
+@pytest.mark.parametrize("name", ["meqmuon", "normuon"])
+def test_state_dict_from_rank0_resumes_single_process(name, tmp_path):
+    results = _spawn(_ddp_worker, tmp_path, name)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        resumed = _resume_single_process(name, results[0]["saved"])
+    finally:
+        torch.set_num_threads(threads)
+    for i, (p, q) in enumerate(zip(resumed, results[1]["params"], strict=True)):
+        assert torch.equal(p, q), i
+
+
+# ---- FSDP2 ----------------------------------------------------------------------------------
+
+
+class _Holder(nn.Module):
+    def __init__(self, params):
+        super().__init__()
+        for k, ps in params.items():
+            for i, p in enumerate(ps):
+                self.register_parameter(f"{k}_{i}", p)
+
+
+def _fsdp_worker(rank, names):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    out = {}
+    for name in names:
+        params = _params(FSDP_HIDDEN, FSDP_EMBED, FSDP_HEAD, FSDP_VECTORS)
+        holder = _Holder(params)
+        fully_shard(holder, mesh=mesh)
+        # fully_shard replaced the parameters by DTensors: look them up again, in the same order
+        sharded = {k: [getattr(holder, f"{k}_{i}") for i in range(len(ps))] for k, ps in params.items()}
+        local_rows = [p.to_local().shape[0] for p in sharded["hidden"]]
+        opt = _opt(name, _groups(sharded))
+        assert isinstance(opt._splitter(opt.param_groups[0]), D.ShardedSplit)
+        for step in range(STEPS):
+            for k, gs in _grads(params, step).items():
+                for p, gr in zip(sharded[k], gs, strict=True):
+                    p.grad = distribute_tensor(gr, mesh, [Shard(0)])
+            opt.step()
+        full = [p.full_tensor().detach().clone() for k in ("hidden", "embedding", "head", "vector") for p in sharded[k]]
+        counts = opt.selection_counts() if name == "meqmuon" else None
+        out[name] = {"params": full, "counts": counts, "local_rows": local_rows}
+    # an unsupported layout raises instead of silently doing something else
+    rep = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Replicate()]))
+    rep.grad = distribute_tensor(torch.randn(6, 4), mesh, [Replicate()])
+    try:
+        meqmuon.MeqMuon([{"params": [rep], "kind": "hidden"}]).step()
+        out["replicate_error"] = None
+    except NotImplementedError as e:
+        out["replicate_error"] = str(e)
+    return out
+
+
+def test_fsdp2_equals_unsharded(tmp_path):
+    results = _spawn(_fsdp_worker, tmp_path, FSDP_NAMES)
+    assert results[0]["meqmuon"]["local_rows"] == [8, 8, 4, 4, 4, 6, 1]
+    assert results[1]["meqmuon"]["local_rows"] == [7, 7, 3, 3, 3, 6, 0]  # uneven, and one empty shard
+    assert "Shard(0)" in results[0]["replicate_error"]
+    init = _flat(_params(FSDP_HIDDEN, FSDP_EMBED, FSDP_HEAD, FSDP_VECTORS))
+    for name in FSDP_NAMES:
+        ref_params, ref_opt = _single_process(name, FSDP_HIDDEN, FSDP_EMBED, FSDP_HEAD, FSDP_VECTORS)
+        ref = _flat(ref_params)
+        assert max((a - b).abs().max().item() for a, b in zip(ref, init, strict=True)) > 1e-3
+        for r in range(WORLD):
+            got = results[r][name]["params"]
+            for i, (p, q) in enumerate(zip(got, ref, strict=True)):
+                assert torch.allclose(p, q, rtol=0, atol=1e-6), (name, r, i, (p - q).abs().max().item())
+        if name == "meqmuon":
+            assert results[0][name]["counts"] == results[1][name]["counts"] == ref_opt.selection_counts()
+
+
+def test_newton_schulz_sub_stack_regression():
+    """Inputs on which a baddbmm-fused NS gave the last of 3 matrices other bits than NS alone."""
+    g = torch.Generator().manual_seed(0)
+    torch.randn(2, 32, 16, generator=g)
+    x = torch.randn(3, 16, 32, generator=g)
+    full = F.orthogonalize(x)
+    assert all(torch.equal(full[i], F.orthogonalize(x[i])) for i in range(3))
