@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..functional import NS_COEFFICIENTS, NS_EPS, row_col_cv
+from ..functional import NS_COEFFICIENTS, NS_EPS, ns_step, row_col_cv
 from .tables import fmt_cv, markdown_table, shape_str
 
 __all__ = ["ns_trajectory", "exact_orthogonalize", "trajectory_table", "plot_trajectories"]
@@ -46,9 +46,7 @@ def ns_trajectory(
 
     out = [stats(X)]
     for _ in range(max_steps):
-        A = X @ X.mT
-        B = b * A + c * (A @ A)
-        X = a * X + B @ X
+        X = ns_step(X, (a, b, c))  # the optimizer's own iteration, so k = 5 reproduces its update
         out.append(stats(X))
     return out
 
