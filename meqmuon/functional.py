@@ -158,10 +158,13 @@ def col_rms(x: Tensor, psum: PSum = None, rows: int | None = None) -> Tensor:
     With ``psum`` (rows sharded), ``m = rows`` is the global row count and the column sums of
     squares are summed over shards.
     """
-    if psum is None:
-        return torch.linalg.vector_norm(x, dim=-2, dtype=_stat_dtype(x)) / math.sqrt(x.shape[-2])
     x = x.to(_stat_dtype(x))
-    return (psum(x.square().sum(dim=-2)) / rows).sqrt()
+    # Not vector_norm(dim=-2): its strided column reduction measured 54 ms against 28 ms for this
+    # on a 32000 x 512 float32 embedding (2 CPU cores).
+    sumsq = (x * x).sum(dim=-2)
+    if psum is None:
+        return (sumsq / x.shape[-2]).sqrt()
+    return (psum(sumsq) / rows).sqrt()
 
 
 def cv(v: Tensor, delta: float = DELTA, psum: PSum = None) -> Tensor:
