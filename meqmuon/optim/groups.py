@@ -29,20 +29,9 @@ KINDS = ("hidden", "embedding", "head", "vector")
 HEAD_NAME_PATTERN = re.compile(r"(^|\.)(lm_head|head|classifier|output_layer|score|fc_out)$")
 
 
-def _output_embedding_module(model: nn.Module) -> nn.Module | None:
-    getter = getattr(model, "get_output_embeddings", None)
-    if callable(getter):
-        try:
-            module = getter()
-        except NotImplementedError:
-            module = None
-        if isinstance(module, nn.Module):
-            return module
-    return None
-
-
-def _input_embedding_module(model: nn.Module) -> nn.Module | None:
-    getter = getattr(model, "get_input_embeddings", None)
+def _hf_module(model: nn.Module, getter_name: str) -> nn.Module | None:
+    """``model.get_input_embeddings()`` / ``get_output_embeddings()`` where the model has them."""
+    getter = getattr(model, getter_name, None)
     if callable(getter):
         try:
             module = getter()
@@ -65,14 +54,14 @@ def classify_parameters(model: nn.Module) -> dict[str, Any]:
 
     embedding_ids: set[int] = set()
     head_ids: set[int] = set()
-    emb_module = _input_embedding_module(model)
+    emb_module = _hf_module(model, "get_input_embeddings")
     if emb_module is not None:
         embedding_ids.update(id(p) for p in emb_module.parameters(recurse=False) if p.ndim >= 2)
     for module in model.modules():
         if isinstance(module, nn.Embedding | nn.EmbeddingBag):
             embedding_ids.add(id(module.weight))
 
-    out_module = _output_embedding_module(model)
+    out_module = _hf_module(model, "get_output_embeddings")
     if out_module is not None:
         head_ids.update(id(p) for p in out_module.parameters(recurse=False) if p.ndim >= 2)
     else:
