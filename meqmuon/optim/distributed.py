@@ -4,7 +4,7 @@ Rules ask a *work splitter* for the Newton-Schulz outputs of their matrices and,
 sharded, for a sum over shards (``psum``). Three splitters, chosen per param group by
 :func:`splitter_for`:
 
-``LocalSplit``       one process: one batched Newton-Schulz call per matrix shape.
+``LocalSplit``       one process: one ``orthogonalize`` call per matrix shape.
 ``ReplicatedSplit``  DDP (gradients already all-reduced, every rank holds every full matrix): the
                      matrices of each shape bucket are assigned to ranks (balanced by FLOPs across
                      buckets, deterministic), each rank orthogonalises its own sub-stack, and one
@@ -27,10 +27,10 @@ Why only Newton-Schulz is split (and not the normalisation after it): NS costs
 collective per bucket, and makes MeqMuon's row/column choice and NorMuon's second moment identical
 on every rank by construction (no extra gather of choices or state).
 
-Bit-exactness with one process: a batched ``matmul`` on CPU computes each matrix of the batch
-independently of the batch size and of the thread count (checked by
-``tests/test_distributed.py::test_newton_schulz_is_batch_size_independent``), so NS of a sub-stack
-gives the same bits as NS of the full stack.
+Bit-exactness with one process: ``functional.orthogonalize`` iterates matrix by matrix (2-D fused
+``addmm``, torch.optim.Muon's form), so a matrix's bits do not depend on the stack it travels in
+(checked by ``tests/test_distributed.py::test_newton_schulz_is_batch_size_independent``), and NS of a
+sub-stack gives the same bits as NS of the full stack.
 
 All ranks must call ``step()`` with the same parameters having gradients (DDP guarantees this),
 otherwise the collectives do not match.
