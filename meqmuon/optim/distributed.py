@@ -143,8 +143,14 @@ def _ns(x: Tensor, group: dict) -> Tensor:
     return F.orthogonalize(x, group["ns_steps"], tuple(group["ns_coefficients"]), group["ns_dtype"])
 
 
+def _ns_stack(mats: Sequence[Tensor], group: dict) -> Tensor:
+    """NS of each matrix, stacked. Stacking the (bf16) outputs rather than the (fp32) inputs saves a
+    full-size copy: ``orthogonalize`` iterates matrix by matrix anyway."""
+    return torch.stack([_ns(x, group) for x in mats])
+
+
 class LocalSplit:
-    """Single process: every matrix here, one batched Newton-Schulz call per shape bucket."""
+    """Single process: every matrix here, one stack of Newton-Schulz outputs per shape bucket."""
 
     world_size = 1
     rank = 0
@@ -167,26 +173,33 @@ class LocalSplit:
             ``[(indices, stack)]`` per shape bucket: ``stack[j]`` is the NS output of
             ``inputs[indices[j]]`` (this rank's rows of it when ``sharded``).
         """
-        return [
-            (idx, _ns(torch.stack([F.as_matrix(inputs[i]) for i in idx]), group)) for idx in _buckets(shapes, inputs)
-        ]
+        return [(idx, _ns_stack([F.as_matrix(inputs[i]) for i in idx], group)) for idx in _buckets(shapes, inputs)]
 
 
-class ReplicatedSplit(LocalSplit):
-    """DDP: split Newton-Schulz over the ranks of ``process_group`` and all-gather the results."""
+class _CollectiveSplit(LocalSplit):
+    """Shared set-up of the multi-rank splitters: the group, and who orthogonalises which matrix."""
 
     def __init__(self, process_group: Any) -> None:
         self.pg = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
 
-    def orthogonalize(self, inputs, shapes, group):
-        W, rank = self.world_size, self.rank
+    def _plan(
+        self, inputs: Sequence[Tensor], shapes: Sequence[tuple[int, int]], group: dict
+    ) -> list[tuple[list[int], list[int]]]:
+        """``[(bucket indices, matrices per rank)]``, identical on every rank (see :func:`assign_counts`)."""
         buckets = _buckets(shapes, inputs)
         costs = [ns_flops(*shapes[idx[0]], group["ns_steps"]) for idx in buckets]
-        plan = assign_counts([len(idx) for idx in buckets], costs, W)
+        return list(zip(buckets, assign_counts([len(idx) for idx in buckets], costs, self.world_size), strict=True))
+
+
+class ReplicatedSplit(_CollectiveSplit):
+    """DDP: split Newton-Schulz over the ranks of ``process_group`` and all-gather the results."""
+
+    def orthogonalize(self, inputs, shapes, group):
+        W, rank = self.world_size, self.rank
         pending = []
-        for idx, counts in zip(buckets, plan, strict=True):
+        for idx, counts in self._plan(inputs, shapes, group):
             m, n = shapes[idx[0]]
             slots = max(counts)
             start = sum(counts[:rank])
@@ -195,7 +208,7 @@ class ReplicatedSplit(LocalSplit):
             # Unused slots of the send buffer are padding that nobody reads: no need to zero it.
             send = torch.empty((slots, m, n), dtype=out_dtype, device=inputs[idx[0]].device)
             if mine:
-                send[: len(mine)] = _ns(torch.stack(mine), group)
+                send[: len(mine)] = _ns_stack(mine, group)
             recv = send.new_empty((W * slots, m, n))
             work = dist.all_gather_into_tensor(recv, send, group=self.pg, async_op=True)
             # Keep send/recv referenced until wait() (karpathy/nanochat#843: freed buffers tear).
@@ -211,15 +224,13 @@ class ReplicatedSplit(LocalSplit):
         return out
 
 
-class ShardedSplit(LocalSplit):
+class ShardedSplit(_CollectiveSplit):
     """FSDP2: row shards -> whole matrices on owner ranks (all-to-all) -> NS -> row shards back."""
 
     sharded = True
 
     def __init__(self, process_group: Any) -> None:
-        self.pg = process_group
-        self.world_size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
+        super().__init__(process_group)
         self.psum = self._psum
 
     def _psum(self, t: Tensor) -> Tensor:
@@ -234,11 +245,8 @@ class ShardedSplit(LocalSplit):
 
     def orthogonalize(self, inputs, shapes, group):
         W, rank = self.world_size, self.rank
-        buckets = _buckets(shapes, inputs)
-        costs = [ns_flops(*shapes[idx[0]], group["ns_steps"]) for idx in buckets]
-        plan = assign_counts([len(idx) for idx in buckets], costs, W)
         out = []
-        for idx, counts in zip(buckets, plan, strict=True):
+        for idx, counts in self._plan(inputs, shapes, group):
             m, n = shapes[idx[0]]
             s, rows = self._shard_rows(m)
             mine = rows[rank]
@@ -263,7 +271,7 @@ class ShardedSplit(LocalSplit):
             whole = recv.permute(1, 0, 2, 3).reshape(slots, W * s, n)[: counts[rank], :m]
             back = torch.zeros((slots, W * s, n), dtype=dtype, device=send.device)
             if counts[rank]:
-                back[: counts[rank], :m] = _ns(whole, group)
+                back[: counts[rank], :m] = _ns_stack(whole, group)
             send2 = back.reshape(slots, W, s, n).permute(1, 0, 2, 3).contiguous()
             recv2 = torch.empty_like(send2)
             dist.all_to_all_single(recv2, send2, group=self.pg)
