@@ -4,9 +4,11 @@ What is proven and why the tolerances:
 
 - DDP (``ReplicatedSplit``): given identical gradients on every rank, 2 ranks produce *bit for bit*
   the parameters of one process after several steps, for MeqMuon, Muon and NorMuon. This holds
-  because Newton-Schulz of a sub-stack gives the same bits as of the full stack (checked directly
-  below) and everything after it runs identically on every rank. The Newton-Schulz work is really
-  split: the two ranks together orthogonalise each matrix exactly once per step.
+  because each parameter's owner runs exactly the per-matrix code of one process (Newton-Schulz of
+  a matrix does not depend on its neighbours, checked directly below) and a broadcast copies bits.
+  The work is really split: the two ranks together orthogonalise each hidden matrix exactly once
+  per step, and MeqMuon's embedding and head are equilibrated once per step each, on different
+  ranks.
 - The optimizer state is complete on every rank: the two ranks' ``state_dict()`` are equal, and the
   one saved on rank 0 mid-run, loaded into a fresh *single-process* optimizer, continues bit for
   bit like the distributed run (KellerJordan/Muon issue 46 is the failure this rules out).
@@ -35,6 +37,7 @@ from torch import nn
 
 import meqmuon
 from meqmuon import functional as F
+from meqmuon.optim import blockwise as B
 from meqmuon.optim import distributed as D
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
@@ -180,6 +183,14 @@ def _ddp_worker(rank, name):
         return real_ns(x, group)
 
     D._ns = counting_ns
+    equilibrated = []
+    real_eq = B.equilibrate_step_
+
+    def counting_equilibrate(param, *args, **kw):
+        equilibrated.append(tuple(param.shape))
+        return real_eq(param, *args, **kw)
+
+    B.equilibrate_step_ = counting_equilibrate
     params = _params(HIDDEN, EMBED, HEAD, VECTORS)
     opt = _opt(name, _groups(params))
     assert isinstance(opt._splitter(opt.param_groups[0]), D.ReplicatedSplit)
@@ -192,7 +203,8 @@ def _ddp_worker(rank, name):
             torch.save(opt.state_dict(), buf)
             saved = (buf.getvalue(), _flat(params))
     counts = opt.selection_counts() if name == "meqmuon" else None
-    return {"params": _flat(params), "state": opt.state_dict(), "saved": saved, "ns": ns_count[0], "counts": counts}
+    return {"params": _flat(params), "state": opt.state_dict(), "saved": saved, "ns": ns_count[0], "counts": counts,
+            "equilibrated": len(equilibrated)}
 
 
 def _single_process(name, hidden=HIDDEN, embed=EMBED, head=HEAD, vectors=VECTORS, steps=STEPS):
@@ -239,6 +251,17 @@ def test_ddp_split_is_bit_exact_and_state_complete(name, tmp_path):
     n_hidden = len(HIDDEN)
     assert results[0]["ns"] + results[1]["ns"] == n_hidden * STEPS
     assert 0 < results[0]["ns"] < n_hidden * STEPS and 0 < results[1]["ns"] < n_hidden * STEPS
+    if name == "meqmuon":  # embedding and head: each once per step, one on each rank
+        assert results[0]["equilibrated"] == results[1]["equilibrated"] == STEPS
+
+
+def test_assign_owners_balances_across_calls():
+    load = [0.0, 0.0]
+    first = D.assign_owners([5.0, 1.0, 1.0, 3.0], load)
+    assert first == D.assign_owners([5.0, 1.0, 1.0, 3.0], [0.0, 0.0])  # deterministic
+    assert first == [0, 1, 1, 1] and load == [5.0, 5.0]  # longest first, then the least-loaded rank
+    # the load carries over: a single expensive item of the next group goes to rank 0, the next to rank 1
+    assert D.assign_owners([4.0], load) == [0] and D.assign_owners([4.0], load) == [1]
 
 
 def _resume_single_process(name, saved):

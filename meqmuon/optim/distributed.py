@@ -1,36 +1,40 @@
-"""Distributed execution of the hidden-matrix rules, kept out of the maths: who orthogonalises what.
+"""Distributed execution of the momentum rules, kept out of the maths: who updates what.
 
-Rules ask a *work splitter* for the Newton-Schulz outputs of their matrices and, when rows are
-sharded, for a sum over shards (``psum``). Three splitters, chosen per param group by
-:func:`splitter_for`:
+Rules ask a *work splitter* which parameters this rank updates (``owners``), for the Newton-Schulz
+outputs of their matrices (``orthogonalize``) and, when rows are sharded, for a sum over shards
+(``psum``); after updating they hand the results to ``publish``, and the engine calls ``finish``
+once per step. Three splitters, chosen by the engine (:func:`splitter_for`):
 
-``LocalSplit``       one process: one ``orthogonalize`` call per matrix shape.
-``ReplicatedSplit``  DDP (gradients already all-reduced, every rank holds every full matrix): the
-                     matrices of each shape bucket are assigned to ranks (balanced by FLOPs across
-                     buckets, deterministic), each rank orthogonalises its own sub-stack, and one
-                     ``all_gather_into_tensor`` per bucket (padded to equal slots) gives every rank
-                     the whole stack. Normalisation, selection counters and all state updates then
-                     run identically on every rank, so the state is complete everywhere and a
+``LocalSplit``       one process: this rank owns everything; publishing is a no-op.
+``ReplicatedSplit``  DDP (gradients already all-reduced, every rank holds every full tensor): every
+                     rank updates the momentum of every parameter (one cheap in-place pass, so the
+                     state is complete everywhere), then each parameter has one *owner* rank that
+                     computes its whole update -- Newton-Schulz, normalisation, weight decay and
+                     step -- and broadcasts the new parameter (plus any per-parameter state the
+                     rule changed, e.g. MeqMuon's row-choice counter, NorMuon's second moment).
+                     Owners are assigned by estimated cost (longest-first greedy, loads carried
+                     across the param groups of one step), identically on every rank. A
                      ``state_dict()`` saved on rank 0 restores any rank (the failure of
                      KellerJordan/Muon issue 46 cannot happen).
-``ShardedSplit``     FSDP2 (``fully_shard``; DTensor parameters ``Shard(0)`` on a 1-D mesh): each
-                     matrix has an owner rank; one ``all_to_all_single`` per bucket sends every
-                     row shard to its owner, the owner orthogonalises whole matrices, and a second
-                     ``all_to_all_single`` returns the rows (microsoft/dion ``megabatch_base.py``
-                     does the same). Row statistics are local; column and global statistics use
-                     ``psum`` (an all-reduce of partial sums), so the result equals the unsharded
-                     optimizer up to the rounding of the partial sums.
+``ShardedSplit``     FSDP2 (``fully_shard``; DTensor parameters ``Shard(0)`` on a 1-D mesh): every
+                     rank updates its row shard of every matrix. For Newton-Schulz each matrix has
+                     an owner rank; one ``all_to_all_single`` per shape bucket sends every row shard
+                     to its owner, the owner orthogonalises whole matrices, and a second one returns
+                     the rows (microsoft/dion ``megabatch_base.py`` does the same). Row statistics
+                     are local; column and global statistics use ``psum`` (an all-reduce of partial
+                     sums), so the result equals the unsharded optimizer up to the rounding of the
+                     partial sums.
 
-Why only Newton-Schulz is split (and not the normalisation after it): NS costs
-``~ 5 (2 m^2 n + 2 m^3 + 2 m^2 n)`` FLOPs per ``m x n`` matrix (``m <= n``), the normalisation
-``O(m n)``; gathering the bf16 NS output instead of fp32 directions halves the bytes, needs one
-collective per bucket, and makes MeqMuon's row/column choice and NorMuon's second moment identical
-on every rank by construction (no extra gather of choices or state).
+Why DDP broadcasts parameters (whole updates) rather than all-gathering Newton-Schulz outputs, as
+Muon implementations usually do: the normalisations of MeqMuon (two-sided on the 32000 x d
+embedding and head, one-sided with CV statistics on hidden matrices) are memory-bound passes that
+a gather of NS outputs would leave repeated on every rank, and on gloo a broadcast per tensor
+moved the same bytes 3-5x faster than ``all_gather_into_tensor`` (measured here, 2 ranks, 24 MB
+per rank: 16 ms against 58 ms in bf16, 22 ms against 187 ms in fp32; docs/benchmarks.md).
 
-Bit-exactness with one process: ``functional.orthogonalize`` iterates matrix by matrix (2-D fused
-``addmm``, torch.optim.Muon's form), so a matrix's bits do not depend on the stack it travels in
-(checked by ``tests/test_distributed.py::test_newton_schulz_is_batch_size_independent``), and NS of a
-sub-stack gives the same bits as NS of the full stack.
+Bit-exactness with one process: an owner runs exactly the per-parameter code a single process
+runs (``functional.orthogonalize`` iterates matrix by matrix, so a matrix's bits never depend on
+its neighbours; checked by ``tests/test_distributed.py``), and a broadcast copies bits.
 
 All ranks must call ``step()`` with the same parameters having gradients (DDP guarantees this),
 otherwise the collectives do not match.
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -61,11 +65,13 @@ __all__ = [
     "ReplicatedSplit",
     "ShardedSplit",
     "assign_counts",
+    "assign_owners",
     "is_dtensor",
     "local",
     "ns_flops",
     "resolve_process_group",
     "rows_state_like",
+    "replicated_splitter",
     "splitter_for",
 ]
 
@@ -131,6 +137,20 @@ def assign_counts(bucket_sizes: Sequence[int], bucket_costs: Sequence[float], wo
     return out
 
 
+def assign_owners(costs: Sequence[float], load: list[float]) -> list[int]:
+    """Owner rank of each item: longest-first greedy onto the least-loaded rank (ties: lower rank).
+
+    ``load`` (one entry per rank) is updated in place, so calling this for several param groups
+    in turn balances the whole step. Depends only on the arguments, hence identical on every rank.
+    """
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(len(load)), key=lambda r: (load[r], r))
+        owners[i] = r
+        load[r] += costs[i]
+    return owners
+
+
 def _buckets(shapes: Sequence[tuple[int, int]], inputs: Sequence[Tensor]) -> list[list[int]]:
     """Indices grouped by (matrix shape, dtype, device), in first-appearance order (same on every rank)."""
     buckets: dict[tuple, list[int]] = defaultdict(list)
@@ -150,7 +170,7 @@ def _ns_stack(mats: Sequence[Tensor], group: dict) -> Tensor:
 
 
 class LocalSplit:
-    """Single process: every matrix here, one stack of Newton-Schulz outputs per shape bucket."""
+    """Single process: this rank owns and orthogonalises every matrix, one at a time."""
 
     world_size = 1
     rank = 0
@@ -158,74 +178,75 @@ class LocalSplit:
     sharded = False
     psum: F.PSum = None
 
+    def owners(self, costs: Sequence[float]) -> list[int]:
+        """The rank that updates each of a rule's parameters (here: this one, for all)."""
+        return [self.rank] * len(costs)
+
+    def publish(self, tensors: Sequence[Sequence[Tensor]], owners: Sequence[int]) -> None:
+        """Send ``tensors[i]`` (a parameter and the state its owner changed) from ``owners[i]`` to all ranks."""
+
+    def finish(self) -> None:
+        """Wait for everything ``publish`` started (called by the engine at the end of ``step()``)."""
+
     def orthogonalize(
-        self, inputs: Sequence[Tensor], shapes: Sequence[tuple[int, int]], group: dict
-    ) -> list[tuple[list[int], Tensor]]:
-        """Newton-Schulz of every input matrix.
+        self, input_of: Callable[[int], Tensor], shapes: Sequence[tuple[int, int]], group: dict
+    ) -> Iterator[tuple[int, Tensor]]:
+        """Newton-Schulz of every input matrix, yielded one by one as ``(i, Orth(X_i))``.
 
         Args:
-            inputs: this rank's tensors (full matrices, or row shards when ``sharded``), any shape
-                whose matrix view is ``(rows, shapes[i][1])``.
+            input_of: ``input_of(i)`` makes the ``i``-th input (a full matrix, or this rank's row
+                shard when ``sharded``; any shape whose matrix view is ``(rows, shapes[i][1])``).
+                Called lazily, so only one input need exist at a time.
             shapes: global matrix shapes ``(m, n)``.
             group: the param group (``ns_steps``, ``ns_coefficients``, ``ns_dtype``).
-
-        Returns:
-            ``[(indices, stack)]`` per shape bucket: ``stack[j]`` is the NS output of
-            ``inputs[indices[j]]`` (this rank's rows of it when ``sharded``).
         """
-        return [(idx, _ns_stack([F.as_matrix(inputs[i]) for i in idx], group)) for idx in _buckets(shapes, inputs)]
+        for i in range(len(shapes)):
+            yield i, _ns(F.as_matrix(input_of(i)), group)
 
 
 class _CollectiveSplit(LocalSplit):
-    """Shared set-up of the multi-rank splitters: the group, and who orthogonalises which matrix."""
+    """Shared set-up of the multi-rank splitters."""
 
     def __init__(self, process_group: Any) -> None:
         self.pg = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
 
-    def _plan(
-        self, inputs: Sequence[Tensor], shapes: Sequence[tuple[int, int]], group: dict
-    ) -> list[tuple[list[int], list[int]]]:
-        """``[(bucket indices, matrices per rank)]``, identical on every rank (see :func:`assign_counts`)."""
-        buckets = _buckets(shapes, inputs)
-        costs = [ns_flops(*shapes[idx[0]], group["ns_steps"]) for idx in buckets]
-        return list(zip(buckets, assign_counts([len(idx) for idx in buckets], costs, self.world_size), strict=True))
-
 
 class ReplicatedSplit(_CollectiveSplit):
-    """DDP: split Newton-Schulz over the ranks of ``process_group`` and all-gather the results."""
+    """DDP: each parameter's update is computed by one owner rank and broadcast to the others.
 
-    def orthogonalize(self, inputs, shapes, group):
-        W, rank = self.world_size, self.rank
-        pending = []
-        for idx, counts in self._plan(inputs, shapes, group):
-            m, n = shapes[idx[0]]
-            slots = max(counts)
-            start = sum(counts[:rank])
-            mine = [F.as_matrix(inputs[i]) for i in idx[start : start + counts[rank]]]
-            out_dtype = group["ns_dtype"] or inputs[idx[0]].dtype
-            # Unused slots of the send buffer are padding that nobody reads: no need to zero it.
-            send = torch.empty((slots, m, n), dtype=out_dtype, device=inputs[idx[0]].device)
-            if mine:
-                send[: len(mine)] = _ns_stack(mine, group)
-            recv = send.new_empty((W * slots, m, n))
-            work = dist.all_gather_into_tensor(recv, send, group=self.pg, async_op=True)
-            # Keep send/recv referenced until wait() (karpathy/nanochat#843: freed buffers tear).
-            pending.append((idx, counts, slots, send, recv, work))
-        out = []
-        for idx, counts, slots, _send, recv, work in pending:
+    One instance serves all param groups of a step, so that owner loads balance across groups.
+    """
+
+    def __init__(self, process_group: Any) -> None:
+        super().__init__(process_group)
+        self._load = [0.0] * self.world_size
+        self._pending: list[tuple[Tensor, Tensor, Any]] = []
+
+    def owners(self, costs):
+        return assign_owners(costs, self._load)
+
+    def publish(self, tensors, owners):
+        for ts, owner in zip(tensors, owners, strict=True):
+            src = dist.get_global_rank(self.pg, owner)
+            for t in ts:
+                # Collectives need dense contiguous buffers: stage anything else (copied back in finish()).
+                buf = t if t.is_contiguous() else t.contiguous()
+                work = dist.broadcast(buf, src, group=self.pg, async_op=True)
+                # Keep buf referenced until wait() (karpathy/nanochat#843: freed buffers tear).
+                self._pending.append((t, buf, work))
+
+    def finish(self):
+        for t, buf, work in self._pending:
             work.wait()
-            if all(c == slots for c in counts):
-                stack = recv  # rank r's slots hold bucket positions r*slots.., already in order
-            else:
-                stack = torch.cat([recv[r * slots : r * slots + c] for r, c in enumerate(counts)])
-            out.append((idx, stack))
-        return out
+            if buf is not t:
+                t.copy_(buf)
+        self._pending.clear()
 
 
 class ShardedSplit(_CollectiveSplit):
-    """FSDP2: row shards -> whole matrices on owner ranks (all-to-all) -> NS -> row shards back."""
+    """FSDP2: every rank updates its row shards; NS moves whole matrices to owner ranks and back."""
 
     sharded = True
 
@@ -243,69 +264,82 @@ class ShardedSplit(_CollectiveSplit):
         s = math.ceil(m / self.world_size)
         return s, [max(0, min(s, m - r * s)) for r in range(self.world_size)]
 
-    def orthogonalize(self, inputs, shapes, group):
+    def orthogonalize(self, input_of, shapes, group):
+        inputs = [F.as_matrix(input_of(i)) for i in range(len(shapes))]
+        buckets = _buckets(shapes, inputs)
+        costs = [ns_flops(*shapes[idx[0]], group["ns_steps"]) for idx in buckets]
+        plan = assign_counts([len(idx) for idx in buckets], costs, self.world_size)
+        for idx, counts in zip(buckets, plan, strict=True):
+            stack = self._orthogonalize_bucket([inputs[i] for i in idx], shapes[idx[0]], counts, group)
+            yield from zip(idx, stack, strict=True)
+
+    def _orthogonalize_bucket(
+        self, local_mats: list[Tensor], shape: tuple[int, int], counts: list[int], group: dict
+    ) -> Tensor:
+        """Row shards of same-shape matrices -> owners (``counts[r]`` matrices each) -> NS -> row shards."""
         W, rank = self.world_size, self.rank
-        out = []
-        for idx, counts in self._plan(inputs, shapes, group):
-            m, n = shapes[idx[0]]
-            s, rows = self._shard_rows(m)
-            mine = rows[rank]
-            local_mats = [F.as_matrix(inputs[i]) for i in idx]
-            if any(x.shape[0] != mine for x in local_mats):
-                raise NotImplementedError(
-                    f"ShardedSplit expects FSDP2's torch.chunk row sharding ({mine} of {m} rows on rank {rank}), "
-                    f"got local shapes {[tuple(x.shape) for x in local_mats]}"
-                )
-            slots = max(counts)
-            starts = [sum(counts[:r]) for r in range(W)]
-            # NS casts its input to ns_dtype first, so sending in ns_dtype gives the same bits and halves bytes.
-            dtype = group["ns_dtype"] or local_mats[0].dtype
-            send = local_mats[0].new_zeros((W, slots, s, n), dtype=dtype)
-            for r in range(W):
-                for t in range(counts[r]):
-                    send[r, t, :mine] = local_mats[starts[r] + t]
-            recv = torch.empty_like(send)
-            dist.all_to_all_single(recv, send, group=self.pg)
-            # recv[k, t] = rank k's rows of my t-th matrix; FSDP2 pads only at the end, so the first
-            # m of the W*s concatenated rows are the matrix.
-            whole = recv.permute(1, 0, 2, 3).reshape(slots, W * s, n)[: counts[rank], :m]
-            back = torch.zeros((slots, W * s, n), dtype=dtype, device=send.device)
-            if counts[rank]:
-                back[: counts[rank], :m] = _ns_stack(whole, group)
-            send2 = back.reshape(slots, W, s, n).permute(1, 0, 2, 3).contiguous()
-            recv2 = torch.empty_like(send2)
-            dist.all_to_all_single(recv2, send2, group=self.pg)
-            stack = torch.cat([recv2[r, : counts[r], :mine] for r in range(W)])
-            out.append((idx, stack))
-        return out
+        m, n = shape
+        s, rows = self._shard_rows(m)
+        mine = rows[rank]
+        if any(x.shape[0] != mine for x in local_mats):
+            raise NotImplementedError(
+                f"ShardedSplit expects FSDP2's torch.chunk row sharding ({mine} of {m} rows on rank {rank}), "
+                f"got local shapes {[tuple(x.shape) for x in local_mats]}"
+            )
+        slots = max(counts)
+        starts = [sum(counts[:r]) for r in range(W)]
+        # NS casts its input to ns_dtype first, so sending in ns_dtype gives the same bits and halves bytes.
+        dtype = group["ns_dtype"] or local_mats[0].dtype
+        send = local_mats[0].new_zeros((W, slots, s, n), dtype=dtype)
+        for r in range(W):
+            for t in range(counts[r]):
+                send[r, t, :mine] = local_mats[starts[r] + t]
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.pg)
+        # recv[k, t] = rank k's rows of my t-th matrix; FSDP2 pads only at the end, so the first
+        # m of the W*s concatenated rows are the matrix.
+        whole = recv.permute(1, 0, 2, 3).reshape(slots, W * s, n)[: counts[rank], :m]
+        back = torch.zeros((slots, W * s, n), dtype=dtype, device=send.device)
+        if counts[rank]:
+            back[: counts[rank], :m] = _ns_stack(whole, group)
+        send2 = back.reshape(slots, W, s, n).permute(1, 0, 2, 3).contiguous()
+        recv2 = torch.empty_like(send2)
+        dist.all_to_all_single(recv2, send2, group=self.pg)
+        return torch.cat([recv2[r, : counts[r], :mine] for r in range(W)])
 
 
-def splitter_for(params: Sequence[Tensor], process_group: Any) -> LocalSplit:
+def splitter_for(params: Sequence[Tensor], replicated: LocalSplit) -> LocalSplit:
     """The splitter for one param group.
 
     DTensor parameters follow their mesh (FSDP2: ``Shard(0)`` on a 1-D mesh); plain tensors use
-    ``process_group`` (already resolved; ``None`` or a group of size 1: single process).
+    ``replicated``, the step's splitter for plain tensors (:func:`replicated_splitter`).
 
     Raises:
         NotImplementedError: for DTensor layouts other than ``Shard(0)`` on a 1-D mesh, or a group
             mixing DTensors and plain tensors, instead of silently computing something else.
     """
     dt = [is_dtensor(p) for p in params]
-    if any(dt):
-        if not all(dt):
-            raise NotImplementedError("a param group mixes DTensor and plain-tensor parameters; shard all or none")
-        meshes = {id(p.device_mesh) for p in params}
-        for p in params:
-            if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
-                raise NotImplementedError(
-                    f"DTensor parameters must be Shard(0) on a 1-D mesh (FSDP2 fully_shard); got placements "
-                    f"{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh. HSDP / tensor parallelism are "
-                    "not supported by MeqMuon's distributed path yet."
-                )
-        if len(meshes) != 1:
-            raise NotImplementedError("all DTensor parameters of a param group must live on one device mesh")
-        pg = params[0].device_mesh.get_group()
-        return ShardedSplit(pg) if dist.get_world_size(pg) > 1 else LocalSplit()
+    if not any(dt):
+        return replicated
+    if not all(dt):
+        raise NotImplementedError("a param group mixes DTensor and plain-tensor parameters; shard all or none")
+    meshes = {id(p.device_mesh) for p in params}
+    for p in params:
+        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+            raise NotImplementedError(
+                f"DTensor parameters must be Shard(0) on a 1-D mesh (FSDP2 fully_shard); got placements "
+                f"{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh. HSDP / tensor parallelism are "
+                "not supported by MeqMuon's distributed path yet."
+            )
+    if len(meshes) != 1:
+        raise NotImplementedError("all DTensor parameters of a param group must live on one device mesh")
+    pg = params[0].device_mesh.get_group()
+    return ShardedSplit(pg) if dist.get_world_size(pg) > 1 else LocalSplit()
+
+
+def replicated_splitter(process_group: Any) -> LocalSplit:
+    """The splitter for plain-tensor parameters for one step: DDP's ``ReplicatedSplit`` over
+    ``process_group`` (already resolved), or ``LocalSplit`` for ``None`` / a group of size 1."""
     if process_group is None or dist.get_world_size(process_group) == 1:
         return LocalSplit()
     return ReplicatedSplit(process_group)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
-from .distributed import LocalSplit, is_dtensor, resolve_process_group, splitter_for
+from .distributed import LocalSplit, is_dtensor, replicated_splitter, resolve_process_group, splitter_for
 from .groups import KINDS, infer_kind
 from .rules import RULES, Item, Rule, StepContext
 
@@ -89,9 +89,10 @@ class RoleOptimizer(Optimizer):
     heads cannot be recognised from shape.
 
     Distributed (see ``distributed.py``): with plain-tensor parameters and ``torch.distributed``
-    initialised, the Newton-Schulz work of hidden matrices is split over ``process_group`` (default:
-    the default group; DDP, gradients already all-reduced); with DTensor parameters (FSDP2) the
-    work follows their mesh. The process group is an attribute, not a param-group entry, so
+    initialised, the updates of the momentum rules' parameters are split over ``process_group``
+    (default: the default group; DDP, gradients already all-reduced): each parameter's owner rank
+    computes its update and broadcasts it; with DTensor parameters (FSDP2) the work follows their
+    mesh. The process group is an attribute, not a param-group entry, so
     ``state_dict()`` is the same as single-process and loads into any world size.
     """
 
@@ -184,8 +185,9 @@ class RoleOptimizer(Optimizer):
                 buckets[rule].append(Item(p, g, state, name))
         return buckets
 
-    def _splitter(self, group: dict[str, Any]) -> LocalSplit:
-        return splitter_for(group["params"], self._process_group)
+    def _splitter(self, group: dict[str, Any], replicated: LocalSplit | None = None) -> LocalSplit:
+        """The work splitter of ``group``; ``replicated`` is the step's splitter for plain tensors."""
+        return splitter_for(group["params"], replicated or replicated_splitter(self._process_group))
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D401 - torch signature
@@ -194,8 +196,11 @@ class RoleOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # One splitter for all plain-tensor groups of the step, so that DDP owner loads balance
+        # across groups (the embedding and the head land on different ranks).
+        replicated = replicated_splitter(self._process_group)
         for group in self.param_groups:
-            split = self._splitter(group)
+            split = self._splitter(group, replicated)
             if self._compile and split.sharded:
                 raise NotImplementedError(
                     "compile=True is not supported with FSDP2 (DTensor) parameters yet: the fused kernels would need "
@@ -204,6 +209,7 @@ class RoleOptimizer(Optimizer):
             for rule, items in self._group_items(group).items():
                 kind = group.get("kind") or infer_kind(items[0].param)
                 rule.step(items, group, StepContext(self._capture_hook, kind, split, self._compile))
+        replicated.finish()  # wait for the owners' broadcasts (DDP)
         return loss
 
     # ---- introspection -----------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """``torch.compile``-fused normalisation + update kernels for MeqMuon's rules (opt-in: ``compile=True``).
 
-Each kernel computes a MeqMuon direction and applies decoupled weight decay and the step in one
-compiled region, ``W <- (1 - lr wd) W - lr rho U~``, so the direction is never materialised in
+Each kernel takes one parameter, computes its MeqMuon direction and applies decoupled weight decay
+and the step in one compiled region, ``W <- (1 - lr wd) W - lr rho U~``, so the direction is never materialised in
 memory apart from what inductor keeps. ``lr``, ``weight_decay`` and ``rho`` enter as 0-D float64
 CPU tensors, not Python floats: a schedule that changes them every step does not recompile
 (Python floats would be guarded as constants; tested with ``torch._dynamo`` counters). The
@@ -13,8 +13,6 @@ elementwise expressions differs.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -36,38 +34,39 @@ def scalar(x: float) -> Tensor:
     return torch.tensor(x, dtype=torch.float64)
 
 
-def _apply(params: Sequence[Tensor], directions: Tensor | Sequence[Tensor], lr: Tensor, wd: Tensor, scale: Tensor):
-    for p, d in zip(params, directions, strict=True):
-        p.mul_(1 - lr * wd).sub_((d.reshape(p.shape) * (lr * scale)).to(p.dtype))
+def _apply(param: Tensor, direction: Tensor, lr: Tensor, wd: Tensor, scale: Tensor) -> None:
+    param.mul_(1 - lr * wd).sub_((direction.reshape(param.shape) * (lr * scale)).to(param.dtype))
 
 
-def _meq_hidden(ortho: Tensor, params: list[Tensor], lr: Tensor, wd: Tensor, rho: Tensor) -> Tensor:
-    normed, chose_rows = F.adaptive_normalize(ortho)
-    _apply(params, normed.unbind(0), lr, wd, rho)
-    return chose_rows
+def _meq_hidden(u: Tensor, param: Tensor, rows_chosen: Tensor, lr: Tensor, wd: Tensor, rho: Tensor) -> None:
+    normed, chose_rows = F.adaptive_normalize(u)
+    _apply(param, normed, lr, wd, rho)
+    rows_chosen.add_(chose_rows)
 
 
-def _equilibrate(inputs: list[Tensor], params: list[Tensor], lr: Tensor, wd: Tensor, rho: Tensor) -> None:
-    _apply(params, [F.equilibrate(F.as_matrix(x)) for x in inputs], lr, wd, rho)
+def _equilibrate(x: Tensor, param: Tensor, lr: Tensor, wd: Tensor, rho: Tensor) -> None:
+    _apply(param, F.equilibrate(F.as_matrix(x)), lr, wd, rho)
 
 
-def _rms(inputs: list[Tensor], params: list[Tensor], lr: Tensor, wd: Tensor, rho: Tensor) -> None:
-    _apply(params, [F.rms_normalize(x) for x in inputs], lr, wd, rho)
+def _rms(x: Tensor, param: Tensor, lr: Tensor, wd: Tensor, rho: Tensor) -> None:
+    _apply(param, F.rms_normalize(x), lr, wd, rho)
 
 
-def meq_hidden_update(ortho: Tensor, params: list[Tensor], lr: float, wd: float, rho: float) -> Tensor:
-    """Adaptive one-sided normalisation (eq. 8) of a stack of NS outputs and the update of ``params``.
-
-    Returns the bool tensor of row choices, one per matrix.
-    """
-    return _compile("meq_hidden", _meq_hidden)(ortho, list(params), scalar(lr), scalar(wd), scalar(rho))
+def _step_scalars(group: dict) -> tuple[Tensor, Tensor, Tensor]:
+    return scalar(group["lr"]), scalar(group["weight_decay"]), scalar(group["rho"])
 
 
-def equilibrate_update(inputs: list[Tensor], params: list[Tensor], lr: float, wd: float, rho: float) -> None:
-    """Two-sided normalisation (eq. 9) of ``inputs`` and the update of ``params``."""
-    _compile("equilibrate", _equilibrate)(list(inputs), list(params), scalar(lr), scalar(wd), scalar(rho))
+def meq_hidden_update(u: Tensor, param: Tensor, rows_chosen: Tensor, group: dict) -> None:
+    """Adaptive one-sided normalisation (eq. 8) of one NS output ``u`` and the update of ``param``;
+    adds the row choice (0 or 1) to the counter ``rows_chosen``."""
+    _compile("meq_hidden", _meq_hidden)(u, param, rows_chosen, *_step_scalars(group))
 
 
-def rms_update(inputs: list[Tensor], params: list[Tensor], lr: float, wd: float, rho: float) -> None:
-    """Global-RMS normalisation (eq. 10) of ``inputs`` and the update of ``params``."""
-    _compile("rms", _rms)(list(inputs), list(params), scalar(lr), scalar(wd), scalar(rho))
+def equilibrate_update(x: Tensor, param: Tensor, group: dict) -> None:
+    """Two-sided normalisation (eq. 9) of ``x`` and the update of ``param``."""
+    _compile("equilibrate", _equilibrate)(x, param, *_step_scalars(group))
+
+
+def rms_update(x: Tensor, param: Tensor, group: dict) -> None:
+    """Global-RMS normalisation (eq. 10) of ``x`` and the update of ``param``."""
+    _compile("rms", _rms)(x, param, *_step_scalars(group))

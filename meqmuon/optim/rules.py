@@ -8,9 +8,13 @@ Every rule applies decoupled weight decay and its step the same way,
 where ``D`` is the rule's direction and ``scale`` its multiplier (``rho`` for MeqMuon's rules,
 ``rho * sqrt(max(m, n))`` for Moonlight's Muon, 1 for Adam-type and SCALE rules).
 
-A rule receives all parameters of its kind in one param group at once, so matrices of the same
-shape are orthogonalised in one batched Newton-Schulz call. No rule makes a host-device sync:
-step counters are Python ints, choices are tensors.
+A rule receives all parameters of its kind in one param group at once and works through them one
+at a time: each matrix's direction input is made just before its Newton-Schulz and dropped after
+its update, so no model-sized temporary exists (on CPU, fresh 64 MB temporaries cost more in page
+faults than the arithmetic; docs/benchmarks.md). Newton-Schulz runs matrix by matrix with fused
+``addmm`` (torch.optim.Muon's form): measured faster on CPU than one batched call per shape, and it
+makes each matrix's bits independent of its neighbours, which the DDP split relies on. No rule
+makes a host-device sync: step counters are Python ints, choices are tensors.
 
 Momentum convention (paper eq. 6 and Moonlight): ``B_t = mu * B_{t-1} + G_t``; the direction input
 is ``G_t + mu * B_t`` with Nesterov, else ``B_t``. torch.optim.Muon and NorMuon keep an EMA
@@ -21,15 +25,15 @@ normalising rule removes (Newton-Schulz, row/column/RMS normalisation are scale-
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from .. import functional as F
-from . import fused
-from .distributed import LocalSplit, local, rows_state_like
+from . import blockwise, fused
+from .distributed import LocalSplit, local, ns_flops, rows_state_like
 
 # SCALE divides by the slice RMS clamped at this value (OptimAI-Lab/Minimalist_LLM_Pretraining
 # f5bd4e7, mem_eff_pt/pt_scale/scale_optimizer.py: ``.clamp_min(1e-8)``).
@@ -113,24 +117,24 @@ def _state_dtype(p: Tensor, group: dict) -> torch.dtype:
     return group.get("state_dtype") or p.dtype
 
 
-def _momentum_inputs(items: Sequence[Item], group: dict) -> list[Tensor]:
-    """Update ``B <- mu B + G`` in place and return the direction inputs (Nesterov or plain)."""
-    mu, nesterov = group["momentum"], group["nesterov"]
-    bufs = [local(it.state["momentum_buffer"]) for it in items]
-    grads = [it.grad if it.grad.dtype == b.dtype else it.grad.to(b.dtype) for it, b in zip(items, bufs, strict=True)]
-    torch._foreach_mul_(bufs, mu)
-    torch._foreach_add_(bufs, grads)
-    if nesterov:
-        return list(torch._foreach_add(grads, bufs, alpha=mu))
-    return bufs
+def _update_momentum(items: Sequence[Item], group: dict) -> None:
+    """``B <- mu B + G`` in place, one pass per tensor (``torch.add(G, B, alpha=mu, out=B)``)."""
+    mu = group["momentum"]
+    for it in items:
+        b = local(it.state["momentum_buffer"])
+        g = it.grad if it.grad.dtype == b.dtype else it.grad.to(b.dtype)
+        torch.add(g, b, alpha=mu, out=b)
 
 
-def orthogonalize_buckets(
-    items: Sequence[Item], inputs: Sequence[Tensor], group: dict, ctx: StepContext
-) -> list[tuple[list[int], Tensor]]:
-    """Newton-Schulz on every input, one batched call per matrix shape (paper eq. 3), split over
-    ranks by ``ctx.split``. Returns ``[(indices, stack)]`` per shape bucket."""
-    return ctx.split.orthogonalize(inputs, [_matrix_shape(it.shape) for it in items], group)
+def _direction_input(it: Item, group: dict, rows: slice = slice(None)) -> Tensor:
+    """Rows ``rows`` of the direction input of a momentum rule: ``G + mu B`` with Nesterov (a new
+    tensor), else ``B`` itself. Made on demand, per parameter (or block of rows), so that no
+    model-sized temporary exists at once and DDP ranks make only the inputs of what they own."""
+    b = local(it.state["momentum_buffer"])[rows]
+    if not group["nesterov"]:
+        return b
+    g = it.grad[rows]
+    return torch.add(g if g.dtype == b.dtype else g.to(b.dtype), b, alpha=group["momentum"])
 
 
 class Rule:
@@ -157,9 +161,25 @@ class Rule:
 # Momentum-based normalising rules (MeqMuon, Moonlight Muon, NorMuon)
 # --------------------------------------------------------------------------------------------
 
+#: Cost of an elementwise update, in matmul-FLOP equivalents per element, for balancing DDP owners
+#: (``_MomentumRule.cost``). Measured on this package's CPU (2-core EPYC, 1 thread per rank): the
+#: row-blocked equilibration of a 32000 x 512 matrix took about as long as 1000 FLOPs per element
+#: of Newton-Schulz at the bf16 matmul rate. A balance heuristic only; results never depend on it.
+ELEMENTWISE_COST = 1000.0
+
 
 class _MomentumRule(Rule):
+    """Momentum ``B <- mu B + G`` (every rank, every parameter), then ``update`` on the owned ones.
+
+    Under DDP (``ReplicatedSplit``) each parameter's ``update`` runs on one owner rank, which then
+    broadcasts the parameter and the ``owner_state`` entries; everywhere else every rank owns all.
+    """
+
     hyperparameters = ("momentum", "nesterov")
+    #: Per-parameter state besides the momentum that ``update`` changes (broadcast by the owner).
+    owner_state: ClassVar[tuple[str, ...]] = ()
+    #: Split updates over DDP ranks; False where repeating the work is cheaper than sending it.
+    split_work: ClassVar[bool] = True
 
     def state_elements(self, shape):
         return math.prod(shape)
@@ -170,66 +190,83 @@ class _MomentumRule(Rule):
         )
         state["step"] = 0
 
-    def _inputs(self, items, group, ctx):
+    def cost(self, shape: torch.Size | tuple[int, ...], group: dict) -> float:
+        """Estimated cost of one ``update`` of a parameter of (global) ``shape``, for owner balancing."""
+        return ELEMENTWISE_COST * math.prod(shape)
+
+    def update(self, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
+        """Compute the directions of ``items`` (momentum already updated) and apply the step."""
+        raise NotImplementedError
+
+    def step(self, items, group, ctx):
         for it in items:
             it.state["step"] += 1
-        inputs = _momentum_inputs(items, group)
-        ctx.emit(items, inputs, "momentum_input")
-        return inputs
+        _update_momentum(items, group)
+        if ctx.capture is not None:
+            ctx.emit(items, [_direction_input(it, group) for it in items], "momentum_input")
+        if not self.split_work:
+            self.update(items, group, ctx)
+            return
+        owners = ctx.split.owners([self.cost(it.shape, group) for it in items])
+        mine = [it for it, o in zip(items, owners, strict=True) if o == ctx.split.rank]
+        if mine:
+            self.update(mine, group, ctx)
+        ctx.split.publish([[it.param, *(local(it.state[k]) for k in self.owner_state)] for it in items], owners)
 
 
-class MeqHidden(_MomentumRule):
+class _HiddenRule(_MomentumRule):
+    """A rule that orthogonalises (Newton-Schulz, paper eq. 3) each hidden matrix's direction input."""
+
+    needs_matrix = True
+
+    def cost(self, shape, group):
+        return ns_flops(*_matrix_shape(shape), group["ns_steps"]) + super().cost(shape, group)
+
+    def orthogonalized(self, items: Sequence[Item], group: dict, ctx: StepContext) -> Iterator[tuple[int, Tensor]]:
+        """``(i, Orth(X_i))`` for every item, one at a time; ``X_i`` is made just before its NS."""
+        shapes = [_matrix_shape(it.shape) for it in items]
+        return ctx.split.orthogonalize(lambda i: _direction_input(items[i], group), shapes, group)
+
+
+class MeqHidden(_HiddenRule):
     """MeqMuon for hidden matrices (paper Algorithm 1, eq. 8): ``U = Orth(B)``, then row- or
     column-normalise ``U``, whichever side has the larger CV (ties: rows). Scale ``rho``.
 
     Keeps a 0-D int64 counter ``rows_chosen`` per parameter on its device (no sync)."""
 
     name = "meq_hidden"
-    needs_matrix = True
     hyperparameters = ("momentum", "nesterov", "rho", "ns_steps", "ns_coefficients", "ns_dtype")
+    owner_state = ("rows_chosen",)
 
     def init_state(self, p, state, group):
         super().init_state(p, state, group)
         # Plain tensor even under FSDP2: every rank makes the same choice for the whole matrix.
         state["rows_chosen"] = torch.zeros((), dtype=torch.int64, device=p.device)
 
-    def step(self, items, group, ctx):
-        inputs = self._inputs(items, group, ctx)
-        directions: list[Tensor | None] = [None] * len(items)
-        if ctx.compile:
-            for idx, ortho in orthogonalize_buckets(items, inputs, group, ctx):
-                params = [items[i].param for i in idx]
-                chose_rows = fused.meq_hidden_update(ortho, params, group["lr"], group["weight_decay"], group["rho"])
-                torch._foreach_add_([items[i].state["rows_chosen"] for i in idx], list(chose_rows.unbind(0)))
-            return
-        for idx, ortho in orthogonalize_buckets(items, inputs, group, ctx):
-            rows = _matrix_shape(items[idx[0]].shape)[0]
-            normed, chose_rows = F.adaptive_normalize(ortho, psum=ctx.split.psum, rows=rows)
-            for j, i in enumerate(idx):
-                directions[i] = normed[j]
-                items[i].state["rows_chosen"].add_(chose_rows[j])
-        apply_update(items, directions, [group["rho"]] * len(items), group)  # type: ignore[arg-type]
+    def update(self, items, group, ctx):
+        for i, u in self.orthogonalized(items, group, ctx):
+            it = items[i]
+            if ctx.compile:
+                fused.meq_hidden_update(u, it.param, it.state["rows_chosen"], group)
+                continue
+            direction, chose_rows = F.adaptive_normalize(u, psum=ctx.split.psum, rows=_matrix_shape(it.shape)[0])
+            it.state["rows_chosen"].add_(chose_rows)
+            apply_update([it], [direction], [group["rho"]], group)
 
 
-class MoonlightHidden(_MomentumRule):
+class MoonlightHidden(_HiddenRule):
     """Muon in Moonlight's form (paper eq. 2; MoonshotAI/Moonlight c2ad5b2 examples/toy_train.py):
     ``W <- (1 - lr wd) W - lr * rho * sqrt(max(m, n)) * Orth(B)``."""
 
     name = "moonlight_hidden"
-    needs_matrix = True
     hyperparameters = ("momentum", "nesterov", "rho", "ns_steps", "ns_coefficients", "ns_dtype")
 
-    def step(self, items, group, ctx):
-        inputs = self._inputs(items, group, ctx)
-        directions: list[Tensor | None] = [None] * len(items)
-        for idx, ortho in orthogonalize_buckets(items, inputs, group, ctx):
-            for j, i in enumerate(idx):
-                directions[i] = ortho[j]
-        scales = [group["rho"] * _shape_scale(it.shape) for it in items]
-        apply_update(items, directions, scales, group)  # type: ignore[arg-type]
+    def update(self, items, group, ctx):
+        for i, u in self.orthogonalized(items, group, ctx):
+            apply_update([items[i]], [u], [group["rho"] * _shape_scale(items[i].shape)], group)
 
 
-class NorMuonHidden(_MomentumRule):
+class NorMuonHidden(_HiddenRule):
     """NorMuon for hidden matrices (zichongli5/NorMuon d45c9a4 ``normuon_update``; Li et al. 2025).
 
     ``O = Orth(B)``; per-row second moment ``v <- lerp(v, mean_j O_ij^2, 1 - beta2)`` (no bias
@@ -243,8 +280,8 @@ class NorMuonHidden(_MomentumRule):
     """
 
     name = "normuon_hidden"
-    needs_matrix = True
     hyperparameters = ("momentum", "nesterov", "rho", "beta2", "ns_steps", "ns_coefficients", "ns_dtype")
+    owner_state = ("second_moment",)
 
     def state_elements(self, shape):
         return math.prod(shape) + shape[0]
@@ -253,68 +290,73 @@ class NorMuonHidden(_MomentumRule):
         super().init_state(p, state, group)
         state["second_moment"] = rows_state_like(p, torch.promote_types(p.dtype, torch.float32))
 
-    def step(self, items, group, ctx):
-        inputs = self._inputs(items, group, ctx)
+    def update(self, items, group, ctx):
         beta2 = group["beta2"]
-        directions: list[Tensor | None] = [None] * len(items)
         psum = ctx.split.psum
-        for idx, O in orthogonalize_buckets(items, inputs, group, ctx):
+        for i, O in self.orthogonalized(items, group, ctx):
+            it = items[i]
             O = _at_least_fp32(O)
             # Rows are whole on every shard, so the per-row second moment is local under FSDP2.
-            v = torch.stack([local(items[i].state["second_moment"]) for i in idx]).to(O.dtype)
+            state_v = local(it.state["second_moment"])
+            v = state_v.to(O.dtype)
             v.lerp_(O.square().mean(dim=-1), 1.0 - beta2)
             scaled = O / (v.sqrt().unsqueeze(-1) + NORMUON_EPS)
             if psum is None:
-                fro_o = torch.linalg.vector_norm(O, dim=(-2, -1), keepdim=True)
-                fro_s = torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True)
-            else:  # Frobenius norms of the whole matrices: sum the shards' sums of squares
-                sq = psum(torch.stack([O.square().sum(dim=(-2, -1)), scaled.square().sum(dim=(-2, -1))]))
-                fro_o, fro_s = sq[0].sqrt()[:, None, None], sq[1].sqrt()[:, None, None]
-            scaled = scaled * (fro_o / (fro_s + NORMUON_EPS))
-            for j, i in enumerate(idx):
-                local(items[i].state["second_moment"]).copy_(v[j])
-                directions[i] = scaled[j]
-        scales = [group["rho"] * _shape_scale(it.shape) for it in items]
-        apply_update(items, directions, scales, group)  # type: ignore[arg-type]
+                fro_o = torch.linalg.vector_norm(O)
+                fro_s = torch.linalg.vector_norm(scaled)
+            else:  # Frobenius norms of the whole matrix: sum the shards' sums of squares
+                sq = psum(torch.stack([O.square().sum(), scaled.square().sum()]))
+                fro_o, fro_s = sq[0].sqrt(), sq[1].sqrt()
+            scaled.mul_(fro_o / (fro_s + NORMUON_EPS))
+            state_v.copy_(v)
+            apply_update([it], [scaled], [group["rho"] * _shape_scale(it.shape)], group)
 
 
 class Equilibrate(_MomentumRule):
-    """MeqMuon for embeddings and LM heads (paper eq. 9): ``N_c(N_r(B))``, scale ``rho``."""
+    """MeqMuon for embeddings and LM heads (paper eq. 9): ``N_c(N_r(B))``, scale ``rho``.
+
+    Eager: row-blocked (``blockwise.equilibrate_step_``), so the 32000 x d direction is never
+    materialised; ``compile=True``: one fused kernel per matrix."""
 
     name = "equilibrate"
     needs_matrix = True
     hyperparameters = ("momentum", "nesterov", "rho")
 
-    def step(self, items, group, ctx):
-        inputs = self._inputs(items, group, ctx)
-        if ctx.compile:
-            params = [it.param for it in items]
-            fused.equilibrate_update(inputs, params, group["lr"], group["weight_decay"], group["rho"])
-            return
-        psum = ctx.split.psum
-        directions = [
-            F.equilibrate(F.as_matrix(x), psum=psum, rows=_matrix_shape(it.shape)[0])
-            for it, x in zip(items, inputs, strict=True)
-        ]
-        apply_update(items, directions, [group["rho"]] * len(items), group)
+    def update(self, items, group, ctx):
+        for it in items:
+            if ctx.compile:
+                fused.equilibrate_update(_direction_input(it, group), it.param, group)
+                continue
+            blockwise.equilibrate_step_(
+                it.param,
+                lambda rows, it=it: _direction_input(it, group, rows),
+                group["lr"],
+                group["weight_decay"],
+                group["rho"],
+                psum=ctx.split.psum,
+                rows=_matrix_shape(it.shape)[0],
+            )
 
 
 class RmsNormalize(_MomentumRule):
-    """MeqMuon for 1-D parameters (paper eq. 10): ``B / (||B||_2 / sqrt(d))``, scale ``rho``."""
+    """MeqMuon for 1-D parameters (paper eq. 10): ``B / (||B||_2 / sqrt(d))``, scale ``rho``.
+
+    Not split over DDP ranks: 1-D parameters are small, so repeating the update on every rank is
+    cheaper than one broadcast per tensor."""
 
     name = "rms_normalize"
     hyperparameters = ("momentum", "nesterov", "rho")
+    split_work = False
 
-    def step(self, items, group, ctx):
-        inputs = self._inputs(items, group, ctx)
-        if ctx.compile:
-            fused.rms_update(inputs, [it.param for it in items], group["lr"], group["weight_decay"], group["rho"])
-            return
+    def update(self, items, group, ctx):
         psum = ctx.split.psum
-        directions = [
-            F.rms_normalize(x, psum=psum, numel=math.prod(it.shape)) for it, x in zip(items, inputs, strict=True)
-        ]
-        apply_update(items, directions, [group["rho"]] * len(items), group)
+        for it in items:
+            x = _direction_input(it, group)
+            if ctx.compile:
+                fused.rms_update(x, it.param, group)
+                continue
+            direction = F.rms_normalize(x, psum=psum, numel=math.prod(it.shape))
+            apply_update([it], [direction], [group["rho"]], group)
 
 
 # --------------------------------------------------------------------------------------------
