@@ -34,14 +34,12 @@ def ns_trajectory(
 ) -> list[tuple[float, float]]:
     """``[(gamma_r, gamma_c) of X_k for k = 0..max_steps]`` for the NS iteration started at ``x``."""
     a, b, c = coefficients
-    X = x.to(dtype) if dtype is not None else x
-    transposed = X.shape[-2] > X.shape[-1]
-    if transposed:
-        X = X.mT
-    X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=NS_EPS)
+    # The optimizer's own start (functional.orthogonalize): a copy in the compute dtype, normalised.
+    X = x.to(dtype=dtype or x.dtype, memory_format=torch.contiguous_format, copy=True)
+    X.div_(torch.linalg.vector_norm(X).clamp(min=NS_EPS))
 
     def stats(y: torch.Tensor) -> tuple[float, float]:
-        gr, gc = row_col_cv(y.mT if transposed else y)
+        gr, gc = row_col_cv(y)
         return float(gr), float(gc)
 
     out = [stats(X)]

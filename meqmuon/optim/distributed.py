@@ -159,14 +159,15 @@ def _buckets(shapes: Sequence[tuple[int, int]], inputs: Sequence[Tensor]) -> lis
     return list(buckets.values())
 
 
-def _ns(x: Tensor, group: dict) -> Tensor:
-    return F.orthogonalize(x, group["ns_steps"], tuple(group["ns_coefficients"]), group["ns_dtype"])
+def _ns(x: Tensor, group: dict, workspace: dict | None = None) -> Tensor:
+    steps, coefficients, dtype = group["ns_steps"], tuple(group["ns_coefficients"]), group["ns_dtype"]
+    return F.orthogonalize(x, steps, coefficients, dtype, workspace=workspace)
 
 
-def _ns_stack(mats: Sequence[Tensor], group: dict) -> Tensor:
+def _ns_stack(mats: Sequence[Tensor], group: dict, workspace: dict | None = None) -> Tensor:
     """NS of each matrix, stacked. Stacking the (bf16) outputs rather than the (fp32) inputs saves a
     full-size copy: ``orthogonalize`` iterates matrix by matrix anyway."""
-    return torch.stack([_ns(x, group) for x in mats])
+    return torch.stack([_ns(x, group, workspace) for x in mats])
 
 
 class LocalSplit:
@@ -177,6 +178,10 @@ class LocalSplit:
     #: Rows of each tensor are sharded across ranks (FSDP2); rules then pass ``psum`` to statistics.
     sharded = False
     psum: F.PSum = None
+
+    def __init__(self) -> None:
+        #: Newton-Schulz buffers reused by same-shape matrices within a step (``F.orthogonalize``).
+        self.workspace: dict = {}
 
     def owners(self, costs: Sequence[float]) -> list[int]:
         """The rank that updates each of a rule's parameters (here: this one, for all)."""
@@ -201,13 +206,14 @@ class LocalSplit:
             group: the param group (``ns_steps``, ``ns_coefficients``, ``ns_dtype``).
         """
         for i in range(len(shapes)):
-            yield i, _ns(F.as_matrix(input_of(i)), group)
+            yield i, _ns(F.as_matrix(input_of(i)), group, self.workspace)
 
 
 class _CollectiveSplit(LocalSplit):
     """Shared set-up of the multi-rank splitters."""
 
     def __init__(self, process_group: Any) -> None:
+        super().__init__()
         self.pg = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -301,7 +307,7 @@ class ShardedSplit(_CollectiveSplit):
         whole = recv.permute(1, 0, 2, 3).reshape(slots, W * s, n)[: counts[rank], :m]
         back = torch.zeros((slots, W * s, n), dtype=dtype, device=send.device)
         if counts[rank]:
-            back[: counts[rank], :m] = _ns_stack(whole, group)
+            back[: counts[rank], :m] = _ns_stack(whole, group, self.workspace)
         send2 = back.reshape(slots, W, s, n).permute(1, 0, 2, 3).contiguous()
         recv2 = torch.empty_like(send2)
         dist.all_to_all_single(recv2, send2, group=self.pg)

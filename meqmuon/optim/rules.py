@@ -126,15 +126,16 @@ def _update_momentum(items: Sequence[Item], group: dict) -> None:
         torch.add(g, b, alpha=mu, out=b)
 
 
-def _direction_input(it: Item, group: dict, rows: slice = slice(None)) -> Tensor:
-    """Rows ``rows`` of the direction input of a momentum rule: ``G + mu B`` with Nesterov (a new
-    tensor), else ``B`` itself. Made on demand, per parameter (or block of rows), so that no
-    model-sized temporary exists at once and DDP ranks make only the inputs of what they own."""
+def _direction_input(it: Item, group: dict, rows: slice = slice(None), out: Tensor | None = None) -> Tensor:
+    """Rows ``rows`` of the direction input of a momentum rule: ``G + mu B`` with Nesterov (into
+    ``out`` if given, else a new tensor), else ``B`` itself. Made on demand, per parameter (or block
+    of rows), so that no model-sized temporary exists at once and DDP ranks make only the inputs of
+    what they own."""
     b = local(it.state["momentum_buffer"])[rows]
     if not group["nesterov"]:
         return b
     g = it.grad[rows]
-    return torch.add(g if g.dtype == b.dtype else g.to(b.dtype), b, alpha=group["momentum"])
+    return torch.add(g if g.dtype == b.dtype else g.to(b.dtype), b, alpha=group["momentum"], out=out)
 
 
 class Rule:
@@ -225,7 +226,21 @@ class _HiddenRule(_MomentumRule):
     def orthogonalized(self, items: Sequence[Item], group: dict, ctx: StepContext) -> Iterator[tuple[int, Tensor]]:
         """``(i, Orth(X_i))`` for every item, one at a time; ``X_i`` is made just before its NS."""
         shapes = [_matrix_shape(it.shape) for it in items]
-        return ctx.split.orthogonalize(lambda i: _direction_input(items[i], group), shapes, group)
+        if ctx.split.sharded:  # ShardedSplit gathers all inputs before its all-to-all: no sharing
+            return ctx.split.orthogonalize(lambda i: _direction_input(items[i], group), shapes, group)
+        # Otherwise each input is consumed (copied into the NS buffer) before the next is made, so
+        # same-shape inputs can share one buffer: fresh temporaries are page faults on CPU.
+        scratch: dict[tuple, Tensor] = {}
+
+        def input_of(i: int) -> Tensor:
+            it = items[i]
+            b = local(it.state["momentum_buffer"])
+            key = (tuple(b.shape), b.dtype, b.stride())
+            if key not in scratch:
+                scratch[key] = torch.empty_like(b)
+            return _direction_input(it, group, out=scratch[key])
+
+        return ctx.split.orthogonalize(input_of, shapes, group)
 
 
 class MeqHidden(_HiddenRule):
