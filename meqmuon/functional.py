@@ -47,6 +47,8 @@ __all__ = [
     "equilibrate",
     "rms_normalize",
     "adaptive_normalize",
+    "adaptive_scales",
+    "scale_matrix",
     "as_matrix",
 ]
 
@@ -294,6 +296,31 @@ def rms_normalize(x: Tensor, delta: float = DELTA, psum: PSum = None, numel: int
     return x * _inverse(rms, delta)
 
 
+def adaptive_scales(
+    u: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The factors of MeqMuon's adaptive normalisation (paper eq. 8): ``N(U) = U * row * col``.
+
+    ``row`` (shape ``(..., m, 1)``) is ``1/r`` where rows were chosen (``gamma_r >= gamma_c``, ties
+    choose rows) and 1 elsewhere; ``col`` (``(..., 1, n)``) is ``1/c`` where columns were chosen and
+    1 elsewhere. The choice stays a tensor (``torch.where``), never a Python branch: no host-device
+    synchronisation, and ``torch.compile(fullgraph=True)`` works. With ``psum`` (rows sharded), the
+    column RMS and the row CV are reduced over shards, so every shard makes the same choice as the
+    whole matrix would.
+
+    Returns:
+        ``(row, col, chose_rows)``; ``chose_rows`` is a bool tensor of shape ``u.shape[:-2]``.
+    """
+    x = u.to(_stat_dtype(u))
+    r = row_rms(x)
+    c = col_rms(x, psum, rows)
+    chose_rows = cv(r, delta, psum) >= cv(c, delta)
+    chosen = chose_rows[..., None, None]
+    row_scale = torch.where(chosen, _inverse(r, delta).unsqueeze(-1), 1.0)
+    col_scale = torch.where(chosen, 1.0, _inverse(c, delta).unsqueeze(-2))
+    return row_scale, col_scale, chose_rows
+
+
 def adaptive_normalize(
     u: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -302,25 +329,20 @@ def adaptive_normalize(
     .. math::
         \tilde U = N_r(U)\ \text{if}\ \gamma_r(U) \ge \gamma_c(U)\ \text{else}\ N_c(U)
 
-    Ties choose rows. The choice is a tensor (``torch.where``), never a Python branch, so the
-    function causes no host-device synchronisation and compiles with ``fullgraph=True``.
-    Batched over leading dimensions: each matrix chooses independently. With ``psum`` (rows
-    sharded), the column RMS and the row CV are reduced over shards, so every shard makes the
-    same choice as the whole matrix would.
+    Ties choose rows. Batched over leading dimensions: each matrix chooses independently. The
+    factors come from :func:`adaptive_scales` (see there for ``psum``/``rows``).
 
     Returns:
         ``(u_tilde, chose_rows)``: the normalised update (float32, or float64 for float64 input)
         and a bool tensor of shape ``u.shape[:-2]``, True where rows were normalised.
     """
+    row_scale, col_scale, chose_rows = adaptive_scales(u, delta, psum, rows)
+    return scale_matrix(u, row_scale, col_scale), chose_rows
+
+
+def scale_matrix(u: Tensor, row_scale: Tensor, col_scale: Tensor) -> Tensor:
+    """``u * row_scale * col_scale`` in the statistics dtype (float32, or float64), as a new tensor."""
     x = u.to(_stat_dtype(u))
-    r = row_rms(x)
-    c = col_rms(x, psum, rows)
-    chose_rows = cv(r, delta, psum) >= cv(c, delta)
-    rows = chose_rows[..., None, None]
-    # Multiply by the row scale where rows were chosen and by the column scale elsewhere; the
-    # unused side's factor is 1. Two broadcasts, no copy of both candidate results; in place on
-    # the float32 copy when the cast made one (bf16 Newton-Schulz output), never on the caller's u.
-    row_scale = torch.where(rows, _inverse(r, delta).unsqueeze(-1), 1.0)
-    col_scale = torch.where(rows, 1.0, _inverse(c, delta).unsqueeze(-2))
+    # In place on the float32 copy when the cast made one (bf16 Newton-Schulz output), never on u.
     scaled = x.mul(row_scale) if x is u else x.mul_(row_scale)
-    return scaled.mul_(col_scale), chose_rows
+    return scaled.mul_(col_scale)

@@ -17,6 +17,7 @@ What is proven and why the tolerances:
   to 1e-6 (float32 parameters). Newton-Schulz inputs arrive bit-identical at the owner rank; the
   only differences are the rounding of partial sums of squares reduced across shards (~1e-7
   relative), times a few steps of size ``lr``. MeqMuon's row/column choices are equal exactly.
+  ``compile=True`` (the fused hidden update) meets the same bound against the eager unsharded run.
 - FSDP2 checkpoints with ``torch.distributed.checkpoint`` (``get_state_dict``, ``dcp.save``/``dcp.load``,
   ``set_state_dict``; nested and flattened optimizer state dicts): MeqMuon and NorMuon resumed into
   a fresh model and optimizer end bit for bit where the uninterrupted run ends.
@@ -42,6 +43,7 @@ import meqmuon
 from meqmuon import functional as F
 from meqmuon.optim import blockwise as B
 from meqmuon.optim import distributed as D
+from meqmuon.optim import fused
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 
@@ -56,7 +58,8 @@ EMBED, HEAD, VECTORS = (40, 16), (40, 16), [(16,), (24,)]
 FSDP_HIDDEN = [(15, 8), (15, 8), (7, 12), (7, 12), (7, 12), (12, 12), (1, 6)]
 FSDP_EMBED, FSDP_HEAD, FSDP_VECTORS = (21, 8), (21, 8), [(15,), (7,)]
 DDP_NAMES = ["meqmuon", "muon", "normuon"]
-FSDP_NAMES = ["meqmuon", "muon", "normuon", "scale"]
+# "+compile": MeqMuon with compile=True (fused hidden update, eager statistics with cross-shard sums)
+FSDP_NAMES = ["meqmuon", "meqmuon+compile", "muon", "normuon", "scale"]
 
 
 def _free_port() -> int:
@@ -206,8 +209,14 @@ def _ddp_worker(rank, name):
             torch.save(opt.state_dict(), buf)
             saved = (buf.getvalue(), _flat(params))
     counts = opt.selection_counts() if name == "meqmuon" else None
-    return {"params": _flat(params), "state": opt.state_dict(), "saved": saved, "ns": ns_count[0], "counts": counts,
-            "equilibrated": len(equilibrated)}
+    return {
+        "params": _flat(params),
+        "state": opt.state_dict(),
+        "saved": saved,
+        "ns": ns_count[0],
+        "counts": counts,
+        "equilibrated": len(equilibrated),
+    }
 
 
 def _single_process(name, hidden=HIDDEN, embed=EMBED, head=HEAD, vectors=VECTORS, steps=STEPS):
@@ -320,7 +329,8 @@ def _fsdp_worker(rank, names):
         # fully_shard replaced the parameters by DTensors: look them up again, in the same order
         sharded = {k: [getattr(holder, f"{k}_{i}") for i in range(len(ps))] for k, ps in params.items()}
         local_rows = [p.to_local().shape[0] for p in sharded["hidden"]]
-        opt = _opt(name, _groups(sharded))
+        base, _, flag = name.partition("+")
+        opt = _opt(base, _groups(sharded), **({"compile": True} if flag == "compile" else {}))
         assert isinstance(opt._splitter(opt.param_groups[0]), D.ShardedSplit)
         for step in range(STEPS):
             for k, gs in _grads(params, step).items():
@@ -328,8 +338,8 @@ def _fsdp_worker(rank, names):
                     p.grad = distribute_tensor(gr, mesh, [Shard(0)])
             opt.step()
         full = [p.full_tensor().detach().clone() for k in ("hidden", "embedding", "head", "vector") for p in sharded[k]]
-        counts = opt.selection_counts() if name == "meqmuon" else None
-        out[name] = {"params": full, "counts": counts, "local_rows": local_rows}
+        counts = opt.selection_counts() if base == "meqmuon" else None
+        out[name] = {"params": full, "counts": counts, "local_rows": local_rows, "compiled": sorted(fused._compiled)}
     # an unsupported layout raises instead of silently doing something else
     rep = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Replicate()]))
     rep.grad = distribute_tensor(torch.randn(6, 4), mesh, [Replicate()])
@@ -346,16 +356,18 @@ def test_fsdp2_equals_unsharded(tmp_path):
     assert results[0]["meqmuon"]["local_rows"] == [8, 8, 4, 4, 4, 6, 1]
     assert results[1]["meqmuon"]["local_rows"] == [7, 7, 3, 3, 3, 6, 0]  # uneven, and one empty shard
     assert "Shard(0)" in results[0]["replicate_error"]
+    assert results[0]["meqmuon+compile"]["compiled"] == ["scaled_update"]  # the fused kernel really ran
     init = _flat(_params(FSDP_HIDDEN, FSDP_EMBED, FSDP_HEAD, FSDP_VECTORS))
     for name in FSDP_NAMES:
-        ref_params, ref_opt = _single_process(name, FSDP_HIDDEN, FSDP_EMBED, FSDP_HEAD, FSDP_VECTORS)
+        base = name.partition("+")[0]  # the reference is always the eager, unsharded optimizer
+        ref_params, ref_opt = _single_process(base, FSDP_HIDDEN, FSDP_EMBED, FSDP_HEAD, FSDP_VECTORS)
         ref = _flat(ref_params)
         assert max((a - b).abs().max().item() for a, b in zip(ref, init, strict=True)) > 1e-3
         for r in range(WORLD):
             got = results[r][name]["params"]
             for i, (p, q) in enumerate(zip(got, ref, strict=True)):
                 assert torch.allclose(p, q, rtol=0, atol=1e-6), (name, r, i, (p - q).abs().max().item())
-        if name == "meqmuon":
+        if base == "meqmuon":
             assert results[0][name]["counts"] == results[1][name]["counts"] == ref_opt.selection_counts()
 
 

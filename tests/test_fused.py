@@ -56,7 +56,8 @@ def test_compiled_matches_eager_and_does_not_recompile():
     # the counter does see recompiles: a new input shape compiles a new graph
     from meqmuon.optim import fused
 
-    fused.rms_update(torch.randn(3), torch.zeros(3), {"lr": 0.1, "weight_decay": 0.0, "rho": 0.2})
+    u, row, col = torch.randn(3, 5), torch.ones(3, 1), torch.ones(1, 5)
+    fused.scaled_update(torch.zeros(3, 5), u, row, col, {"lr": 0.1, "weight_decay": 0.0}, 0.2)
     assert counters["stats"]["unique_graphs"] > graphs
     moved = (eager_model.q.weight - make_model().q.weight).abs().max().item()
     assert moved > 1e-3

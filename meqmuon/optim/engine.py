@@ -201,11 +201,6 @@ class RoleOptimizer(Optimizer):
         replicated = replicated_splitter(self._process_group)
         for group in self.param_groups:
             split = self._splitter(group, replicated)
-            if self._compile and split.sharded:
-                raise NotImplementedError(
-                    "compile=True is not supported with FSDP2 (DTensor) parameters yet: the fused kernels would need "
-                    "the cross-shard reductions inside the compiled region. Use compile=False."
-                )
             for rule, items in self._group_items(group).items():
                 kind = group.get("kind") or infer_kind(items[0].param)
                 rule.step(items, group, StepContext(self._capture_hook, kind, split, self._compile))

@@ -261,12 +261,13 @@ class MeqHidden(_HiddenRule):
     def update(self, items, group, ctx):
         for i, u in self.orthogonalized(items, group, ctx):
             it = items[i]
-            if ctx.compile:
-                fused.meq_hidden_update(u, it.param, it.state["rows_chosen"], group)
-                continue
-            direction, chose_rows = F.adaptive_normalize(u, psum=ctx.split.psum, rows=_matrix_shape(it.shape)[0])
+            if ctx.compile:  # statistics eager (they may need psum), scaling + step in one kernel
+                row, col, chose_rows = F.adaptive_scales(u, psum=ctx.split.psum, rows=_matrix_shape(it.shape)[0])
+                fused.scaled_update(it.param, u, row, col, group, group["rho"])
+            else:
+                direction, chose_rows = F.adaptive_normalize(u, psum=ctx.split.psum, rows=_matrix_shape(it.shape)[0])
+                apply_update([it], [direction], [group["rho"]], group)
             it.state["rows_chosen"].add_(chose_rows)
-            apply_update([it], [direction], [group["rho"]], group)
 
 
 class MoonlightHidden(_HiddenRule):
@@ -330,8 +331,9 @@ class NorMuonHidden(_HiddenRule):
 class Equilibrate(_MomentumRule):
     """MeqMuon for embeddings and LM heads (paper eq. 9): ``N_c(N_r(B))``, scale ``rho``.
 
-    Eager: row-blocked (``blockwise.equilibrate_step_``), so the 32000 x d direction is never
-    materialised; ``compile=True``: one fused kernel per matrix."""
+    Row-blocked (``blockwise.equilibrate_step_``), so the 32000 x d direction is never
+    materialised. ``compile=True`` changes nothing here: the two blocked passes already run at
+    memory bandwidth (a compiled whole-matrix kernel measured no faster)."""
 
     name = "equilibrate"
     needs_matrix = True
@@ -339,9 +341,6 @@ class Equilibrate(_MomentumRule):
 
     def update(self, items, group, ctx):
         for it in items:
-            if ctx.compile:
-                fused.equilibrate_update(_direction_input(it, group), it.param, group)
-                continue
             blockwise.equilibrate_step_(
                 it.param,
                 lambda rows, it=it: _direction_input(it, group, rows),
@@ -366,11 +365,7 @@ class RmsNormalize(_MomentumRule):
     def update(self, items, group, ctx):
         psum = ctx.split.psum
         for it in items:
-            x = _direction_input(it, group)
-            if ctx.compile:
-                fused.rms_update(x, it.param, group)
-                continue
-            direction = F.rms_normalize(x, psum=psum, numel=math.prod(it.shape))
+            direction = F.rms_normalize(_direction_input(it, group), psum=psum, numel=math.prod(it.shape))
             apply_update([it], [direction], [group["rho"]], group)
 
 
