@@ -30,7 +30,11 @@ Muon implementations usually do: the normalisations of MeqMuon (two-sided on the
 embedding and head, one-sided with CV statistics on hidden matrices) are memory-bound passes that
 a gather of NS outputs would leave repeated on every rank, and on gloo a broadcast per tensor
 moved the same bytes 3-5x faster than ``all_gather_into_tensor`` (measured here, 2 ranks, 24 MB
-per rank: 16 ms against 58 ms in bf16, 22 ms against 187 ms in fp32; docs/benchmarks.md).
+per rank: 16 ms against 58 ms in bf16, 22 ms against 187 ms in fp32; docs/benchmarks.md). Sending
+compact factors instead (the bf16 NS output and scale vectors; only ``1/r`` and ``1/c`` for the
+embedding and head, whose momentum every rank has) cuts the bytes about 4x, but then every rank
+applies every update; it measured 0.70-0.82x of one rank's step time against 0.61-0.65x for this
+design, so it was not kept.
 
 Bit-exactness with one process: an owner runs exactly the per-parameter code a single process
 runs (``functional.orthogonalize`` iterates matrix by matrix, so a matrix's bits never depend on

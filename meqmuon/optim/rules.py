@@ -333,7 +333,9 @@ class Equilibrate(_MomentumRule):
 
     Row-blocked (``blockwise.equilibrate_step_``), so the 32000 x d direction is never
     materialised. ``compile=True`` changes nothing here: the two blocked passes already run at
-    memory bandwidth (a compiled whole-matrix kernel measured no faster)."""
+    memory bandwidth. The compiled whole-matrix kernel used before could not take FSDP2's
+    cross-shard sums, and with it the whole step was only 2-5% faster than eager, within this
+    machine's run-to-run noise (docs/benchmarks.md)."""
 
     name = "equilibrate"
     needs_matrix = True
