@@ -250,7 +250,7 @@ def test_ddp_two_processes_match_single_process(cache, tmp_path):
     common = ["--model", "llama-tiny", "--optimizer", "meqmuon", "--lr", "1e-2", "--vocab-size", "512",
               "--seq-len", "32", "--global-batch", "8", "--micro-batch", "4", "--steps", "3", "--eval-every", "3",
               "--val-tokens", "256", "--cache-dir", cache, "--precision", "fp32",
-              "--optimizer-arg", "ns_dtype=float32", "--quiet"]
+              "--optimizer-arg", "ns_dtype=float32", "--capture-steps", "2", "--capture-layers", "0", "--quiet"]
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
     single = subprocess.run([sys.executable, "-m", "meqmuon", "train", *common, "--out", str(tmp_path / "one")],
@@ -271,3 +271,14 @@ def test_ddp_two_processes_match_single_process(cache, tmp_path):
     l1, l2 = _train_losses(tmp_path / "one"), _train_losses(tmp_path / "two")
     assert [s for s, _ in l2] == [1, 2, 3]
     assert [v for _, v in l2] == pytest.approx([v for _, v in l1], abs=1e-4)
+    # Captures: rank 0 alone writes them, and they hold what a single process records.
+    from meqmuon.diagnostics.capture import load_captures
+
+    c1, c2 = load_captures(tmp_path / "one")[2], load_captures(tmp_path / "two")[2]
+    assert c1.keys() == c2.keys() and c1["tensors"]
+    for key, value in c1.items():
+        if isinstance(value, dict):
+            assert value.keys() == c2[key].keys(), key
+            for name, t in value.items():
+                if isinstance(t, torch.Tensor):
+                    torch.testing.assert_close(c2[key][name], t, rtol=0, atol=1e-4, msg=f"{key}/{name}")

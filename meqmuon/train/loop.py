@@ -284,7 +284,10 @@ def _train(cfg, rank, world, local_rank, build_optimizer, optimizer_state_bytes,
                 else contextlib.nullcontext())
 
     recorder = None
-    if cfg.capture_steps:
+    # Rank 0 alone records: every rank sees every parameter's momentum input (gradients are
+    # all-reduced and the optimizer keeps complete state everywhere), so its file is complete,
+    # and one writer per file avoids ranks overwriting each other's captures.
+    if cfg.capture_steps and is_main:
         try:
             from meqmuon.diagnostics.capture import CaptureRecorder
         except ImportError as e:
