@@ -178,6 +178,15 @@ def _buffers(workspace: dict | None, key: tuple) -> dict[str, Any]:
     return buf
 
 
+#: Smallest Gram size ``k = min(m, n)`` at which :func:`ns_step` computes its two symmetric products
+#: (``A = YY^T`` and ``bA + cA^2``) block-wise on CPU: 3 of the 4 blocks, the fourth mirrored, so
+#: each costs 3/4 of its FLOPs. Measured per NS iteration in bf16 on 2 CPU cores
+#: (``benchmarks/ns_blocks.py``, docs/benchmarks.md "Symmetric products"): 1.45-1.9x slower at
+#: k <= 192, break-even within noise at k = 320-576, 0.85-0.94x from k = 768 to 1024. Other
+#: devices keep the plain products: not measured there.
+SYMMETRIC_MIN = 576
+
+
 def ns_step(
     Y: Tensor,
     coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
@@ -190,15 +199,45 @@ def ns_step(
     Wide (``m <= n``): ``aY + (bA + cA^2)Y`` with ``A = YY^T``. Tall: ``aY + Y(bA + cA^2)`` with
     ``A = Y^TY``, which is the wide iteration applied to ``Y^T``, transposed back. ``out`` (not
     ``Y``) and ``scratch`` (two ``k x k`` buffers, ``k = min(m, n)``) avoid allocations.
+
+    ``A`` and ``bA + cA^2`` are symmetric; on CPU from ``k >= SYMMETRIC_MIN`` only their upper
+    three blocks are multiplied (the symmetric-tile idea of flash-muon and modded-nanogpt's Triton
+    kernels, here with plain BLAS calls on blocks). Each computed entry is the same dot product
+    as in the full product; the mirrored block makes the result exactly symmetric.
     """
     a, b, c = coefficients
     tall = Y.shape[0] > Y.shape[1]
+    Z = Y.T if tall else Y  # rows of Z: the k vectors whose Gram matrix is A
+    k = Z.shape[0]
     A, B = scratch if scratch is not None else (None, None)
-    A = torch.mm(Y.T, Y, out=A) if tall else torch.mm(Y, Y.T, out=A)
-    B = torch.addmm(A, A, A, beta=b, alpha=c, out=B)
+    if Y.device.type == "cpu" and k >= SYMMETRIC_MIN:
+        A = _symmetric_addmm(None, Z, Z.T, out=A)
+        B = _symmetric_addmm(A, A, A, beta=b, alpha=c, out=B)
+    else:
+        A = torch.mm(Z, Z.T, out=A)
+        B = torch.addmm(A, A, A, beta=b, alpha=c, out=B)
     if tall:
         return torch.addmm(Y, Y, B, beta=a, out=out)
     return torch.addmm(Y, B, Y, beta=a, out=out)
+
+
+def _symmetric_addmm(
+    C: Tensor | None, L: Tensor, R: Tensor, *, beta: float = 1.0, alpha: float = 1.0, out: Tensor | None = None
+) -> Tensor:
+    """``beta C + alpha L R`` (``C`` symmetric, or ``None`` for ``L R``) for a product known to be
+    symmetric: the top block rows and the bottom-right block, then the bottom-left block mirrored."""
+    k = L.shape[0]
+    h = k // 2
+    if out is None:
+        out = torch.empty((k, k), dtype=L.dtype, device=L.device)
+    if C is None:
+        torch.mm(L[:h], R, out=out[:h])
+        torch.mm(L[h:], R[:, h:], out=out[h:, h:])
+    else:
+        torch.addmm(C[:h], L[:h], R, beta=beta, alpha=alpha, out=out[:h])
+        torch.addmm(C[h:, h:], L[h:], R[:, h:], beta=beta, alpha=alpha, out=out[h:, h:])
+    out[h:, :h].copy_(out[:h, h:].T)
+    return out
 
 
 def row_rms(x: Tensor) -> Tensor:

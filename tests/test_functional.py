@@ -134,6 +134,29 @@ def test_orthogonalize_matches_eq3_in_float64(shape):
     assert torch.allclose(out, ref_ns(H), atol=1e-12)
 
 
+@pytest.mark.parametrize("shape", [(12, 5), (5, 12), (9, 9), (8, 8)])
+def test_orthogonalize_with_symmetric_blocks_matches_eq3_in_float64(shape, monkeypatch):
+    """The block-wise symmetric products (3 of 4 blocks, one mirrored) are still eq. 3, also for odd k."""
+    monkeypatch.setattr(F, "SYMMETRIC_MIN", 2)
+    H = rand(*shape, seed=4)
+    assert torch.allclose(F.orthogonalize(H, dtype=torch.float64), ref_ns(H), atol=1e-12)
+
+
+def test_symmetric_blocks_on_bf16_match_the_plain_products(monkeypatch):
+    """At a size where the CPU takes the block path, bf16 NS agrees with the full products.
+
+    With this machine's BLAS the two are equal bit for bit (every computed entry is the same dot
+    product); the test asserts only bf16-rounding agreement, which any BLAS must give."""
+    H = rand(700, 600, seed=6).float()
+    assert min(H.shape) >= F.SYMMETRIC_MIN
+    blocked = F.orthogonalize(H)
+    monkeypatch.setattr(F, "SYMMETRIC_MIN", 10**9)
+    plain = F.orthogonalize(H)
+    assert torch.allclose(blocked.float(), plain.float(), atol=2e-2, rtol=0)
+    # A wrong block (e.g. the mirror of the wrong corner) would be O(1) off, far outside bf16 rounding.
+    assert (blocked.float() - plain.float()).abs().mean() < 1e-3
+
+
 def test_orthogonalize_batched_equals_per_matrix():
     H = rand(4, 10, 6, seed=5)
     out = F.orthogonalize(H, dtype=torch.float64)
