@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import LLAMA, llama_shapes  # noqa: E402
+from shapes import MODELS, model_shapes  # noqa: E402
 from step_time import groups_of, make_params  # noqa: E402
 
 import meqmuon  # noqa: E402
@@ -35,7 +35,7 @@ def _worker(rank, world, port, threads, model, name, warmup, repeats, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    params = make_params(llama_shapes(model), torch.device("cpu"))
+    params = make_params(model_shapes(model), torch.device("cpu"))
     opt = meqmuon.build_optimizer(name, groups_of(params), lr=1e-3)
     for _ in range(warmup):
         opt.step()
@@ -65,7 +65,7 @@ def run(world, cores, model, name, warmup, repeats, threads=None):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="llama-60m", choices=sorted(LLAMA))
+    ap.add_argument("--model", default="llama-60m", choices=MODELS)
     ap.add_argument("--optimizer", default="meqmuon")
     ap.add_argument("--cores", type=int, default=os.cpu_count())
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])

@@ -1,27 +1,26 @@
-"""Parameter shapes of the paper's Llama models, by kind, without allocating a model.
+"""Parameter shapes of the paper's models, by kind, without allocating a model.
 
-Llama configs from GaLore ``configs/llama_{60m,130m,350m}.json`` (baselines.md section 5a): untied
-embedding and LM head, SwiGLU MLP, no biases, RMSNorm gains per layer (2) plus a final one.
+The model is built on the ``meta`` device from the package's registry (``meqmuon.train.models``,
+which cites each config's source) and routed with the package's own role classifier
+(``meqmuon.optim.groups.classify_parameters``), so the benchmarks see exactly the tensors and kinds
+``meqmuon train`` would optimise: untied Llama embeddings and heads, one tied tensor for SmolLM2 and
+Qwen2, GQA key/value projections, Qwen2's q/k/v biases as vectors.
 """
 
 from __future__ import annotations
 
-LLAMA = {
-    "llama-60m": dict(layers=8, hidden=512, ffn=1376, vocab=32000),
-    "llama-130m": dict(layers=12, hidden=768, ffn=2048, vocab=32000),
-    "llama-350m": dict(layers=24, hidden=1024, ffn=2736, vocab=32000),
-}
+from meqmuon.optim.groups import KINDS, classify_parameters
+from meqmuon.train.models import PAPER_MODELS, build_model
+
+#: Model names the benchmarks accept: the paper's six architectures.
+MODELS: tuple[str, ...] = PAPER_MODELS
 
 
-def llama_shapes(name: str) -> dict[str, list[tuple[int, ...]]]:
-    """``kind -> [shape]`` for Llama model ``name`` (one of ``LLAMA``), in model order."""
-    c = LLAMA[name]
-    d, f, v = c["hidden"], c["ffn"], c["vocab"]
-    hidden: list[tuple[int, ...]] = []
-    vector: list[tuple[int, ...]] = []
-    for _ in range(c["layers"]):
-        hidden += [(d, d)] * 4  # q, k, v, o
-        hidden += [(f, d), (f, d), (d, f)]  # gate, up, down
-        vector += [(d,), (d,)]  # input and post-attention RMSNorm
-    vector.append((d,))  # final norm
-    return {"hidden": hidden, "embedding": [(v, d)], "head": [(v, d)], "vector": vector}
+def model_shapes(name: str) -> dict[str, list[tuple[int, ...]]]:
+    """``kind -> [shape]`` for registry model ``name``, in ``named_parameters`` order (tied tensors once)."""
+    model = build_model(name, device="meta")
+    routed = classify_parameters(model)
+    shapes: dict[str, list[tuple[int, ...]]] = {k: [] for k in KINDS}
+    for param_name, kind in routed["kinds"].items():
+        shapes[kind].append(tuple(routed["params"][param_name].shape))
+    return shapes

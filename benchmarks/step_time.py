@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import LLAMA, llama_shapes  # noqa: E402
+from shapes import MODELS, model_shapes  # noqa: E402
 
 import meqmuon  # noqa: E402
 from meqmuon.optim.distributed import ns_flops  # noqa: E402
@@ -120,21 +120,29 @@ def matmul_floor(hidden_shapes, device, repeats, steps=5):
     return total_t, total_f
 
 
+ALL_OPTIMIZERS = ("meqmuon", "muon", "normuon", "torch Muon+AdamW", "torch AdamW")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="llama-60m", choices=sorted(LLAMA))
+    ap.add_argument("--model", default="llama-60m", choices=MODELS)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="also time MeqMuon with compile=True")
+    ap.add_argument(
+        "--optimizers", nargs="+", choices=ALL_OPTIMIZERS, default=list(ALL_OPTIMIZERS),
+        help="which optimizers to time (each holds its own parameters, gradients and state: for the "
+        "larger models pick a few to fit in memory); torch Muon+AdamW is always timed, as the reference",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    shapes = llama_shapes(args.model)
-    names = ["meqmuon", "muon", "normuon", "torch Muon+AdamW", "torch AdamW"]
-    if args.compile:
+    shapes = model_shapes(args.model)
+    names = [n for n in ALL_OPTIMIZERS if n in args.optimizers or n == "torch Muon+AdamW"]
+    if args.compile and "meqmuon" in names:
         names.insert(1, "meqmuon (compile)")
     opts = {}
     params = {}
