@@ -321,6 +321,30 @@ def test_muon_parity_with_torch_muon_and_adamw(monkeypatch):
     assert worst < 2e-6
 
 
+def test_muon_adamw_part_equals_torch_adamw_bit_for_bit():
+    """The AdamW rule (Muon's embedding/head/vectors) runs torch.optim.AdamW's single-tensor
+    arithmetic in the same order (its CPU default), so the two agree bit for bit, weight decay on."""
+    g = torch.Generator().manual_seed(11)
+    shapes = [(40, 16), (40, 16), (16,), (7,)]
+    ours_params = [nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    torch_params = [nn.Parameter(p.detach().clone()) for p in ours_params]
+    kinds = ["embedding", "head", "vector", "vector"]
+    ours = meqmuon.Muon(
+        [{"params": [p], "kind": k} for p, k in zip(ours_params, kinds, strict=True)],
+        lr=3e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
+    )
+    ref = torch.optim.AdamW(torch_params, lr=3e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    for _ in range(5):
+        for p, q in zip(ours_params, torch_params, strict=True):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        ours.step()
+        ref.step()
+    for p, q, s in zip(ours_params, torch_params, shapes, strict=True):
+        assert torch.equal(p, q), (s, (p - q).abs().max().item())
+        assert torch.equal(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+
+
 # ---- behaviour -------------------------------------------------------------------------------------
 
 
