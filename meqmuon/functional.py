@@ -91,6 +91,7 @@ def orthogonalize(
     dtype: torch.dtype | None = torch.bfloat16,
     eps: float = NS_EPS,
     workspace: dict | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     r"""Approximate ``Orth(x) = P Q^T`` (for ``x = P S Q^T``) with quintic Newton-Schulz (paper eq. 3).
 
@@ -111,7 +112,10 @@ def orthogonalize(
             torch.optim.Muon and Moonlight; use float32/float64 for reference computations.
         eps: lower bound on the Frobenius norm (a zero input returns zero).
         workspace: optional dict in which the iteration keeps its buffers between calls; pass the
-            same dict for a series of matrices to reuse them (the result is always a new tensor).
+            same dict for a series of matrices to reuse them.
+        out: optional contiguous tensor of ``x``'s shape in ``dtype`` for the result (else a new
+            one). Reusing one for a series of matrices avoids a fresh allocation per matrix, which
+            on CPU costs page faults.
 
     Returns:
         The approximate orthogonalisation, same shape as ``x``, in ``dtype``.
@@ -121,18 +125,25 @@ def orthogonalize(
     if steps < 1:
         raise ValueError(f"orthogonalize: steps must be >= 1, got {steps}")
     dtype = dtype or x.dtype
+    if out is not None and (out.shape != x.shape or out.dtype != dtype or not out.is_contiguous()):
+        raise ValueError(
+            f"orthogonalize: out must be a contiguous {tuple(x.shape)} tensor of dtype {dtype}, "
+            f"got {tuple(out.shape)} {out.dtype} (contiguous={out.is_contiguous()})"
+        )
     if x.ndim == 2:
-        return _orthogonalize_matrix(x, steps, coefficients, dtype, eps, workspace)
+        return _orthogonalize_matrix(x, steps, coefficients, dtype, eps, workspace, out)
     # One matrix at a time with fused addmm, exactly torch.optim.Muon's iteration. Measured on the
     # Llama-60M shapes (2 CPU cores, bf16): 602 ms per step against 1098 ms for one batched call
     # with separate elementwise ops and 841 ms with baddbmm (docs/benchmarks.md). It also makes each
     # matrix's bits independent of the batch it travels in, which the DDP split relies on for
     # bit-exactness with one process (a batched baddbmm broke that for some inputs).
     flat = x.reshape(-1, *x.shape[-2:])
-    out = torch.empty(flat.shape, dtype=dtype, device=x.device)
+    if out is None:
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    flat_out = out.view(flat.shape)
     for i in range(flat.shape[0]):
-        out[i] = _orthogonalize_matrix(flat[i], steps, coefficients, dtype, eps, workspace)
-    return out.reshape(x.shape)
+        _orthogonalize_matrix(flat[i], steps, coefficients, dtype, eps, workspace, flat_out[i])
+    return out
 
 
 def _orthogonalize_matrix(
@@ -142,8 +153,9 @@ def _orthogonalize_matrix(
     dtype: torch.dtype,
     eps: float,
     workspace: dict | None = None,
+    result: Tensor | None = None,
 ) -> Tensor:
-    """:func:`orthogonalize` of one 2-D matrix into a new contiguous tensor.
+    """:func:`orthogonalize` of one 2-D matrix into ``result`` (contiguous), or a new tensor.
 
     Tall matrices are not transposed: :func:`ns_step` uses the right Gram matrix for them (strided
     transposing copies cost ~1 ms per 1376 x 512 matrix here, ~20 ms per Llama-60M step). With a
@@ -155,7 +167,8 @@ def _orthogonalize_matrix(
     ws = _buffers(workspace, (m, n, k, dtype, x.device))
     X = ws["X"].copy_(x)  # the input in the compute dtype, contiguous
     X.div_(torch.linalg.vector_norm(X).clamp(min=eps))
-    result = torch.empty((m, n), dtype=dtype, device=x.device)
+    if result is None:
+        result = torch.empty((m, n), dtype=dtype, device=x.device)
     for i in range(steps):
         out = result if i == steps - 1 else ws["Y"][i % 2]
         ns_step(X, coefficients, out=out, scratch=(ws["A"], ws["B"]))
@@ -336,7 +349,7 @@ def rms_normalize(x: Tensor, delta: float = DELTA, psum: PSum = None, numel: int
 
 
 def adaptive_scales(
-    u: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None
+    u: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None, scratch: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The factors of MeqMuon's adaptive normalisation (paper eq. 8): ``N(U) = U * row * col``.
 
@@ -347,12 +360,21 @@ def adaptive_scales(
     column RMS and the row CV are reduced over shards, so every shard makes the same choice as the
     whole matrix would.
 
+    ``scratch`` (optional): a tensor of ``u``'s shape in the statistics dtype that receives the
+    squares of ``u``, so that a series of matrices makes no fresh matrix-sized temporaries.
+
     Returns:
         ``(row, col, chose_rows)``; ``chose_rows`` is a bool tensor of shape ``u.shape[:-2]``.
     """
-    x = u.to(_stat_dtype(u))
-    r = row_rms(x)
-    c = col_rms(x, psum, rows)
+    if scratch is None:
+        x = u.to(_stat_dtype(u))
+        r = row_rms(x)
+        c = col_rms(x, psum, rows)
+    else:  # one squaring pass, then both sums of squares from it (eq. 4)
+        sq = scratch.copy_(u).square_()
+        r = (sq.sum(dim=-1) / u.shape[-1]).sqrt()
+        c_sumsq = sq.sum(dim=-2)
+        c = ((c_sumsq if psum is None else psum(c_sumsq)) / (u.shape[-2] if psum is None else rows)).sqrt()
     chose_rows = cv(r, delta, psum) >= cv(c, delta)
     chosen = chose_rows[..., None, None]
     row_scale = torch.where(chosen, _inverse(r, delta).unsqueeze(-1), 1.0)

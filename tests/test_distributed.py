@@ -184,9 +184,9 @@ def _ddp_worker(rank, name):
     ns_count = [0]
     real_ns = D._ns
 
-    def counting_ns(x, *args):  # a matrix (m, n) or a stack (k, m, n) of them
+    def counting_ns(x, *args, **kw):  # a matrix (m, n) or a stack (k, m, n) of them
         ns_count[0] += x.shape[0] if x.ndim == 3 else 1
-        return real_ns(x, *args)
+        return real_ns(x, *args, **kw)
 
     D._ns = counting_ns
     equilibrated = []

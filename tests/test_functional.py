@@ -157,6 +157,27 @@ def test_symmetric_blocks_on_bf16_match_the_plain_products(monkeypatch):
     assert (blocked.float() - plain.float()).abs().mean() < 1e-3
 
 
+def test_orthogonalize_writes_into_out_and_checks_it():
+    H = rand(3, 10, 6, seed=8)
+    out = torch.empty(3, 10, 6, dtype=torch.float64)
+    assert F.orthogonalize(H, dtype=torch.float64, out=out) is out
+    assert torch.equal(out, F.orthogonalize(H, dtype=torch.float64))
+    with pytest.raises(ValueError, match="out must be"):
+        F.orthogonalize(H, dtype=torch.float64, out=torch.empty(3, 10, 6))  # float32, not float64
+
+
+def test_adaptive_scales_with_scratch_equals_without():
+    """The scratch path (squares into a reused buffer, both sums from them) is eq. 4-5 and 8 as well."""
+    for shape in [(12, 5), (5, 12)]:
+        U = imbalanced(*shape, seed=2)
+        scratch = torch.zeros(shape, dtype=torch.float64)
+        got = F.adaptive_scales(U, scratch=scratch)
+        want = F.adaptive_scales(U)
+        assert torch.equal(scratch, U.square())  # the buffer really took the squares
+        for g, w in zip(got, want, strict=True):
+            assert torch.allclose(g.double(), w.double(), rtol=1e-12, atol=0)
+
+
 def test_orthogonalize_batched_equals_per_matrix():
     H = rand(4, 10, 6, seed=5)
     out = F.orthogonalize(H, dtype=torch.float64)

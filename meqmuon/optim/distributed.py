@@ -163,9 +163,9 @@ def _buckets(shapes: Sequence[tuple[int, int]], inputs: Sequence[Tensor]) -> lis
     return list(buckets.values())
 
 
-def _ns(x: Tensor, group: dict, workspace: dict | None = None) -> Tensor:
+def _ns(x: Tensor, group: dict, workspace: dict | None = None, out: Tensor | None = None) -> Tensor:
     steps, coefficients, dtype = group["ns_steps"], tuple(group["ns_coefficients"]), group["ns_dtype"]
-    return F.orthogonalize(x, steps, coefficients, dtype, workspace=workspace)
+    return F.orthogonalize(x, steps, coefficients, dtype, workspace=workspace, out=out)
 
 
 def _ns_stack(mats: Sequence[Tensor], group: dict, workspace: dict | None = None) -> Tensor:
@@ -202,6 +202,9 @@ class LocalSplit:
     ) -> Iterator[tuple[int, Tensor]]:
         """Newton-Schulz of every input matrix, yielded one by one as ``(i, Orth(X_i))``.
 
+        Each output is valid until the next one is yielded: same-shape outputs share one buffer
+        (a fresh matrix per output costs page faults on CPU), so a caller that keeps one must copy it.
+
         Args:
             input_of: ``input_of(i)`` makes the ``i``-th input (a full matrix, or this rank's row
                 shard when ``sharded``; any shape whose matrix view is ``(rows, shapes[i][1])``).
@@ -209,8 +212,14 @@ class LocalSplit:
             shapes: global matrix shapes ``(m, n)``.
             group: the param group (``ns_steps``, ``ns_coefficients``, ``ns_dtype``).
         """
+        outputs: dict[tuple, Tensor] = {}
         for i in range(len(shapes)):
-            yield i, _ns(F.as_matrix(input_of(i)), group, self.workspace)
+            x = F.as_matrix(input_of(i))
+            dtype = group["ns_dtype"] or x.dtype
+            key = (tuple(x.shape), dtype, x.device)
+            if key not in outputs:
+                outputs[key] = torch.empty(x.shape, dtype=dtype, device=x.device)
+            yield i, _ns(x, group, self.workspace, out=outputs[key])
 
 
 class _CollectiveSplit(LocalSplit):

@@ -110,7 +110,37 @@ def apply_update(items: Sequence[Item], directions: Sequence[Tensor], scales: Se
     if wd != 0:
         torch._foreach_mul_(params, 1.0 - lr * wd)
     for p, d, s in zip(params, directions, scales, strict=True):
-        p.add_(d.reshape(p.shape).to(p.dtype), alpha=-lr * s)
+        # Mixed dtypes compute in the wider one (as torch.optim.Muon's bf16 update into fp32 params),
+        # without a parameter-sized cast.
+        p.add_(d.reshape(p.shape), alpha=-lr * s)
+
+
+def _scaled_step(
+    param: Tensor, u: Tensor, row: Tensor, col: Tensor, group: dict, scale: float, scratch: dict[tuple, Tensor]
+) -> None:
+    """``W <- (1 - lr wd) W - lr scale (u * row) * col`` in two passes over the matrix.
+
+    Eager counterpart of ``fused.scaled_update``: ``u * row`` goes into a float32 buffer kept in
+    ``scratch`` per shape, and the column factor is applied inside ``addcmul_``, instead of a cast,
+    two scalings and an add over four parameter-sized temporaries. ``param`` is updated through its
+    matrix view; a parameter whose storage has no such view raises rather than update a copy.
+    """
+    lr, wd = group["lr"], group["weight_decay"]
+    W = param.view(u.shape)
+    if wd != 0:
+        W.mul_(1.0 - lr * wd)
+    row_scaled = torch.mul(u, row, out=_buffer(scratch, "row_scaled", u.shape, row.dtype, u.device))
+    W.addcmul_(row_scaled, col, value=-lr * scale)
+
+
+def _buffer(
+    scratch: dict[tuple, Tensor], role: str, shape: torch.Size, dtype: torch.dtype = torch.float32, device=None
+) -> Tensor:
+    """A buffer for ``role`` kept in ``scratch`` and reused by same-shape matrices within a step."""
+    key = (role, tuple(shape), dtype, device)
+    if key not in scratch:
+        scratch[key] = torch.empty(shape, dtype=dtype, device=device)
+    return scratch[key]
 
 
 def _state_dtype(p: Tensor, group: dict) -> torch.dtype:
@@ -259,14 +289,18 @@ class MeqHidden(_HiddenRule):
         state["rows_chosen"] = torch.zeros((), dtype=torch.int64, device=p.device)
 
     def update(self, items, group, ctx):
+        scratch: dict[tuple, Tensor] = {}
         for i, u in self.orthogonalized(items, group, ctx):
             it = items[i]
-            if ctx.compile:  # statistics eager (they may need psum), scaling + step in one kernel
-                row, col, chose_rows = F.adaptive_scales(u, psum=ctx.split.psum, rows=_matrix_shape(it.shape)[0])
+            # Statistics eager (under FSDP2 they need cross-shard sums), then the scaled step.
+            squares = _buffer(scratch, "squares", u.shape, F._stat_dtype(u), u.device)
+            row, col, chose_rows = F.adaptive_scales(
+                u, psum=ctx.split.psum, rows=_matrix_shape(it.shape)[0], scratch=squares
+            )
+            if ctx.compile:  # scaling, decay and step in one compiled kernel
                 fused.scaled_update(it.param, u, row, col, group, group["rho"])
             else:
-                direction, chose_rows = F.adaptive_normalize(u, psum=ctx.split.psum, rows=_matrix_shape(it.shape)[0])
-                apply_update([it], [direction], [group["rho"]], group)
+                _scaled_step(it.param, u, row, col, group, group["rho"], scratch)
             it.state["rows_chosen"].add_(chose_rows)
 
 
@@ -309,14 +343,18 @@ class NorMuonHidden(_HiddenRule):
     def update(self, items, group, ctx):
         beta2 = group["beta2"]
         psum = ctx.split.psum
+        scratch: dict[tuple, Tensor] = {}  # reused by same-shape matrices: no fresh temporaries
         for i, O in self.orthogonalized(items, group, ctx):
             it = items[i]
-            O = _at_least_fp32(O)
+            dtype = torch.promote_types(O.dtype, torch.float32)
+            if O.dtype != dtype:
+                O = _buffer(scratch, "O", O.shape, dtype, O.device).copy_(O)
+            work = _buffer(scratch, "work", O.shape, dtype, O.device)
             # Rows are whole on every shard, so the per-row second moment is local under FSDP2.
             state_v = local(it.state["second_moment"])
             v = state_v.to(O.dtype)
-            v.lerp_(O.square().mean(dim=-1), 1.0 - beta2)
-            scaled = O / (v.sqrt().unsqueeze(-1) + NORMUON_EPS)
+            v.lerp_(torch.mul(O, O, out=work).mean(dim=-1), 1.0 - beta2)
+            scaled = torch.div(O, v.sqrt().unsqueeze(-1) + NORMUON_EPS, out=work)
             if psum is None:
                 fro_o = torch.linalg.vector_norm(O)
                 fro_s = torch.linalg.vector_norm(scaled)
