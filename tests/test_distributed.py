@@ -20,7 +20,8 @@ What is proven and why the tolerances:
   ``compile=True`` (the fused hidden update) meets the same bound against the eager unsharded run.
 - FSDP2 checkpoints with ``torch.distributed.checkpoint`` (``get_state_dict``, ``dcp.save``/``dcp.load``,
   ``set_state_dict``; nested and flattened optimizer state dicts): MeqMuon and NorMuon resumed into
-  a fresh model and optimizer end bit for bit where the uninterrupted run ends.
+  a fresh model and optimizer end bit for bit where the uninterrupted run ends. Across world sizes
+  (2 FSDP2 ranks -> 1 unsharded process, and back) they end within the FSDP2 bound of 1e-6.
 
 Workers are spawned inside the tests; each ends with ``destroy_process_group`` and ``os._exit``
 (a gloo process may otherwise abort at interpreter exit after finishing its work).
@@ -438,6 +439,16 @@ def _fsdp_dcp_worker(rank, names, ckpt_root):
             )
             run(sharded, opt, range(SAVE_AT, STEPS))
             out[name][flatten] = {"params": full(sharded), "counts": counts(name, opt), "init": init}
+        # Another world size: the checkpoint the test saved from one unsharded process, loaded here.
+        single_ckpt = os.path.join(ckpt_root, f"dcp_single_{name}")
+        if os.path.exists(single_ckpt):
+            holder, sharded, opt = build(name, seed=123)
+            model_sd, optim_sd = get_state_dict(holder, opt)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=single_ckpt)
+            set_state_dict(holder, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            run(sharded, opt, range(SAVE_AT, STEPS))
+            out[name]["from_single"] = {"params": full(sharded), "counts": counts(name, opt)}
     return out
 
 
@@ -462,3 +473,50 @@ def test_fsdp2_dcp_checkpoint_resumes_exactly(tmp_path):
                 for i, (p, q) in enumerate(zip(got["params"], ref["params"], strict=True)):
                     assert torch.equal(p, q), (name, r, flatten, i, (p - q).abs().max().item())
                 assert got["counts"] == ref["counts"], (name, r, flatten)
+
+
+def _unsharded_dcp_run(name, steps, load_from=None, save_to=None):
+    """One process, no process group, no FSDP: optionally load a DCP checkpoint (saved by any world
+    size), run ``steps``, optionally save one. Returns the parameters and the selection counts."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    params = _params(FSDP_HIDDEN, FSDP_EMBED, FSDP_HEAD, FSDP_VECTORS, seed=0 if load_from is None else 123)
+    holder = _Holder(params)
+    opt = _opt(name, _groups(params))
+    if load_from is not None:
+        model_sd, optim_sd = get_state_dict(holder, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=load_from, no_dist=True)
+        set_state_dict(holder, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for step in steps:
+        _set_grads(params, step)
+        opt.step()
+    if save_to is not None:
+        model_sd, optim_sd = get_state_dict(holder, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=save_to, no_dist=True)
+    return _flat(params), (opt.selection_counts() if name == "meqmuon" else None)
+
+
+def test_dcp_checkpoint_resumes_across_world_sizes(tmp_path):
+    """DCP checkpoints move between world sizes: one saved by 2 FSDP2 ranks resumes in one unsharded
+    process, and one saved by one unsharded process resumes on 2 FSDP2 ranks. Both end where the
+    uninterrupted 2-rank run ends, to the FSDP2-vs-unsharded bound (1e-6: partial sums of squares
+    reduced across shards round differently), with the same row/column choices."""
+    names = ["meqmuon", "normuon"]
+    for name in names:
+        _unsharded_dcp_run(name, range(SAVE_AT), save_to=str(tmp_path / f"dcp_single_{name}"))
+    results = _spawn(_fsdp_dcp_worker, tmp_path, names, str(tmp_path))
+    for name in names:
+        ref = results[0][name]["ref"]
+        for r in range(WORLD):  # 1 process -> 2 ranks
+            got = results[r][name]["from_single"]
+            for i, (p, q) in enumerate(zip(got["params"], ref["params"], strict=True)):
+                assert torch.allclose(p, q, rtol=0, atol=1e-6), (name, r, i, (p - q).abs().max().item())
+            assert got["counts"] == ref["counts"]
+        # 2 ranks -> 1 process (the 2-rank checkpoint with nested optimizer state, saved at SAVE_AT);
+        # the fresh model starts from seed 123, ~0.1 away, so only a real load lands within 1e-6.
+        params, counts = _unsharded_dcp_run(name, range(SAVE_AT, STEPS), load_from=str(tmp_path / f"dcp_{name}_False"))
+        for i, (p, q) in enumerate(zip(params, ref["params"], strict=True)):
+            assert torch.allclose(p, q, rtol=0, atol=1e-6), (name, i, (p - q).abs().max().item())
+        assert counts == ref["counts"]
