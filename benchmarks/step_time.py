@@ -7,8 +7,8 @@ Usage (CPU here; any device with ``--device``)::
 All optimizers are timed in one run, interleaved round-robin (the machine is shared and noisy), and
 reported as ratios. The FLOP floor is the Newton-Schulz FLOP count divided by the best measured bf16
 matmul rate *on the same shapes* (the three matmuls of one NS iteration, batched or per matrix,
-whichever is faster): the time NS would take if nothing but its matmuls ran, at the rate this
-machine achieves.
+whichever is faster, timed in the same round-robin as the steps): the time NS would take if
+nothing but its matmuls ran, at the rate this machine achieves.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import MODELS, model_shapes  # noqa: E402
 
 import meqmuon  # noqa: E402
+from meqmuon.functional import NS_STEPS  # noqa: E402
 from meqmuon.optim.distributed import ns_flops  # noqa: E402
 
 
@@ -88,42 +89,39 @@ def time_call(fn, device, repeats):
     return out
 
 
-def matmul_floor(hidden_shapes, device, repeats, steps=5):
-    """Seconds for the NS matmuls at the best measured bf16 matmul rate, and the total NS FLOPs.
+def floor_work(hidden_shapes, device):
+    """The matmuls of one Newton-Schulz iteration of every hidden matrix, as timeable calls, and the NS FLOPs.
 
-    Per shape bucket, the three matmuls of one iteration are timed both as one batched ``bmm`` per
-    bucket and as one ``mm`` per matrix; the faster counts (on CPU ``mm`` usually wins, on GPU
-    ``bmm`` may), so the floor is as low as this machine allows. Outputs go into preallocated
-    tensors (``out=``), as in the optimizer: fresh outputs page-fault on CPU and inflated the floor
-    by up to ~15% on the SmolLM2-135M shapes. The FLOPs are the plain iteration's (``ns_flops``); a
-    step that computes the symmetric products block-wise (``functional.SYMMETRIC_MIN``) does fewer,
-    so it can beat this floor.
+    Per shape bucket two calls do the bucket's three matmuls (``XX^T``, ``AA``, ``AX``): one batched
+    ``bmm`` per bucket, and one ``mm`` per matrix. ``main`` times both in the same round-robin as
+    the optimizers and takes the faster per bucket (on CPU ``mm`` usually wins, on GPU ``bmm``
+    may), so the floor is as low as this machine allows and sees the same load as the steps. Outputs
+    go into preallocated tensors (``out=``), as in the optimizer: fresh outputs page-fault on CPU
+    and inflated the floor by up to ~15% on the SmolLM2-135M shapes. The FLOPs are the plain
+    iteration's (``ns_flops``); a step that computes the symmetric products block-wise
+    (``functional.SYMMETRIC_MIN``) does fewer, so it can beat this floor.
+
+    Returns:
+        ``(calls, flops)``: ``calls[(bucket, "bmm" | "mm")]`` runs one iteration's matmuls.
     """
-    total_t, total_f = 0.0, 0
+    calls, flops = {}, 0
     for (m, n), k in Counter((s[0], s[1]) for s in hidden_shapes).items():
         a, b = min(m, n), max(m, n)
         X = torch.randn(k, a, b, device=device, dtype=torch.bfloat16)
         A = torch.randn(k, a, a, device=device, dtype=torch.bfloat16)
         OA, OX = torch.empty_like(A), torch.empty_like(X)
-        batched = [
-            lambda X=X, O=OA: torch.bmm(X, X.mT, out=O),
-            lambda A=A, O=OA: torch.bmm(A, A, out=O),
-            lambda A=A, X=X, O=OX: torch.bmm(A, X, out=O),
-        ]
-        # contiguous matrices and outputs
-        Xc, Ac, OAc, OXc = (list(t.unbind(0)) for t in (X, A, OA, OX))
-        single = [
-            lambda Xc=Xc, O=OAc: [torch.mm(x, x.T, out=o) for x, o in zip(Xc, O, strict=True)],
-            lambda Ac=Ac, O=OAc: [torch.mm(y, y, out=o) for y, o in zip(Ac, O, strict=True)],
-            lambda Ac=Ac, Xc=Xc, O=OXc: [torch.mm(y, x, out=o) for y, x, o in zip(Ac, Xc, O, strict=True)],
-        ]
-        t_iter = 0.0
-        for op_b, op_s in zip(batched, single, strict=True):
-            op_b(), op_s()
-            t_iter += min(statistics.median(time_call(op, device, repeats)) for op in (op_b, op_s))
-        total_t += steps * t_iter
-        total_f += k * ns_flops(m, n, steps)
-    return total_t, total_f
+        Xc, Ac, OAc, OXc = (list(t.unbind(0)) for t in (X, A, OA, OX))  # contiguous matrices
+
+        def batched(X=X, A=A, OA=OA, OX=OX):
+            torch.bmm(X, X.mT, out=OA), torch.bmm(A, A, out=OA), torch.bmm(A, X, out=OX)
+
+        def single(Xc=Xc, Ac=Ac, OAc=OAc, OXc=OXc):
+            for x, y, oa, ox in zip(Xc, Ac, OAc, OXc, strict=True):
+                torch.mm(x, x.T, out=oa), torch.mm(y, y, out=oa), torch.mm(y, x, out=ox)
+
+        calls[((m, n), "bmm")], calls[((m, n), "mm")] = batched, single
+        flops += k * ns_flops(m, n, NS_STEPS)
+    return calls, flops
 
 
 ALL_OPTIMIZERS = ("meqmuon", "muon", "normuon", "torch Muon+AdamW", "torch AdamW")
@@ -157,12 +155,18 @@ def main(argv=None):
         opts[name] = build(name, params[name])
         for _ in range(args.warmup):
             opts[name].step()
-    times = {n: [] for n in names}
-    for _ in range(args.repeats):  # round-robin so that load changes hit all optimizers alike
+    floor_calls, flops = floor_work(shapes["hidden"], device)
+    for fn in floor_calls.values():
+        fn()
+    times = {n: [] for n in [*names, *floor_calls]}
+    for _ in range(args.repeats):  # round-robin: load changes hit all optimizers and the floor alike
         for name in names:
             times[name] += time_call(opts[name].step, device, 1)
+        for key, fn in floor_calls.items():
+            times[key] += time_call(fn, device, 1)
     med = {n: statistics.median(t) for n, t in times.items()}
-    floor, flops = matmul_floor(shapes["hidden"], device, args.repeats)
+    buckets = {bucket for bucket, _ in floor_calls}
+    floor = NS_STEPS * sum(min(med[(bucket, "bmm")], med[(bucket, "mm")]) for bucket in buckets)
     ref = med["torch Muon+AdamW"]
     n_params = sum(torch.Size(s).numel() for v in shapes.values() for s in v)
     lines = [
