@@ -4,6 +4,7 @@ Usage (one GPU)::
 
     python benchmarks/gpu.py --optimizer meqmuon --steps 30            # Llama-350M, bf16 autocast, torch.compile
     python benchmarks/gpu.py --optimizer meqmuon --opt-compile        # also MeqMuon's compile=True kernels
+    python benchmarks/gpu.py --optimizer meqmuon --ns-per-matrix      # NS matrix by matrix, not batched by shape
     python benchmarks/gpu.py --tiny --device cpu --steps 3            # CPU smoke check of the script itself
 
 Model: transformers ``LlamaConfig`` with the paper's Llama-350M (GaLore ``llama_350m.json``): 24
@@ -66,6 +67,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--optimizer", default="meqmuon", help="meqmuon, muon, normuon, adamw, ...")
     ap.add_argument("--opt-compile", action="store_true", help="MeqMuon compile=True")
+    ap.add_argument(
+        "--ns-per-matrix", action="store_true",
+        help="orthogonalise matrix by matrix (the CPU path) instead of one batched call per shape bucket",
+    )
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=30)
@@ -82,6 +87,10 @@ def main(argv=None):
     torch.manual_seed(0)
     model, cfg = build_model(args.tiny, device)
     kw = {"compile": True} if args.opt_compile else {}
+    if args.ns_per_matrix:
+        from meqmuon.optim import distributed
+
+        distributed.BATCHED_NS_DEVICES = frozenset()
     opt = meqmuon.build_optimizer(args.optimizer, model, lr=args.lr, **kw)
     fwd = model if args.no_compile else torch.compile(model)
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
@@ -120,7 +129,8 @@ def main(argv=None):
     mfu = flops_per_token(model, cfg, args.seq) * tok_s / (args.peak_tflops * 1e12)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(
-        f"| {'tiny' if args.tiny else 'llama-350m'} | {args.optimizer}{' (compile)' if args.opt_compile else ''} | "
+        f"| {'tiny' if args.tiny else 'llama-350m'} | {args.optimizer}{' (compile)' if args.opt_compile else ''}"
+        f"{' (NS per matrix)' if args.ns_per_matrix else ''} | "
         f"{name} | {args.batch}x{args.seq} | {st * 1e3:.1f} ms | {tok_s:,.0f} tok/s | MFU {mfu:.1%} | "
         f"optimizer {ot * 1e3:.1f} ms ({ot / st:.0%}) | loss {loss.item():.3f} |"
     )

@@ -372,6 +372,23 @@ def test_fsdp2_equals_unsharded(tmp_path):
             assert results[0][name]["counts"] == results[1][name]["counts"] == ref_opt.selection_counts()
 
 
+def test_ns_stack_batches_on_batching_devices(monkeypatch):
+    """FSDP2 owners orthogonalise their gathered stack with ``_ns_stack``: one batched call on a
+    batching device (the GPU path, forced on CPU here), matrix by matrix otherwise; same result."""
+    group = {"ns_steps": 5, "ns_coefficients": F.NS_COEFFICIENTS, "ns_dtype": torch.float64}
+    stack = torch.randn(3, 7, 12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    calls = []
+    real = D._ns
+    monkeypatch.setattr(D, "_ns", lambda x, *a, **k: calls.append(x.ndim) or real(x, *a, **k))
+    per_matrix = D._ns_stack(stack, group)
+    assert calls == [2, 2, 2]
+    monkeypatch.setattr(D, "BATCHED_NS_DEVICES", frozenset({"cpu"}))
+    calls.clear()
+    batched = D._ns_stack(stack, group)
+    assert calls == [3]
+    assert torch.allclose(batched, per_matrix, rtol=0, atol=1e-12)
+
+
 def test_newton_schulz_sub_stack_regression():
     """Inputs on which a baddbmm-fused NS gave the last of 3 matrices other bits than NS alone."""
     g = torch.Generator().manual_seed(0)

@@ -178,6 +178,20 @@ def test_adaptive_scales_with_scratch_equals_without():
             assert torch.allclose(g.double(), w.double(), rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("shape", [(3, 12, 5), (3, 5, 12), (2, 2, 8, 8)])
+def test_orthogonalize_as_one_stack_matches_eq3_in_float64(shape):
+    """``batched=True`` (bmm/baddbmm over the whole stack, the GPU path) is eq. 3 for every matrix."""
+    H = rand(*shape, seed=9)
+    flat_in = H.view(-1, *shape[-2:])
+    flat_in[-1] = 0.0  # a zero matrix in the stack maps to zero (the eps clamp), without NaN
+    out = torch.empty(shape, dtype=torch.float64)
+    assert F.orthogonalize(H, dtype=torch.float64, batched=True, out=out) is out
+    flat_out = out.view(-1, *shape[-2:])
+    for k in range(flat_in.shape[0] - 1):
+        assert torch.allclose(flat_out[k], ref_ns(flat_in[k]), atol=1e-12), k
+    assert torch.count_nonzero(flat_out[-1]) == 0
+
+
 def test_orthogonalize_batched_equals_per_matrix():
     H = rand(4, 10, 6, seed=5)
     out = F.orthogonalize(H, dtype=torch.float64)

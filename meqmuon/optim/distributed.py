@@ -163,19 +163,38 @@ def _buckets(shapes: Sequence[tuple[int, int]], inputs: Sequence[Tensor]) -> lis
     return list(buckets.values())
 
 
+#: Device types on which same-shape matrices are orthogonalised as one batched call (a stack per
+#: shape bucket; ``functional.orthogonalize(batched=True)``). GPUs: one matmul kernel per matrix is
+#: launch-bound for small models (Llama-60M has 56 hidden matrices, so 840 matmul launches per
+#: step), and every GPU Muon implementation we surveyed batches by shape (landscape.md). Not yet
+#: measured on a GPU here. CPU: one ``addmm`` per matrix measured faster (602 ms against 841-1098
+#: ms per Llama-60M step; docs/benchmarks.md), and it makes a matrix's bits independent of the
+#: batch it travels in, which the bit-exact DDP split relies on.
+BATCHED_NS_DEVICES: frozenset[str] = frozenset({"cuda"})
+
+
+def batched_ns(device: torch.device) -> bool:
+    """Whether Newton-Schulz runs a shape bucket as one batched call on ``device``."""
+    return device.type in BATCHED_NS_DEVICES
+
+
 def _ns(x: Tensor, group: dict, workspace: dict | None = None, out: Tensor | None = None) -> Tensor:
     steps, coefficients, dtype = group["ns_steps"], tuple(group["ns_coefficients"]), group["ns_dtype"]
-    return F.orthogonalize(x, steps, coefficients, dtype, workspace=workspace, out=out)
+    batched = x.ndim > 2 and batched_ns(x.device)
+    return F.orthogonalize(x, steps, coefficients, dtype, workspace=workspace, out=out, batched=batched)
 
 
-def _ns_stack(mats: Sequence[Tensor], group: dict, workspace: dict | None = None) -> Tensor:
-    """NS of each matrix, stacked. Stacking the (bf16) outputs rather than the (fp32) inputs saves a
-    full-size copy: ``orthogonalize`` iterates matrix by matrix anyway."""
+def _ns_stack(mats: Tensor, group: dict, workspace: dict | None = None) -> Tensor:
+    """NS of a stack ``(k, m, n)`` of same-shape matrices: one batched call where :func:`batched_ns`,
+    else matrix by matrix, stacking the (bf16) outputs rather than the (fp32) inputs."""
+    if batched_ns(mats.device):
+        return _ns(mats, group)
     return torch.stack([_ns(x, group, workspace) for x in mats])
 
 
 class LocalSplit:
-    """Single process: this rank owns and orthogonalises every matrix, one at a time."""
+    """Single process: this rank owns and orthogonalises every matrix, one at a time (or one batched
+    call per shape bucket on the devices of :data:`BATCHED_NS_DEVICES`)."""
 
     world_size = 1
     rank = 0
@@ -204,6 +223,8 @@ class LocalSplit:
 
         Each output is valid until the next one is yielded: same-shape outputs share one buffer
         (a fresh matrix per output costs page faults on CPU), so a caller that keeps one must copy it.
+        Where :func:`batched_ns` holds, all inputs are made first, each shape bucket is stacked
+        (in the NS dtype) and orthogonalised in one call, and the outputs are yielded by bucket.
 
         Args:
             input_of: ``input_of(i)`` makes the ``i``-th input (a full matrix, or this rank's row
@@ -215,11 +236,31 @@ class LocalSplit:
         outputs: dict[tuple, Tensor] = {}
         for i in range(len(shapes)):
             x = F.as_matrix(input_of(i))
+            if batched_ns(x.device):
+                yield from self._orthogonalize_buckets(x, input_of, shapes, group)
+                return
             dtype = group["ns_dtype"] or x.dtype
             key = (tuple(x.shape), dtype, x.device)
             if key not in outputs:
                 outputs[key] = torch.empty(x.shape, dtype=dtype, device=x.device)
             yield i, _ns(x, group, self.workspace, out=outputs[key])
+
+    def _orthogonalize_buckets(
+        self, first: Tensor, input_of: Callable[[int], Tensor], shapes: Sequence[tuple[int, int]], group: dict
+    ) -> Iterator[tuple[int, Tensor]]:
+        """Batched NS, one shape bucket at a time: the bucket's inputs are copied into one stack in
+        the NS dtype and orthogonalised in one call. ``first`` is input 0, already made."""
+        dtype = group["ns_dtype"] or first.dtype
+        buckets: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for i, shape in enumerate(shapes):
+            buckets[tuple(shape)].append(i)
+        # Input 0 opens the first bucket and is copied before any other input is made, so an
+        # input_of that reuses one buffer per shape cannot overwrite it first.
+        for shape, idx in buckets.items():
+            stack = torch.empty((len(idx), *shape), dtype=dtype, device=first.device)
+            for j, i in enumerate(idx):
+                stack[j].copy_(first if i == 0 else F.as_matrix(input_of(i)))
+            yield from zip(idx, _ns(stack, group), strict=True)
 
 
 class _CollectiveSplit(LocalSplit):

@@ -11,10 +11,11 @@ where ``D`` is the rule's direction and ``scale`` its multiplier (``rho`` for Me
 A rule receives all parameters of its kind in one param group at once and works through them one
 at a time: each matrix's direction input is made just before its Newton-Schulz and dropped after
 its update, so no model-sized temporary exists (on CPU, fresh 64 MB temporaries cost more in page
-faults than the arithmetic; docs/benchmarks.md). Newton-Schulz runs matrix by matrix with fused
-``addmm`` (torch.optim.Muon's form): measured faster on CPU than one batched call per shape, and it
-makes each matrix's bits independent of its neighbours, which the DDP split relies on. No rule
-makes a host-device sync: step counters are Python ints, choices are tensors.
+faults than the arithmetic; docs/benchmarks.md). On CPU Newton-Schulz runs matrix by matrix with
+fused ``addmm`` (torch.optim.Muon's form): measured faster there than one batched call per shape,
+and it makes each matrix's bits independent of its neighbours, which the DDP split relies on. On
+GPUs each shape bucket is one batched call (``distributed.BATCHED_NS_DEVICES``). No rule makes a
+host-device sync: step counters are Python ints, choices are tensors.
 
 Momentum convention (paper eq. 6 and Moonlight): ``B_t = mu * B_{t-1} + G_t``; the direction input
 is ``G_t + mu * B_t`` with Nesterov, else ``B_t``. torch.optim.Muon and NorMuon keep an EMA
