@@ -222,7 +222,7 @@ def _buffers(workspace: dict | None, key: tuple) -> dict[str, Any]:
 #: Smallest Gram size ``k = min(m, n)`` at which :func:`ns_step` computes its two symmetric products
 #: (``A = YY^T`` and ``bA + cA^2``) block-wise on CPU: 3 of the 4 blocks, the fourth mirrored, so
 #: each costs 3/4 of its FLOPs. Measured per NS iteration in bf16 on 2 CPU cores
-#: (``benchmarks/ns_blocks.py``, docs/benchmarks.md "Symmetric products"): 1.45-1.9x slower at
+#: (``benchmarks/ns_blocks.py``; docs/benchmarks.md, third session): 1.45-1.9x slower at
 #: k <= 192, break-even within noise at k = 320-576, 0.85-0.94x from k = 768 to 1024. Other
 #: devices keep the plain products: not measured there.
 SYMMETRIC_MIN = 576

@@ -374,6 +374,28 @@ def test_batched_newton_schulz_path_equals_per_matrix(name, monkeypatch):
         assert torch.allclose(p, q, rtol=0, atol=1e-12)
 
 
+def test_meqmuon_updates_a_non_contiguous_conv_kernel_in_place():
+    """A 3-D hidden parameter whose storage is not contiguous (no matrix view) gets the same update
+    as a contiguous copy of it, in place (the fast path updates through a view; this one cannot)."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(6, 5, 4, generator=g, dtype=torch.float64)
+    strided = nn.Parameter(base.transpose(1, 2).contiguous().transpose(1, 2))  # shape (6, 5, 4), not contiguous
+    dense = nn.Parameter(base.clone())
+    assert not strided.is_contiguous() and dense.is_contiguous()
+    storage = strided.data_ptr()
+    opts = [
+        meqmuon.MeqMuon([{"params": [p], "kind": "hidden"}], lr=0.05, ns_dtype=torch.float64) for p in (strided, dense)
+    ]
+    for _ in range(3):
+        grad = torch.randn(6, 5, 4, generator=g, dtype=torch.float64)
+        for p, opt in zip((strided, dense), opts, strict=True):
+            p.grad = grad.clone()
+            opt.step()
+    assert strided.data_ptr() == storage and not strided.is_contiguous()
+    assert torch.allclose(strided, dense, rtol=0, atol=1e-12)
+    assert (dense - base).abs().max() > 1e-2
+
+
 # ---- behaviour -------------------------------------------------------------------------------------
 
 

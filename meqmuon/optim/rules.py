@@ -124,12 +124,16 @@ def _scaled_step(
     Eager counterpart of ``fused.scaled_update``: ``u * row`` goes into a float32 buffer kept in
     ``scratch`` per shape, and the column factor is applied inside ``addcmul_``, instead of a cast,
     two scalings and an add over four parameter-sized temporaries. ``param`` is updated through its
-    matrix view; a parameter whose storage has no such view raises rather than update a copy.
+    matrix view; a non-contiguous 3-D+ parameter has none (its matrix view would be a copy), so it
+    is updated in its own shape from a whole direction tensor (same maths).
     """
     lr, wd = group["lr"], group["weight_decay"]
-    W = param.view(u.shape)
     if wd != 0:
-        W.mul_(1.0 - lr * wd)
+        param.mul_(1.0 - lr * wd)
+    if param.ndim > 2 and not param.is_contiguous():
+        param.add_(torch.mul(u, row).mul_(col).reshape(param.shape), alpha=-lr * scale)
+        return
+    W = param.view(u.shape)
     row_scaled = torch.mul(u, row, out=_buffer(scratch, "row_scaled", u.shape, row.dtype, u.device))
     W.addcmul_(row_scaled, col, value=-lr * scale)
 
