@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -174,7 +175,7 @@ def main(argv=None):
         "",
         f"- date {date.today()}, machine: {platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}, device {device}",
-        f"- command: `python benchmarks/step_time.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
+        f"- command: `python benchmarks/step_time.py {shlex.join(argv if argv is not None else sys.argv[1:])}`",
         f"- Newton-Schulz FLOPs per step: {flops / 1e9:.1f} GFLOP; best measured bf16 matmul rate on these shapes: "
         f"{flops / floor / 1e9:.0f} GFLOP/s; FLOP floor {floor * 1e3:.0f} ms",
         "",

@@ -465,10 +465,7 @@ class AdamW(Rule):
             v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
             bc1 = 1.0 - beta1**t
             bc2 = 1.0 - beta2**t
-            key = (tuple(v.shape), v.dtype, v.stride())
-            if key not in denominators:
-                denominators[key] = torch.empty_like(v)
-            denom = torch.sqrt(v, out=denominators[key])
+            denom = torch.sqrt(v, out=_buffer(denominators, "denominator", v.shape, v.dtype, v.device))
             if self.eps_before_correction:
                 step_size = lr * math.sqrt(bc2) / bc1
             else:
