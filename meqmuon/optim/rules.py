@@ -268,12 +268,8 @@ class _HiddenRule(_MomentumRule):
         scratch: dict[tuple, Tensor] = {}
 
         def input_of(i: int) -> Tensor:
-            it = items[i]
-            b = local(it.state["momentum_buffer"])
-            key = (tuple(b.shape), b.dtype, b.stride())
-            if key not in scratch:
-                scratch[key] = torch.empty_like(b)
-            return _direction_input(it, group, out=scratch[key])
+            b = local(items[i].state["momentum_buffer"])
+            return _direction_input(items[i], group, out=_buffer(scratch, "nesterov", b.shape, b.dtype, b.device))
 
         return ctx.split.orthogonalize(input_of, shapes, group)
 
