@@ -169,6 +169,18 @@ def main(argv=None):
     buckets = {bucket for bucket, _ in floor_calls}
     floor = NS_STEPS * sum(min(med[(bucket, "bmm")], med[(bucket, "mm")]) for bucket in buckets)
     ref = med["torch Muon+AdamW"]
+    # Paired ratios: each round's step over the same round's reference (or floor), timed seconds
+    # apart, so a slow phase of the host slows both sides of the ratio. The median and range over
+    # rounds say how firmly a ratio holds on a noisy machine; the ratio of medians can mix phases.
+    variant = {bucket: min(("bmm", "mm"), key=lambda v, b=bucket: med[(b, v)]) for bucket in buckets}
+    round_floor = [
+        NS_STEPS * sum(times[(bucket, variant[bucket])][r] for bucket in buckets) for r in range(args.repeats)
+    ]
+
+    def paired(name, against):
+        ratios = sorted(t / a for t, a in zip(times[name], against, strict=True))
+        return f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
     n_params = sum(torch.Size(s).numel() for v in shapes.values() for s in v)
     lines = [
         f"### {args.model} optimizer step ({n_params / 1e6:.2f}M parameters, fp32 params, bf16 NS)",
@@ -179,15 +191,16 @@ def main(argv=None):
         f"- Newton-Schulz FLOPs per step: {flops / 1e9:.1f} GFLOP; best measured bf16 matmul rate on these shapes: "
         f"{flops / floor / 1e9:.0f} GFLOP/s; FLOP floor {floor * 1e3:.0f} ms",
         "",
-        "| optimizer | median step (ms) | / torch Muon+AdamW | / FLOP floor | NS rate achieved |",
-        "|---|---:|---:|---:|---:|",
+        "| optimizer | median step (ms) | / torch Muon+AdamW | / FLOP floor | NS rate achieved "
+        f"| per round / torch Muon+AdamW, median (range of {args.repeats}) | per round / floor |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for n in names:
         has_ns = n not in ("torch AdamW",)
         lines.append(
             f"| {n} | {med[n] * 1e3:.0f} | {med[n] / ref:.2f} | {med[n] / floor:.2f} | "
             + (f"{floor / med[n]:.0%}" if has_ns else "-")
-            + " |"
+            + f" | {paired(n, times['torch Muon+AdamW'])} | {paired(n, round_floor)} |"
         )
     print("\n".join(lines))
 
