@@ -50,7 +50,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    shapes = sorted({s for m in (*MODELS, "llama-tiny") for s in model_shapes(m)["hidden"]}, key=lambda s: min(s))
+    shapes = sorted({s for m in MODELS for s in model_shapes(m)["hidden"]}, key=lambda s: min(s))
     print(f"- date {date.today()}, machine: {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}; SYMMETRIC_MIN = {F.SYMMETRIC_MIN}")
     print("\n| shape | k | plain (ms) | blocks (ms) | blocks / plain | bit-equal |\n|---|---:|---:|---:|---:|---|")

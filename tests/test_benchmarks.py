@@ -1,0 +1,70 @@
+"""The benchmark scripts run end to end (tiny models, a few steps) and print the tables the docs quote.
+
+These check that the scripts work and that their numbers are well-formed, never how fast anything
+is: timings belong in docs/benchmarks.md, measured by hand.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import gpu  # noqa: E402
+import scaling  # noqa: E402
+import shapes  # noqa: E402
+import step_time  # noqa: E402
+
+RATIO = r"(\d+\.\d\d) \((\d+\.\d\d)-(\d+\.\d\d)\)"  # "median (low-high)"
+
+
+def test_model_shapes_route_every_tensor_of_the_tiny_llama():
+    got = shapes.model_shapes("llama-tiny")
+    # 4 layers x (q, k, v, o, gate, up, down) hidden matrices; untied embedding and head.
+    assert len(got["hidden"]) == 28 and len(got["embedding"]) == 1 and len(got["head"]) == 1
+    assert set(got["hidden"]) == {(128, 128), (344, 128), (128, 344)}
+
+
+def test_step_time_prints_medians_and_paired_ratios(capsys):
+    step_time.main(["--model", "llama-tiny", "--repeats", "3", "--warmup", "1", "--optimizers", "meqmuon"])
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert set(rows) == {"optimizer", "meqmuon", "torch Muon+AdamW"}, out
+    ref = rows["torch Muon+AdamW"]
+    m = re.search(RATIO, ref)
+    assert m and m.groups() == ("1.00", "1.00", "1.00")  # the reference against itself, every round
+    cells = re.findall(RATIO, rows["meqmuon"])
+    assert len(cells) == 2  # against torch Muon+AdamW and against the floor
+    for cell in cells:
+        median, low, high = map(float, cell)
+        assert 0 < low <= median <= high
+    assert "FLOP floor" in out
+
+
+def test_scaling_pairs_one_rank_with_two_ranks(capsys):
+    scaling.main(["--model", "llama-tiny", "--cores", "2", "--world", "2", "--threads-per-rank", "1",
+                  "--repeats", "2", "--warmup", "1"])
+    out = capsys.readouterr().out
+    m = re.search(r"2 ranks / 1 rank, per round: median (\d+\.\d\d), range (\d+\.\d\d)-(\d+\.\d\d)", out)
+    assert m, out
+    median, low, high = map(float, m.groups())
+    assert 0 < low <= median <= high
+    assert re.search(r"^\| 1 \| 1 \| \d+ \|$", out, re.M) and re.search(r"^\| 2 \| 1 \| \d+ \|$", out, re.M)
+
+
+@pytest.mark.parametrize("per_matrix", [False, True])
+def test_gpu_benchmark_smoke_runs_on_cpu(capsys, per_matrix, monkeypatch):
+    """The GPU benchmark has never had a GPU here; its --tiny mode at least proves the script runs."""
+    from meqmuon.optim import distributed
+
+    monkeypatch.setattr(distributed, "BATCHED_NS_DEVICES", distributed.BATCHED_NS_DEVICES)  # restored after
+    args = ["--tiny", "--no-compile", "--steps", "2", "--warmup", "1", "--device", "cpu"]
+    gpu.main(args + (["--ns-per-matrix"] if per_matrix else []))
+    out = capsys.readouterr().out
+    m = re.search(r"\| ([\d,]+) tok/s \| MFU [\d.]+% \| optimizer [\d.]+ ms \((\d+)%\) \| loss (\d+\.\d+) \|", out)
+    assert m, out
+    assert int(m[1].replace(",", "")) > 0 and 0 < int(m[2]) <= 100 and 0 < float(m[3]) < 20
