@@ -35,7 +35,10 @@ def _sched(opt):
 def test_compiled_matches_eager_and_does_not_recompile():
     from torch._dynamo.utils import counters
 
+    from meqmuon.optim import fused
+
     torch._dynamo.reset()
+    fused._compiled.clear()
     eager_model = make_model()
     comp_model = make_model()
     eager = meqmuon.MeqMuon(meqmuon.param_groups(eager_model), lr=0.02, ns_dtype=torch.float64)
@@ -45,6 +48,7 @@ def test_compiled_matches_eager_and_does_not_recompile():
     _run(comp_model, comp, c_sched, 2)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0  # the fused kernels really were compiled
+    assert sorted(fused._compiled) == ["adaptive_update"]  # whole matrices: statistics and step in one graph
     lrs = {g["lr"] for g in comp.param_groups}
     _run(eager_model, eager, e_sched, 3)
     _run(comp_model, comp, c_sched, 3)
@@ -54,8 +58,6 @@ def test_compiled_matches_eager_and_does_not_recompile():
         assert torch.allclose(p, q, rtol=0, atol=1e-10), (n, (p - q).abs().max().item())
     assert eager.selection_counts() == comp.selection_counts()
     # the counter does see recompiles: a new input shape compiles a new graph
-    from meqmuon.optim import fused
-
     u, row, col = torch.randn(3, 5), torch.ones(3, 1), torch.ones(1, 5)
     fused.scaled_update(torch.zeros(3, 5), u, row, col, {"lr": 0.1, "weight_decay": 0.0}, 0.2)
     assert counters["stats"]["unique_graphs"] > graphs

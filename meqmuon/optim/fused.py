@@ -1,18 +1,26 @@
-"""``torch.compile``-fused update kernel for MeqMuon's hidden matrices (opt-in: ``compile=True``).
+"""``torch.compile``-fused kernels for MeqMuon's hidden matrices (opt-in: ``compile=True``).
 
-The kernel takes one parameter, its Newton-Schulz output ``U`` and the row/column factors of eq. 8
-(``functional.adaptive_scales``), and applies the scaling, decoupled weight decay and the step in
-one compiled region, ``W <- (1 - lr wd) W - lr rho U~``: the float32 direction is never
-materialised. The statistics (row/column RMS, CVs) stay eager. They are reductions to vectors,
-and under FSDP2 they need cross-shard sums, which is why ``compile=True`` works there too. The
-embedding and head need no kernel: their row-blocked eager update (``blockwise.py``) already runs
-at memory bandwidth. ``lr``, ``weight_decay`` and ``rho`` enter as 0-D float64 CPU tensors, not
-Python floats, so a schedule that changes them every step does not recompile (Python floats would
-be guarded as constants; tested with ``torch._dynamo`` counters). The graph is
-``fullgraph=True`` and the step makes no host-device synchronisation. Newton-Schulz itself is not
-compiled: it is matmuls.
+Two compiled graphs, both taking one parameter and its Newton-Schulz output ``U``:
 
-The maths is the same as the eager rule; only the rounding of the fused expression differs.
+``adaptive_update``  whole matrices (one process, or a DDP owner): the row/column RMS and CVs
+                     (eq. 4-5), the row-or-column choice (eq. 8), the scaling, decoupled weight
+                     decay and the step, ``W <- (1 - lr wd) W - lr rho U~``, in one graph. The
+                     float32 direction is never materialised, and the ~30 small eager ops of the
+                     CV statistics become part of the graph. In one process, alternating with the
+                     eager-statistics path step by step on Llama-60M (2 CPU threads, 20 steps
+                     each): 0.96x and 0.94x per-step median ratio, faster in 17 and 15 of 20.
+``scaled_update``    row shards under FSDP2, whose statistics need cross-shard sums (``psum``, a
+                     collective): the statistics stay eager (``functional.adaptive_scales``) and
+                     only the scaling, decay and step are compiled.
+
+The embedding and head need no kernel: their row-blocked eager update (``blockwise.py``) already
+runs at memory bandwidth. ``lr``, ``weight_decay`` and ``rho`` enter as 0-D float64 CPU tensors,
+not Python floats, so a schedule that changes them every step does not recompile (Python floats
+would be guarded as constants; tested with ``torch._dynamo`` counters). The graphs are
+``fullgraph=True``, the choice stays a tensor, and the step makes no host-device synchronisation.
+Newton-Schulz itself is not compiled: it is matmuls.
+
+The maths is the same as the eager rule; only the rounding of the fused expressions differs.
 """
 
 from __future__ import annotations
@@ -46,3 +54,16 @@ def scaled_update(param: Tensor, u: Tensor, row: Tensor, col: Tensor, group: dic
     """``W <- (1 - lr wd) W - lr scale (u * row * col)`` in one compiled kernel (one parameter)."""
     lr, wd = scalar(group["lr"]), scalar(group["weight_decay"])
     _compile("scaled_update", _scaled_update)(param, u, row, col, lr, wd, scalar(scale))
+
+
+def _adaptive_update(param: Tensor, u: Tensor, lr: Tensor, wd: Tensor, scale: Tensor) -> Tensor:
+    row, col, chose_rows = F.adaptive_scales(u)  # without ``scratch``: inductor fuses the squares
+    _scaled_update(param, u, row, col, lr, wd, scale)
+    return chose_rows
+
+
+def adaptive_update(param: Tensor, u: Tensor, group: dict, scale: float) -> Tensor:
+    """Statistics (eq. 4-5), the row/column choice (eq. 8) and the step in one compiled graph, for a
+    whole (unsharded) matrix; returns ``chose_rows``."""
+    lr, wd = scalar(group["lr"]), scalar(group["weight_decay"])
+    return _compile("adaptive_update", _adaptive_update)(param, u, lr, wd, scalar(scale))

@@ -293,15 +293,17 @@ class MeqHidden(_HiddenRule):
         scratch: dict[tuple, Tensor] = {}
         for i, u in self.orthogonalized(items, group, ctx):
             it = items[i]
-            # Statistics eager (under FSDP2 they need cross-shard sums), then the scaled step.
-            squares = _buffer(scratch, "squares", u.shape, F._stat_dtype(u), u.device)
-            row, col, chose_rows = F.adaptive_scales(
-                u, psum=ctx.split.psum, rows=_matrix_shape(it.shape)[0], scratch=squares
-            )
-            if ctx.compile:  # scaling, decay and step in one compiled kernel
-                fused.scaled_update(it.param, u, row, col, group, group["rho"])
-            else:
-                _scaled_step(it.param, u, row, col, group, group["rho"], scratch)
+            if ctx.compile and ctx.split.psum is None:  # whole matrix: statistics and step in one graph
+                chose_rows = fused.adaptive_update(it.param, u, group, group["rho"])
+            else:  # statistics eager (under FSDP2 they need cross-shard sums), then the scaled step
+                squares = _buffer(scratch, "squares", u.shape, F._stat_dtype(u), u.device)
+                row, col, chose_rows = F.adaptive_scales(
+                    u, psum=ctx.split.psum, rows=_matrix_shape(it.shape)[0], scratch=squares
+                )
+                if ctx.compile:  # scaling, decay and step in one compiled kernel
+                    fused.scaled_update(it.param, u, row, col, group, group["rho"])
+                else:
+                    _scaled_step(it.param, u, row, col, group, group["rho"], scratch)
             it.state["rows_chosen"].add_(chose_rows)
 
 
