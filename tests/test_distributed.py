@@ -58,8 +58,9 @@ EMBED, HEAD, VECTORS = (40, 16), (40, 16), [(16,), (24,)]
 # FSDP2 shapes: odd dim-0 sizes (uneven shards) and a 1-row matrix (rank 1's shard is empty).
 FSDP_HIDDEN = [(15, 8), (15, 8), (7, 12), (7, 12), (7, 12), (12, 12), (1, 6)]
 FSDP_EMBED, FSDP_HEAD, FSDP_VECTORS = (21, 8), (21, 8), [(15,), (7,)]
-DDP_NAMES = ["meqmuon", "muon", "normuon"]
-# "+compile": MeqMuon with compile=True (fused hidden update, eager statistics with cross-shard sums)
+# "+compile": MeqMuon with compile=True. Under DDP an owner compiles statistics and step of its whole
+# matrices in one graph; under FSDP2 the statistics (with cross-shard sums) stay eager.
+DDP_NAMES = ["meqmuon", "meqmuon+compile", "muon", "normuon"]
 FSDP_NAMES = ["meqmuon", "meqmuon+compile", "muon", "normuon", "scale"]
 
 
@@ -105,7 +106,11 @@ def _set_grads(params, step):
 
 
 def _opt(name, groups, **kw):
-    return meqmuon.build_optimizer(name, groups, lr=0.02, weight_decay=0.1, **kw)
+    """``name`` is an optimizer name, optionally with ``+compile`` (``compile=True``)."""
+    base, _, flag = name.partition("+")
+    if flag == "compile":
+        kw["compile"] = True
+    return meqmuon.build_optimizer(base, groups, lr=0.02, weight_decay=0.1, **kw)
 
 
 def _flat(params):
@@ -209,7 +214,7 @@ def _ddp_worker(rank, name):
             buf = io.BytesIO()
             torch.save(opt.state_dict(), buf)
             saved = (buf.getvalue(), _flat(params))
-    counts = opt.selection_counts() if name == "meqmuon" else None
+    counts = opt.selection_counts() if name.startswith("meqmuon") else None
     return {
         "params": _flat(params),
         "state": opt.state_dict(),
@@ -258,7 +263,7 @@ def test_ddp_split_is_bit_exact_and_state_complete(name, tmp_path):
     # complete state on every rank, equal to the single process's
     _state_equal(results[0]["state"], results[1]["state"])
     _state_equal(results[0]["state"], ref_opt.state_dict())
-    if name == "meqmuon":
+    if name.startswith("meqmuon"):
         assert results[0]["counts"] == results[1]["counts"] == ref_opt.selection_counts()
     # Newton-Schulz work is split, not repeated: each matrix once per step over both ranks
     n_hidden = len(HIDDEN)
@@ -330,8 +335,7 @@ def _fsdp_worker(rank, names):
         # fully_shard replaced the parameters by DTensors: look them up again, in the same order
         sharded = {k: [getattr(holder, f"{k}_{i}") for i in range(len(ps))] for k, ps in params.items()}
         local_rows = [p.to_local().shape[0] for p in sharded["hidden"]]
-        base, _, flag = name.partition("+")
-        opt = _opt(base, _groups(sharded), **({"compile": True} if flag == "compile" else {}))
+        opt = _opt(name, _groups(sharded))
         assert isinstance(opt._splitter(opt.param_groups[0]), D.ShardedSplit)
         for step in range(STEPS):
             for k, gs in _grads(params, step).items():
@@ -339,7 +343,7 @@ def _fsdp_worker(rank, names):
                     p.grad = distribute_tensor(gr, mesh, [Shard(0)])
             opt.step()
         full = [p.full_tensor().detach().clone() for k in ("hidden", "embedding", "head", "vector") for p in sharded[k]]
-        counts = opt.selection_counts() if base == "meqmuon" else None
+        counts = opt.selection_counts() if name.startswith("meqmuon") else None
         out[name] = {"params": full, "counts": counts, "local_rows": local_rows, "compiled": sorted(fused._compiled)}
     # an unsupported layout raises instead of silently doing something else
     rep = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Replicate()]))

@@ -39,6 +39,7 @@ def test_compiled_matches_eager_and_does_not_recompile():
 
     torch._dynamo.reset()
     fused._compiled.clear()
+    fused._generic.clear()
     eager_model = make_model()
     comp_model = make_model()
     eager = meqmuon.MeqMuon(meqmuon.param_groups(eager_model), lr=0.02, ns_dtype=torch.float64)
@@ -57,12 +58,71 @@ def test_compiled_matches_eager_and_does_not_recompile():
     for (n, p), q in zip(eager_model.named_parameters(), comp_model.parameters(), strict=True):
         assert torch.allclose(p, q, rtol=0, atol=1e-10), (n, (p - q).abs().max().item())
     assert eager.selection_counts() == comp.selection_counts()
-    # the counter does see recompiles: a new input shape compiles a new graph
-    u, row, col = torch.randn(3, 5), torch.ones(3, 1), torch.ones(1, 5)
-    fused.scaled_update(torch.zeros(3, 5), u, row, col, {"lr": 0.1, "weight_decay": 0.0}, 0.2)
+    # the graphs are shape-generic (dynamic=True): another matrix shape reuses them, while the counter
+    # does see a recompile, here for a new dtype
+    with torch.no_grad():  # as in step(); grad mode is part of dynamo's guards
+        fused.adaptive_update(torch.zeros(3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64),
+                              {"lr": 0.1, "weight_decay": 0.0}, 0.2)
+        assert counters["stats"]["unique_graphs"] == graphs
+        fused.adaptive_update(torch.zeros(3, 5), torch.randn(3, 5), {"lr": 0.1, "weight_decay": 0.0}, 0.2)
     assert counters["stats"]["unique_graphs"] > graphs
     moved = (eager_model.q.weight - make_model().q.weight).abs().max().item()
     assert moved > 1e-3
+
+
+def test_one_graph_serves_every_matrix_shape_whatever_comes_first():
+    """A square matrix first must not get a square-only graph (dynamo's duck sizing): then the graph
+    that runs a matrix, and so its bits, would depend on the order a process meets its matrices,
+    and DDP ranks meet them in different orders."""
+    from torch._dynamo.utils import counters
+
+    from meqmuon.optim import fused
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(12, 12), (36, 12), (12, 36), (24, 24)]
+    us = [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
+    group = {"lr": 0.1, "weight_decay": 0.1}
+
+    def run(order):
+        torch._dynamo.reset()
+        fused._compiled.clear()
+        fused._generic.clear()
+        before = counters["stats"]["unique_graphs"]
+        out = {}
+        for i in order:
+            w = torch.nn.Parameter(torch.ones(shapes[i]))
+            with torch.no_grad():
+                chose = fused.adaptive_update(w, us[i], group, 0.2)
+            out[i] = (w, chose)
+        return out, counters["stats"]["unique_graphs"] - before
+
+    square_first, graphs = run([0, 1, 2, 3])  # (with nn.Parameters, as in a model: the same)
+    assert graphs == 1
+    wide_first, graphs = run([2, 3, 1, 0])
+    assert graphs == 1
+    for i in range(len(shapes)):
+        assert torch.equal(square_first[i][0], wide_first[i][0]) and bool(square_first[i][1]) == bool(wide_first[i][1])
+
+
+def test_many_parameter_shapes_share_one_graph():
+    """Twelve parameter shapes compile one graph: dynamo's recompile limit (8) with fullgraph=True
+    would otherwise raise on the ninth (nn.Parameters get static shapes unless detached)."""
+    from torch._dynamo.utils import counters
+
+    from meqmuon.optim import fused
+
+    torch._dynamo.reset()
+    fused._compiled.clear()
+    fused._generic.clear()
+    before = counters["stats"]["unique_graphs"]
+    group = {"lr": 0.1, "weight_decay": 0.0}
+    with torch.no_grad():
+        for n in range(3, 15):
+            w = torch.nn.Parameter(torch.zeros(5, n))
+            fused.adaptive_update(w, torch.randn(5, n), group, 0.2)
+            fused.scaled_update(w, torch.randn(5, n), torch.ones(5, 1), torch.ones(1, n), group, 0.2)
+            assert w.abs().sum() > 0  # the update reached the parameter through detach()
+    assert counters["stats"]["unique_graphs"] - before <= 3  # adaptive: 1; scaled: at most 2 (duck sizing)
 
 
 def test_compile_flag_is_validated():

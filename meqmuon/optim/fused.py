@@ -34,9 +34,13 @@ _compiled: dict[str, object] = {}
 
 
 def _compile(name: str, fn):
-    # Compiled lazily on first use so that importing meqmuon never touches inductor.
+    # Compiled lazily on first use so that importing meqmuon never touches inductor. dynamic=True:
+    # one shape-generic graph from the first call, used for every matrix shape. With per-shape
+    # graphs, which shape a process meets first would decide which matrices run a static and which
+    # the dynamic graph; DDP ranks meet different shapes first, and their bits could then differ
+    # from one process's. It also keeps models with many shapes clear of dynamo's recompile limit.
     if name not in _compiled:
-        _compiled[name] = torch.compile(fn, fullgraph=True)
+        _compiled[name] = torch.compile(fn, fullgraph=True, dynamic=True)
     return _compiled[name]
 
 
@@ -53,7 +57,10 @@ def _scaled_update(param: Tensor, u: Tensor, row: Tensor, col: Tensor, lr: Tenso
 def scaled_update(param: Tensor, u: Tensor, row: Tensor, col: Tensor, group: dict, scale: float) -> None:
     """``W <- (1 - lr wd) W - lr scale (u * row * col)`` in one compiled kernel (one parameter)."""
     lr, wd = scalar(group["lr"]), scalar(group["weight_decay"])
-    _compile("scaled_update", _scaled_update)(param, u, row, col, lr, wd, scalar(scale))
+    # detach(): the same storage, but a plain tensor. Dynamo compiles nn.Parameter inputs with static
+    # shapes (force_parameter_static_shapes), one graph per parameter shape, and with fullgraph=True
+    # the ninth shape raises FailOnRecompileLimitHit.
+    _compile("scaled_update", _scaled_update)(param.detach(), u, row, col, lr, wd, scalar(scale))
 
 
 def _adaptive_update(param: Tensor, u: Tensor, lr: Tensor, wd: Tensor, scale: Tensor) -> Tensor:
@@ -62,8 +69,29 @@ def _adaptive_update(param: Tensor, u: Tensor, lr: Tensor, wd: Tensor, scale: Te
     return chose_rows
 
 
+#: (parameter dtype, NS output dtype, device, parameter ndim) for which the shape-generic graph exists.
+_generic: set[tuple] = set()
+
+
 def adaptive_update(param: Tensor, u: Tensor, group: dict, scale: float) -> Tensor:
     """Statistics (eq. 4-5), the row/column choice (eq. 8) and the step in one compiled graph, for a
-    whole (unsharded) matrix; returns ``chose_rows``."""
-    lr, wd = scalar(group["lr"]), scalar(group["weight_decay"])
-    return _compile("adaptive_update", _adaptive_update)(param, u, lr, wd, scalar(scale))
+    whole (unsharded) matrix; returns ``chose_rows``.
+
+    One shape-generic graph serves every matrix shape (per dtypes, device and parameter rank), so
+    that which code updates a matrix never depends on the order a process meets the matrices in:
+    DDP ranks meet them in different orders and must match one process bit for bit.
+    """
+    fn = _compile("adaptive_update", _adaptive_update)
+    lr, wd, rho = scalar(group["lr"]), scalar(group["weight_decay"]), scalar(scale)
+    key = (param.dtype, u.dtype, param.device, param.ndim)
+    if key not in _generic:
+        # Compile on distinct sizes (2 x 3, or 2 x 3 x 5 ...) first. Dynamo gives equal sizes one
+        # symbol ("duck sizing"): had a square matrix come first, its graph would serve squares
+        # only, and a second graph the rest. Sizes of 1 still get a graph of their own, whatever
+        # the order.
+        sizes = (2, 3, 5, 7, 11, 13, 17)[: param.ndim]
+        dummy = torch.zeros(sizes, dtype=param.dtype, device=param.device)
+        fn(dummy, torch.zeros((2, dummy[0].numel()), dtype=u.dtype, device=u.device), lr, wd, rho)
+        _generic.add(key)
+    # detach(): see scaled_update (nn.Parameter inputs would get one static graph per shape).
+    return fn(param.detach(), u, lr, wd, rho)
