@@ -6,9 +6,10 @@ Two compiled graphs, both taking one parameter and its Newton-Schulz output ``U`
                      (eq. 4-5), the row-or-column choice (eq. 8), the scaling, decoupled weight
                      decay and the step, ``W <- (1 - lr wd) W - lr rho U~``, in one graph. The
                      float32 direction is never materialised, and the ~30 small eager ops of the
-                     CV statistics become part of the graph. In one process, alternating with the
-                     eager-statistics path step by step on Llama-60M (2 CPU threads, 20 steps
-                     each): 0.96x and 0.94x per-step median ratio, faster in 17 and 15 of 20.
+                     CV statistics become part of the graph. In one process, alternating with
+                     ``scaled_update`` after eager statistics, step by step on Llama-60M (2 CPU
+                     threads, 20 steps each): per-step median ratio 0.94-0.97x in four runs,
+                     faster in 15-18 of 20 steps.
 ``scaled_update``    row shards under FSDP2, whose statistics need cross-shard sums (``psum``, a
                      collective): the statistics stay eager (``functional.adaptive_scales``) and
                      only the scaling, decay and step are compiled.
@@ -17,7 +18,8 @@ The embedding and head need no kernel: their row-blocked eager update (``blockwi
 runs at memory bandwidth. ``lr``, ``weight_decay`` and ``rho`` enter as 0-D float64 CPU tensors,
 not Python floats, so a schedule that changes them every step does not recompile (Python floats
 would be guarded as constants; tested with ``torch._dynamo`` counters). The graphs are
-``fullgraph=True``, the choice stays a tensor, and the step makes no host-device synchronisation.
+``fullgraph=True`` and shape-generic (``dynamic=True``; parameters enter detached, see
+``scaled_update``), the choice stays a tensor, and the step makes no host-device synchronisation.
 Newton-Schulz itself is not compiled: it is matmuls.
 
 The maths is the same as the eager rule; only the rounding of the fused expressions differs.
