@@ -1,4 +1,4 @@
-"""DDP scaling of the optimizer step: 1 rank vs N ranks (gloo, CPU), on a paper model's shapes.
+"""DDP scaling of the optimizer step: 1 rank vs N ranks (gloo, CPU), on a registry model's shapes.
 
 Usage::
 
@@ -40,14 +40,14 @@ from step_time import groups_of, make_params  # noqa: E402
 import meqmuon  # noqa: E402
 
 
-def _timed_step(opt, ranks_timing: bool) -> float:
-    """One step between barriers; the time seen by this rank (0.0 where it only waited)."""
+def _timed_step(opt, report: bool) -> float:
+    """One step of ``opt`` (``None``: only the barriers) between barriers; its time if ``report``, else 0."""
     dist.barrier()
     t = time.perf_counter()
     if opt is not None:
         opt.step()
     dist.barrier()
-    return time.perf_counter() - t if ranks_timing else 0.0
+    return time.perf_counter() - t if report else 0.0
 
 
 def _worker(rank, world, port, threads_solo, threads_dist, model, name, warmup, repeats, out):

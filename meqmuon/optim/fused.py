@@ -79,9 +79,10 @@ def adaptive_update(param: Tensor, u: Tensor, group: dict, scale: float) -> Tens
     """Statistics (eq. 4-5), the row/column choice (eq. 8) and the step in one compiled graph, for a
     whole (unsharded) matrix; returns ``chose_rows``.
 
-    One shape-generic graph serves every matrix shape (per dtypes, device and parameter rank), so
-    that which code updates a matrix never depends on the order a process meets the matrices in:
-    DDP ranks meet them in different orders and must match one process bit for bit.
+    One shape-generic graph serves every matrix shape (per dtypes, device and parameter rank, for
+    contiguous parameters; another layout or a size of 1 gets a graph of its own, chosen by dynamo's
+    guards), so that which code updates a matrix never depends on the order a process meets the
+    matrices in: DDP ranks meet them in different orders and must match one process bit for bit.
     """
     fn = _compile("adaptive_update", _adaptive_update)
     lr, wd, rho = scalar(group["lr"]), scalar(group["weight_decay"]), scalar(scale)
@@ -89,8 +90,7 @@ def adaptive_update(param: Tensor, u: Tensor, group: dict, scale: float) -> Tens
     if key not in _generic:
         # Compile on distinct sizes (2 x 3, or 2 x 3 x 5 ...) first. Dynamo gives equal sizes one
         # symbol ("duck sizing"): had a square matrix come first, its graph would serve squares
-        # only, and a second graph the rest. Sizes of 1 still get a graph of their own, whatever
-        # the order.
+        # only, and a second graph the rest.
         sizes = (2, 3, 5, 7, 11, 13, 17)[: param.ndim]
         dummy = torch.zeros(sizes, dtype=param.dtype, device=param.device)
         fn(dummy, torch.zeros((2, dummy[0].numel()), dtype=u.dtype, device=u.device), lr, wd, rho)
