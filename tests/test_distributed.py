@@ -1,4 +1,4 @@
-"""Distributed MeqMuon (issue 5): DDP work split and FSDP2 (DTensor) sharding, 2 processes on gloo (CPU).
+"""Distributed MeqMuon (issue 5): DDP work split and FSDP2/HSDP (DTensor) sharding, on gloo (CPU).
 
 What is proven and why the tolerances:
 
@@ -18,6 +18,8 @@ What is proven and why the tolerances:
   only differences are the rounding of partial sums of squares reduced across shards (~1e-7
   relative), times a few steps of size ``lr``. MeqMuon's row/column choices are equal exactly.
   ``compile=True`` (the fused hidden update) meets the same bound against the eager unsharded run.
+- HSDP (``fully_shard`` on a 2 x 2 mesh, 4 processes): the FSDP2 path over the shard dimension, the
+  same 1e-6 bound on every rank, and the two replica groups bit-identical.
 - FSDP2 checkpoints with ``torch.distributed.checkpoint`` (``get_state_dict``, ``dcp.save``/``dcp.load``,
   ``set_state_dict``; nested and flattened optimizer state dicts): MeqMuon and NorMuon resumed into
   a fresh model and optimizer end bit for bit where the uninterrupted run ends. Across world sizes
@@ -117,17 +119,17 @@ def _flat(params):
     return [p.detach().clone() for k in ("hidden", "embedding", "head", "vector") for p in params[k]]
 
 
-def _spawn(fn, tmp_path, *args):
+def _spawn(fn, tmp_path, *args, world=WORLD):
     port = _free_port()
-    mp.spawn(_entry, args=(fn, port, str(tmp_path), args), nprocs=WORLD, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    mp.spawn(_entry, args=(fn, port, str(tmp_path), args, world), nprocs=world, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def _entry(rank, fn, port, tmp, args):
+def _entry(rank, fn, port, tmp, args, world):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, *args)
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
         dist.barrier()
@@ -400,6 +402,62 @@ def test_newton_schulz_sub_stack_regression():
     x = torch.randn(3, 16, 32, generator=g)
     full = F.orthogonalize(x)
     assert all(torch.equal(full[i], F.orthogonalize(x[i])) for i in range(3))
+
+
+# ---- HSDP (2 replica groups x 2 shards, 4 processes) ------------------------------------------
+
+HSDP_NAMES = ["meqmuon", "muon", "normuon"]
+
+
+def _hsdp_worker(rank, names):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for name in names:
+        params = _params(FSDP_HIDDEN, FSDP_EMBED, FSDP_HEAD, FSDP_VECTORS)
+        holder = _Holder(params)
+        fully_shard(holder, mesh=mesh)  # a 2-D mesh: HSDP, placements (Replicate(), Shard(0))
+        sharded = {k: [getattr(holder, f"{k}_{i}") for i in range(len(ps))] for k, ps in params.items()}
+        assert all(tuple(p.placements) == (Replicate(), Shard(0)) for ps in sharded.values() for p in ps)
+        opt = _opt(name, _groups(sharded))
+        split = opt._splitter(opt.param_groups[0])
+        for step in range(STEPS):
+            for k, gs in _grads(params, step).items():
+                for p, gr in zip(sharded[k], gs, strict=True):
+                    p.grad = distribute_tensor(gr, mesh, [Replicate(), Shard(0)])
+            opt.step()
+        full = [p.full_tensor().detach().clone() for k in ("hidden", "embedding", "head", "vector") for p in sharded[k]]
+        out[name] = {
+            "params": full,
+            "counts": opt.selection_counts() if name == "meqmuon" else None,
+            "split": (type(split).__name__, split.world_size),
+            "local_rows": [p.to_local().shape[0] for p in sharded["hidden"]],
+        }
+    return out
+
+
+def test_hsdp_equals_unsharded_and_replicas_agree(tmp_path):
+    """HSDP shards rows over the mesh's last dimension and repeats the work in each replica group:
+    every rank ends within the FSDP2 bound (1e-6) of the unsharded optimizer, and the two replica
+    groups hold bit-identical parameters."""
+    results = _spawn(_hsdp_worker, tmp_path, HSDP_NAMES, world=4)
+    assert results[0]["meqmuon"]["split"] == ("ShardedSplit", 2)  # the shard group, not all 4 ranks
+    assert results[0]["meqmuon"]["local_rows"] == results[2]["meqmuon"]["local_rows"] == [8, 8, 4, 4, 4, 6, 1]
+    assert results[1]["meqmuon"]["local_rows"] == [7, 7, 3, 3, 3, 6, 0]
+    for name in HSDP_NAMES:
+        ref_params, ref_opt = _single_process(name, FSDP_HIDDEN, FSDP_EMBED, FSDP_HEAD, FSDP_VECTORS)
+        ref = _flat(ref_params)
+        for r in range(4):
+            got = results[r][name]["params"]
+            for i, (p, q) in enumerate(zip(got, ref, strict=True)):
+                assert torch.allclose(p, q, rtol=0, atol=1e-6), (name, r, i, (p - q).abs().max().item())
+        for p, q in zip(results[0][name]["params"], results[2][name]["params"], strict=True):
+            assert torch.equal(p, q), name  # replica groups in lockstep
+        if name == "meqmuon":
+            assert all(results[r][name]["counts"] == ref_opt.selection_counts() for r in range(4))
 
 
 # ---- FSDP2 + torch.distributed.checkpoint ------------------------------------------------------

@@ -16,8 +16,9 @@ once per step. Three splitters, chosen by the engine (:func:`splitter_for`):
                      across the param groups of one step), identically on every rank. A
                      ``state_dict()`` saved on rank 0 restores any rank (the failure of
                      KellerJordan/Muon issue 46 cannot happen).
-``ShardedSplit``     FSDP2 (``fully_shard``; DTensor parameters ``Shard(0)`` on a 1-D mesh): every
-                     rank updates its row shard of every matrix. For Newton-Schulz each matrix has
+``ShardedSplit``     FSDP2 (``fully_shard``; DTensor parameters ``Shard(0)`` on a 1-D mesh, or
+                     HSDP's ``(Replicate(), Shard(0))`` on a 2-D mesh, over its shard dimension):
+                     every rank updates its row shard of every matrix. For Newton-Schulz each matrix has
                      an owner rank; one ``all_to_all_single`` per shape bucket sends every row shard
                      to its owner, the owner orthogonalises whole matrices, and a second one returns
                      the rows (microsoft/dion ``megabatch_base.py`` does the same). Row statistics
@@ -58,10 +59,11 @@ from .. import functional as F
 
 try:  # torch builds without distributed support have no DTensor
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # pragma: no cover - exercised only on such builds
     dist = None  # type: ignore[assignment]
     DTensor = None  # type: ignore[assignment,misc]
+    Replicate = None  # type: ignore[assignment,misc]
     Shard = None  # type: ignore[assignment,misc]
 
 __all__ = [
@@ -368,15 +370,21 @@ class ShardedSplit(_CollectiveSplit):
         return torch.cat([recv2[r, : counts[r], :mine] for r in range(W)])
 
 
+#: DTensor placements of row-sharded parameters: FSDP2 (1-D mesh) and HSDP (replicate x shard).
+_SHARDED_LAYOUTS = frozenset({(Shard(0),), (Replicate(), Shard(0))}) if Shard is not None else frozenset()
+
+
 def splitter_for(params: Sequence[Tensor], replicated: LocalSplit) -> LocalSplit:
     """The splitter for one param group.
 
-    DTensor parameters follow their mesh (FSDP2: ``Shard(0)`` on a 1-D mesh); plain tensors use
-    ``replicated``, the step's splitter for plain tensors (:func:`replicated_splitter`).
+    DTensor parameters follow their mesh: FSDP2's ``Shard(0)`` on a 1-D mesh, or HSDP's
+    ``(Replicate(), Shard(0))`` on a 2-D mesh, which shards over the mesh's last dimension and
+    repeats the (identical) work in every replica group. Plain tensors use ``replicated``, the
+    step's splitter for plain tensors (:func:`replicated_splitter`).
 
     Raises:
-        NotImplementedError: for DTensor layouts other than ``Shard(0)`` on a 1-D mesh, or a group
-            mixing DTensors and plain tensors, instead of silently computing something else.
+        NotImplementedError: for other DTensor layouts (tensor parallelism, ``Replicate()`` alone),
+            or a group mixing DTensors and plain tensors, instead of silently computing something else.
     """
     dt = [is_dtensor(p) for p in params]
     if not any(dt):
@@ -385,15 +393,19 @@ def splitter_for(params: Sequence[Tensor], replicated: LocalSplit) -> LocalSplit
         raise NotImplementedError("a param group mixes DTensor and plain-tensor parameters; shard all or none")
     meshes = {id(p.device_mesh) for p in params}
     for p in params:
-        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+        if tuple(p.placements) not in _SHARDED_LAYOUTS:
             raise NotImplementedError(
-                f"DTensor parameters must be Shard(0) on a 1-D mesh (FSDP2 fully_shard); got placements "
-                f"{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh. HSDP / tensor parallelism are "
-                "not supported by MeqMuon's distributed path yet."
+                f"DTensor parameters must be Shard(0) on a 1-D mesh (FSDP2 fully_shard) or (Replicate(), "
+                f"Shard(0)) on a 2-D mesh (HSDP); got placements {tuple(p.placements)} on a "
+                f"{p.device_mesh.ndim}-D mesh. Tensor parallelism is not supported by MeqMuon's "
+                "distributed path yet."
             )
     if len(meshes) != 1:
         raise NotImplementedError("all DTensor parameters of a param group must live on one device mesh")
-    pg = params[0].device_mesh.get_group()
+    # The last mesh dimension is the one that shards rows. Under HSDP every replica group holds the
+    # same (all-reduced) gradients, so each computes the same update over its own shard group.
+    mesh = params[0].device_mesh
+    pg = mesh.get_group(mesh.ndim - 1)
     return ShardedSplit(pg) if dist.get_world_size(pg) > 1 else LocalSplit()
 
 
