@@ -19,7 +19,7 @@ What is proven and why the tolerances:
   relative), times a few steps of size ``lr``. MeqMuon's row/column choices are equal exactly.
   ``compile=True`` (the fused hidden update) meets the same bound against the eager unsharded run.
 - HSDP (``fully_shard`` on a 2 x 2 mesh, 4 processes): the FSDP2 path over the shard dimension, the
-  same 1e-6 bound on every rank, and the two replica groups bit-identical.
+  same 1e-6 bound on every rank, the two replica groups bit-identical, and a DCP resume bit for bit.
 - FSDP2 checkpoints with ``torch.distributed.checkpoint`` (``get_state_dict``, ``dcp.save``/``dcp.load``,
   ``set_state_dict``; nested and flattened optimizer state dicts): MeqMuon and NorMuon resumed into
   a fresh model and optimizer end bit for bit where the uninterrupted run ends. Across world sizes
@@ -463,16 +463,19 @@ def test_hsdp_equals_unsharded_and_replicas_agree(tmp_path):
 # ---- FSDP2 + torch.distributed.checkpoint ------------------------------------------------------
 
 
-def _fsdp_dcp_worker(rank, names, ckpt_root):
+def _fsdp_dcp_worker(rank, names, ckpt_root, mesh_shape=(WORLD,)):
     """Per optimizer: STEPS steps uninterrupted; then, for nested and flattened optimizer state dicts,
-    SAVE_AT steps, a DCP save, a fresh model (other init) and optimizer loaded from it, the remaining steps."""
+    SAVE_AT steps, a DCP save, a fresh model (other init) and optimizer loaded from it, the remaining
+    steps. A 2-D ``mesh_shape`` makes it HSDP."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (WORLD,))
+    # DCP's HSDP support needs named mesh dimensions
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")[-len(mesh_shape):])
+    placements = [Replicate()] * (len(mesh_shape) - 1) + [Shard(0)]
 
     def build(name, seed):
         params = _params(FSDP_HIDDEN, FSDP_EMBED, FSDP_HEAD, FSDP_VECTORS, seed=seed)
@@ -485,7 +488,7 @@ def _fsdp_dcp_worker(rank, names, ckpt_root):
         for step in steps:
             for k, gs in _grads(sharded, step).items():
                 for p, gr in zip(sharded[k], gs, strict=True):
-                    p.grad = distribute_tensor(gr, mesh, [Shard(0)])
+                    p.grad = distribute_tensor(gr, mesh, placements)
             opt.step()
 
     def full(sharded):
@@ -538,12 +541,21 @@ def test_fsdp2_dcp_checkpoint_resumes_exactly(tmp_path):
     resume differs by ~2e-2.) The state round-trips with its types: DTensor momentum/second moment,
     Python-int ``step``, plain 0-D ``rows_chosen`` (replicated, identical on every rank)."""
     names = ["meqmuon", "normuon"]
-    results = _spawn(_fsdp_dcp_worker, tmp_path, names, str(tmp_path))
+    _check_dcp_resume(_spawn(_fsdp_dcp_worker, tmp_path, names, str(tmp_path)), names)
+
+
+def test_hsdp_dcp_checkpoint_resumes_exactly(tmp_path):
+    """The same resume under HSDP (2 replica groups x 2 shards, 4 processes): bit for bit on every rank."""
+    names = ["meqmuon"]
+    _check_dcp_resume(_spawn(_fsdp_dcp_worker, tmp_path, names, str(tmp_path), (2, 2), world=4), names)
+
+
+def _check_dcp_resume(results, names):
     for name in names:
         ref = results[0][name]["ref"]
         if name == "meqmuon":
             assert ref["counts"] and results[1][name]["ref"]["counts"] == ref["counts"]
-        for r in range(WORLD):
+        for r in range(len(results)):
             assert all(torch.equal(p, q) for p, q in zip(results[r][name]["ref"]["params"], ref["params"], strict=True))
             for flatten in (False, True):
                 got = results[r][name][flatten]
