@@ -323,43 +323,53 @@ class _Holder(nn.Module):
                 self.register_parameter(f"{k}_{i}", p)
 
 
-def _fsdp_worker(rank, names):
+def _fsdp_worker(rank, names, mesh_shape=(WORLD,)):
+    """FSDP2 on a 1-D mesh, or HSDP on a 2-D ``mesh_shape`` (replicate x shard)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")[-len(mesh_shape):])
+    placements = [Replicate()] * (len(mesh_shape) - 1) + [Shard(0)]
     out = {}
     for name in names:
         params = _params(FSDP_HIDDEN, FSDP_EMBED, FSDP_HEAD, FSDP_VECTORS)
         holder = _Holder(params)
-        fully_shard(holder, mesh=mesh)
+        fully_shard(holder, mesh=mesh)  # on a 2-D mesh: HSDP
         # fully_shard replaced the parameters by DTensors: look them up again, in the same order
         sharded = {k: [getattr(holder, f"{k}_{i}") for i in range(len(ps))] for k, ps in params.items()}
+        assert all(list(p.placements) == placements for ps in sharded.values() for p in ps)
         local_rows = [p.to_local().shape[0] for p in sharded["hidden"]]
         opt = _opt(name, _groups(sharded))
-        assert isinstance(opt._splitter(opt.param_groups[0]), D.ShardedSplit)
+        split = opt._splitter(opt.param_groups[0])
         for step in range(STEPS):
             for k, gs in _grads(params, step).items():
                 for p, gr in zip(sharded[k], gs, strict=True):
-                    p.grad = distribute_tensor(gr, mesh, [Shard(0)])
+                    p.grad = distribute_tensor(gr, mesh, placements)
             opt.step()
         full = [p.full_tensor().detach().clone() for k in ("hidden", "embedding", "head", "vector") for p in sharded[k]]
         counts = opt.selection_counts() if name.startswith("meqmuon") else None
-        out[name] = {"params": full, "counts": counts, "local_rows": local_rows, "compiled": sorted(fused._compiled)}
-    # an unsupported layout raises instead of silently doing something else
-    rep = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Replicate()]))
-    rep.grad = distribute_tensor(torch.randn(6, 4), mesh, [Replicate()])
-    try:
-        meqmuon.MeqMuon([{"params": [rep], "kind": "hidden"}]).step()
-        out["replicate_error"] = None
-    except NotImplementedError as e:
-        out["replicate_error"] = str(e)
+        out[name] = {
+            "params": full,
+            "counts": counts,
+            "local_rows": local_rows,
+            "compiled": sorted(fused._compiled),
+            "split": (type(split).__name__, split.world_size),
+        }
+    if len(mesh_shape) == 1:  # an unsupported layout raises instead of silently doing something else
+        rep = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Replicate()]))
+        rep.grad = distribute_tensor(torch.randn(6, 4), mesh, [Replicate()])
+        try:
+            meqmuon.MeqMuon([{"params": [rep], "kind": "hidden"}]).step()
+            out["replicate_error"] = None
+        except NotImplementedError as e:
+            out["replicate_error"] = str(e)
     return out
 
 
 def test_fsdp2_equals_unsharded(tmp_path):
     results = _spawn(_fsdp_worker, tmp_path, FSDP_NAMES)
+    assert all(results[0][name]["split"] == ("ShardedSplit", 2) for name in FSDP_NAMES)
     assert results[0]["meqmuon"]["local_rows"] == [8, 8, 4, 4, 4, 6, 1]
     assert results[1]["meqmuon"]["local_rows"] == [7, 7, 3, 3, 3, 6, 0]  # uneven, and one empty shard
     assert "Shard(0)" in results[0]["replicate_error"]
@@ -409,41 +419,11 @@ def test_newton_schulz_sub_stack_regression():
 HSDP_NAMES = ["meqmuon", "muon", "normuon"]
 
 
-def _hsdp_worker(rank, names):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    out = {}
-    for name in names:
-        params = _params(FSDP_HIDDEN, FSDP_EMBED, FSDP_HEAD, FSDP_VECTORS)
-        holder = _Holder(params)
-        fully_shard(holder, mesh=mesh)  # a 2-D mesh: HSDP, placements (Replicate(), Shard(0))
-        sharded = {k: [getattr(holder, f"{k}_{i}") for i in range(len(ps))] for k, ps in params.items()}
-        assert all(tuple(p.placements) == (Replicate(), Shard(0)) for ps in sharded.values() for p in ps)
-        opt = _opt(name, _groups(sharded))
-        split = opt._splitter(opt.param_groups[0])
-        for step in range(STEPS):
-            for k, gs in _grads(params, step).items():
-                for p, gr in zip(sharded[k], gs, strict=True):
-                    p.grad = distribute_tensor(gr, mesh, [Replicate(), Shard(0)])
-            opt.step()
-        full = [p.full_tensor().detach().clone() for k in ("hidden", "embedding", "head", "vector") for p in sharded[k]]
-        out[name] = {
-            "params": full,
-            "counts": opt.selection_counts() if name == "meqmuon" else None,
-            "split": (type(split).__name__, split.world_size),
-            "local_rows": [p.to_local().shape[0] for p in sharded["hidden"]],
-        }
-    return out
-
-
 def test_hsdp_equals_unsharded_and_replicas_agree(tmp_path):
     """HSDP shards rows over the mesh's last dimension and repeats the work in each replica group:
     every rank ends within the FSDP2 bound (1e-6) of the unsharded optimizer, and the two replica
     groups hold bit-identical parameters."""
-    results = _spawn(_hsdp_worker, tmp_path, HSDP_NAMES, world=4)
+    results = _spawn(_fsdp_worker, tmp_path, HSDP_NAMES, (2, 2), world=4)
     assert results[0]["meqmuon"]["split"] == ("ShardedSplit", 2)  # the shard group, not all 4 ranks
     assert results[0]["meqmuon"]["local_rows"] == results[2]["meqmuon"]["local_rows"] == [8, 8, 4, 4, 4, 6, 1]
     assert results[1]["meqmuon"]["local_rows"] == [7, 7, 3, 3, 3, 6, 0]
