@@ -14,6 +14,15 @@ from test_optimizers import batches, loss_fn, make_model
 import meqmuon
 
 
+def _fresh_compile():
+    """Forget every compiled graph: dynamo's caches and fused.py's own."""
+    from meqmuon.optim import fused
+
+    torch._dynamo.reset()
+    fused._compiled.clear()
+    fused._generic.clear()
+
+
 def _run(model, opt, sched, n):
     for ids in batches(n, seed=5):
         opt.zero_grad()
@@ -37,9 +46,7 @@ def test_compiled_matches_eager_and_does_not_recompile():
 
     from meqmuon.optim import fused
 
-    torch._dynamo.reset()
-    fused._compiled.clear()
-    fused._generic.clear()
+    _fresh_compile()
     eager_model = make_model()
     comp_model = make_model()
     eager = meqmuon.MeqMuon(meqmuon.param_groups(eager_model), lr=0.02, ns_dtype=torch.float64)
@@ -84,9 +91,7 @@ def test_one_graph_serves_every_matrix_shape_whatever_comes_first():
     group = {"lr": 0.1, "weight_decay": 0.1}
 
     def run(order):
-        torch._dynamo.reset()
-        fused._compiled.clear()
-        fused._generic.clear()
+        _fresh_compile()
         before = counters["stats"]["unique_graphs"]
         out = {}
         for i in order:
@@ -111,9 +116,7 @@ def test_many_parameter_shapes_share_one_graph():
 
     from meqmuon.optim import fused
 
-    torch._dynamo.reset()
-    fused._compiled.clear()
-    fused._generic.clear()
+    _fresh_compile()
     before = counters["stats"]["unique_graphs"]
     group = {"lr": 0.1, "weight_decay": 0.0}
     with torch.no_grad():
