@@ -134,7 +134,10 @@ def _scaled_step(
         param.add_(torch.mul(u, row).mul_(col).reshape(param.shape), alpha=-lr * scale)
         return
     W = param.view(u.shape)
-    row_scaled = torch.mul(u, row, out=_buffer(scratch, "row_scaled", u.shape, row.dtype, u.device))
+    # Cast, then scale in place: ``torch.mul(u, row, out=...)`` with a bf16 ``u`` and a float32
+    # ``row`` would make a float32 copy of ``u`` anyway (TensorIterator promotes mixed-dtype inputs
+    # on CPU through a temporary), one fresh matrix per call. Same bits.
+    row_scaled = _buffer(scratch, "row_scaled", u.shape, row.dtype, u.device).copy_(u).mul_(row)
     W.addcmul_(row_scaled, col, value=-lr * scale)
 
 
