@@ -107,6 +107,32 @@ class RoleOptimizer(Optimizer):
         self._process_group = resolve_process_group(process_group)
         super().__init__(params, defaults)
 
+    # ---- pickling and deepcopy -------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's state (defaults, state, param groups) plus this engine's settings.
+
+        ``torch.optim.Optimizer.__getstate__`` keeps only its own three entries, so without this a
+        ``copy.deepcopy``-ed or unpickled optimizer lost ``compile`` and failed at its first
+        ``step()``. The process group is not carried (process groups cannot be pickled): the copy
+        uses the default group again, and an optimizer built with an explicit ``process_group``
+        refuses to be copied rather than silently stepping on another group. The capture hook is
+        dropped, like torch's optimizer hooks.
+        """
+        if self._process_group is not None and self._process_group is not resolve_process_group(None):
+            raise RuntimeError(
+                f"{type(self).__name__} was built with an explicit process_group, which cannot be pickled or "
+                "copied; build a new optimizer with that group and load_state_dict() this one's state_dict()"
+            )
+        return {**super().__getstate__(), "_compile": self._compile, "_warned_inferred": self._warned_inferred}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_compile", False)
+        self.__dict__.setdefault("_warned_inferred", False)
+        self._capture_hook = None
+        self._process_group = resolve_process_group(None)
+
     def set_capture_hook(self, hook: Callable[[str, str, str, torch.Tensor], None] | None) -> None:
         """Install (or, with ``None``, remove) an opt-in diagnostics hook called during ``step()``.
 
