@@ -10,6 +10,7 @@ import copy
 import io
 import math
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -544,6 +545,38 @@ def test_step_makes_no_host_device_sync(monkeypatch):
         opt.step()
     monkeypatch.undo()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_step_inside_torch_compile_runs_eagerly_without_recompiles():
+    """A compiled function that calls ``opt.step()``: the step is not traced (it recompiled at every
+    step when it was: the step count and lr are Python numbers), runs exactly the eager step, and
+    says so once."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager_model = make_model(dtype=torch.float32)
+    compiled_model = copy.deepcopy(eager_model)
+    eager = meqmuon.MeqMuon(meqmuon.param_groups(eager_model), lr=1e-2)
+    inside = meqmuon.MeqMuon(meqmuon.param_groups(compiled_model), lr=1e-2)
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda t: 1 / (1 + t)) for o in (eager, inside)]
+    compiled_step = torch.compile(lambda: inside.step())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for ids in batches(5, seed=2):
+            for model in (eager_model, compiled_model):
+                model.zero_grad()
+                loss_fn(model, ids).backward()
+            eager.step()
+            compiled_step()
+            for sched in schedules:
+                sched.step()
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs <= 1  # at most the empty graph before the break; none per step or per lr
+    assert sum("inside torch.compile" in str(w.message) for w in caught) == 1
+    for (n, p), q in zip(eager_model.named_parameters(), compiled_model.parameters(), strict=True):
+        assert torch.equal(p, q), n
 
 
 def test_state_dtype_follows_parameter_unless_configured():

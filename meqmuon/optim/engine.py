@@ -103,6 +103,7 @@ class RoleOptimizer(Optimizer):
             raise ValueError(f"Invalid compile: {compile!r} (expected True or False)")
         self._compile = compile
         self._warned_inferred = False
+        self._warned_traced = False
         self._capture_hook: Callable[[str, str, str, torch.Tensor], None] | None = None
         self._process_group = resolve_process_group(process_group)
         super().__init__(params, defaults)
@@ -130,6 +131,7 @@ class RoleOptimizer(Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_compile", False)
         self.__dict__.setdefault("_warned_inferred", False)
+        self._warned_traced = False
         self._capture_hook = None
         self._process_group = resolve_process_group(None)
 
@@ -215,9 +217,29 @@ class RoleOptimizer(Optimizer):
         """The work splitter of ``group``; ``replicated`` is the step's splitter for plain tensors."""
         return splitter_for(group["params"], replicated or replicated_splitter(self._process_group))
 
-    @torch.no_grad()
     def step(self, closure=None):  # noqa: D401 - torch signature
-        """Perform one optimisation step (no host-device synchronisation)."""
+        """Perform one optimisation step (no host-device synchronisation).
+
+        Under ``torch.compile`` (a compiled training step that calls ``opt.step()``) the step is
+        not traced: dynamo breaks the graph around it and it runs as here, with a warning once.
+        Traced, it recompiled at every step (the step count and the learning rate are Python
+        numbers that dynamo specialises on) until dynamo's recompile limit made it eager anyway.
+        ``compile=True`` is the way to compiled kernels in the step.
+        """
+        # is_compiling() is a constant True to dynamo; the disabled _step runs (and warns) eagerly.
+        return self._step(closure, torch.compiler.is_compiling())
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def _step(self, closure, traced: bool):
+        if traced and not self._warned_traced:
+            self._warned_traced = True
+            warnings.warn(
+                f"{type(self).__name__}.step() is called inside torch.compile: it runs eagerly (dynamo would "
+                "recompile it at every step); for compiled update kernels build the optimizer with compile=True",
+                UserWarning,
+                stacklevel=3,
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -67,9 +67,11 @@ class MeqMuon(RoleOptimizer):
         process_group: group over which the Newton-Schulz work of hidden matrices is split (DDP);
             ``None``: the default group if ``torch.distributed`` is initialised, else one process.
             DTensor (FSDP2) parameters follow their own mesh. See :mod:`meqmuon.optim.distributed`.
-        compile: fuse each rule's normalisation with the weight-decay and step update with
-            ``torch.compile`` (:mod:`meqmuon.optim.fused`); lr/weight-decay changes do not recompile.
-            Not yet available with FSDP2 parameters (raises).
+        compile: compile each hidden matrix's CV statistics, row/column choice, scaling, weight
+            decay and step into one shape-generic ``torch.compile`` graph (:mod:`meqmuon.optim.fused`);
+            under FSDP2/HSDP the statistics stay eager (they need cross-shard sums) and only the
+            scaling, decay and step are compiled. lr/weight-decay changes do not recompile. Needs
+            inductor's toolchain (a C++ compiler on CPU).
     """
 
     RULES = {"hidden": "meq_hidden", "embedding": "equilibrate", "head": "equilibrate", "vector": "rms_normalize"}
