@@ -226,19 +226,28 @@ class RoleOptimizer(Optimizer):
         numbers that dynamo specialises on) until dynamo's recompile limit made it eager anyway.
         ``compile=True`` is the way to compiled kernels in the step.
         """
-        # is_compiling() is a constant True to dynamo; the disabled _step runs (and warns) eagerly.
-        return self._step(closure, torch.compiler.is_compiling())
+        if torch.compiler.is_compiling():  # a constant True while dynamo traces
+            return self._untraced_step(closure)
+        return self._step(closure)
 
-    @torch.compiler.disable
+    # torch._disable_dynamo (torch.optim's own tool) imports dynamo at the first traced call only:
+    # torch.compiler.disable as a decorator would add its ~1 s import to `import meqmuon`.
+    @torch._disable_dynamo
+    def _untraced_step(self, closure):
+        return self._step(closure, traced=True)
+
     @torch.no_grad()
-    def _step(self, closure, traced: bool):
+    def _step(self, closure, traced: bool = False):
         if traced and not self._warned_traced:
             self._warned_traced = True
+            kernels = "its compile=True kernels still run compiled" if self._compile else (
+                "for compiled update kernels build the optimizer with compile=True"
+            )
             warnings.warn(
                 f"{type(self).__name__}.step() is called inside torch.compile: it runs eagerly (dynamo would "
-                "recompile it at every step); for compiled update kernels build the optimizer with compile=True",
+                f"recompile it at every step); {kernels}",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=2,
             )
         loss = None
         if closure is not None:
