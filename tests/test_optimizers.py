@@ -195,6 +195,14 @@ def loss_fn(model, ids):
     return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
+def train(model, opt, bs):
+    """One optimizer step per batch of ``bs``."""
+    for ids in bs:
+        opt.zero_grad()
+        loss_fn(model, ids).backward()
+        opt.step()
+
+
 def kinds_of(model):
     return [(p, g["kind"]) for g in meqmuon.param_groups(model) for p in g["params"]]
 
@@ -463,18 +471,12 @@ def test_state_dict_round_trip_is_bit_exact(name):
     """k steps, save, load into a fresh optimizer and model copy, k more == 2k uninterrupted."""
     data = batches(6, seed=11)
 
-    def run(model, opt, bs):
-        for ids in bs:
-            opt.zero_grad()
-            loss_fn(model, ids).backward()
-            opt.step()
-
     straight = make_model(dtype=torch.float32)
-    run(straight, meqmuon.build_optimizer(name, straight, lr=1e-2), data)
+    train(straight, meqmuon.build_optimizer(name, straight, lr=1e-2), data)
 
     first = make_model(dtype=torch.float32)
     opt = meqmuon.build_optimizer(name, first, lr=1e-2)
-    run(first, opt, data[:3])
+    train(first, opt, data[:3])
     buf = io.BytesIO()
     torch.save({"model": first.state_dict(), "opt": opt.state_dict()}, buf)
     buf.seek(0)
@@ -483,7 +485,7 @@ def test_state_dict_round_trip_is_bit_exact(name):
     resumed.load_state_dict(ckpt["model"])
     opt2 = meqmuon.build_optimizer(name, resumed, lr=1e-2)
     opt2.load_state_dict(ckpt["opt"])
-    run(resumed, opt2, data[3:])
+    train(resumed, opt2, data[3:])
     for (n, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q), n
     if hasattr(opt2, "selection_counts") and name in ("meqmuon", "meqmuon-only-hidden"):
@@ -499,19 +501,13 @@ def test_copied_optimizer_steps_like_the_original(name, how):
     settings (``compile``) must survive too, or the copy fails at its first step."""
     data = batches(6, seed=5)
 
-    def run(model, opt, bs):
-        for ids in bs:
-            opt.zero_grad()
-            loss_fn(model, ids).backward()
-            opt.step()
-
     model = make_model(dtype=torch.float32)
     opt = meqmuon.build_optimizer(name, model, lr=1e-2)
-    run(model, opt, data[:3])
+    train(model, opt, data[:3])
     both = {"model": model, "opt": opt}
     copied = copy.deepcopy(both) if how == "deepcopy" else pickle.loads(pickle.dumps(both))
-    run(model, opt, data[3:])
-    run(copied["model"], copied["opt"], data[3:])
+    train(model, opt, data[3:])
+    train(copied["model"], copied["opt"], data[3:])
     for (n, p), q in zip(model.named_parameters(), copied["model"].parameters(), strict=True):
         assert torch.equal(p, q), n
     assert not any(p is q for p, q in zip(model.parameters(), copied["model"].parameters(), strict=True))
