@@ -331,12 +331,14 @@ def test_muon_parity_with_torch_muon_and_adamw(monkeypatch):
     assert worst < 2e-6
 
 
-def test_muon_adamw_part_equals_torch_adamw_bit_for_bit():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_muon_adamw_part_equals_torch_adamw_bit_for_bit(dtype):
     """The AdamW rule (Muon's embedding/head/vectors) runs torch.optim.AdamW's single-tensor
-    arithmetic in the same order (its CPU default), so the two agree bit for bit, weight decay on."""
+    arithmetic in the same order (its CPU default), so the two agree bit for bit, weight decay on,
+    also for bf16 parameters (whose decay factor a ``_foreach_mul_`` would round to bf16)."""
     g = torch.Generator().manual_seed(11)
     shapes = [(40, 16), (40, 16), (16,), (7,)]
-    ours_params = [nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    ours_params = [nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
     torch_params = [nn.Parameter(p.detach().clone()) for p in ours_params]
     kinds = ["embedding", "head", "vector", "vector"]
     ours = meqmuon.Muon(
@@ -346,7 +348,7 @@ def test_muon_adamw_part_equals_torch_adamw_bit_for_bit():
     ref = torch.optim.AdamW(torch_params, lr=3e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     for _ in range(5):
         for p, q in zip(ours_params, torch_params, strict=True):
-            p.grad = torch.randn(p.shape, generator=g)
+            p.grad = torch.randn(p.shape, generator=g).to(dtype)
             q.grad = p.grad.clone()
         ours.step()
         ref.step()
@@ -573,6 +575,25 @@ def test_step_inside_torch_compile_runs_eagerly_without_recompiles():
     assert sum("inside torch.compile" in str(w.message) for w in caught) == 1
     for (n, p), q in zip(eager_model.named_parameters(), compiled_model.parameters(), strict=True):
         assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize(
+    "param_dtype, direction_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)]
+)
+def test_apply_update_with_mixed_dtypes_equals_torch_promotion(param_dtype, direction_dtype):
+    """A bf16 direction is cast into a float32 buffer before the add (no fresh temporary); the
+    result must be ``p.add_(d)``'s type promotion bit for bit, also when the parameter is the
+    narrower one (then nothing may be cast down before the add)."""
+    from meqmuon.optim.rules import Item, apply_update
+
+    g = torch.Generator().manual_seed(4)
+    p = torch.randn(48, 40, generator=g).to(param_dtype)
+    d = torch.randn(48, 40, generator=g).to(direction_dtype)
+    expected = p.clone().mul_(1 - 0.03 * 0.1).add_(d, alpha=-0.03 * 0.7)
+    scratch: dict = {}
+    apply_update([Item(p, d, {}, "w")], [d], [0.7], {"lr": 0.03, "weight_decay": 0.1}, scratch)
+    assert torch.equal(p, expected)
+    assert bool(scratch) == (direction_dtype == torch.bfloat16)  # the buffer is used only to widen
 
 
 def test_state_dtype_follows_parameter_unless_configured():

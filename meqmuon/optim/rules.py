@@ -104,16 +104,36 @@ class Item:
         self.shape = param.shape if shape is None else shape
 
 
-def apply_update(items: Sequence[Item], directions: Sequence[Tensor], scales: Sequence[float], group: dict) -> None:
-    """``W <- (1 - lr*wd) W - lr * scale * D`` for every item (decoupled weight decay, unadjusted lr)."""
+def apply_update(
+    items: Sequence[Item],
+    directions: Sequence[Tensor],
+    scales: Sequence[float],
+    group: dict,
+    scratch: dict[tuple, Tensor] | None = None,
+) -> None:
+    """``W <- (1 - lr*wd) W - lr * scale * D`` for every item (decoupled weight decay, unadjusted lr).
+
+    Mixed dtypes compute in the wider one, as torch.optim.Muon's bf16 update into float32
+    parameters. A narrower direction (bf16 Newton-Schulz output) is cast into a buffer kept in
+    ``scratch`` per shape: ``p.add_(d)`` would cast it anyway, through a fresh parameter-sized
+    temporary per call (TensorIterator promotes mixed-dtype inputs on CPU). Same bits.
+    """
     lr, wd = group["lr"], group["weight_decay"]
-    params = [it.param for it in items]
+    for it, d, s in zip(items, directions, scales, strict=True):
+        p = it.param
+        _decay_(p, lr, wd)
+        d = d.reshape(p.shape)
+        if scratch is not None and d.dtype != p.dtype and torch.promote_types(d.dtype, p.dtype) == p.dtype:
+            d = _buffer(scratch, "direction", p.shape, p.dtype, p.device).copy_(d)
+        p.add_(d, alpha=-lr * s)
+
+
+def _decay_(param: Tensor, lr: float, wd: float) -> None:
+    """Decoupled weight decay ``W <- (1 - lr wd) W`` in place, one tensor at a time as torch's
+    single-tensor optimizers do: ``torch._foreach_mul_`` rounds the factor to the tensor's dtype,
+    which for bf16 parameters turned 1 - 3e-3 into 0.9961 (30% more decay) and 1 - 1e-3 into 1."""
     if wd != 0:
-        torch._foreach_mul_(params, 1.0 - lr * wd)
-    for p, d, s in zip(params, directions, scales, strict=True):
-        # Mixed dtypes compute in the wider one (as torch.optim.Muon's bf16 update into fp32 params),
-        # without a parameter-sized cast.
-        p.add_(d.reshape(p.shape), alpha=-lr * s)
+        param.mul_(1.0 - lr * wd)
 
 
 def _scaled_step(
@@ -128,8 +148,7 @@ def _scaled_step(
     is updated in its own shape from a whole direction tensor (same maths).
     """
     lr, wd = group["lr"], group["weight_decay"]
-    if wd != 0:
-        param.mul_(1.0 - lr * wd)
+    _decay_(param, lr, wd)
     if param.ndim > 2 and not param.is_contiguous():
         param.add_(torch.mul(u, row).mul_(col).reshape(param.shape), alpha=-lr * scale)
         return
@@ -318,8 +337,9 @@ class MoonlightHidden(_HiddenRule):
     hyperparameters = ("momentum", "nesterov", "rho", "ns_steps", "ns_coefficients", "ns_dtype")
 
     def update(self, items, group, ctx):
+        scratch: dict[tuple, Tensor] = {}
         for i, u in self.orthogonalized(items, group, ctx):
-            apply_update([items[i]], [u], [group["rho"] * _shape_scale(items[i].shape)], group)
+            apply_update([items[i]], [u], [group["rho"] * _shape_scale(items[i].shape)], group, scratch)
 
 
 class NorMuonHidden(_HiddenRule):
@@ -453,13 +473,12 @@ class AdamW(Rule):
         ctx.emit(items, [it.grad for it in items], "gradient")
         beta1, beta2 = group["betas"]
         eps, lr, wd = group["eps"], group["lr"], group["weight_decay"]
-        if wd != 0:
-            torch._foreach_mul_([it.param for it in items], 1.0 - lr * wd)
         denominators: dict[tuple, Tensor] = {}
         for it in items:
             st = it.state
             st["step"] += 1
             t = st["step"]
+            _decay_(it.param, lr, wd)
             m, v = local(st["exp_avg"]), local(st["exp_avg_sq"])
             g = it.grad.to(m.dtype)
             m.lerp_(g, 1.0 - beta1)
