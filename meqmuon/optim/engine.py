@@ -234,11 +234,7 @@ class RoleOptimizer(Optimizer):
     # torch.compiler.disable as a decorator would add its ~1 s import to `import meqmuon`.
     @torch._disable_dynamo
     def _untraced_step(self, closure):
-        return self._step(closure, traced=True)
-
-    @torch.no_grad()
-    def _step(self, closure, traced: bool = False):
-        if traced and not self._warned_traced:
+        if not self._warned_traced:
             self._warned_traced = True
             kernels = "its compile=True kernels still run compiled" if self._compile else (
                 "for compiled update kernels build the optimizer with compile=True"
@@ -249,6 +245,10 @@ class RoleOptimizer(Optimizer):
                 UserWarning,
                 stacklevel=2,
             )
+        return self._step(closure)
+
+    @torch.no_grad()
+    def _step(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad():
