@@ -37,10 +37,12 @@ __all__ = [
     "NS_COEFFICIENTS",
     "NS_STEPS",
     "orthogonalize",
+    "orthogonalize_stack",
     "ns_step",
     "row_rms",
     "col_rms",
     "cv",
+    "cv_of_norms",
     "row_col_cv",
     "row_normalize",
     "col_normalize",
@@ -187,21 +189,39 @@ def _orthogonalize_stack(
     x: Tensor, steps: int, coefficients: tuple[float, float, float], dtype: torch.dtype, eps: float,
     out: Tensor | None = None,
 ) -> Tensor:
-    """:func:`orthogonalize` of a batch ``(..., m, n)`` as one stack: each iteration is three
-    batched matmuls over all matrices, with the smaller Gram matrix as in :func:`ns_step`."""
-    a, b, c = coefficients
+    """:func:`orthogonalize` of a batch ``(..., m, n)`` as one stack (see :func:`orthogonalize_stack`)."""
     m, n = x.shape[-2:]
-    X = x.reshape(-1, m, n).to(dtype, copy=True)
-    norms = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
-    X.div_(norms.clamp(min=eps))
-    tall = m > n
+    X = orthogonalize_stack(x.reshape(-1, m, n).to(dtype, copy=True), steps, coefficients, eps, inplace=True)
+    if out is None:
+        return X.reshape(x.shape)
+    return out.copy_(X.reshape(x.shape))
+
+
+def orthogonalize_stack(
+    x: Tensor,
+    steps: int = NS_STEPS,
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float = NS_EPS,
+    inplace: bool = False,
+) -> Tensor:
+    r"""Quintic Newton-Schulz (paper eq. 3) of a stack ``(K, m, n)`` in ``x.dtype``: each iteration is
+    three batched matmuls over all ``K`` matrices, with the smaller Gram matrix as in :func:`ns_step`.
+
+    The batched step's form (``foreach=True``): 3 kernels per iteration for a whole shape bucket,
+    where the per-matrix loop launches 3 per matrix. ``inplace``: ``x`` is a scratch stack (the
+    bucket's workspace) and is normalised in place instead of copied.
+    """
+    if x.ndim != 3 or steps < 1:
+        raise ValueError(f"orthogonalize_stack needs a (K, m, n) stack and steps >= 1, got {tuple(x.shape)}, {steps}")
+    a, b, c = coefficients
+    X = x if inplace else x.clone()
+    X.div_(torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp_(min=eps))
+    tall = X.shape[-2] > X.shape[-1]
     for _ in range(steps):
         A = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
-    if out is None:
-        return X.reshape(x.shape)
-    return out.copy_(X.reshape(x.shape))
+    return X
 
 
 def _buffers(workspace: dict | None, key: tuple) -> dict[str, Any]:
@@ -329,6 +349,27 @@ def cv(v: Tensor, delta: float = DELTA, psum: PSum = None) -> Tensor:
         sq = psum(sq)
     var = sq / safe_count
     return torch.where(count > 0, var.sqrt() / mean.clamp(min=delta), 0.0)
+
+
+def cv_of_norms(norms: Tensor, threshold: Tensor | float) -> Tensor:
+    r"""The CV (eq. 5) of RMS magnitudes given as norms: ``cv(norms / s)`` for any ``s > 0``.
+
+    A CV is invariant to a common scale, so the row (or column) Euclidean norms give the CV of the
+    row RMS vector ``r = norms / sqrt(n)`` without dividing. An entry counts as zero where its norm
+    is at or below ``threshold`` (``delta * sqrt(n)``, i.e. ``r_i <= delta``); zero padding is
+    therefore excluded too, which lets vectors of several lengths share one padded tensor (the
+    batched MeqMuon step computes every hidden matrix's row and column CVs in one call this way).
+    Reduces over the last dimension; 0 where no entry counts. Same maths as :func:`cv`, with the
+    standard deviation taken as the norm of the masked deviations.
+    """
+    mask = norms > threshold
+    count = mask.sum(dim=-1, dtype=norms.dtype).clamp_(min=1.0)
+    kept = norms * mask
+    mean = kept.sum(dim=-1) / count
+    spread = torch.linalg.vector_norm((kept - mean.unsqueeze(-1)).mul_(mask), dim=-1)
+    # Where nothing counts, spread and mean are both 0: the clamp makes the CV 0 (as `cv`), and it
+    # never binds otherwise (mean > threshold >= 0 there, and threshold is a norm of a kept entry).
+    return spread / (count.sqrt_() * mean).clamp_(min=torch.finfo(norms.dtype).tiny)
 
 
 def row_col_cv(x: Tensor, delta: float = DELTA) -> tuple[Tensor, Tensor]:
