@@ -74,6 +74,7 @@ __all__ = [
     "assign_owners",
     "is_dtensor",
     "local",
+    "ns_dtype_of",
     "ns_flops",
     "resolve_process_group",
     "rows_state_like",
@@ -119,18 +120,22 @@ def ns_flops(m: int, n: int, steps: int) -> int:
     return steps * (4 * a * a * b + 2 * a**3)
 
 
-def assign_counts(bucket_sizes: Sequence[int], bucket_costs: Sequence[float], world: int) -> list[list[int]]:
+def assign_counts(
+    bucket_sizes: Sequence[int], bucket_costs: Sequence[float], world: int, load: list[float] | None = None
+) -> list[list[int]]:
     """How many matrices of each bucket every rank orthogonalises: balanced, deterministic.
 
     Every rank gets ``K // world`` of a bucket of ``K`` matrices; the ``K % world`` left over go to
     the ranks with the least work so far (ties: lower rank), so that across buckets the FLOPs
     balance. Depends only on the arguments, hence identical on every rank.
 
+    ``load`` (one entry per rank; updated in place) carries the balance across calls.
+
     Returns:
         ``counts[b][r]``: matrices of bucket ``b`` owned by rank ``r``; rank ``r`` owns the
         contiguous slice starting at ``sum(counts[b][:r])`` of the bucket.
     """
-    load = [0.0] * world
+    load = [0.0] * world if load is None else load
     out = []
     for k, cost in zip(bucket_sizes, bucket_costs, strict=True):
         q, rem = divmod(k, world)
@@ -180,8 +185,13 @@ def batched_ns(device: torch.device) -> bool:
     return device.type in BATCHED_NS_DEVICES
 
 
+def ns_dtype_of(group: dict, x: Tensor) -> torch.dtype:
+    """The dtype Newton-Schulz runs in for ``x`` under ``group``'s ``ns_dtype`` (``None``: ``x``'s)."""
+    return group["ns_dtype"] or x.dtype
+
+
 def _ns(x: Tensor, group: dict, workspace: dict | None = None, out: Tensor | None = None) -> Tensor:
-    steps, coefficients, dtype = group["ns_steps"], tuple(group["ns_coefficients"]), group["ns_dtype"]
+    steps, coefficients, dtype = group["ns_steps"], tuple(group["ns_coefficients"]), ns_dtype_of(group, x)
     batched = x.ndim > 2 and batched_ns(x.device)
     return F.orthogonalize(x, steps, coefficients, dtype, workspace=workspace, out=out, batched=batched)
 
@@ -218,6 +228,22 @@ class LocalSplit:
     def finish(self) -> None:
         """Wait for everything ``publish`` started (called by the engine at the end of ``step()``)."""
 
+    # ---- the batched (foreach) path: one slice of each shape bucket per rank -------------------
+
+    def bucket_plan(self, size: int, cost: float) -> list[int]:
+        """How many members of a bucket of ``size`` each rank computes (a contiguous slice each)."""
+        return [size]
+
+    def gather(self, stacks: Sequence[Tensor], counts: Sequence[int]) -> list[Tensor]:
+        """Every rank's slice of each stack (``counts`` from :meth:`bucket_plan`), concatenated in
+        rank order on every rank; one collective for all of ``stacks``. Here: ``stacks`` itself."""
+        return list(stacks)
+
+    def orthogonalize_stack(self, X: Tensor, group: dict, shape: tuple[int, int]) -> Tensor:
+        """Newton-Schulz of a stack ``(k, m, n)`` of matrices of global ``shape`` (this rank's slice
+        of a bucket, in the NS dtype), in one batched call; ``X`` is scratch and is consumed."""
+        return F.orthogonalize_stack(X, group["ns_steps"], tuple(group["ns_coefficients"]), inplace=True)
+
     def orthogonalize(
         self, input_of: Callable[[int], Tensor], shapes: Sequence[tuple[int, int]], group: dict
     ) -> Iterator[tuple[int, Tensor]]:
@@ -241,7 +267,7 @@ class LocalSplit:
             if batched_ns(x.device):
                 yield from self._orthogonalize_buckets(x, input_of, shapes, group)
                 return
-            dtype = group["ns_dtype"] or x.dtype
+            dtype = ns_dtype_of(group, x)
             key = (tuple(x.shape), dtype, x.device)
             if key not in outputs:
                 outputs[key] = torch.empty(x.shape, dtype=dtype, device=x.device)
@@ -252,7 +278,7 @@ class LocalSplit:
     ) -> Iterator[tuple[int, Tensor]]:
         """Batched NS, one shape bucket at a time: the bucket's inputs are copied into one stack in
         the NS dtype and orthogonalised in one call. ``first`` is input 0, already made."""
-        dtype = group["ns_dtype"] or first.dtype
+        dtype = ns_dtype_of(group, first)
         buckets: dict[tuple[int, int], list[int]] = defaultdict(list)
         for i, shape in enumerate(shapes):
             buckets[tuple(shape)].append(i)
@@ -298,6 +324,35 @@ class ReplicatedSplit(_CollectiveSplit):
                 work = dist.broadcast(buf, src, group=self.pg, async_op=True)
                 # Keep buf referenced until wait() (karpathy/nanochat#843: freed buffers tear).
                 self._pending.append((t, buf, work))
+
+    def bucket_plan(self, size, cost):
+        """Balanced contiguous slices (``assign_counts``), the load carried across the step's buckets."""
+        return assign_counts([size], [cost], self.world_size, self._load)[0]
+
+    def gather(self, stacks, counts):
+        """One ``all_gather_into_tensor`` per bucket: the stacks are flattened side by side into one
+        ``(slots, width)`` buffer per rank (``slots = max(counts)``, padded), gathered, and cut apart."""
+        if not stacks:
+            return []
+        k_mine, slots = counts[self.rank], max(counts)
+        dtype = stacks[0].dtype
+        for t in stacks[1:]:
+            dtype = torch.promote_types(dtype, t.dtype)
+        flat = [t.reshape(t.shape[0], math.prod(t.shape[1:])).to(dtype) for t in stacks]
+        widths = [f.shape[1] for f in flat]
+        send = torch.zeros((slots, sum(widths)), dtype=dtype, device=stacks[0].device)
+        if k_mine:
+            torch.cat(flat, dim=1, out=send[:k_mine])
+        recv = torch.empty((self.world_size * slots, send.shape[1]), dtype=dtype, device=send.device)
+        dist.all_gather_into_tensor(recv, send, group=self.pg)
+        rows = recv.view(self.world_size, slots, -1)
+        full = rows.reshape(-1, send.shape[1]) if min(counts) == slots else torch.cat(
+            [rows[r, : counts[r]] for r in range(self.world_size)])
+        out, start = [], 0
+        for t, w in zip(stacks, widths, strict=True):
+            out.append(full[:, start : start + w].reshape(-1, *t.shape[1:]).to(t.dtype))
+            start += w
+        return out
 
     def finish(self):
         for t, buf, work in self._pending:
@@ -351,7 +406,7 @@ class ShardedSplit(_CollectiveSplit):
         slots = max(counts)
         starts = [sum(counts[:r]) for r in range(W)]
         # NS casts its input to ns_dtype first, so sending in ns_dtype gives the same bits and halves bytes.
-        dtype = group["ns_dtype"] or local_mats[0].dtype
+        dtype = ns_dtype_of(group, local_mats[0])
         send = local_mats[0].new_zeros((W, slots, s, n), dtype=dtype)
         for r in range(W):
             for t in range(counts[r]):

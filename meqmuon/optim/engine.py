@@ -74,6 +74,10 @@ def validate_group(group: Mapping[str, Any], keys: Iterable[str]) -> None:
                 raise ValueError(f"Invalid betas: {v!r} (expected a pair (beta1, beta2))")
             for i, b in enumerate(v):
                 _check_number({f"betas[{i}]": b}, f"betas[{i}]", low=0.0, high=1.0)
+        elif key == "foreach":
+            v = group[key]
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"Invalid foreach: {v!r} (expected True, False or None)")
         elif key == "state_dtype":
             v = group[key]
             if v is not None and not (isinstance(v, torch.dtype) and v.is_floating_point):
@@ -106,6 +110,8 @@ class RoleOptimizer(Optimizer):
         self._warned_traced = False
         self._capture_hook: Callable[[str, str, str, torch.Tensor], None] | None = None
         self._process_group = resolve_process_group(process_group)
+        #: The batched step's persistent buffers (see ``rules._workspace``); not optimizer state.
+        self._workspace: dict = {}
         super().__init__(params, defaults)
 
     # ---- pickling and deepcopy -------------------------------------------------------------
@@ -133,6 +139,7 @@ class RoleOptimizer(Optimizer):
         self.__dict__.setdefault("_warned_inferred", False)
         self._warned_traced = False
         self._capture_hook = None
+        self._workspace = {}
         self._process_group = resolve_process_group(None)
 
     def set_capture_hook(self, hook: Callable[[str, str, str, torch.Tensor], None] | None) -> None:
@@ -182,8 +189,9 @@ class RoleOptimizer(Optimizer):
                     f"'{rule.name}' needs a >=2-D tensor"
                 )
             keys.update(rule.hyperparameters)
-        if "state_dtype" in group:
-            keys.add("state_dtype")
+        for optional in ("state_dtype", "foreach"):
+            if optional in group:
+                keys.add(optional)
         validate_group(group, sorted(keys))
 
     def _check_tied(self) -> None:  # overridden by presets that cannot handle tied weights
@@ -207,11 +215,23 @@ class RoleOptimizer(Optimizer):
             state = self.state[p]
             if not state:
                 rule.init_state(p, state, group)
+            pkind = kind or infer_kind(p)
             if is_dtensor(p):
-                buckets[rule].append(Item(p.to_local(), g.to_local(), state, name, p.shape))
+                buckets[rule].append(Item(p.to_local(), g.to_local(), state, name, p.shape, pkind))
             else:
-                buckets[rule].append(Item(p, g, state, name))
+                buckets[rule].append(Item(p, g, state, name, kind=pkind))
         return buckets
+
+    @staticmethod
+    def _batched(group: dict[str, Any], items: list[Item]) -> bool:
+        """``foreach`` as in torch.optim: ``None`` takes the batched path where every parameter is on a
+        CUDA device (launch-bound there) and the per-tensor path elsewhere (measured faster on CPU,
+        docs/benchmarks.md); ``True``/``False`` force one. For plain tensors (one process, DDP);
+        DTensor (FSDP2) groups take the per-tensor path, and ``foreach=True`` there is an error."""
+        foreach = group.get("foreach")
+        if foreach is None:
+            return all(it.param.device.type == "cuda" for it in items)
+        return foreach
 
     def _splitter(self, group: dict[str, Any], replicated: LocalSplit | None = None) -> LocalSplit:
         """The work splitter of ``group``; ``replicated`` is the step's splitter for plain tensors."""
@@ -256,13 +276,43 @@ class RoleOptimizer(Optimizer):
         # One splitter for all plain-tensor groups of the step, so that DDP owner loads balance
         # across groups (the embedding and the head land on different ranks).
         replicated = replicated_splitter(self._process_group)
+        # Batched calls: plain-tensor groups with the same rule and the same hyperparameter values
+        # (the embedding and head groups, say) are one call, so that they share shape buckets.
+        batched: dict[tuple, tuple[Rule, dict, list[Item], LocalSplit, str]] = {}
         for group in self.param_groups:
             split = self._splitter(group, replicated)
             for rule, items in self._group_items(group).items():
                 kind = group.get("kind") or infer_kind(items[0].param)
-                rule.step(items, group, StepContext(self._capture_hook, kind, split, self._compile))
+                if split is not replicated:  # DTensor (FSDP2/HSDP) parameters
+                    if group.get("foreach"):
+                        raise NotImplementedError(
+                            f"{type(self).__name__}: foreach=True with DTensor (FSDP2/HSDP) parameters is not "
+                            "supported yet (the batched step is built for plain tensors, one process or DDP); "
+                            "use foreach=None or False, which take the per-tensor FSDP2 path"
+                        )
+                    rule.step(items, group, StepContext(self._capture_hook, kind, split, self._compile))
+                    continue
+                if not self._batched(group, items):
+                    rule.step(items, group, StepContext(self._capture_hook, kind, split, self._compile))
+                    continue
+                if self._compile:
+                    raise NotImplementedError(
+                        f"{type(self).__name__}: compile=True with the batched (foreach) step is not built yet; "
+                        "use foreach=False with compile=True, or compile=False"
+                    )
+                values = sorted({"lr", "weight_decay", *rule.hyperparameters})
+                key = (rule.name, *(repr(group[k]) for k in values))
+                batched.setdefault(key, (rule, group, [], split, kind))[2].extend(items)
+        for rule, group, items, split, kind in batched.values():
+            ctx = StepContext(self._capture_hook, kind, split, self._compile, self._workspace)
+            rule.step_foreach(items, group, ctx)
         replicated.finish()  # wait for the owners' broadcasts (DDP)
         return loss
+
+    def workspace_bytes(self) -> int:
+        """Bytes held by the batched step's persistent buffers (at most one stack per shape bucket,
+        plus MeqMuon's small statistics buffers); 0 before the first batched step."""
+        return sum(t.numel() * t.element_size() for t in self._workspace.values())
 
     # ---- introspection -----------------------------------------------------------------------
 

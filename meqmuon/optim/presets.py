@@ -88,6 +88,7 @@ class MeqMuon(RoleOptimizer):
         ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
         ns_dtype: torch.dtype | None = torch.bfloat16,
         state_dtype: torch.dtype | None = None,
+        foreach: bool | None = None,
         process_group: Any = None,
         compile: bool = False,
     ) -> None:
@@ -101,6 +102,7 @@ class MeqMuon(RoleOptimizer):
             ns_coefficients=tuple(ns_coefficients),
             ns_dtype=ns_dtype,
             state_dtype=state_dtype,
+            foreach=foreach,
         )
         super().__init__(params, defaults, process_group=process_group, compile=compile)
 
@@ -136,6 +138,7 @@ class Muon(RoleOptimizer):
         betas: tuple[float, float] = ADAMW_BETAS,
         eps: float = ADAMW_EPS,
         state_dtype: torch.dtype | None = None,
+        foreach: bool | None = None,
         process_group: Any = None,
     ) -> None:
         defaults = dict(
@@ -150,6 +153,7 @@ class Muon(RoleOptimizer):
             betas=tuple(betas),
             eps=eps,
             state_dtype=state_dtype,
+            foreach=foreach,
         )
         super().__init__(params, defaults, process_group=process_group)
 
@@ -182,6 +186,7 @@ class NorMuon(RoleOptimizer):
         betas: tuple[float, float] = ADAMW_BETAS,
         eps: float = ADAMW_EPS,
         state_dtype: torch.dtype | None = None,
+        foreach: bool | None = None,
         process_group: Any = None,
     ) -> None:
         defaults = dict(
@@ -197,6 +202,7 @@ class NorMuon(RoleOptimizer):
             betas=tuple(betas),
             eps=eps,
             state_dtype=state_dtype,
+            foreach=foreach,
         )
         super().__init__(params, defaults, process_group=process_group)
 
@@ -228,10 +234,12 @@ class Scale(RoleOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         state_dtype: torch.dtype | None = None,
+        foreach: bool | None = None,
         process_group: Any = None,
     ) -> None:
         defaults = dict(
-            lr=lr, weight_decay=weight_decay, momentum=momentum, betas=tuple(betas), eps=eps, state_dtype=state_dtype
+            lr=lr, weight_decay=weight_decay, momentum=momentum, betas=tuple(betas), eps=eps, state_dtype=state_dtype,
+            foreach=foreach,
         )
         super().__init__(params, defaults, process_group=process_group)
 

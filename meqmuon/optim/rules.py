@@ -34,7 +34,8 @@ from torch import Tensor
 
 from .. import functional as F
 from . import blockwise, fused
-from .distributed import LocalSplit, local, ns_flops, rows_state_like
+from .buckets import Bucket, make_buckets
+from .distributed import LocalSplit, local, ns_dtype_of, ns_flops, rows_state_like
 
 # SCALE divides by the slice RMS clamped at this value (OptimAI-Lab/Minimalist_LLM_Pretraining
 # f5bd4e7, mem_eff_pt/pt_scale/scale_optimizer.py: ``.clamp_min(1e-8)``).
@@ -62,7 +63,7 @@ class StepContext:
     rules with ``"gradient"`` and the raw gradient. Default ``None``: no call, no cost.
     """
 
-    __slots__ = ("capture", "kind", "split", "compile")
+    __slots__ = ("capture", "kind", "split", "compile", "workspace")
 
     def __init__(
         self,
@@ -70,9 +71,13 @@ class StepContext:
         kind: str = "",
         split: LocalSplit | None = None,
         compile: bool = False,
+        workspace: dict | None = None,
     ) -> None:
         self.capture = capture
         self.kind = kind
+        #: Tensors the batched step keeps between steps (one input stack per bucket, statistics
+        #: buffers); owned by the optimizer, never part of its state_dict.
+        self.workspace = workspace if workspace is not None else {}
         #: Use the torch.compile-fused normalise+update kernels of ``fused.py`` where a rule has one.
         self.compile = compile
         #: Work splitter (see ``distributed.py``): who orthogonalises which matrix, sums over shards.
@@ -81,7 +86,7 @@ class StepContext:
     def emit(self, items: Sequence[Item], tensors: Sequence[Tensor], what: str) -> None:
         if self.capture is not None:
             for it, x in zip(items, tensors, strict=True):
-                self.capture(it.name, self.kind, what, x)
+                self.capture(it.name, it.kind or self.kind, what, x)
 
 
 class Item:
@@ -92,16 +97,18 @@ class Item:
     :func:`meqmuon.optim.distributed.local`).
     """
 
-    __slots__ = ("param", "grad", "state", "name", "shape")
+    __slots__ = ("param", "grad", "state", "name", "shape", "kind")
 
     def __init__(
-        self, param: Tensor, grad: Tensor, state: dict[str, Any], name: str, shape: torch.Size | None = None
+        self, param: Tensor, grad: Tensor, state: dict[str, Any], name: str, shape: torch.Size | None = None,
+        kind: str = "",
     ) -> None:
         self.param = param
         self.grad = grad
         self.state = state
         self.name = name
         self.shape = param.shape if shape is None else shape
+        self.kind = kind
 
 
 def apply_update(
@@ -195,6 +202,91 @@ def _direction_input(it: Item, group: dict, rows: slice = slice(None), out: Tens
     return torch.add(g if g.dtype == b.dtype else g.to(b.dtype), b, alpha=group["momentum"], out=out)
 
 
+# --------------------------------------------------------------------------------------------
+# Batched (foreach) step: shared pieces. Each rule's batched form sits beside its per-tensor form
+# below; the per-tensor form stays the reference it is tested against (tests/test_foreach.py).
+# --------------------------------------------------------------------------------------------
+
+
+def _workspace(ctx: StepContext, key: tuple, shape: tuple[int, ...], dtype: torch.dtype, device,
+               zero: bool = False) -> tuple[Tensor, bool]:
+    """A tensor kept between steps in the optimizer's workspace; returns it and whether it is new."""
+    full = (key, tuple(shape), dtype, device)
+    t = ctx.workspace.get(full)
+    if t is not None:
+        return t, False
+    t = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+    ctx.workspace[full] = t
+    return t, True
+
+
+def _grads_like(items: Sequence[Item], like: Sequence[Tensor]) -> list[Tensor]:
+    return [it.grad if it.grad.dtype == b.dtype else it.grad.to(b.dtype) for it, b in zip(items, like, strict=True)]
+
+
+def _foreach_momentum(items: Sequence[Item], group: dict) -> None:
+    """``B <- mu B + G`` for every item in two ``torch._foreach_*`` kernels."""
+    bufs = [local(it.state["momentum_buffer"]) for it in items]
+    torch._foreach_mul_(bufs, group["momentum"])
+    torch._foreach_add_(bufs, _grads_like(items, bufs))
+
+
+def _stack_inputs(ctx: StepContext, name: str, bucket: Bucket, lo: int, hi: int, group: dict,
+                  dtype: torch.dtype) -> Tensor:
+    """The direction inputs of members ``lo..hi`` (``G + mu B``, or ``B``) stacked in the bucket's
+    persistent workspace, cast to ``dtype`` (the Newton-Schulz dtype for hidden matrices) on the way."""
+    items = bucket.items[lo:hi]
+    out, _ = _workspace(ctx, (name, "inputs", bucket.key, lo, hi), (hi - lo, *bucket.shape), dtype,
+                        items[0].param.device)
+    bufs = [local(it.state["momentum_buffer"]) for it in items]
+    values = torch._foreach_add(_grads_like(items, bufs), bufs, alpha=group["momentum"]) if group["nesterov"] else bufs
+    return bucket.stack_into(out, values, start=lo)
+
+
+def _stack_tensors(ctx: StepContext, name: str, bucket: Bucket, tensors: Sequence[Tensor]) -> Tensor:
+    """``tensors`` (one per member) stacked in the bucket's workspace, at least float32."""
+    t0 = tensors[0]
+    out, _ = _workspace(ctx, (name, "inputs", bucket.key), (len(tensors), *bucket.shape),
+                        torch.promote_types(t0.dtype, torch.float32), t0.device)
+    return bucket.stack_into(out, tensors)
+
+
+def _foreach_update(params: list[Tensor], directions: list[Tensor], scales: list[float], group: dict) -> None:
+    """``W <- (1 - lr wd) W - lr s D`` for every parameter: one decay kernel (:func:`_foreach_decay_`)
+    and one add per distinct scale ``s``."""
+    lr = group["lr"]
+    _foreach_decay_(params, lr, group["weight_decay"])
+    by_scale: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
+    for p, d, s in zip(params, directions, scales, strict=True):
+        ps, ds = by_scale.setdefault(s, ([], []))
+        ps.append(p)
+        ds.append(d)
+    for s, (ps, ds) in by_scale.items():
+        torch._foreach_add_(ps, ds, alpha=-lr * s)
+
+
+def _foreach_decay_(params: list[Tensor], lr: float, wd: float) -> None:
+    """``W <- (1 - lr wd) W`` for every parameter in one kernel where that keeps the bits of
+    :func:`_decay_`: ``torch._foreach_mul_`` rounds the factor to a narrower dtype (bf16)."""
+    if wd == 0:
+        return
+    if all(p.dtype in (torch.float32, torch.float64) for p in params):
+        torch._foreach_mul_(params, 1.0 - lr * wd)
+    else:
+        for p in params:
+            _decay_(p, lr, wd)
+
+
+def _slice(counts: Sequence[int], rank: int) -> tuple[int, int]:
+    lo = sum(counts[:rank])
+    return lo, lo + counts[rank]
+
+
+#: One bucket's batched result: its direction stack (members of this rank's slice, in the bucket's
+#: orientation) and per-member state the owner changed (stacks, gathered with it).
+Directions = tuple[Tensor, list[Tensor]]
+
+
 class Rule:
     """Base class. Subclasses set ``name``, the state they keep and implement ``step``."""
 
@@ -212,6 +304,10 @@ class Rule:
         raise NotImplementedError
 
     def step(self, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
+        raise NotImplementedError
+
+    def step_foreach(self, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
+        """The batched form of :meth:`step` (``foreach=True``): the same maths over shape buckets."""
         raise NotImplementedError
 
 
@@ -271,6 +367,63 @@ class _MomentumRule(Rule):
             self.update(mine, group, ctx)
         ctx.split.publish([[it.param, *(local(it.state[k]) for k in self.owner_state)] for it in items], owners)
 
+    #: Batched path: may a 2-D ``(n, m)`` parameter join an ``(m, n)`` bucket transposed?
+    transposes: ClassVar[bool] = False
+
+    def step_foreach(self, items, group, ctx):
+        """Batched :meth:`step`: momentum for all items at once, then per shape bucket the
+        directions of this rank's slice of the bucket (:meth:`directions_foreach`), gathered
+        across DDP ranks with one collective per bucket, and one update for all items."""
+        for it in items:
+            it.state["step"] += 1
+        _foreach_momentum(items, group)
+        if ctx.capture is not None:
+            ctx.emit(items, [_direction_input(it, group) for it in items], "momentum_input")
+        buckets = make_buckets(items, matrix=self.needs_matrix, transpose=self.transposes and not ctx.split.sharded)
+        # DDP splits buckets into per-rank slices; FSDP2 ranks each update their row shards of all
+        # members (its Newton-Schulz moves whole matrices to owners inside orthogonalize_stack).
+        split = self.split_work and not ctx.split.sharded
+        plans = [ctx.split.bucket_plan(len(b), self.cost(b.global_shape, group)) if split else [len(b)]
+                 for b in buckets]
+        ranges = [_slice(plan, ctx.split.rank if split else 0) for plan in plans]
+        busy = [i for i, (lo, hi) in enumerate(ranges) if hi > lo]
+        results = dict(zip(busy, self.directions_foreach([buckets[i] for i in busy], [ranges[i] for i in busy],
+                                                         group, ctx), strict=True))
+        params: list[Tensor] = []
+        directions: list[Tensor] = []
+        scales: list[float] = []
+        for i, (bucket, plan) in enumerate(zip(buckets, plans, strict=True)):
+            D, extras = results[i] if i in results else self.empty_directions(bucket)
+            if split:
+                D, *extras = ctx.split.gather([D, *extras], plan)
+            self.store_foreach(bucket, extras)
+            params += [it.param for it in bucket.items]
+            directions += bucket.unstack(D)
+            scales += [self.scale_foreach(bucket, group)] * len(bucket)
+        _foreach_update(params, directions, scales, group)
+
+    def directions_foreach(self, buckets: list[Bucket], ranges: list[tuple[int, int]], group: dict,
+                           ctx: StepContext) -> list[Directions]:
+        """The batched directions of members ``lo..hi`` of each bucket (momentum already updated)."""
+        raise NotImplementedError
+
+    def scale_foreach(self, bucket: Bucket, group: dict) -> float:
+        """The step scale of the batched directions of ``bucket`` (``W <- W - lr * scale * D``)."""
+        raise NotImplementedError
+
+    def empty_directions(self, bucket: Bucket) -> Directions:
+        """What a rank that owns no member of ``bucket`` contributes to its gather."""
+        p = bucket.items[0].param
+        D = torch.empty((0, *bucket.shape), dtype=p.dtype, device=p.device)
+        return D, [torch.empty((0, *t.shape[1:]), dtype=t.dtype, device=p.device) for t in self.owner_stacks(bucket)]
+
+    def owner_stacks(self, bucket: Bucket) -> list[Tensor]:
+        """Shape and dtype examples (one member each) of the owner state gathered with the directions."""
+        return []
+
+    def store_foreach(self, bucket: Bucket, extras: list[Tensor]) -> None:
+        """Write the gathered owner state (``extras``, stacked over all members) into the state."""
+
 
 class _HiddenRule(_MomentumRule):
     """A rule that orthogonalises (Newton-Schulz, paper eq. 3) each hidden matrix's direction input."""
@@ -294,6 +447,18 @@ class _HiddenRule(_MomentumRule):
             return _direction_input(items[i], group, out=_buffer(scratch, "nesterov", b.shape, b.dtype, b.device))
 
         return ctx.split.orthogonalize(input_of, shapes, group)
+
+    def orthogonalized_stacks(self, buckets: list[Bucket], ranges: list[tuple[int, int]], group: dict,
+                              ctx: StepContext) -> list[Tensor]:
+        """Batched form of :meth:`orthogonalized`: per bucket, ``Orth`` of the stacked inputs of
+        members ``lo..hi``, one batched Newton-Schulz call each (the inputs are made in the NS dtype)."""
+        return [
+            ctx.split.orthogonalize_stack(
+                _stack_inputs(ctx, self.name, b, lo, hi, group, ns_dtype_of(group, b.items[0].param)), group,
+                b.global_shape,
+            )
+            for b, (lo, hi) in zip(buckets, ranges, strict=True)
+        ]
 
 
 class MeqHidden(_HiddenRule):
@@ -328,6 +493,95 @@ class MeqHidden(_HiddenRule):
                     _scaled_step(it.param, u, row, col, group, group["rho"], scratch)
             it.state["rows_chosen"].add_(chose_rows)
 
+    transposes = True
+
+    def directions_foreach(self, buckets, ranges, group, ctx):
+        """Per bucket ``U = Orth(X)`` in one batched call, then the row/column choice (eq. 8) of every
+        matrix of every bucket from one statistics pass (:func:`_meq_scales`), and ``U~ = U * row * col``."""
+        us = self.orthogonalized_stacks(buckets, ranges, group, ctx)
+        rho = group["rho"]
+        if ctx.split.psum is not None:  # row shards (FSDP2): the statistics need sums over shards
+            out = []
+            for b, U in zip(buckets, us, strict=True):
+                row, col, chose = F.adaptive_scales(U, psum=ctx.split.psum, rows=b.global_shape[0])
+                out.append((F.scale_matrix(U, row, col).mul_(rho), [chose]))
+            return out
+        chose, scales = _meq_scales(ctx, buckets, ranges, us, rho)
+        out, o = [], 0
+        for b, (lo, hi), U in zip(buckets, ranges, us, strict=True):
+            k, m, n = hi - lo, *b.shape
+            p = max(0, min(b.plain - lo, k))  # members stored as they are; the rest are transposed
+            S = scales[o : o + k]
+            D = torch.empty(U.shape, dtype=F._stat_dtype(U), device=U.device)
+            # Plain members: rows are their rows (slot 0). Transposed: their rows are U's columns.
+            for sl, rows_slot in ((slice(0, p), 0), (slice(p, k), 1)):
+                if sl.stop > sl.start:
+                    torch.mul(U[sl], S[sl, rows_slot, :m, None], out=D[sl]).mul_(S[sl, 1 - rows_slot, None, :n])
+            out.append((D, [chose[o : o + k]]))
+            o += k
+        return out
+
+    def scale_foreach(self, bucket, group):
+        return 1.0  # rho is folded into the factors
+
+    def owner_stacks(self, bucket):
+        return [torch.zeros(1, dtype=torch.bool, device=bucket.items[0].param.device)]
+
+    def store_foreach(self, bucket, extras):
+        (chose,) = extras
+        torch._foreach_add_([it.state["rows_chosen"] for it in bucket.items], chose.to(torch.int64).unbind(0))
+
+
+def _meq_scales(ctx: StepContext, buckets: list[Bucket], ranges: list[tuple[int, int]], us: list[Tensor],
+                rho: float) -> tuple[Tensor, Tensor]:
+    """MeqMuon's choice and factors (paper eq. 4-5, 8) for every matrix of every bucket at once.
+
+    The row and column norms of all ``K`` matrices go into one zero-padded ``(K, 2, L)`` buffer,
+    slot 0 along each member's *original* rows and slot 1 along its columns (so a transposed
+    member's slots are swapped). :func:`functional.cv_of_norms` then gives all ``2K`` CVs in one
+    call (padding counts as zero and is excluded, as zero rows are), and the choice and the
+    inverse RMS factors are a few more whole-buffer kernels: the statistics cost a fixed number of
+    kernels per step, not ~30 per matrix. ``rho`` is folded into the factors.
+
+    Returns:
+        ``chose`` ``(K,)`` (True where the original rows were normalised) and ``scales``
+        ``(K, 2, L)``: slot 0 the row factors, slot 1 the column factors, 1 on the side not chosen.
+    """
+    dtype, device = F._stat_dtype(us[0]), us[0].device
+    layout = tuple((b.key, lo, hi) for b, (lo, hi) in zip(buckets, ranges, strict=True))
+    K, L = sum(hi - lo for lo, hi in ranges), max(max(b.shape) for b in buckets)
+    norms, _ = _workspace(ctx, ("meq_norms", layout), (K, 2, L), dtype, device, zero=True)
+    # sqrt(length) of each slot's vectors: RMS = norm / sqrt(length). Filled once per layout and rho.
+    consts, new = _workspace(ctx, ("meq_consts", layout, rho), (3, K, 2, 1), dtype, device)
+    factor, threshold, side = consts[0], consts[1], consts[2][:1]
+    if new:
+        o = 0
+        for b, (lo, hi) in zip(buckets, ranges, strict=True):
+            k, m, n = hi - lo, *b.shape
+            p = max(0, min(b.plain - lo, k))
+            factor[o : o + p, 0], factor[o : o + p, 1] = math.sqrt(n), math.sqrt(m)  # plain: rows have n entries
+            factor[o + p : o + k, 0], factor[o + p : o + k, 1] = math.sqrt(m), math.sqrt(n)
+            o += k
+        torch.mul(factor, F.DELTA, out=threshold)  # RMS <= delta counts as zero (eq. 5)
+        factor.mul_(rho)
+        side[0, 0], side[0, 1] = 1.0, 0.0
+    o = 0
+    for b, (lo, hi), U in zip(buckets, ranges, us, strict=True):
+        k, m, n = hi - lo, *b.shape
+        p = max(0, min(b.plain - lo, k))
+        for sl, rows_slot in ((slice(o, o + p), 0), (slice(o + p, o + k), 1)):
+            if sl.stop > sl.start:
+                Us = U[sl.start - o : sl.stop - o]
+                torch.linalg.vector_norm(Us, dim=-1, dtype=dtype, out=norms[sl, rows_slot, :m])
+                torch.linalg.vector_norm(Us, dim=-2, dtype=dtype, out=norms[sl, 1 - rows_slot, :n])
+        o += k
+    gamma = F.cv_of_norms(norms, threshold)  # (K, 2): CVs of the original rows and columns
+    chose = gamma[:, 0] >= gamma[:, 1]  # eq. 8; ties choose rows
+    # rho / RMS, 0 for zero rows/columns; masked_fill takes its value without a scalar tensor kernel.
+    scales = torch.div(factor, norms).masked_fill_(norms <= threshold, 0.0)
+    scales.masked_fill_(chose[:, None, None] != side, 1.0)  # 1 on the side not chosen
+    return chose, scales
+
 
 class MoonlightHidden(_HiddenRule):
     """Muon in Moonlight's form (paper eq. 2; MoonshotAI/Moonlight c2ad5b2 examples/toy_train.py):
@@ -340,6 +594,19 @@ class MoonlightHidden(_HiddenRule):
         scratch: dict[tuple, Tensor] = {}
         for i, u in self.orthogonalized(items, group, ctx):
             apply_update([items[i]], [u], [group["rho"] * _shape_scale(items[i].shape)], group, scratch)
+
+    transposes = True
+
+    def directions_foreach(self, buckets, ranges, group, ctx):
+        us = self.orthogonalized_stacks(buckets, ranges, group, ctx)
+        out = []
+        for b, U in zip(buckets, us, strict=True):
+            dtype = b.items[0].param.dtype  # cast once per bucket, so the update keeps to foreach's fast path
+            out.append((U if U.dtype == dtype else U.to(dtype), []))
+        return out
+
+    def scale_foreach(self, bucket, group):
+        return group["rho"] * _shape_scale(bucket.global_shape)
 
 
 class NorMuonHidden(_HiddenRule):
@@ -391,6 +658,38 @@ class NorMuonHidden(_HiddenRule):
             state_v.copy_(v)
             apply_update([it], [scaled], [group["rho"] * _shape_scale(it.shape)], group)
 
+    def directions_foreach(self, buckets, ranges, group, ctx):
+        """Per bucket: one batched NS, then the per-row second moments of all members as one
+        ``(k, m)`` stack (rows are original rows: NorMuon buckets never transpose)."""
+        beta2, psum = group["beta2"], ctx.split.psum
+        out = []
+        for b, (lo, hi), O in zip(buckets, ranges, self.orthogonalized_stacks(buckets, ranges, group, ctx),
+                                  strict=True):
+            O = O.to(torch.promote_types(O.dtype, torch.float32))
+            v = torch.stack([local(it.state["second_moment"]) for it in b.items[lo:hi]]).to(O.dtype)
+            v.lerp_(O.square().mean(dim=-1), 1.0 - beta2)
+            scaled = O / (v.sqrt().unsqueeze(-1) + NORMUON_EPS)
+            if psum is None:
+                fro_o = torch.linalg.vector_norm(O, dim=(-2, -1))
+                fro_s = torch.linalg.vector_norm(scaled, dim=(-2, -1))
+            else:  # Frobenius norms of the whole matrices: sum the shards' sums of squares
+                sq = psum(torch.stack([O.square().sum(dim=(-2, -1)), scaled.square().sum(dim=(-2, -1))]))
+                fro_o, fro_s = sq[0].sqrt(), sq[1].sqrt()
+            scaled.mul_((fro_o / (fro_s + NORMUON_EPS))[:, None, None])
+            out.append((scaled, [v]))
+        return out
+
+    def scale_foreach(self, bucket, group):
+        return group["rho"] * _shape_scale(bucket.global_shape)
+
+    def owner_stacks(self, bucket):
+        return [local(bucket.items[0].state["second_moment"])[None]]
+
+    def store_foreach(self, bucket, extras):
+        (v,) = extras
+        states = [local(it.state["second_moment"]) for it in bucket.items]
+        torch._foreach_copy_(states, list(v.to(states[0].dtype).unbind(0)))
+
 
 class Equilibrate(_MomentumRule):
     """MeqMuon for embeddings and LM heads (paper eq. 9): ``N_c(N_r(B))``, scale ``rho``.
@@ -417,6 +716,33 @@ class Equilibrate(_MomentumRule):
                 rows=_matrix_shape(it.shape)[0],
             )
 
+    def directions_foreach(self, buckets, ranges, group, ctx):
+        """Whole-matrix form (the row blocks are a CPU cache device): with ``Y = X / ||X_i,:||``,
+        ``N_c(N_r(X)) = sqrt(m) Y / ||Y_:,j||``, so only norms and two scalings touch the stack;
+        ``r_i <= delta`` is ``||X_i,:|| <= delta sqrt(n)``, ``c_j <= delta`` is
+        ``||Y_:,j|| <= delta sqrt(m / n)``."""
+        out = []
+        for b, (lo, hi) in zip(buckets, ranges, strict=True):
+            p = b.items[0].param
+            X = _stack_inputs(ctx, self.name, b, lo, hi, group, F._stat_dtype(p))
+            m, n = b.global_shape
+            X.mul_(_inverse_above(torch.linalg.vector_norm(X, dim=-1), F.DELTA * math.sqrt(n)).unsqueeze(-1))
+            if ctx.split.psum is None:
+                col = torch.linalg.vector_norm(X, dim=-2)
+            else:  # column sums of squares over all row shards
+                col = ctx.split.psum(X.square().sum(dim=-2)).sqrt_()
+            X.mul_(_inverse_above(col, F.DELTA * math.sqrt(m / n)).unsqueeze(-2))
+            out.append((X, []))
+        return out
+
+    def scale_foreach(self, bucket, group):
+        return group["rho"] * math.sqrt(bucket.global_shape[0])
+
+
+def _inverse_above(norms: Tensor, threshold: float) -> Tensor:
+    """``1 / norms`` where ``norms > threshold``, else 0 (1/inf is 0)."""
+    return norms.masked_fill(norms <= threshold, math.inf).reciprocal_()
+
 
 class RmsNormalize(_MomentumRule):
     """MeqMuon for 1-D parameters (paper eq. 10): ``B / (||B||_2 / sqrt(d))``, scale ``rho``.
@@ -433,6 +759,24 @@ class RmsNormalize(_MomentumRule):
         for it in items:
             direction = F.rms_normalize(_direction_input(it, group), psum=psum, numel=math.prod(it.shape))
             apply_update([it], [direction], [group["rho"]], group)
+
+    def directions_foreach(self, buckets, ranges, group, ctx):
+        """Same-shape vectors as one ``(k, d)`` stack: ``B / ||B||_2 * sqrt(d)`` row by row."""
+        out = []
+        for b, (lo, hi) in zip(buckets, ranges, strict=True):
+            X = _stack_inputs(ctx, self.name, b, lo, hi, group, F._stat_dtype(b.items[0].param))
+            flat = X.view(hi - lo, -1)
+            d = math.prod(b.global_shape)
+            if ctx.split.psum is None:
+                norm = torch.linalg.vector_norm(flat, dim=-1)
+            else:
+                norm = ctx.split.psum(flat.square().sum(dim=-1)).sqrt_()
+            flat.mul_(_inverse_above(norm, F.DELTA * math.sqrt(d)).unsqueeze(-1))
+            out.append((X, []))
+        return out
+
+    def scale_foreach(self, bucket, group):
+        return group["rho"] * math.sqrt(math.prod(bucket.global_shape))
 
 
 # --------------------------------------------------------------------------------------------
@@ -493,6 +837,35 @@ class AdamW(Rule):
                 step_size = lr / bc1
             it.param.addcdiv_(m, denom.add_(eps), value=-step_size)
 
+    def step_foreach(self, items, group, ctx):
+        """The same update as :meth:`step` in ``torch._foreach_*`` kernels, as ``torch.optim.AdamW``'s
+        multi-tensor form: a fixed number of kernels per dtype and device, whatever the count."""
+        ctx.emit(items, [it.grad for it in items], "gradient")
+        beta1, beta2 = group["betas"]
+        eps, lr = group["eps"], group["lr"]
+        for b in make_buckets(items, matrix=False, transpose=False, by_shape=False):
+            for it in b.items:
+                it.state["step"] += 1
+            params = [it.param for it in b.items]
+            ms = [local(it.state["exp_avg"]) for it in b.items]
+            vs = [local(it.state["exp_avg_sq"]) for it in b.items]
+            grads = _grads_like(b.items, ms)
+            _foreach_decay_(params, lr, group["weight_decay"])
+            torch._foreach_lerp_(ms, grads, 1.0 - beta1)
+            torch._foreach_mul_(vs, beta2)
+            torch._foreach_addcmul_(vs, grads, grads, value=1.0 - beta2)
+            steps = [it.state["step"] for it in b.items]
+            bc1 = [1.0 - beta1**t for t in steps]
+            bc2 = [1.0 - beta2**t for t in steps]
+            denom = torch._foreach_sqrt(vs)
+            if self.eps_before_correction:
+                step_sizes = [-lr * math.sqrt(c2) / c1 for c1, c2 in zip(bc1, bc2, strict=True)]
+            else:
+                torch._foreach_div_(denom, [math.sqrt(c2) for c2 in bc2])
+                step_sizes = [-lr / c1 for c1 in bc1]
+            torch._foreach_add_(denom, eps)
+            torch._foreach_addcdiv_(params, ms, denom, step_sizes)
+
 
 class AdamScale(AdamW):
     """SCALE's internal Adam for 1-D parameters (OptimAI-Lab/Minimalist_LLM_Pretraining f5bd4e7):
@@ -511,19 +884,29 @@ def _at_least_fp32(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _scale_row(x: Tensor, psum: F.PSum = None, rows: int | None = None) -> Tensor:
-    # Row statistics are local to a row shard: psum/rows are not needed.
-    x = _at_least_fp32(F.as_matrix(x))
-    return x / x.square().mean(dim=-1, keepdim=True).sqrt().clamp(min=SCALE_EPS)
+def _row_rms_divisor(x: Tensor) -> Tensor:
+    """SCALE's row divisor ``max(RMS of each row, 1e-8)`` of a matrix or a stack of matrices."""
+    # Row statistics are local to a row shard: no sums over shards are needed.
+    return x.square().mean(dim=-1, keepdim=True).sqrt_().clamp_(min=SCALE_EPS)
 
 
-def _scale_col(x: Tensor, psum: F.PSum = None, rows: int | None = None) -> Tensor:
-    x = _at_least_fp32(F.as_matrix(x))
+def _col_rms_divisor(x: Tensor, psum: F.PSum = None, rows: int | None = None) -> Tensor:
+    """SCALE's column divisor ``max(RMS of each column, 1e-8)``; with ``psum`` over all row shards."""
     if psum is None:
         ms = x.square().mean(dim=-2, keepdim=True)
     else:  # column sums of squares over all row shards
         ms = psum(x.square().sum(dim=-2, keepdim=True)) / rows
-    return x / ms.sqrt().clamp(min=SCALE_EPS)
+    return ms.sqrt_().clamp_(min=SCALE_EPS)
+
+
+def _scale_row(x: Tensor, psum: F.PSum = None, rows: int | None = None) -> Tensor:
+    x = _at_least_fp32(F.as_matrix(x))
+    return x / _row_rms_divisor(x)
+
+
+def _scale_col(x: Tensor, psum: F.PSum = None, rows: int | None = None) -> Tensor:
+    x = _at_least_fp32(F.as_matrix(x))
+    return x / _col_rms_divisor(x, psum, rows)
 
 
 class _ScaleRaw(Rule):
@@ -546,12 +929,28 @@ class _ScaleRaw(Rule):
         directions = [type(self).normalise(it.grad, psum, _matrix_shape(it.shape)[0]) for it in items]
         apply_update(items, directions, [1.0] * len(items), group)
 
+    #: The batched form's divisor of a gradient stack ``(k, m, n)`` (psum, global rows).
+    divisor: ClassVar[Callable[..., Tensor]]
+
+    def step_foreach(self, items, group, ctx):
+        ctx.emit(items, [it.grad for it in items], "gradient")
+        for it in items:
+            it.state["step"] += 1
+        params, directions = [], []
+        for b in make_buckets(items, matrix=True, transpose=False):
+            G = _stack_tensors(ctx, self.name, b, [it.grad for it in b.items])
+            G.div_(type(self).divisor(G, ctx.split.psum, b.global_shape[0]))
+            params += [it.param for it in b.items]
+            directions += b.unstack(G)
+        _foreach_update(params, directions, [1.0] * len(params), group)
+
 
 class ScaleRow(_ScaleRaw):
     """SCALE for hidden matrices: raw gradient, each row (output neuron) to unit RMS over inputs."""
 
     name = "scale_row"
     normalise = staticmethod(_scale_row)
+    divisor = staticmethod(lambda x, psum=None, rows=None: _row_rms_divisor(x))
 
 
 class ScaleCol(_ScaleRaw):
@@ -559,6 +958,7 @@ class ScaleCol(_ScaleRaw):
 
     name = "scale_col"
     normalise = staticmethod(_scale_col)
+    divisor = staticmethod(_col_rms_divisor)
 
 
 class ScaleHead(Rule):
@@ -587,6 +987,20 @@ class ScaleHead(Rule):
             m.lerp_(it.grad.to(m.dtype), 1.0 - group["momentum"])
             directions.append(_scale_row(m))
         apply_update(items, directions, [1.0] * len(items), group)
+
+    def step_foreach(self, items, group, ctx):
+        ctx.emit(items, [it.grad for it in items], "gradient")
+        for it in items:
+            it.state["step"] += 1
+        ms = [local(it.state["momentum_buffer"]) for it in items]
+        torch._foreach_lerp_(ms, _grads_like(items, ms), 1.0 - group["momentum"])
+        params, directions = [], []
+        for b in make_buckets(items, matrix=True, transpose=False):
+            M = _stack_tensors(ctx, self.name, b, [local(it.state["momentum_buffer"]) for it in b.items])
+            M.div_(_row_rms_divisor(M))
+            params += [it.param for it in b.items]
+            directions += b.unstack(M)
+        _foreach_update(params, directions, [1.0] * len(params), group)
 
 
 RULES: dict[str, Rule] = {
