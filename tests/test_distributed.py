@@ -108,10 +108,15 @@ def _set_grads(params, step):
 
 
 def _opt(name, groups, **kw):
-    """``name`` is an optimizer name, optionally with ``+compile`` (``compile=True``)."""
+    """``name`` is an optimizer name, optionally with ``+compile`` (``compile=True``), ``+foreach``
+    (the batched step, float32 Newton-Schulz) or ``+f32`` (the per-tensor step, float32 Newton-Schulz)."""
     base, _, flag = name.partition("+")
     if flag == "compile":
         kw["compile"] = True
+    if flag in ("foreach", "f32"):  # the batched step (test_foreach.py), and its per-tensor reference
+        kw["foreach"] = flag == "foreach"
+        if base != "scale":
+            kw["ns_dtype"] = torch.float32
     return meqmuon.build_optimizer(base, groups, lr=0.02, weight_decay=0.1, **kw)
 
 
