@@ -64,6 +64,9 @@ class MeqMuon(RoleOptimizer):
         rho: RMS alignment coefficient (target update RMS ``rho * lr``).
         ns_steps, ns_coefficients, ns_dtype: Newton-Schulz iterations, ``(a, b, c)`` and compute dtype.
         state_dtype: dtype of the momentum buffers (default: the parameter's dtype).
+        foreach: ``None`` (default): the batched step (shape buckets, ``torch._foreach_*``; see
+            ``optim/buckets.py``) where all parameters of a group are on CUDA, the per-tensor step
+            elsewhere; ``True``/``False`` force one, as in torch.optim. Every optimizer here takes it.
         process_group: group over which the Newton-Schulz work of hidden matrices is split (DDP);
             ``None``: the default group if ``torch.distributed`` is initialised, else one process.
             DTensor (FSDP2) parameters follow their own mesh. See :mod:`meqmuon.optim.distributed`.

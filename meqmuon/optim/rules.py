@@ -17,6 +17,10 @@ and it makes each matrix's bits independent of its neighbours, which the DDP spl
 GPUs each shape bucket is one batched call (``distributed.BATCHED_NS_DEVICES``). No rule makes a
 host-device sync: step counters are Python ints, choices are tensors.
 
+Every rule also has a batched form, ``step_foreach`` (``foreach=True``, the default on CUDA), beside
+its per-tensor form: the same maths over shape buckets (``buckets.py``), a fixed number of kernels
+per bucket instead of per parameter. The per-tensor form is the reference it is tested against.
+
 Momentum convention (paper eq. 6 and Moonlight): ``B_t = mu * B_{t-1} + G_t``; the direction input
 is ``G_t + mu * B_t`` with Nesterov, else ``B_t``. torch.optim.Muon and NorMuon keep an EMA
 ``M = lerp(M, G, 1 - mu)`` instead; the two differ by the scalar ``1 - mu`` only, which every
