@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
+from ..precision import resolve_ns_dtype
 
 try:  # torch builds without distributed support have no DTensor
     import torch.distributed as dist
@@ -181,7 +182,8 @@ def batched_ns(device: torch.device) -> bool:
 
 
 def _ns(x: Tensor, group: dict, workspace: dict | None = None, out: Tensor | None = None) -> Tensor:
-    steps, coefficients, dtype = group["ns_steps"], tuple(group["ns_coefficients"]), group["ns_dtype"]
+    steps, coefficients = group["ns_steps"], tuple(group["ns_coefficients"])
+    dtype = resolve_ns_dtype(group["ns_dtype"], x.device)
     batched = x.ndim > 2 and batched_ns(x.device)
     return F.orthogonalize(x, steps, coefficients, dtype, workspace=workspace, out=out, batched=batched)
 
@@ -241,7 +243,7 @@ class LocalSplit:
             if batched_ns(x.device):
                 yield from self._orthogonalize_buckets(x, input_of, shapes, group)
                 return
-            dtype = group["ns_dtype"] or x.dtype
+            dtype = resolve_ns_dtype(group["ns_dtype"], x.device)
             key = (tuple(x.shape), dtype, x.device)
             if key not in outputs:
                 outputs[key] = torch.empty(x.shape, dtype=dtype, device=x.device)
@@ -252,7 +254,7 @@ class LocalSplit:
     ) -> Iterator[tuple[int, Tensor]]:
         """Batched NS, one shape bucket at a time: the bucket's inputs are copied into one stack in
         the NS dtype and orthogonalised in one call. ``first`` is input 0, already made."""
-        dtype = group["ns_dtype"] or first.dtype
+        dtype = resolve_ns_dtype(group["ns_dtype"], first.device)
         buckets: dict[tuple[int, int], list[int]] = defaultdict(list)
         for i, shape in enumerate(shapes):
             buckets[tuple(shape)].append(i)
@@ -351,7 +353,7 @@ class ShardedSplit(_CollectiveSplit):
         slots = max(counts)
         starts = [sum(counts[:r]) for r in range(W)]
         # NS casts its input to ns_dtype first, so sending in ns_dtype gives the same bits and halves bytes.
-        dtype = group["ns_dtype"] or local_mats[0].dtype
+        dtype = resolve_ns_dtype(group["ns_dtype"], local_mats[0].device)
         send = local_mats[0].new_zeros((W, slots, s, n), dtype=dtype)
         for r in range(W):
             for t in range(counts[r]):
