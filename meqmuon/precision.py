@@ -87,11 +87,6 @@ def cpu_native_bf16(capability: str) -> bool:
 
 
 @functools.cache
-def _this_cpu_native_bf16() -> bool:
-    return cpu_native_bf16(detect_cpu_capability())
-
-
-@functools.cache
 def _cuda_bf16(index: int) -> bool:
     with torch.cuda.device(index):
         return bool(torch.cuda.is_bf16_supported())
@@ -116,9 +111,7 @@ def native_bf16(device: torch.device | str, *, cpu_capability: str | None = None
     if dev_type == "cuda":
         return detect_cuda_bf16(device) if cuda_bf16 is None else bool(cuda_bf16)
     if dev_type == "cpu":
-        if cpu_capability is None:
-            return _this_cpu_native_bf16()
-        return cpu_native_bf16(cpu_capability)
+        return cpu_native_bf16(detect_cpu_capability() if cpu_capability is None else cpu_capability)
     return False
 
 
@@ -148,16 +141,17 @@ def resolve_precision(precision: str, device: torch.device | str, *, cpu_capabil
     return "bf16" if native else "fp32"
 
 
-def bf16_warning(device: torch.device | str, *, cpu_capability: str | None = None) -> str | None:
-    """One warning line when bf16 is used on a CPU without native bf16, else ``None``."""
+def bf16_warning(device: torch.device | str, *, what: str = "bf16", cpu_capability: str | None = None) -> str | None:
+    """One warning line when bf16 (``what``, e.g. "bf16 autocast") is asked for on a CPU without
+    native bf16, else ``None``."""
     dev_type = (device if isinstance(device, str) else device.type).split(":")[0]
     if dev_type != "cpu":
         return None
     cap = detect_cpu_capability() if cpu_capability is None else cpu_capability
     if cpu_native_bf16(cap):
         return None
-    return (f"bf16 on a CPU without native bf16 (capability {cap}): bf16 matmuls run ~{BF16_SLOWDOWN_NO_NATIVE}x "
-            f"slower than float32 here; use --precision auto or fp32")
+    return (f"{what} on a CPU without native bf16 (capability {cap}): bf16 matmuls run ~{BF16_SLOWDOWN_NO_NATIVE}x "
+            "slower than float32 here")
 
 
 def describe(device: torch.device | str = "cpu") -> dict[str, Any]:

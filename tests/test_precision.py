@@ -113,7 +113,7 @@ def test_optimizer_default_ns_dtype_is_auto_and_resolved_at_step(opt_cls, monkey
 
     assert inspect.signature(opt_cls).parameters["ns_dtype"].default is None
     for cap, want in ((AVX2, torch.float32), (AVX512_BF16, torch.bfloat16)):
-        monkeypatch.setattr(P, "_this_cpu_native_bf16", lambda cap=cap: P.cpu_native_bf16(cap))
+        monkeypatch.setattr(P, "detect_cpu_capability", lambda cap=cap: cap)
         assert _ns_dtypes_used(opt_cls, monkeypatch) == [want]
     # explicit dtype wins over the capability
     assert _ns_dtypes_used(opt_cls, monkeypatch, ns_dtype=torch.float64) == [torch.float64]
