@@ -24,6 +24,7 @@ The GPU numbers are not yet recorded in docs/benchmarks.md: this machine has no 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import meqmuon
+from meqmuon.precision import resolve_precision
 
 
 def build_model(tiny: bool, device: torch.device):
@@ -93,7 +95,10 @@ def main(argv=None):
         distributed.BATCHED_NS_DEVICES = frozenset()
     opt = meqmuon.build_optimizer(args.optimizer, model, lr=args.lr, **kw)
     fwd = model if args.no_compile else torch.compile(model)
-    amp = torch.autocast(device.type, dtype=torch.bfloat16)
+    # bf16 autocast where the device runs bf16 natively (any GPU this is meant for), else fp32: the
+    # CPU smoke run on an AVX2-only CPU would otherwise run bf16 matmuls ~170x slower than fp32.
+    amp = (torch.autocast(device.type, dtype=torch.bfloat16) if resolve_precision("auto", device) == "bf16"
+           else contextlib.nullcontext())
     cuda = device.type == "cuda"
 
     def sync():

@@ -5,10 +5,15 @@ Usage (CPU here; any device with ``--device``)::
     python benchmarks/step_time.py --model llama-60m --threads 2 --repeats 5
 
 All optimizers are timed in one run, interleaved round-robin (the machine is shared and noisy), and
-reported as ratios. The FLOP floor is the Newton-Schulz FLOP count divided by the best measured bf16
-matmul rate *on the same shapes* (the three matmuls of one NS iteration, batched or per matrix,
-whichever is faster, timed in the same round-robin as the steps): the time NS would take if
-nothing but its matmuls ran, at the rate this machine achieves.
+reported as ratios. The FLOP floor is the Newton-Schulz FLOP count divided by the best measured
+matmul rate *on the same shapes*, in the NS dtype the optimizers use (the three matmuls of one NS
+iteration, batched or per matrix, whichever is faster, timed in the same round-robin as the steps):
+the time NS would take if nothing but its matmuls ran, at the rate this machine achieves.
+
+The NS dtype is ``--ns-dtype`` (default ``auto``: :func:`meqmuon.precision.resolve_ns_dtype`, bf16
+where the device runs it natively, float32 elsewhere). ``torch.optim.Muon`` hard-codes bf16; when the
+NS dtype is not bf16 the reference runs torch's own Newton-Schulz code with the cast changed to that
+dtype (:func:`torch_ns_in`), since in bf16 on an AVX2-only CPU one Llama-60M step would take minutes.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from shapes import MODELS, model_shapes  # noqa: E402
 import meqmuon  # noqa: E402
 from meqmuon.functional import NS_STEPS  # noqa: E402
 from meqmuon.optim.distributed import ns_flops  # noqa: E402
+from meqmuon.precision import detect_cpu_capability, resolve_ns_dtype  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -54,29 +60,63 @@ def groups_of(params):
     return [{"params": ps, "kind": k, "names": [f"{k}.{i}" for i in range(len(ps))]} for k, ps in params.items() if ps]
 
 
-class TorchMuonAdamW:
-    """``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`` on hidden matrices + ``torch.optim.AdamW`` on the rest."""
+def torch_ns_in(dtype):
+    """``torch.optim._muon._zeropower_via_newtonschulz`` (torch 2.13) with ``grad.bfloat16()`` replaced
+    by ``grad.to(dtype)``; otherwise the same code, line for line."""
 
-    def __init__(self, params, lr=1e-3):
+    def zeropower(grad, ns_coefficients, ns_steps, eps):
+        a, b, c = ns_coefficients
+        ortho_grad = grad.to(dtype)
+        if grad.size(0) > grad.size(1):
+            ortho_grad = ortho_grad.T
+        ortho_grad.div_(ortho_grad.norm().clamp(min=eps))
+        for _ in range(ns_steps):
+            gram_matrix = ortho_grad @ ortho_grad.T
+            gram_update = torch.addmm(gram_matrix, gram_matrix, gram_matrix, beta=b, alpha=c)
+            ortho_grad = torch.addmm(ortho_grad, gram_update, ortho_grad, beta=a)
+        if grad.size(0) > grad.size(1):
+            ortho_grad = ortho_grad.T
+        return ortho_grad
+
+    return zeropower
+
+
+class TorchMuonAdamW:
+    """``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`` on hidden matrices + ``torch.optim.AdamW`` on the rest.
+
+    ``ns_dtype`` other than bf16: torch's Newton-Schulz runs in that dtype (:func:`torch_ns_in`)."""
+
+    def __init__(self, params, lr=1e-3, ns_dtype=torch.bfloat16):
         hidden = params["hidden"]
         rest = [p for k, ps in params.items() if k != "hidden" for p in ps]
         self.muon = torch.optim.Muon(hidden, lr=lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
         self.adamw = torch.optim.AdamW(rest, lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+        self.ns = None if ns_dtype == torch.bfloat16 else torch_ns_in(ns_dtype)
 
     def step(self):
-        self.muon.step()
+        if self.ns is None:
+            self.muon.step()
+        else:
+            import torch.optim._muon as torch_muon
+
+            original = torch_muon._zeropower_via_newtonschulz
+            torch_muon._zeropower_via_newtonschulz = self.ns
+            try:
+                self.muon.step()
+            finally:
+                torch_muon._zeropower_via_newtonschulz = original
         self.adamw.step()
 
 
-def build(name, params):
+def build(name, params, ns_dtype=torch.bfloat16):
     all_params = [p for ps in params.values() for p in ps]
     if name == "torch Muon+AdamW":
-        return TorchMuonAdamW(params)
+        return TorchMuonAdamW(params, ns_dtype=ns_dtype)
     if name == "torch AdamW":
         return torch.optim.AdamW(all_params, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
     base, _, flag = name.partition(" ")
     kw = {"compile": True} if flag == "(compile)" else {}
-    return meqmuon.build_optimizer(base, groups_of(params), lr=1e-3, **kw)
+    return meqmuon.build_optimizer(base, groups_of(params), lr=1e-3, ns_dtype=ns_dtype, **kw)
 
 
 def time_call(fn, device, repeats):
@@ -90,7 +130,7 @@ def time_call(fn, device, repeats):
     return out
 
 
-def floor_work(hidden_shapes, device):
+def floor_work(hidden_shapes, device, dtype=torch.bfloat16):
     """The matmuls of one Newton-Schulz iteration of every hidden matrix, as timeable calls, and the NS FLOPs.
 
     Per shape bucket two calls do the bucket's three matmuls (``XX^T``, ``AA``, ``AX``): one batched
@@ -102,14 +142,16 @@ def floor_work(hidden_shapes, device):
     iteration's (``ns_flops``); a step that computes the symmetric products block-wise
     (``functional.SYMMETRIC_MIN``) does fewer, so it can beat this floor.
 
+    ``dtype`` is the NS dtype the optimizers use (the floor is at that dtype's matmul rate).
+
     Returns:
         ``(calls, flops)``: ``calls[(bucket, "bmm" | "mm")]`` runs one iteration's matmuls.
     """
     calls, flops = {}, 0
     for (m, n), k in Counter((s[0], s[1]) for s in hidden_shapes).items():
         a, b = min(m, n), max(m, n)
-        X = torch.randn(k, a, b, device=device, dtype=torch.bfloat16)
-        A = torch.randn(k, a, a, device=device, dtype=torch.bfloat16)
+        X = torch.randn(k, a, b, device=device, dtype=dtype)
+        A = torch.randn(k, a, a, device=device, dtype=dtype)
         OA, OX = torch.empty_like(A), torch.empty_like(X)
         Xc, Ac, OAc, OXc = (list(t.unbind(0)) for t in (X, A, OA, OX))  # contiguous matrices
 
@@ -136,6 +178,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="also time MeqMuon with compile=True")
+    ap.add_argument("--ns-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="Newton-Schulz dtype of every optimizer and of the floor (auto: bf16 where native)")
     ap.add_argument(
         "--optimizers", nargs="+", choices=ALL_OPTIMIZERS, default=list(ALL_OPTIMIZERS),
         help="which optimizers to time (each holds its own parameters, gradients and state: for the "
@@ -145,6 +189,8 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    ns_dtype = resolve_ns_dtype(None if args.ns_dtype == "auto" else getattr(torch, args.ns_dtype), device)
+    ns_name = str(ns_dtype).removeprefix("torch.")
     shapes = model_shapes(args.model)
     names = [n for n in ALL_OPTIMIZERS if n in args.optimizers or n == "torch Muon+AdamW"]
     if args.compile and "meqmuon" in names:
@@ -153,10 +199,10 @@ def main(argv=None):
     params = {}
     for name in names:
         params[name] = make_params(shapes, device)
-        opts[name] = build(name, params[name])
+        opts[name] = build(name, params[name], ns_dtype)
         for _ in range(args.warmup):
             opts[name].step()
-    floor_calls, flops = floor_work(shapes["hidden"], device)
+    floor_calls, flops = floor_work(shapes["hidden"], device, ns_dtype)
     for fn in floor_calls.values():
         fn()
     times = {n: [] for n in [*names, *floor_calls]}
@@ -183,12 +229,15 @@ def main(argv=None):
 
     n_params = sum(torch.Size(s).numel() for v in shapes.values() for s in v)
     lines = [
-        f"### {args.model} optimizer step ({n_params / 1e6:.2f}M parameters, fp32 params, bf16 NS)",
+        f"### {args.model} optimizer step ({n_params / 1e6:.2f}M parameters, fp32 params, {ns_name} NS)",
         "",
-        f"- date {date.today()}, machine: {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}, device {device}",
+        f"- date {date.today()}, machine: {platform.processor() or platform.machine()}, CPU capability "
+        f"{detect_cpu_capability()}, {torch.get_num_threads()} threads, torch {torch.__version__}, device {device}",
+        f"- NS dtype {ns_name} (--ns-dtype {args.ns_dtype})"
+        + ("" if ns_dtype == torch.bfloat16 else "; torch Muon's NS run in this dtype (torch hard-codes bf16)"),
         f"- command: `python benchmarks/step_time.py {shlex.join(argv if argv is not None else sys.argv[1:])}`",
-        f"- Newton-Schulz FLOPs per step: {flops / 1e9:.1f} GFLOP; best measured bf16 matmul rate on these shapes: "
+        f"- Newton-Schulz FLOPs per step: {flops / 1e9:.1f} GFLOP; "
+        f"best measured {ns_name} matmul rate on these shapes: "
         f"{flops / floor / 1e9:.0f} GFLOP/s; FLOP floor {floor * 1e3:.0f} ms",
         "",
         "| optimizer | median step (ms) | / torch Muon+AdamW | / FLOP floor | NS rate achieved "

@@ -1,7 +1,8 @@
 """Training throughput of ``meqmuon train`` against a bare PyTorch loop on the same model and batch.
 
 Both sides: the same registry model and initial weights, the same packed batches from the same data
-stream, bf16 autocast with fp32 weights, the same optimizer (``build_optimizer``), one micro-batch
+stream, the same autocast (``--precision``, default ``auto``: bf16 where the CPU runs it natively,
+fp32 elsewhere) with fp32 weights, the same optimizer (``build_optimizer``), one micro-batch
 per update. The bare loop is forward, cross-entropy, backward, ``opt.step()``, ``zero_grad``: no
 gradient norm, no NaN check, no logging, no scheduler. The harness's number is its own
 ``train_time_s`` (evaluation and checkpointing excluded: both happen only once, at the end).
@@ -13,6 +14,7 @@ Runs alternate (harness, bare, harness, bare, ...) and medians are reported.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import statistics
 import tempfile
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import meqmuon
+from meqmuon.precision import detect_cpu_capability, resolve_precision
 from meqmuon.train.config import TrainConfig
 from meqmuon.train.data import build_data, split_batch
 from meqmuon.train.loop import train
@@ -33,7 +36,8 @@ from meqmuon.train.models import build_model
 def harness_tokens_per_s(args: argparse.Namespace, out: Path, cache: Path) -> float:
     cfg = TrainConfig(model=args.model, optimizer=args.optimizer, lr=args.lr, steps=args.steps, seq_len=args.seq_len,
                       global_batch=args.batch, micro_batch=args.batch, eval_every=args.steps, save_every=args.steps,
-                      val_tokens=4096, cache_dir=str(cache), out=str(out), quiet=True, seed=0)
+                      val_tokens=4096, cache_dir=str(cache), out=str(out), quiet=True, seed=0,
+                      precision=args.precision)
     summary = train(cfg)
     return summary["tokens"] / summary["train_time_s"]
 
@@ -46,7 +50,8 @@ def bare_tokens_per_s(args: argparse.Namespace, cache: Path) -> float:
     start = time.perf_counter()
     for _ in range(args.steps):
         inputs, targets = split_batch(data.train.next_batch(args.batch))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        amp = torch.autocast("cpu", dtype=torch.bfloat16) if args.precision == "bf16" else contextlib.nullcontext()
+        with amp:
             logits = model(input_ids=inputs).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
         loss.backward()
@@ -64,7 +69,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
     args = ap.parse_args()
+    args.precision = resolve_precision(args.precision, "cpu")
     harness, bare = [], []
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "cache"
@@ -74,8 +81,8 @@ def main() -> None:
             bare.append(bare_tokens_per_s(args, cache))
     h, b = statistics.median(harness), statistics.median(bare)
     print(f"### Training throughput, {args.model}, {args.optimizer}, {args.batch} x {args.seq_len} tokens per update\n")
-    print(f"- date {date.today()}, machine: {platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}")
+    print(f"- date {date.today()}, machine: {platform.machine()}, CPU capability {detect_cpu_capability()}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}, precision {args.precision}")
     print(f"- command: `python benchmarks/train_throughput.py --model {args.model} --optimizer {args.optimizer} "
           f"--steps {args.steps} --repeats {args.repeats}`\n")
     print("| loop | median tokens/s | runs | / bare |")

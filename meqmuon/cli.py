@@ -54,18 +54,23 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
     g.add_argument("--data", default=S, help="builtin (offline), c4 (streamed), or a .jsonl/.txt file or directory")
     g.add_argument("--tokenizer", default=S, help="HF tokenizer id; default: the model's own for c4, else built-in BPE")
     g.add_argument("--vocab-size", type=int, default=S, help="built-in BPE vocabulary (4096)")
-    g.add_argument("--val-tokens", type=parse_count, default=S, help="validation targets (1M; fewer if less text)")
+    g.add_argument("--val-tokens", type=parse_count, default=S,
+                   help="validation targets (per model: 1M, *-tiny 32768; fewer if less text)")
     g.add_argument("--cache-dir", default=S, help="data cache (default $MEQMUON_CACHE or ~/.cache/meqmuon)")
     g.add_argument("--tokens", type=parse_count, default=S, help="training tokens (default 20 x unique params)")
     g.add_argument("--steps", type=int, default=S, help="optimizer updates (overrides --tokens)")
-    g.add_argument("--seq-len", type=int, default=S, help="tokens per sequence (1024)")
-    g.add_argument("--global-batch", type=int, default=S, help="sequences per update over all ranks (512)")
+    g.add_argument("--seq-len", type=int, default=S, help="tokens per sequence (per model: 1024, *-tiny 128)")
+    g.add_argument("--global-batch", type=int, default=S,
+                   help="sequences per update over all ranks (per model: 512, *-tiny 32)")
     g.add_argument("--micro-batch", type=int, default=S, help="sequences per forward per rank (default: all)")
     g.add_argument("--warmup-ratio", type=float, default=S, help="linear warmup share of updates (0.05)")
     g.add_argument("--min-lr-ratio", type=float, default=S, help="cosine decays to this fraction of the lr (0)")
     g.add_argument("--clip", type=float, default=S, help="clip the global grad norm to this value (default: off)")
     g.add_argument("--seed", type=int, default=S, help="init, data order and RNG seed (0)")
-    g.add_argument("--precision", choices=["bf16", "fp32"], default=S, help="bf16 autocast (default) or fp32")
+    g.add_argument("--precision", choices=["auto", "bf16", "fp32"], default=S,
+                   help="auto (default): bf16 autocast where the device runs bf16 natively, else fp32")
+    g.add_argument("--no-tf32", dest="tf32", action="store_false", default=S,
+                   help="CUDA: keep float32 matmuls in full float32 (default: TF32)")
     g.add_argument("--device", default=S, help="auto (cuda:LOCAL_RANK if available), cpu, cuda:0, ...")
     g.add_argument("--compile", action="store_true", default=S, help="torch.compile the model")
     g.add_argument("--out", default=S, help="run directory" + (" for all runs" if compare else ""))

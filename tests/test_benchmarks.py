@@ -45,6 +45,28 @@ def test_step_time_prints_medians_and_paired_ratios(capsys):
     assert "FLOP floor" in out
 
 
+def test_step_time_names_capability_and_ns_dtype_and_torch_ns_copy_is_faithful(capsys):
+    """The FLOP floor and every optimizer use the resolved NS dtype, and the output says which and on
+    what CPU; the copy of torch's Newton-Schulz with another cast equals torch's own in bf16."""
+    import torch
+    import torch.optim._muon as torch_muon
+
+    from meqmuon.precision import detect_cpu_capability, resolve_ns_dtype
+
+    step_time.main(["--model", "llama-tiny", "--repeats", "1", "--warmup", "0", "--optimizers", "muon"])
+    out = capsys.readouterr().out
+    name = str(resolve_ns_dtype(None, "cpu")).removeprefix("torch.")
+    assert f"CPU capability {detect_cpu_capability()}" in out and f"{name} NS)" in out
+    assert f"best measured {name} matmul rate" in out and "--ns-dtype auto" in out
+    g = torch.Generator().manual_seed(0)
+    for shape in ((12, 8), (8, 12)):
+        x = torch.randn(shape, generator=g)
+        args = ((3.4445, -4.7750, 2.0315), 5, 1e-7)
+        assert torch.equal(step_time.torch_ns_in(torch.bfloat16)(x, *args),
+                           torch_muon._zeropower_via_newtonschulz(x, *args))
+        assert step_time.torch_ns_in(torch.float32)(x, *args).dtype == torch.float32
+
+
 def test_scaling_pairs_one_rank_with_two_ranks(capsys):
     scaling.main(["--model", "llama-tiny", "--cores", "2", "--world", "2", "--threads-per-rank", "1",
                   "--repeats", "2", "--warmup", "1"])

@@ -32,8 +32,8 @@ import torch
 
 from meqmuon.train import compare as compare_mod
 from meqmuon.train import loop as loop_mod
-from meqmuon.train.checkpoint import list_checkpoints, load_checkpoint
-from meqmuon.train.config import TrainConfig, resolve_config
+from meqmuon.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from meqmuon.train.config import TrainConfig, model_run_defaults, resolve_config, resolve_numerics
 from meqmuon.train.loop import TrainingDiverged, WarmupCosine, train
 from meqmuon.train.metrics import read_metrics
 
@@ -74,8 +74,9 @@ def test_warmup_cosine_schedule_multiplies_each_group_lr():
 
 
 def test_resolve_config_derives_budget_and_rejects_indivisible_batch():
-    cfg = resolve_config(TrainConfig(model="llama-tiny", optimizer="adamw"), unique_params=1000, world_size=1)
+    cfg = resolve_config(TrainConfig(model="llama-60m", optimizer="adamw"), unique_params=1000, world_size=1)
     assert cfg.lr == 1e-3 and cfg.micro_batch == 32  # automatic: largest divisor of 512 up to 32
+    assert (cfg.global_batch, cfg.seq_len, cfg.val_tokens) == (512, 1024, 1_000_000)  # the paper's
     assert cfg.steps == math.ceil(20_000 / (512 * 1024)) and cfg.tokens == cfg.steps * 512 * 1024
     cfg = resolve_config(TrainConfig(global_batch=8, seq_len=4, tokens=100), unique_params=1, world_size=2)
     assert cfg.micro_batch == 4 and cfg.steps == 4  # ceil(100 / 32)
@@ -84,6 +85,99 @@ def test_resolve_config_derives_budget_and_rejects_indivisible_batch():
         resolve_config(TrainConfig(global_batch=8, micro_batch=3), unique_params=1, world_size=1)
     with pytest.raises(ValueError, match="not divisible"):
         resolve_config(TrainConfig(global_batch=9), unique_params=1, world_size=2)
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "llama-tiny-tied", "smollm2-tiny", "qwen2-tiny"])
+def test_cpu_presets_get_cpu_sized_defaults_and_paper_models_keep_the_papers(model):
+    """Issue #16: `meqmuon train --model llama-tiny --steps 2` used to inherit 512 x 1024 tokens per
+    step and 1M validation tokens. Given values still win."""
+    cfg = resolve_config(TrainConfig(model=model, steps=2), unique_params=1000, world_size=1)
+    assert (cfg.global_batch, cfg.seq_len, cfg.val_tokens) == (32, 128, 32_768)
+    assert cfg.tokens == 2 * 32 * 128 and cfg.micro_batch == 32
+    cfg = resolve_config(TrainConfig(model=model, steps=2, global_batch=8, seq_len=64, val_tokens=100),
+                         unique_params=1000, world_size=1)
+    assert (cfg.global_batch, cfg.seq_len, cfg.val_tokens) == (8, 64, 100)
+    for paper in ("llama-60m", "llama-130m", "llama-350m", "smollm2-135m", "smollm2-360m", "qwen2-0.5b"):
+        assert model_run_defaults(paper) == {"global_batch": 512, "seq_len": 1024, "val_tokens": 1_000_000}
+
+
+@pytest.mark.parametrize(
+    "cap, optimizer, args, want_precision, want_ns",
+    [("AVX2", "meqmuon", {}, "fp32", "float32"),
+     ("AVX512+AVX512_BF16", "meqmuon", {}, "bf16", "bfloat16"),
+     ("AVX2", "muon", {"ns_dtype": "bfloat16"}, "fp32", "bfloat16"),  # explicit ns_dtype honoured
+     ("AVX512+AVX512_BF16", "normuon", {"ns_dtype": "float32"}, "bf16", "float32"),
+     ("AVX2", "adamw", {}, "fp32", None)],  # no Newton-Schulz: nothing added to optimizer_args
+)
+def test_resolve_numerics_by_injected_capability(cap, optimizer, args, want_precision, want_ns):
+    cfg = resolve_numerics(TrainConfig(optimizer=optimizer, optimizer_args=dict(args)), "cpu", cpu_capability=cap)
+    assert cfg.precision == want_precision
+    assert cfg.optimizer_args.get("ns_dtype") == want_ns
+    assert cfg.numerics["cpu_capability"] == cap and cfg.numerics["requested_precision"] == "auto"
+    assert cfg.numerics["precision"] == want_precision and cfg.numerics["ns_dtype"] == want_ns
+    assert cfg.numerics["tf32"] is False  # CPU: TF32 does not apply
+    # idempotent: resolving the resolved config changes nothing, even on another machine
+    other = "AVX2" if cap != "AVX2" else "AVX512+AVX512_BF16"
+    again = resolve_numerics(cfg, "cpu", cpu_capability=other)
+    assert again.precision == cfg.precision and again.optimizer_args == cfg.optimizer_args
+    assert again.numerics["requested_precision"] == "auto"
+    # explicit precision is honoured whatever the hardware
+    for p in ("bf16", "fp32"):
+        assert resolve_numerics(TrainConfig(optimizer=optimizer, precision=p), "cpu", cpu_capability=cap).precision == p
+    cuda = resolve_numerics(TrainConfig(optimizer=optimizer), "cuda", cuda_bf16=True, cpu_capability=cap)
+    assert cuda.precision == "bf16" and cuda.numerics["tf32"] is True
+    assert resolve_numerics(TrainConfig(tf32=False), "cuda", cuda_bf16=False).numerics["tf32"] is False
+
+
+def test_run_records_resolved_numerics_and_refuses_resume_where_auto_differs(cache, tmp_path, monkeypatch):
+    """config.json, the checkpoint, metrics.jsonl and summary.json name the precision and Newton-Schulz
+    dtype actually used and the CPU capability; a run started with "auto" resumes on the same kind of
+    machine, and is refused (not silently switched) where "auto" resolves differently."""
+    from meqmuon import precision
+
+    cap = precision.detect_cpu_capability()
+    native = precision.cpu_native_bf16(cap)
+    want_p, want_ns = ("bf16", "bfloat16") if native else ("fp32", "float32")
+    run = tmp_path / "r"
+    res = train(tiny(cache, run, steps=2, stop_at_step=1))
+    assert res["finished"] is False
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["precision"] == want_p and saved["optimizer_args"] == {"ns_dtype": want_ns}
+    assert saved["numerics"]["cpu_capability"] == cap and saved["numerics"]["requested_precision"] == "auto"
+    assert saved["numerics"]["requested_ns_dtype"] == "auto" and saved["tf32"] is True
+    assert _final_state(run)["config"]["precision"] == want_p
+
+    # the other kind of CPU: auto now means the other precision, and the resume is refused
+    monkeypatch.setattr(precision, "detect_cpu_capability", lambda: "AVX2" if native else "AVX512+AVX512_BF16")
+    with pytest.raises(CheckpointError, match="'auto' precision/ns_dtype follow the hardware") as err:
+        train(tiny(cache, run, steps=2, resume="auto"))
+    assert want_ns in str(err.value)
+    # ... but the stored (concrete) values, passed explicitly, resume it in the run's own numerics
+    explicit = train(tiny(cache, tmp_path / "copy", steps=1, precision=want_p,
+                          optimizer_args={"ns_dtype": want_ns}))
+    assert explicit["precision"] == want_p and explicit["ns_dtype"] == want_ns
+    monkeypatch.undo()
+
+    summary = train(tiny(cache, run, steps=2, resume="auto"))
+    assert summary["finished"] and summary["precision"] == want_p and summary["ns_dtype"] == want_ns
+    assert summary["cpu_capability"] == cap
+    runs = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "run"]
+    assert [r["step"] for r in runs] == [0, 1]  # one record per session
+    assert all(r["precision"] == want_p and r["ns_dtype"] == want_ns and r["cpu_capability"] == cap for r in runs)
+
+
+def test_forced_bf16_on_a_cpu_without_native_bf16_warns_once(cache, tmp_path, monkeypatch, capsys):
+    from meqmuon import precision
+
+    monkeypatch.setattr(precision, "detect_cpu_capability", lambda: "AVX2")
+    summary = train(tiny(cache, tmp_path / "b", precision="bf16", steps=1, seq_len=16, global_batch=2,
+                         micro_batch=2, eval_every=1, val_tokens=64))
+    assert summary["precision"] == "bf16" and summary["ns_dtype"] == "float32"  # NS stays auto
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
+    assert len(lines) == 1 and "bf16 autocast" in lines[0] and "AVX2" in lines[0] and "slower" in lines[0]
+    # auto on the same (pretended) CPU: fp32 and no warning
+    train(tiny(cache, tmp_path / "a", steps=1, seq_len=16, global_batch=2, micro_batch=2, val_tokens=64))
+    assert "warning" not in capsys.readouterr().err
 
 
 def _final_state(run_dir: Path) -> dict:
@@ -234,10 +328,16 @@ def test_compare_same_init_data_and_val_for_every_optimizer(cache, tmp_path, mon
     # AdamW keeps two moments, MeqMuon one buffer: the memory column must reflect it.
     assert rows[0]["optimizer state (MiB)"] > 1.9 * rows[1]["optimizer state (MiB)"]
 
+    from meqmuon import precision
+
+    cap = precision.detect_cpu_capability()
+    p = "bf16" if precision.cpu_native_bf16(cap) else "fp32"
     table = (tmp_path / "cmp" / "table.md").read_text().splitlines()
-    assert table[0] == ("| optimizer | lr | final val loss | perplexity | bits/byte | optimizer state (MiB) "
-                        "| tokens/s |")
-    assert table[2].startswith("| adamw | 0.003 |") and table[3].startswith("| meqmuon | 0.02 |")
+    assert table[0] == f"CPU capability: {cap}" and table[1] == ""
+    assert table[2] == ("| optimizer | lr | final val loss | perplexity | bits/byte | optimizer state (MiB) "
+                        "| tokens/s | precision |")
+    assert table[4].startswith("| adamw | 0.003 |") and table[5].startswith("| meqmuon | 0.02 |")
+    assert table[4].endswith(f"| {p} |") and table[5].endswith(f"| {p}, NS {p} |")  # AdamW has no NS
     png = tmp_path / "cmp" / "val_ppl.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     # Re-running reuses the finished runs (no training) and returns the same rows.

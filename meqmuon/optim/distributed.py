@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
+from ..precision import resolve_ns_dtype
 
 try:  # torch builds without distributed support have no DTensor
     import torch.distributed as dist
@@ -186,8 +187,9 @@ def batched_ns(device: torch.device) -> bool:
 
 
 def ns_dtype_of(group: dict, x: Tensor) -> torch.dtype:
-    """The dtype Newton-Schulz runs in for ``x`` under ``group``'s ``ns_dtype`` (``None``: ``x``'s)."""
-    return group["ns_dtype"] or x.dtype
+    """The dtype Newton-Schulz runs in for ``x`` under ``group``'s ``ns_dtype``: an explicit dtype as
+    given; ``None`` resolved from what ``x``'s device reports (:func:`meqmuon.precision.resolve_ns_dtype`)."""
+    return resolve_ns_dtype(group["ns_dtype"], x.device)
 
 
 def _ns(x: Tensor, group: dict, workspace: dict | None = None, out: Tensor | None = None) -> Tensor:

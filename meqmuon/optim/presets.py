@@ -63,6 +63,10 @@ class MeqMuon(RoleOptimizer):
         nesterov: use ``G_t + mu B_t`` as the direction input.
         rho: RMS alignment coefficient (target update RMS ``rho * lr``).
         ns_steps, ns_coefficients, ns_dtype: Newton-Schulz iterations, ``(a, b, c)`` and compute dtype.
+            ``ns_dtype=None`` (default) picks per device at step time: bf16 where the hardware runs it
+            natively (CUDA with bf16, CPUs with AVX512-BF16/AMX), float32 elsewhere, since bf16 is
+            ~170x slower than float32 on an AVX2-only CPU (:func:`meqmuon.precision.resolve_ns_dtype`).
+            An explicit dtype is always used.
         state_dtype: dtype of the momentum buffers (default: the parameter's dtype).
         foreach: ``None`` (default): the batched step (shape buckets, ``torch._foreach_*``; see
             ``optim/buckets.py``) where all parameters of a group are on CUDA, the per-tensor step
@@ -89,7 +93,7 @@ class MeqMuon(RoleOptimizer):
         rho: float = RHO,
         ns_steps: int = NS_STEPS,
         ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-        ns_dtype: torch.dtype | None = torch.bfloat16,
+        ns_dtype: torch.dtype | None = None,
         state_dtype: torch.dtype | None = None,
         foreach: bool | None = None,
         process_group: Any = None,
@@ -121,6 +125,9 @@ class Muon(RoleOptimizer):
       ``betas=(0.9, 0.95)``, ``eps=1e-8``, in ``torch.optim.AdamW``'s form (eps after bias
       correction; Moonlight adds it before, a difference confined to the first steps).
 
+    ``ns_dtype=None`` (default): bf16 Newton-Schulz where the device runs bf16 natively, float32
+    elsewhere (:func:`meqmuon.precision.resolve_ns_dtype`); an explicit dtype is always used.
+
     Identical in exact arithmetic to ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`` plus
     ``torch.optim.AdamW(betas=(0.9, 0.95))`` on the other parameters (tested).
     """
@@ -137,7 +144,7 @@ class Muon(RoleOptimizer):
         rho: float = RHO,
         ns_steps: int = NS_STEPS,
         ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-        ns_dtype: torch.dtype | None = torch.bfloat16,
+        ns_dtype: torch.dtype | None = None,
         betas: tuple[float, float] = ADAMW_BETAS,
         eps: float = ADAMW_EPS,
         state_dtype: torch.dtype | None = None,
@@ -169,7 +176,7 @@ class NorMuon(RoleOptimizer):
     one value per output row), ``O' = O / (sqrt(v) + 1e-10)`` rescaled to ``||O||_F``, and step
     ``lr * rho * sqrt(max(m, n)) * O'`` (dion's "rms_norm" scale instead of upstream's
     ``sqrt(max(1, m/n))``, so that NorMuon shares the lr grid of Muon and MeqMuon, as the paper
-    compares them). Other kinds: AdamW as in :class:`Muon`.
+    compares them). Other kinds: AdamW as in :class:`Muon`. ``ns_dtype``: as in :class:`Muon`.
     """
 
     RULES = {"hidden": "normuon_hidden", "embedding": "adamw", "head": "adamw", "vector": "adamw"}
@@ -185,7 +192,7 @@ class NorMuon(RoleOptimizer):
         beta2: float = 0.95,
         ns_steps: int = NS_STEPS,
         ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-        ns_dtype: torch.dtype | None = torch.bfloat16,
+        ns_dtype: torch.dtype | None = None,
         betas: tuple[float, float] = ADAMW_BETAS,
         eps: float = ADAMW_EPS,
         state_dtype: torch.dtype | None = None,

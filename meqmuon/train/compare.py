@@ -15,12 +15,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from meqmuon.train.config import TrainConfig
+from meqmuon.train.config import TrainConfig, fill_model_defaults, resolve_numerics
 from meqmuon.train.loop import train, write_json
 from meqmuon.train.plot import plot_runs
 
@@ -50,7 +51,8 @@ DEMO_LRS: dict[str, float] = {
     "meqmuon-only-vector": 1e-2,
 }
 
-TABLE_COLUMNS = ["optimizer", "lr", "final val loss", "perplexity", "bits/byte", "optimizer state (MiB)", "tokens/s"]
+TABLE_COLUMNS = ["optimizer", "lr", "final val loss", "perplexity", "bits/byte", "optimizer state (MiB)", "tokens/s",
+                 "precision"]
 
 
 def demo_config(**overrides: Any) -> TrainConfig:
@@ -70,12 +72,22 @@ def _row(summary: dict[str, Any]) -> dict[str, Any]:
         "bits/byte": summary["val_bpb"],
         "optimizer state (MiB)": summary["optimizer_state_mib"],
         "tokens/s": summary["tokens_per_s"],
+        # autocast precision and Newton-Schulz dtype actually used (runs from before issue #16: unknown)
+        "precision": _precision_cell(summary),
+        "cpu_capability": summary.get("cpu_capability"),
         "seed": summary.get("seed"),
         "run_dir": summary["run_dir"],
         # the loop's summary keys too, for programmatic users (e.g. the diagnostics ablation table)
         **{k: summary.get(k) for k in ("val_loss", "val_ppl", "val_bpb", "optimizer_state_mib", "tokens_per_s",
                                        "steps", "tokens")},
     }
+
+
+def _precision_cell(summary: dict[str, Any]) -> str | None:
+    p, ns = summary.get("precision"), summary.get("ns_dtype")
+    if p is None:
+        return None
+    return f"{p}, NS {'bf16' if ns == 'bfloat16' else 'fp32' if ns == 'float32' else ns}" if ns else p
 
 
 def _fmt(key: str, v: Any) -> str:
@@ -95,8 +107,11 @@ def _fmt(key: str, v: Any) -> str:
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = TABLE_COLUMNS) -> str:
-    """Markdown table of comparison rows."""
-    lines = ["| " + " | ".join(columns) + " |",
+    """Markdown table of comparison rows, preceded by a line naming the CPU capability (the numbers
+    depend on it through the precision: bf16 where native, fp32 elsewhere)."""
+    caps = sorted({str(r["cpu_capability"]) for r in rows if r.get("cpu_capability")})
+    head = [f"CPU capability: {', '.join(caps)}", ""] if caps else []
+    lines = head + ["| " + " | ".join(columns) + " |",
              "|" + "|".join("---" if c == "optimizer" else "---:" for c in columns) + "|"]
     for r in rows:
         lines.append("| " + " | ".join(_fmt(c, r.get(c)) for c in columns) + " |")
@@ -109,12 +124,21 @@ def _finished_summary(run_dir: Path, cfg: TrainConfig) -> dict[str, Any] | None:
     if not (s.exists() and c.exists()):
         return None
     saved = json.loads(c.read_text())
-    mine = dataclasses.asdict(cfg)
+    mine = dataclasses.asdict(_resolved(cfg))
     keys = ("model", "optimizer", "lr", "weight_decay", "optimizer_args", "data", "seq_len", "global_batch", "seed",
             "warmup_ratio", "min_lr_ratio", "clip", "precision", "val_tokens", "vocab_size")
     if any(saved.get(k) != mine.get(k) for k in keys) or (cfg.steps is not None and saved.get("steps") != cfg.steps):
         return None
     return json.loads(s.read_text())
+
+
+def _resolved(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the model defaults and this machine's numerics filled in, as the run would store it
+    (so that a finished run is reused only if "auto" resolves the same way here)."""
+    from meqmuon.train.loop import _device
+
+    c = fill_model_defaults(cfg)
+    return resolve_numerics(c, _device(c, int(os.environ.get("LOCAL_RANK", "0"))))
 
 
 def _train_or_reuse(cfg: TrainConfig) -> dict[str, Any]:
@@ -195,7 +219,11 @@ def format_sweep_table(rows: Sequence[dict[str, Any]]) -> str:
         m = statistics.fmean(losses)
         if math.isfinite(m) and (opt not in best or m < statistics.fmean(cells[(opt, best[opt])])):
             best[opt] = lr
-    lines = ["| optimizer | lr | seeds | mean val loss | std | mean perplexity |", "|---|---:|---:|---:|---:|---:|"]
+    caps = sorted({str(r["cpu_capability"]) for r in rows if r.get("cpu_capability")})
+    precs = sorted({str(r["precision"]) for r in rows if r.get("precision")})
+    head = [f"CPU capability: {', '.join(caps)}; precision: {'; '.join(precs)}", ""] if caps or precs else []
+    lines = head + ["| optimizer | lr | seeds | mean val loss | std | mean perplexity |",
+                    "|---|---:|---:|---:|---:|---:|"]
     for (opt, lr), losses in cells.items():
         m = statistics.fmean(losses)
         sd = statistics.stdev(losses) if len(losses) > 1 else 0.0

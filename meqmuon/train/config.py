@@ -4,9 +4,17 @@ Every field has a default; ``resolve_config`` fills the derived ones (lr from th
 length from the token budget, evaluation interval, output directory) so that the JSON written into
 each run directory states every value the run used (design notes, convention 6).
 
-Defaults follow the paper's setup (section 4): global batch 512 x 1024 tokens, 20 tokens per unique
-parameter, 5 % linear warmup then cosine decay to zero, weight decay 0.1, no gradient clipping, bf16
-autocast with fp32 master weights.
+Defaults follow the paper's setup (section 4): global batch 512 x 1024 tokens, 1M validation tokens,
+20 tokens per unique parameter, 5 % linear warmup then cosine decay to zero, weight decay 0.1, no
+gradient clipping, bf16 autocast with fp32 master weights. Two exceptions, both decided by the
+hardware or the model rather than the paper:
+
+* ``precision="auto"`` (default) means bf16 autocast where the device runs bf16 natively and fp32
+  elsewhere (:mod:`meqmuon.precision`): on an AVX2-only CPU bf16 autocast trained the demo 13x
+  slower than fp32 (issue #16). The Newton-Schulz dtype of the Muon-family optimizers is resolved
+  the same way. Both are written into the run's config as concrete values (:func:`resolve_numerics`).
+* The CPU presets (``*-tiny``) default to CPU-sized batches (:data:`CPU_PRESET_DEFAULTS`): with the
+  paper's 512 x 1024 batch and 1M validation tokens one step of a 1.8M-parameter model took minutes.
 """
 
 from __future__ import annotations
@@ -21,10 +29,18 @@ from typing import Any
 
 import torch
 
+from meqmuon import precision as _precision
+from meqmuon.precision import PRECISIONS, resolve_ns_dtype, resolve_precision
+
 __all__ = [
     "TrainConfig",
     "DEFAULT_LRS",
     "IDENTITY_KEYS",
+    "PAPER_RUN_DEFAULTS",
+    "CPU_PRESET_DEFAULTS",
+    "model_run_defaults",
+    "fill_model_defaults",
+    "resolve_numerics",
     "config_from_dict",
     "config_to_dict",
     "load_config_file",
@@ -47,6 +63,14 @@ DEFAULT_LRS: dict[str, float] = {
     "meqmuon-only-embedding": 2e-3,
     "meqmuon-only-vector": 2e-3,
 }
+
+#: Batch, sequence and validation sizes of the paper (section 4), the defaults of the paper models.
+PAPER_RUN_DEFAULTS: dict[str, int] = {"global_batch": 512, "seq_len": 1024, "val_tokens": 1_000_000}
+
+#: The same for the CPU presets (``llama-tiny`` etc.): the demo's 32 x 128-token batch, which makes
+#: a step of a ~2M-parameter model take ~0.1-1 s on 2 CPU cores instead of minutes, and the whole
+#: held-out split of the built-in corpus (~30k tokens) for validation.
+CPU_PRESET_DEFAULTS: dict[str, int] = {"global_batch": 32, "seq_len": 128, "val_tokens": 32_768}
 
 #: Upper bound of the automatic micro-batch (sequences per forward pass per rank).
 MAX_AUTO_MICRO_BATCH = 32
@@ -75,13 +99,13 @@ class TrainConfig:
     tokenizer: str | None = None  # HF hub id; None -> the model's own for c4, the built-in BPE otherwise
     vocab_size: int = 4096  # built-in BPE vocabulary (ignored with a hub tokenizer)
     val_fraction: float = 0.05
-    val_tokens: int = 1_000_000  # validation targets wanted (fewer if the held-out text is shorter)
+    val_tokens: int | None = None  # validation targets (fewer if less held-out text); None -> per model
     cache_dir: str | None = None  # None -> $MEQMUON_CACHE or ~/.cache/meqmuon
     # run length and batch
     tokens: int | None = None  # None -> 20 x unique parameters (when steps is None too)
     steps: int | None = None  # optimizer updates; derived from tokens when None
-    seq_len: int = 1024
-    global_batch: int = 512  # sequences per update, over all ranks and micro-batches
+    seq_len: int | None = None  # None -> per model (model_run_defaults): 1024, CPU presets 128
+    global_batch: int | None = None  # sequences per update over all ranks and micro-batches; None -> 512 / 32
     micro_batch: int | None = None  # sequences per forward pass per rank; None -> see resolve_config
     # schedule and regularisation
     warmup_ratio: float = 0.05
@@ -89,7 +113,8 @@ class TrainConfig:
     clip: float | None = None  # max global grad norm; None -> no clipping (the paper's setting)
     seed: int = 0
     # numerics and hardware
-    precision: str = "bf16"  # "bf16" (autocast, fp32 master weights) or "fp32"
+    precision: str = "auto"  # "auto", "bf16" (autocast, fp32 master weights) or "fp32"; resolved per device
+    tf32: bool = True  # CUDA: TF32 float32 matmuls (torch.set_float32_matmul_precision("high")); no effect on CPU
     device: str = "auto"  # "auto" -> cuda:LOCAL_RANK if available, else cpu
     compile: bool = False
     # evaluation, checkpoints, logging
@@ -103,6 +128,8 @@ class TrainConfig:
     capture_layers: list[int] | None = None
     quiet: bool = False
     tensorboard: bool = False
+    # written by the harness (resolve_numerics), ignored as input: what "auto" became on this machine
+    numerics: dict[str, Any] | None = None
 
 
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
@@ -220,8 +247,10 @@ def validate_config(cfg: TrainConfig) -> None:
     if not 0 <= cfg.min_lr_ratio <= 1:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     _positive("clip", cfg.clip)
-    if cfg.precision not in ("bf16", "fp32"):
-        raise ValueError(f"precision must be 'bf16' or 'fp32', got {cfg.precision!r}")
+    if cfg.precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
+    if not isinstance(cfg.tf32, bool):
+        raise ValueError(f"tf32 must be true or false, got {cfg.tf32!r}")
     if cfg.resume is not None and cfg.resume != "auto" and not Path(cfg.resume).exists():
         raise ValueError(f"--resume path does not exist: {cfg.resume}")
     if cfg.capture_layers is not None and not cfg.capture_steps:
@@ -242,7 +271,7 @@ def resolve_config(cfg: TrainConfig, *, unique_params: int, world_size: int) -> 
     """
     from meqmuon.train.models import TOKENS_PER_PARAM
 
-    c = dataclasses.replace(cfg, optimizer_args=dict(cfg.optimizer_args))
+    c = fill_model_defaults(cfg)
     if c.lr is None:
         c.lr = DEFAULT_LRS[c.optimizer]
     if c.global_batch % world_size:
@@ -267,4 +296,58 @@ def resolve_config(cfg: TrainConfig, *, unique_params: int, world_size: int) -> 
         c.save_every = max(1, c.steps // 10)
     if c.out is None:
         c.out = f"runs/{c.model}-{c.optimizer}-lr{c.lr:g}-s{c.seed}"
+    return c
+
+
+def model_run_defaults(model: str) -> dict[str, int]:
+    """Default ``global_batch``, ``seq_len`` and ``val_tokens`` of ``model``: the paper's for the paper
+    models (and any other name), :data:`CPU_PRESET_DEFAULTS` for the CPU presets (``*-tiny``)."""
+    return dict(CPU_PRESET_DEFAULTS if model.endswith("-tiny") or "-tiny-" in model else PAPER_RUN_DEFAULTS)
+
+
+def fill_model_defaults(cfg: TrainConfig) -> TrainConfig:
+    """A copy of ``cfg`` with ``global_batch``, ``seq_len`` and ``val_tokens`` filled from
+    :func:`model_run_defaults` where they are ``None``; needs only the model's name."""
+    c = dataclasses.replace(cfg, optimizer_args=dict(cfg.optimizer_args))
+    for key, value in model_run_defaults(c.model).items():
+        if getattr(c, key) is None:
+            setattr(c, key, value)
+    return c
+
+
+def resolve_numerics(cfg: TrainConfig, device: torch.device | str, *, cpu_capability: str | None = None,
+                     cuda_bf16: bool | None = None) -> TrainConfig:
+    """A copy of ``cfg`` whose numerics are concrete for ``device`` (see :mod:`meqmuon.precision`).
+
+    * ``precision``: ``"auto"`` -> ``"bf16"`` or ``"fp32"``;
+    * ``optimizer_args["ns_dtype"]`` of optimizers that have one: set to the dtype Newton-Schulz will
+      use (``"bfloat16"`` or ``"float32"``) when the user did not give one;
+    * ``numerics``: the record of the decision (what was asked, the CPU capability string, whether
+      bf16 is native, TF32), which the harness writes into ``config.json``.
+
+    Writing the concrete values makes a run's ``config.json`` reproduce it on any machine and lets the
+    resume check (``precision`` and ``optimizer_args`` are :data:`IDENTITY_KEYS`) refuse a checkpoint
+    whose "auto" resolved differently. Idempotent. ``cpu_capability``/``cuda_bf16`` inject the report.
+    """
+    from meqmuon import valid_hyperparameters
+
+    c = dataclasses.replace(cfg, optimizer_args=dict(cfg.optimizer_args))
+    dev = torch.device(device)
+    hw = dict(cpu_capability=cpu_capability, cuda_bf16=cuda_bf16)
+    record = dict(c.numerics or {})
+    record.setdefault("requested_precision", c.precision)
+    c.precision = resolve_precision(c.precision, dev, **hw)
+    if "ns_dtype" in valid_hyperparameters(c.optimizer.lower()):
+        asked = c.optimizer_args.get("ns_dtype")
+        record.setdefault("requested_ns_dtype", "auto" if asked is None else str(asked).removeprefix("torch."))
+        ns = resolve_ns_dtype(_dtype(asked) if asked is not None else None, dev, **hw)
+        c.optimizer_args["ns_dtype"] = str(ns).removeprefix("torch.")
+    record.update(
+        device=str(dev),
+        cpu_capability=_precision.detect_cpu_capability() if cpu_capability is None else cpu_capability,
+        precision=c.precision,
+        ns_dtype=c.optimizer_args.get("ns_dtype"),
+        tf32=bool(c.tf32 and dev.type == "cuda"),
+    )
+    c.numerics = record
     return c

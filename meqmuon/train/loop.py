@@ -12,7 +12,12 @@ Schedule: linear warmup over ``warmup_ratio`` of the updates, then cosine decay 
 multiplier scales every param group's own lr (so per-kind lrs keep their ratios).
 
 Numerics: fp32 master weights and optimizer state; forward/backward under ``torch.autocast`` in bf16
-(``precision="bf16"``, also on CPU); logits upcast to fp32 for the loss. Attention is PyTorch SDPA
+(``precision="bf16"``, also on CPU) or in fp32; ``precision="auto"`` (default) picks bf16 where the
+device runs it natively and fp32 elsewhere, and the Muon-family Newton-Schulz dtype follows the same
+rule (:func:`meqmuon.train.config.resolve_numerics`); both are recorded in ``config.json``, the first
+``metrics.jsonl`` record of each session (``kind: "run"``) and ``summary.json``. bf16 forced on a CPU
+without native bf16 prints one warning line. On CUDA, float32 matmuls use TF32 unless ``tf32=False``.
+Logits are upcast to fp32 for the loss. Attention is PyTorch SDPA
 (set in :func:`meqmuon.train.models.build_config`). No dropout.
 
 Distributed: launched by ``torchrun``; when ``WORLD_SIZE > 1`` the process group is initialised from
@@ -54,8 +59,10 @@ from meqmuon.train.config import (
     IDENTITY_KEYS,
     TrainConfig,
     config_to_dict,
+    fill_model_defaults,
     optimizer_kwargs,
     resolve_config,
+    resolve_numerics,
     validate_config,
 )
 from meqmuon.train.evaluate import causal_lm_loss, evaluate
@@ -166,9 +173,38 @@ def _check_resume_config(saved: dict[str, Any], cfg: TrainConfig, path: Path) ->
     mine = config_to_dict(cfg)
     for key in IDENTITY_KEYS:
         if saved.get(key) != mine.get(key):
+            hint = ""
+            if key == "precision" or (key == "optimizer_args" and (saved.get(key) or {}).get("ns_dtype")
+                                      != (mine.get(key) or {}).get("ns_dtype")):
+                # "auto" resolved differently here than where the run started (another kind of CPU/GPU)
+                hint = (f"; 'auto' precision/ns_dtype follow the hardware (here: CPU capability "
+                        f"{(cfg.numerics or {}).get('cpu_capability')}): pass the stored values explicitly, or resume "
+                        "with `meqmuon train --out DIR --resume auto`, which reuses them")
             raise CheckpointError(
                 f"checkpoint {path} does not match this run: it has {key}={saved.get(key)!r}, this run "
-                f"{key}={mine.get(key)!r} (resume with the same settings or choose another --out)")
+                f"{key}={mine.get(key)!r} (resume with the same settings or choose another --out){hint}")
+
+
+def _numerics_record(cfg: TrainConfig) -> dict[str, Any]:
+    """What the numerics of this session resolved to (for metrics.jsonl, summary.json and tables)."""
+    n = cfg.numerics or {}
+    return {"precision": cfg.precision, "ns_dtype": cfg.optimizer_args.get("ns_dtype"),
+            "cpu_capability": n.get("cpu_capability"), "tf32": n.get("tf32")}
+
+
+def _warn_bf16(cfg: TrainConfig, device: torch.device) -> None:
+    """One line on stderr when bf16 was asked for explicitly on a CPU without native bf16."""
+    from meqmuon.precision import bf16_warning
+
+    forced = []
+    if cfg.precision == "bf16":
+        forced.append("bf16 autocast")
+    if cfg.optimizer_args.get("ns_dtype") == "bfloat16":
+        forced.append("bf16 Newton-Schulz")
+    msg = bf16_warning(device, what=" and ".join(forced)) if forced else None
+    if msg:
+        print(f"meqmuon: warning: {msg}; --precision auto or fp32 and the default ns_dtype avoid it",
+              file=sys.stderr)
 
 
 def _selection_counts(opt: torch.optim.Optimizer) -> dict[str, list[int]]:
@@ -194,11 +230,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     cfg = dataclasses.replace(cfg, optimizer_args=dict(cfg.optimizer_args))
     validate_config(cfg)
+    cfg = fill_model_defaults(cfg)
     rank, world, local_rank, own_pg = _init_distributed()
+    matmul_precision = torch.get_float32_matmul_precision()  # process-global: restored on return
     try:
         return _train(cfg, rank, world, local_rank, build_optimizer, optimizer_state_bytes, build_data, build_model,
                       count_unique_params)
     finally:
+        torch.set_float32_matmul_precision(matmul_precision)
         if own_pg and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -220,6 +259,11 @@ def _train(cfg, rank, world, local_rank, build_optimizer, optimizer_state_bytes,
     # ---- data, model, optimizer -------------------------------------------------------------------
     _seed_all(cfg.seed)
     device = _device(cfg, local_rank)
+    cfg = resolve_numerics(cfg, device)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
+    if is_main:
+        _warn_bf16(cfg, device)
     data_kwargs = dict(tokenizer_name=_tokenizer_name(cfg), seq_len=cfg.seq_len, seed=cfg.seed, rank=rank,
                        world_size=world, cache_dir=cfg.cache_dir, val_tokens=cfg.val_tokens,
                        vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction)
@@ -267,10 +311,12 @@ def _train(cfg, rank, world, local_rank, build_optimizer, optimizer_state_bytes,
         elif metrics_path.exists():
             metrics_path.unlink()  # a run that died before its first checkpoint: start the log afresh
     logger = MetricsLogger(run_dir, enabled=is_main, tensorboard=cfg.tensorboard)
+    logger.log({"kind": "run", "step": step, "tokens": tokens_seen, **_numerics_record(cfg)})
     quiet = cfg.quiet or not is_main
     _log(f"[meqmuon] {cfg.model} ({n_params:,} params) | {cfg.optimizer} lr={cfg.lr:g} wd={cfg.weight_decay:g} | "
          f"{cfg.steps} steps x {cfg.global_batch} x {cfg.seq_len} = {cfg.tokens:,} tokens | world {world}, "
-         f"micro-batch {cfg.micro_batch}, accum {accum} | {device} {cfg.precision} | {run_dir}"
+         f"micro-batch {cfg.micro_batch}, accum {accum} | {device} {cfg.precision} "
+         f"(NS {cfg.optimizer_args.get('ns_dtype', '-')}, CPU {cfg.numerics['cpu_capability']}) | {run_dir}"
          + (f" | resumed at step {step}" if step else ""), quiet)
     _log(f"[meqmuon] data: {data.description}", quiet)
 
@@ -416,6 +462,7 @@ def _train(cfg, rank, world, local_rank, build_optimizer, optimizer_state_bytes,
         "wall_time_s": time.perf_counter() - t_start,
         "world_size": world,
         "device": str(device),
+        **_numerics_record(cfg),
         "run_dir": str(run_dir),
     }
     if is_main:
