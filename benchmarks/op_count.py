@@ -12,7 +12,7 @@ H100 launch counts of our step within 10 % (603 against 542 for Muon, 5,604 agai
 MeqMuon, issue 14). The step runs on the ``meta`` device: shapes and dtypes are real (the paper
 model's, from ``benchmarks/shapes.py``), no memory is allocated and nothing is computed, so
 Llama-350M's step is counted in a second on any machine. Counted: the second step (the first also
-creates state and workspaces). ``--depth 3`` repeats every per-layer tensor three times, the
+creates state and workspaces), with bf16 Newton-Schulz as on a bf16 GPU. ``--depth 3`` repeats every per-layer tensor three times, the
 check that the batched step's kernel count does not grow with depth.
 """
 
@@ -68,6 +68,10 @@ def count_step_ops(name: str, shapes: dict[str, list[tuple[int, ...]]], foreach:
             p.grad = torch.empty_like(p)
         if params:
             groups.append({"params": params, "kind": kind})
+    if "ns_dtype" in meqmuon.valid_hyperparameters(name):
+        # What ns_dtype=None resolves to on a bf16-capable GPU (meqmuon.precision); on `meta` it
+        # would resolve to float32 and drop the casts a GPU step makes.
+        hparams.setdefault("ns_dtype", torch.bfloat16)
     opt = meqmuon.build_optimizer(name, groups, lr=1e-3, foreach=foreach, **hparams)
     opt.step()
     with OpCounter() as counter:
