@@ -13,8 +13,8 @@ What is proven and why the tolerances:
   three times as deep costs <= 1.15x the ops. MeqMuon stays within 2x of Muon (issue 14 asks for
   1.5x; 1.90x is what this form reaches, see docs/benchmarks.md).
 - DDP (2 gloo ranks): one ``all_gather_into_tensor`` per split bucket and step, every rank ends
-  with identical parameters and state, equal to one process to fp32 tolerance. FSDP2 (DTensor)
-  parameters keep the per-tensor path; ``foreach=True`` on them is a clear error.
+  with identical parameters and state, equal to one process to fp32 tolerance; FSDP2 row shards
+  with the batched step equal the unsharded per-tensor step to the same tolerance.
 """
 
 from __future__ import annotations
@@ -215,30 +215,24 @@ def test_ddp_batched_step_gathers_once_per_bucket_and_matches_one_process(name, 
         assert results[0]["counts"] == ref_opt.selection_counts()
 
 
-def _fsdp_foreach_worker(rank):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (TD.WORLD,))
-    params = TD._params(TD.FSDP_HIDDEN, TD.FSDP_EMBED, TD.FSDP_HEAD, TD.FSDP_VECTORS)
-    holder = TD._Holder(params)
-    fully_shard(holder, mesh=mesh)
-    sharded = {k: [getattr(holder, f"{k}_{i}") for i in range(len(ps))] for k, ps in params.items()}
-    opt = TD._opt("meqmuon+foreach", TD._groups(sharded))
-    for p in holder.parameters():
-        p.grad = torch.zeros_like(p)
-    try:
-        opt.step()
-        return None
-    except NotImplementedError as e:
-        return str(e)
-
-
-def test_fsdp2_with_foreach_true_is_a_clear_error(tmp_path):
-    """FSDP2 keeps its per-tensor path (foreach=None there is per-tensor, test_distributed.py); forcing
-    the batched step on DTensor parameters raises instead of computing something else."""
-    results = TD._spawn(_fsdp_foreach_worker, tmp_path)
-    assert all("foreach=True with DTensor" in r for r in results)
+def test_fsdp2_batched_step_equals_unsharded(tmp_path):
+    """FSDP2 row shards (odd sizes, an empty shard) with the batched step: every rule equals the
+    unsharded per-tensor step to 1e-5 (partial sums of squares reduced across shards round
+    differently), MeqMuon's row/column choices exactly."""
+    names = ["meqmuon+foreach", "muon+foreach", "normuon+foreach", "scale+foreach"]
+    results = TD._spawn(TD._fsdp_worker, tmp_path, names)
+    init = TD._flat(TD._params(TD.FSDP_HIDDEN, TD.FSDP_EMBED, TD.FSDP_HEAD, TD.FSDP_VECTORS))
+    for name in names:
+        base = name.partition("+")[0]
+        ref_params, ref_opt = TD._single_process(f"{base}+f32", TD.FSDP_HIDDEN, TD.FSDP_EMBED, TD.FSDP_HEAD,
+                                                 TD.FSDP_VECTORS)
+        ref = TD._flat(ref_params)
+        assert max((a - b).abs().max().item() for a, b in zip(ref, init, strict=True)) > 1e-3
+        for r in range(TD.WORLD):
+            for i, (p, q) in enumerate(zip(results[r][name]["params"], ref, strict=True)):
+                assert torch.allclose(p, q, rtol=0, atol=1e-5), (name, r, i, (p - q).abs().max().item())
+        if base == "meqmuon":
+            assert results[0][name]["counts"] == results[1][name]["counts"] == ref_opt.selection_counts()
 
 
 def test_names_cover_every_optimizer():

@@ -392,6 +392,12 @@ class ShardedSplit(_CollectiveSplit):
             stack = self._orthogonalize_bucket([inputs[i] for i in idx], shapes[idx[0]], counts, group)
             yield from zip(idx, stack, strict=True)
 
+    def orthogonalize_stack(self, X, group, shape):
+        """Row shards ``(k, rows, n)`` of ``k`` matrices of global ``shape`` -> owners -> NS -> row
+        shards: the batched path's form of :meth:`orthogonalize` (one all-to-all each way)."""
+        counts = assign_counts([X.shape[0]], [ns_flops(*shape, group["ns_steps"])], self.world_size)[0]
+        return self._orthogonalize_bucket(list(X.unbind(0)), shape, counts, group)
+
     def _orthogonalize_bucket(
         self, local_mats: list[Tensor], shape: tuple[int, int], counts: list[int], group: dict
     ) -> Tensor:

@@ -226,8 +226,7 @@ class RoleOptimizer(Optimizer):
     def _batched(group: dict[str, Any], items: list[Item]) -> bool:
         """``foreach`` as in torch.optim: ``None`` takes the batched path where every parameter is on a
         CUDA device (launch-bound there) and the per-tensor path elsewhere (measured faster on CPU,
-        docs/benchmarks.md); ``True``/``False`` force one. For plain tensors (one process, DDP);
-        DTensor (FSDP2) groups take the per-tensor path, and ``foreach=True`` there is an error."""
+        docs/benchmarks.md); ``True``/``False`` force one. DTensor (FSDP2/HSDP) groups take it too."""
         foreach = group.get("foreach")
         if foreach is None:
             return all(it.param.device.type == "cuda" for it in items)
@@ -283,15 +282,6 @@ class RoleOptimizer(Optimizer):
             split = self._splitter(group, replicated)
             for rule, items in self._group_items(group).items():
                 kind = group.get("kind") or infer_kind(items[0].param)
-                if split is not replicated:  # DTensor (FSDP2/HSDP) parameters
-                    if group.get("foreach"):
-                        raise NotImplementedError(
-                            f"{type(self).__name__}: foreach=True with DTensor (FSDP2/HSDP) parameters is not "
-                            "supported yet (the batched step is built for plain tensors, one process or DDP); "
-                            "use foreach=None or False, which take the per-tensor FSDP2 path"
-                        )
-                    rule.step(items, group, StepContext(self._capture_hook, kind, split, self._compile))
-                    continue
                 if not self._batched(group, items):
                     rule.step(items, group, StepContext(self._capture_hook, kind, split, self._compile))
                     continue
@@ -302,6 +292,8 @@ class RoleOptimizer(Optimizer):
                     )
                 values = sorted({"lr", "weight_decay", *rule.hyperparameters})
                 key = (rule.name, *(repr(group[k]) for k in values))
+                if split is not replicated:  # DTensor groups follow their own mesh: never merged
+                    key += (id(split),)
                 batched.setdefault(key, (rule, group, [], split, kind))[2].extend(items)
         for rule, group, items, split, kind in batched.values():
             ctx = StepContext(self._capture_hook, kind, split, self._compile, self._workspace)
