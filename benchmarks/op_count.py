@@ -12,8 +12,9 @@ H100 launch counts of our step within 10 % (603 against 542 for Muon, 5,604 agai
 MeqMuon, issue 14). The step runs on the ``meta`` device: shapes and dtypes are real (the paper
 model's, from ``benchmarks/shapes.py``), no memory is allocated and nothing is computed, so
 Llama-350M's step is counted in a second on any machine. Counted: the second step (the first also
-creates state and workspaces), with bf16 Newton-Schulz as on a bf16 GPU. ``--depth 3`` repeats every per-layer tensor three times, the
-check that the batched step's kernel count does not grow with depth.
+creates state and workspaces), with bf16 Newton-Schulz as on a bf16 GPU. ``--depth 3`` repeats
+every per-layer tensor three times, the check that the batched step's kernel count does not grow
+with depth.
 """
 
 from __future__ import annotations
