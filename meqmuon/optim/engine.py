@@ -285,11 +285,6 @@ class RoleOptimizer(Optimizer):
                 if not self._batched(group, items):
                     rule.step(items, group, StepContext(self._capture_hook, kind, split, self._compile))
                     continue
-                if self._compile:
-                    raise NotImplementedError(
-                        f"{type(self).__name__}: compile=True with the batched (foreach) step is not built yet; "
-                        "use foreach=False with compile=True, or compile=False"
-                    )
                 values = sorted({"lr", "weight_decay", *rule.hyperparameters})
                 key = (rule.name, *(repr(group[k]) for k in values))
                 if split is not replicated:  # DTensor groups follow their own mesh: never merged

@@ -27,6 +27,9 @@ The maths is the same as the eager rule; only the rounding of the fused expressi
 
 from __future__ import annotations
 
+import functools
+import types
+
 import torch
 from torch import Tensor
 
@@ -97,3 +100,84 @@ def adaptive_update(param: Tensor, u: Tensor, group: dict, scale: float) -> Tens
         _generic.add(key)
     # detach(): see scaled_update (nn.Parameter inputs would get one static graph per shape).
     return fn(param.detach(), u, lr, wd, rho)
+
+
+# ---- the batched step (foreach=True): one graph per shape bucket ----------------------------------
+#
+# Each function below is one MeqMuon rule over one bucket, from momentum to the update, written
+# once with lists of tensors and compiled once per bucket (``bucket_step``). lr, weight decay,
+# momentum and rho enter as 0-D float64 CPU tensors, so a schedule never recompiles; everything
+# static (the bucket's layout, Nesterov, the Newton-Schulz settings) is a Python constant. The
+# maths is the eager batched step's (rules.py); only the statistics are per bucket here (inside
+# one graph the eager step's cross-bucket sharing saves nothing).
+
+
+def _momentum_inputs(grads: list[Tensor], bufs: list[Tensor], mu: Tensor, nesterov: bool) -> list[Tensor]:
+    """``B <- mu B + G`` in place; the direction inputs ``G + mu B`` (Nesterov) or ``B``."""
+    grads = [g.to(b.dtype) for g, b in zip(grads, bufs, strict=True)]
+    torch._foreach_mul_(bufs, mu)
+    torch._foreach_add_(bufs, grads)
+    if not nesterov:
+        return bufs
+    return torch._foreach_add(torch._foreach_mul(bufs, mu), grads)
+
+
+def _apply(params: list[Tensor], directions: list[Tensor], lr: Tensor, wd: Tensor, step: Tensor) -> None:
+    """``W <- (1 - lr wd) W - step D`` for every parameter."""
+    torch._foreach_mul_(params, 1 - lr * wd)
+    torch._foreach_add_(params, torch._foreach_mul([d.reshape(p.shape) for d, p in zip(directions, params,
+                                                                                        strict=True)], -step))
+
+
+def _meq_hidden_bucket(params, grads, bufs, counters, lr, wd, mu, rho, *, plain, nesterov, steps, coefficients,
+                       ns_dtype):
+    inputs = [x.reshape(x.shape[0], -1) for x in _momentum_inputs(grads, bufs, mu, nesterov)]
+    flipped = [x.mT for x in inputs[plain:]]
+    X = torch.stack(inputs[:plain] + flipped).to(ns_dtype)
+    U = F.orthogonalize_stack(X, steps, coefficients, inplace=True)
+    directions, chose = [], []
+    for sub in (U[:plain], U[plain:].mT):  # the transposed members in their own orientation
+        if sub.shape[0]:
+            row, col, c = F.adaptive_scales(sub)
+            directions.extend(F.scale_matrix(sub, row, col).unbind(0))
+            chose.append(c)
+    torch._foreach_add_(counters, torch.cat(chose).to(torch.int64).unbind(0))
+    _apply(params, directions, lr, wd, lr * rho)
+
+
+def _equilibrate_bucket(params, grads, bufs, lr, wd, mu, rho, *, nesterov):
+    inputs = _momentum_inputs(grads, bufs, mu, nesterov)
+    X = torch.stack([x.reshape(x.shape[0], -1) for x in inputs])
+    _apply(params, list(F.equilibrate(X).unbind(0)), lr, wd, lr * rho)
+
+
+def _rms_bucket(params, grads, bufs, lr, wd, mu, rho, *, nesterov):
+    inputs = _momentum_inputs(grads, bufs, mu, nesterov)
+    X = torch.stack(inputs).to(F._stat_dtype(inputs[0]))
+    flat = X.reshape(X.shape[0], -1)
+    rms = torch.linalg.vector_norm(flat, dim=-1) / flat.shape[1] ** 0.5
+    _apply(params, list((flat * F._inverse(rms, F.DELTA).unsqueeze(-1)).unbind(0)), lr, wd, lr * rho)
+
+
+BUCKET_FUNCTIONS = {"meq_hidden": _meq_hidden_bucket, "equilibrate": _equilibrate_bucket, "rms_normalize": _rms_bucket}
+
+#: The torch.compile backend of the bucket graphs (tests may use a cheaper one to count recompiles).
+BACKEND = "inductor"
+_bucket_graphs: dict[tuple, object] = {}
+
+
+def bucket_step(rule: str, key: tuple, *args, **static) -> None:
+    """Run rule ``rule``'s compiled graph for the bucket ``key`` (compiled on first use).
+
+    One graph per bucket: each bucket gets its own copy of the function's code object, so dynamo
+    keeps one cache entry per bucket and a model with many shapes never meets the recompile limit
+    of one function. ``args`` are the bucket's tensor lists and the 0-D hyperparameter tensors.
+    """
+    full = (rule, key, tuple(sorted(static.items())))
+    if full not in _bucket_graphs:
+        fn = BUCKET_FUNCTIONS[rule]
+        code = fn.__code__.replace(co_name=f"{fn.__name__}_{len(_bucket_graphs)}")
+        clone = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+        clone.__kwdefaults__ = fn.__kwdefaults__
+        _bucket_graphs[full] = torch.compile(functools.partial(clone, **static), fullgraph=True, backend=BACKEND)
+    _bucket_graphs[full](*args)

@@ -380,6 +380,9 @@ class _MomentumRule(Rule):
         across DDP ranks with one collective per bucket, and one update for all items."""
         for it in items:
             it.state["step"] += 1
+        if ctx.compile:
+            self._step_compiled(items, group, ctx)
+            return
         _foreach_momentum(items, group)
         if ctx.capture is not None:
             ctx.emit(items, [_direction_input(it, group) for it in items], "momentum_input")
@@ -405,6 +408,29 @@ class _MomentumRule(Rule):
             directions += bucket.unstack(D)
             scales += [self.scale_foreach(bucket, group)] * len(bucket)
         _foreach_update(params, directions, scales, group)
+
+    def _step_compiled(self, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
+        """``compile=True``: each bucket's whole step, momentum to update, as one compiled graph
+        (``fused.bucket_step``); one process only, since a gather cannot sit inside the graph."""
+        if self.name not in fused.BUCKET_FUNCTIONS:
+            raise NotImplementedError(f"compile=True with foreach=True: rule {self.name!r} has no compiled form")
+        if ctx.split.world_size > 1:
+            raise NotImplementedError(
+                "compile=True with foreach=True is one process only (DDP/FSDP2 gather between the directions and "
+                "the update); use foreach=True without compile, or compile=True with foreach=False"
+            )
+        if ctx.capture is not None:
+            raise NotImplementedError("the capture hook needs the eager step: build the optimizer without compile=True")
+        scalars = [fused.scalar(group[k]) for k in ("lr", "weight_decay", "momentum", "rho")]
+        for b in make_buckets(items, matrix=self.needs_matrix, transpose=self.transposes):
+            tensors = [[it.param.detach() for it in b.items], [it.grad for it in b.items],
+                       [local(it.state["momentum_buffer"]) for it in b.items]]
+            static: dict[str, Any] = {"nesterov": group["nesterov"]}
+            if self.name == "meq_hidden":
+                tensors.append([it.state["rows_chosen"] for it in b.items])
+                static.update(plain=b.plain, steps=group["ns_steps"], coefficients=tuple(group["ns_coefficients"]),
+                              ns_dtype=ns_dtype_of(group, b.items[0].param))
+            fused.bucket_step(self.name, b.key, *tensors, *scalars, **static)
 
     def directions_foreach(self, buckets: list[Bucket], ranges: list[tuple[int, int]], group: dict,
                            ctx: StepContext) -> list[Directions]:
