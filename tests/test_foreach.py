@@ -90,6 +90,49 @@ def test_batched_matches_float64_reference(name):
             assert rows == ref.rows_chosen[id(names[pname])], pname
 
 
+def test_changing_rho_is_followed_and_does_not_grow_the_workspace():
+    """MeqMuon folds rho into cached factors; a rho that changes every step must be followed (same
+    result as the per-tensor step) without a new buffer per value."""
+    runs = []
+    for foreach in (False, True):
+        model = make_model(dtype=torch.float32)
+        opt = meqmuon.MeqMuon(meqmuon.param_groups(model), lr=0.02, ns_dtype=torch.float32, foreach=foreach)
+        sizes = []
+        for i, ids in enumerate(batches(4)):
+            for g in opt.param_groups:
+                g["rho"] = 0.2 + 0.05 * i
+            model.zero_grad()
+            loss_fn(model, ids).backward()
+            opt.step()
+            sizes.append(opt.workspace_bytes())
+        runs.append((model, sizes))
+    for p, q in zip(runs[0][0].parameters(), runs[1][0].parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-5 * p.abs().max().item())
+    assert len(set(runs[1][1])) == 1 and runs[1][1][0] > 0
+
+
+def test_non_contiguous_3d_parameter_in_a_bucket():
+    """A strided (6, 5, 4) kernel whose matrix view (6, 20) shares a bucket with a (20, 6) matrix,
+    transposed: updated in place like a contiguous copy of it."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(6, 5, 4, generator=g, dtype=torch.float64)
+    strided = torch.nn.Parameter(base.transpose(1, 2).contiguous().transpose(1, 2))
+    dense = torch.nn.Parameter(base.clone())
+    others = [torch.nn.Parameter(torch.randn(20, 6, generator=g, dtype=torch.float64)) for _ in range(2)]
+    others[1].data.copy_(others[0].data)
+    opts = [meqmuon.MeqMuon([{"params": [other, p], "kind": "hidden"}], lr=0.05, ns_dtype=torch.float64, foreach=True)
+            for p, other in ((strided, others[0]), (dense, others[1]))]
+    for _ in range(3):
+        grad, grad_other = torch.randn(6, 5, 4, generator=g, dtype=torch.float64), torch.randn(20, 6, generator=g,
+                                                                                              dtype=torch.float64)
+        for p, other, opt in ((strided, others[0], opts[0]), (dense, others[1], opts[1])):
+            p.grad, other.grad = grad.clone(), grad_other.clone()
+            opt.step()
+    assert not strided.is_contiguous()
+    assert torch.allclose(strided, dense, rtol=0, atol=1e-12)
+    assert (dense - base).abs().max() > 1e-2
+
+
 def test_transposed_matrices_share_a_bucket_where_the_rule_allows_it():
     """TinyNet's up (36 x 12), down (12 x 36) and the 12 x 12 x 3 conv kernel share one bucket for
     MeqMuon and Muon (transposes allowed); NorMuon's per-row second moment keeps them apart."""

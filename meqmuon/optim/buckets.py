@@ -8,8 +8,8 @@ group by shape for this reason).
 
 A bucket holds the parameters of one rule call with the same (matrix) shape, dtype and device.
 For rules where it stays exact (Newton-Schulz commutes with transposition; MeqMuon's statistics
-are then taken along each member's original rows), a 2-D ``(n, m)`` matrix joins the bucket of
-``(m, n)`` transposed: Llama's ``down_proj`` (d x f) is orthogonalised in one batched call with
+are then taken along each member's original rows), an ``(n, m)`` matrix (a 2-D parameter, or the
+matrix view of a contiguous 3-D+ one) joins the bucket of ``(m, n)`` transposed: Llama's ``down_proj`` (d x f) is orthogonalised in one batched call with
 ``gate_proj`` and ``up_proj`` (f x d). The orientation of a bucket is that of its first member, so
 it depends only on the parameter order (identical on every rank). Members stored as they are come
 first, transposed members after them, so each kind is one contiguous slice of the stack.
@@ -37,7 +37,7 @@ class Bucket:
 
     Attributes:
         items: the members (``rules.Item``); ``items[:plain]`` are stacked as they are,
-            ``items[plain:]`` transposed (2-D parameters only).
+            ``items[plain:]`` transposed.
         shape: the shape of one member in the stack: its (local) matrix view for matrix rules,
             else its own shape.
         global_shape: the same for the full (unsharded) tensor, as the maths sees it.
@@ -99,7 +99,7 @@ def make_buckets(items: Sequence[Any], *, matrix: bool, transpose: bool, by_shap
     Args:
         matrix: stack matrix views ``(shape[0], prod(rest))`` (matrix rules); else the tensors'
             own shapes.
-        transpose: let a 2-D ``(n, m)`` member join an ``(m, n)`` bucket transposed.
+        transpose: let an ``(n, m)`` member (its matrix view) join an ``(m, n)`` bucket transposed.
         by_shape: group by shape at all; ``False`` groups by dtype and device only (for rules
             that never stack, such as AdamW's ``torch._foreach_*`` step).
     """
@@ -112,7 +112,7 @@ def make_buckets(items: Sequence[Any], *, matrix: bool, transpose: bool, by_shap
         if not by_shape:
             found.setdefault(base, []).append(it)
             continue
-        key = (*base, tuple(sorted(gshape)) if transpose and len(it.param.shape) == 2 else gshape)
+        key = (*base, tuple(sorted(gshape)) if transpose else gshape)
         first = orientation.setdefault(key, gshape)
         (found if gshape == first else flipped).setdefault(key, []).append(it)
     buckets = []

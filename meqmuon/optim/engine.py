@@ -299,7 +299,7 @@ class RoleOptimizer(Optimizer):
     def workspace_bytes(self) -> int:
         """Bytes held by the batched step's persistent buffers (at most one stack per shape bucket,
         plus MeqMuon's small statistics buffers); 0 before the first batched step."""
-        return sum(t.numel() * t.element_size() for t in self._workspace.values())
+        return sum(t.numel() * t.element_size() for t in self._workspace.values() if isinstance(t, torch.Tensor))
 
     # ---- introspection -----------------------------------------------------------------------
 

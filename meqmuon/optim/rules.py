@@ -581,10 +581,12 @@ def _meq_scales(ctx: StepContext, buckets: list[Bucket], ranges: list[tuple[int,
     layout = tuple((b.key, lo, hi) for b, (lo, hi) in zip(buckets, ranges, strict=True))
     K, L = sum(hi - lo for lo, hi in ranges), max(max(b.shape) for b in buckets)
     norms, _ = _workspace(ctx, ("meq_norms", layout), (K, 2, L), dtype, device, zero=True)
-    # sqrt(length) of each slot's vectors: RMS = norm / sqrt(length). Filled once per layout and rho.
-    consts, new = _workspace(ctx, ("meq_consts", layout, rho), (3, K, 2, 1), dtype, device)
+    # rho * sqrt(length) of each slot's vectors (RMS = norm / sqrt(length)), the zero thresholds and
+    # the side marker: filled once per layout, and again only when rho changes.
+    consts, _ = _workspace(ctx, ("meq_consts", layout), (3, K, 2, 1), dtype, device)
     factor, threshold, side = consts[0], consts[1], consts[2][:1]
-    if new:
+    if ctx.workspace.get(("meq_rho", layout)) != rho:
+        ctx.workspace[("meq_rho", layout)] = rho
         o = 0
         for b, (lo, hi) in zip(buckets, ranges, strict=True):
             k, m, n = hi - lo, *b.shape
