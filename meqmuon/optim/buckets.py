@@ -11,8 +11,9 @@ For rules where it stays exact (Newton-Schulz commutes with transposition; MeqMu
 are then taken along each member's original rows), an ``(n, m)`` matrix (a 2-D parameter, or the
 matrix view of a 3-D+ one) joins the bucket of ``(m, n)`` transposed: Llama's ``down_proj``
 (d x f) is orthogonalised in one batched call with ``gate_proj`` and ``up_proj`` (f x d). The
-orientation of a bucket is that of its first member, so it depends only on the parameter order (identical on every rank). Members stored as they are come
-first, transposed members after them, so each kind is one contiguous slice of the stack.
+orientation of a bucket is that of its first member, so it depends only on the parameter order
+(identical on every rank). Members stored as they are come first, transposed members after them,
+so each kind is one contiguous slice of the stack.
 """
 
 from __future__ import annotations
