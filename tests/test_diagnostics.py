@@ -323,3 +323,29 @@ def test_ablation_table_bolds_best_and_keeps_order():
     text = ablation_table(rows).splitlines()
     assert text[2].startswith("| Muon |") and "**" not in text[2]
     assert "**29.50**" in text[3] and "7.000" in text[3]
+
+
+def test_ns_dtype_auto_follows_the_run_then_the_hardware(tmp_path, monkeypatch):
+    """`diagnose ... --ns-dtype auto` (default) analyses in the NS dtype the run recorded; without a
+    record, in what ns_dtype=None gives on this CPU (injected both ways); explicit names win."""
+    from meqmuon import precision
+    from meqmuon.diagnostics.cli import _ns_dtype_name
+
+    def name(run, ns_dtype="auto"):
+        return _ns_dtype_name(argparse.Namespace(run=str(run), ns_dtype=ns_dtype))
+
+    for recorded in ("bfloat16", "float32"):
+        run = tmp_path / recorded
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"optimizer_args": {"ns_dtype": recorded}}))
+        for cap in ("AVX2", "AVX512+AVX512_BF16"):
+            monkeypatch.setattr(precision, "detect_cpu_capability", lambda cap=cap: cap)
+            assert name(run) == recorded
+        assert name(run, "float64") == "float64"
+    bare = tmp_path / "old"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps({"optimizer_args": {}}))
+    monkeypatch.setattr(precision, "detect_cpu_capability", lambda: "AVX2")
+    assert name(bare) == "float32" and name(tmp_path / "missing") == "float32"
+    monkeypatch.setattr(precision, "detect_cpu_capability", lambda: "AVX512+AVX512_BF16")
+    assert name(bare) == "bfloat16"

@@ -180,6 +180,22 @@ def test_forced_bf16_on_a_cpu_without_native_bf16_warns_once(cache, tmp_path, mo
     assert "warning" not in capsys.readouterr().err
 
 
+def test_threads_apply_during_the_run_and_are_restored(cache, tmp_path, monkeypatch):
+    before = torch.get_num_threads()
+    seen = []
+    real = loop_mod._train
+
+    def spy(*a, **k):
+        seen.append(torch.get_num_threads())
+        return real(*a, **k)
+
+    monkeypatch.setattr(loop_mod, "_train", spy)
+    train(tiny(cache, tmp_path / "t", steps=1, threads=1))
+    assert seen == [1] and torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads must be a positive number"):
+        train(tiny(cache, tmp_path / "u", steps=1, threads=0))
+
+
 def _final_state(run_dir: Path) -> dict:
     (step, path), *_ = reversed(list_checkpoints(run_dir))
     return load_checkpoint(path)

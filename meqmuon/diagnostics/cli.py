@@ -84,12 +84,30 @@ def cmd_memory(args: argparse.Namespace) -> int:
 # ---- diagnose --------------------------------------------------------------------------------
 
 
+def _ns_dtype_name(args: argparse.Namespace) -> str:
+    """``--ns-dtype auto``: the Newton-Schulz dtype the run itself used (``optimizer_args.ns_dtype`` of
+    its ``config.json``, concrete since issue #16), so the analysis sees what the optimizer computed;
+    for a run that does not record one, what ``ns_dtype=None`` gives on this CPU (bf16 where native,
+    else float32: bf16 is ~170x slower on an AVX2-only CPU). Explicit names are used as given."""
+    if args.ns_dtype != "auto":
+        return args.ns_dtype
+    cfg = Path(args.run) / "config.json"
+    if cfg.is_file():
+        recorded = (json.loads(cfg.read_text()).get("optimizer_args") or {}).get("ns_dtype")
+        if recorded in _DTYPES:
+            return recorded
+    from meqmuon.precision import resolve_ns_dtype
+
+    return str(resolve_ns_dtype(None, "cpu")).removeprefix("torch.")
+
+
 def cmd_imbalance(args: argparse.Namespace) -> int:
     """Tables 1, 8-10 (hidden U = Orth(pre-NS)), Table 3 (embedding/head momentum), Table 4 (before/after)."""
     from .capture import load_captures
     from .imbalance import hidden_cv_table, imbalance_records, momentum_cv_table, normalization_table
 
     caps = load_captures(args.run, args.steps)
+    args.ns_dtype = _ns_dtype_name(args)
     records = imbalance_records(caps, args.layers, ns_steps=args.ns_steps, ns_dtype=_DTYPES[args.ns_dtype])
     if not records:
         print(f"no captured matrix matches layers={args.layers} in {args.run}")
@@ -134,6 +152,7 @@ def cmd_ns_trajectory(args: argparse.Namespace) -> int:
     if not chosen:
         print(f"no hidden matrix of layer {layer} captured at step {step}; captured layers: {layers}")
         return 1
+    args.ns_dtype = _ns_dtype_name(args)
     results = trajectories(chosen, args.max_k, dtype=_DTYPES[args.ns_dtype])
     ks = sorted({k for k in (0, 5, args.max_k) if k <= args.max_k})
     out = _out_dir(args)
@@ -241,7 +260,8 @@ def register(subparsers: Any) -> None:
     q.add_argument("--layers", type=_ints, default=None, help="comma list (default: every captured layer)")
     q.add_argument("--steps", type=_ints, default=None, help="comma list (default: every captured step)")
     q.add_argument("--ns-steps", type=int, default=5)
-    q.add_argument("--ns-dtype", choices=["bfloat16", "float32", "float64"], default="bfloat16")
+    q.add_argument("--ns-dtype", choices=["auto", "bfloat16", "float32", "float64"], default="auto",
+                   help="auto: the run's own NS dtype (config.json), else bf16 where native, float32 elsewhere")
     q.add_argument("--out", default=None, help="output directory (default: the run directory)")
     q.set_defaults(func=cmd_imbalance)
 
@@ -250,7 +270,8 @@ def register(subparsers: Any) -> None:
     t.add_argument("--layer", type=int, default=None, help="default: the lowest captured layer")
     t.add_argument("--step", type=int, default=None, help="default: the first captured step")
     t.add_argument("--max-k", type=int, default=20)
-    t.add_argument("--ns-dtype", choices=["bfloat16", "float32", "float64"], default="bfloat16")
+    t.add_argument("--ns-dtype", choices=["auto", "bfloat16", "float32", "float64"], default="auto",
+                   help="auto: the run's own NS dtype (config.json), else bf16 where native, float32 elsewhere")
     t.add_argument("--out", default=None)
     t.set_defaults(func=cmd_ns_trajectory)
 

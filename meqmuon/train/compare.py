@@ -5,9 +5,12 @@ order (same ``seed`` -> same permutation of packed rows) and the validation set 
 following the modded-nanogpt track-3 rule "fixed data, batch and architecture across optimizers".
 
 Demo defaults (:func:`demo_config`): ``llama-tiny`` on the built-in corpus, 128-token sequences,
-global batch 32, 240 updates (0.98M tokens, ~2 epochs of the ~0.5M-token corpus), evaluation every
-20 updates on the whole held-out split (~30k tokens). Per-optimizer learning rates
-(:data:`DEMO_LRS`) were chosen by a short pre-check on this setting (docs/training.md lists it).
+global batch 32, 100 updates (0.41M tokens, ~0.8 epoch of the ~0.5M-token corpus), evaluation every
+20 updates on the whole held-out split (~30k tokens), precision ``auto`` (bf16 where the CPU runs it
+natively, fp32 elsewhere), one CPU thread. 100 rather than the earlier 240 updates so that the
+four runs finish in well under 10 minutes on 2 cores of an AVX2-only CPU too, shared or not
+(issue #16; docs/training.md has the timings). Per-optimizer learning rates (:data:`DEMO_LRS`) are the best of a pre-check grid at
+exactly this setting (docs/training.md lists it).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ __all__ = [
 
 DEMO_OPTIMIZERS = ["adamw", "muon", "normuon", "meqmuon"]
 
-#: Learning rates of the demo: the best of a pre-check grid (100 updates of the demo setting; AdamW
+#: Learning rates of the demo: the best of a pre-check grid (100 updates, the demo's setting; AdamW
 #: 1e-3/3e-3/1e-2, the others 1e-2/3e-2; docs/training.md has the numbers). SCALE and the ablations
 #: were not pre-checked and use 1e-2.
 DEMO_LRS: dict[str, float] = {
@@ -57,8 +60,11 @@ TABLE_COLUMNS = ["optimizer", "lr", "final val loss", "perplexity", "bits/byte",
 
 def demo_config(**overrides: Any) -> TrainConfig:
     """The base config of ``meqmuon compare`` / ``meqmuon sweep`` (CPU-sized), with overrides."""
-    base = dict(model="llama-tiny", data="builtin", seq_len=128, global_batch=32, micro_batch=None, steps=240,
-                eval_every=20, save_every=80, val_tokens=32768, keep_checkpoints=1)
+    # threads=1: on a CPU shared with other jobs, 2 threads on 2 cores stalled (OpenMP oversubscription:
+    # 760-3,000 tokens/s against ~4,900 at 1 thread; 8,900 against 5,000 when idle), and the demo
+    # must finish in 10 minutes on a shared 2-core machine. `--threads 2` is faster on an idle one.
+    base = dict(model="llama-tiny", data="builtin", seq_len=128, global_batch=32, micro_batch=None, steps=100,
+                eval_every=20, save_every=50, val_tokens=32768, keep_checkpoints=1, threads=1)
     base.update(overrides)
     return TrainConfig(**base)
 
@@ -112,7 +118,7 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = TABLE_
     caps = sorted({str(r["cpu_capability"]) for r in rows if r.get("cpu_capability")})
     head = [f"CPU capability: {', '.join(caps)}", ""] if caps else []
     lines = head + ["| " + " | ".join(columns) + " |",
-             "|" + "|".join("---" if c == "optimizer" else "---:" for c in columns) + "|"]
+             "|" + "|".join("---" if c in ("optimizer", "precision") else "---:" for c in columns) + "|"]
     for r in rows:
         lines.append("| " + " | ".join(_fmt(c, r.get(c)) for c in columns) + " |")
     return "\n".join(lines)

@@ -117,6 +117,7 @@ class TrainConfig:
     tf32: bool = True  # CUDA: TF32 float32 matmuls (torch.set_float32_matmul_precision("high")); no effect on CPU
     device: str = "auto"  # "auto" -> cuda:LOCAL_RANK if available, else cpu
     compile: bool = False
+    threads: int | None = None  # CPU intra-op threads (torch.set_num_threads) during the run; None -> torch's default
     # evaluation, checkpoints, logging
     out: str | None = None  # None -> runs/<model>-<optimizer>-lr<lr>-s<seed>
     eval_every: int | None = None  # None -> about 20 evaluations per run
@@ -235,7 +236,7 @@ def validate_config(cfg: TrainConfig) -> None:
             raise ValueError(f"set {key} with --{key.replace('_', '-')}, not --optimizer-arg")
     _positive("lr", cfg.lr)
     for name in ("tokens", "steps", "seq_len", "global_batch", "micro_batch", "eval_every", "save_every",
-                 "val_tokens", "keep_checkpoints", "stop_at_step"):
+                 "val_tokens", "keep_checkpoints", "stop_at_step", "threads"):
         value = getattr(cfg, name)
         _positive(name, value)
         if value is not None and not isinstance(value, int):

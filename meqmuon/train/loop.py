@@ -233,11 +233,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     cfg = fill_model_defaults(cfg)
     rank, world, local_rank, own_pg = _init_distributed()
     matmul_precision = torch.get_float32_matmul_precision()  # process-global: restored on return
+    threads = torch.get_num_threads()
+    if cfg.threads is not None:
+        # On a CPU shared with other jobs, fewer threads than cores avoids OpenMP's oversubscription
+        # stalls: llama-tiny at 2 threads fell from 8,900 to 760-3,000 tokens/s while another job
+        # used both cores, at 1 thread it kept ~4,900 (2 cores, AVX2, 2026-11-23).
+        torch.set_num_threads(cfg.threads)
     try:
         return _train(cfg, rank, world, local_rank, build_optimizer, optimizer_state_bytes, build_data, build_model,
                       count_unique_params)
     finally:
         torch.set_float32_matmul_precision(matmul_precision)
+        torch.set_num_threads(threads)
         if own_pg and dist.is_initialized():
             dist.destroy_process_group()
 
