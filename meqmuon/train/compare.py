@@ -9,8 +9,8 @@ global batch 32, 100 updates (0.41M tokens, ~0.8 epoch of the ~0.5M-token corpus
 20 updates on the whole held-out split (~30k tokens), precision ``auto`` (bf16 where the CPU runs it
 natively, fp32 elsewhere), one CPU thread. 100 rather than the earlier 240 updates so that the
 four runs finish in well under 10 minutes on 2 cores of an AVX2-only CPU too, shared or not
-(issue #16; docs/training.md has the timings). Per-optimizer learning rates (:data:`DEMO_LRS`) are the best of a pre-check grid at
-exactly this setting (docs/training.md lists it).
+(issue #16; docs/training.md has the timings). Per-optimizer learning rates (:data:`DEMO_LRS`)
+are the best of a pre-check grid at exactly this setting (docs/training.md lists it).
 """
 
 from __future__ import annotations
