@@ -35,7 +35,12 @@ from torch import Tensor
 __all__ = [
     "DELTA",
     "NS_COEFFICIENTS",
+    "NS_SCHEDULES",
     "NS_STEPS",
+    "POLAR_EXPRESS",
+    "POLAR_EXPRESS_SPEEDRUN",
+    "canonical_coefficients",
+    "ns_schedule",
     "orthogonalize",
     "orthogonalize_stack",
     "ns_step",
@@ -43,6 +48,8 @@ __all__ = [
     "col_rms",
     "cv",
     "cv_of_norms",
+    "MUONEQ_MODES",
+    "muoneq_equilibrate",
     "row_col_cv",
     "row_normalize",
     "col_normalize",
@@ -61,6 +68,87 @@ DELTA = 1e-7
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 #: Number of Newton-Schulz iterations K (paper, section 2 and section 4).
 NS_STEPS = 5
+
+#: Polar Express (Amsel, Persson, Musco, Gower, arXiv 2505.16932, Algorithm 1; the authors' code
+#: NoahAmsel/PolarExpress 7f0fb57 ``polar_express/basic.py``): one quintic ``(a, b, c)`` per
+#: iteration, optimal for singular values in [1e-3, 1], before the safety factor. The last entry is
+#: the one later iterations repeat (the authors' rule for more than 8 steps).
+_POLAR_EXPRESS_RAW = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+#: Safety factor of Polar Express (paper section 4.4): every polynomial but the last becomes
+#: ``x -> p(x / 1.01)``, i.e. ``(a / 1.01, b / 1.01^3, c / 1.01^5)``, and the input is divided by
+#: ``1.01 ||X||_F``, so that bf16 rounding cannot push a singular value past the interval.
+POLAR_EXPRESS_SAFETY = 1.01
+#: The schedule ``ns_coefficients="polar_express"`` runs, safety factor applied.
+POLAR_EXPRESS = tuple(
+    (a / POLAR_EXPRESS_SAFETY, b / POLAR_EXPRESS_SAFETY**3, c / POLAR_EXPRESS_SAFETY**5)
+    for a, b, c in _POLAR_EXPRESS_RAW[:-1]
+) + (_POLAR_EXPRESS_RAW[-1],)
+#: The 5-step list of KellerJordan/modded-nanogpt ``train_gpt.py`` (0016a3c) and karpathy/nanochat
+#: ``nanochat/optim.py``: the same method generated for 5 iterations with a 1.02 safety factor folded
+#: into the recursion (their inputs are divided by ``1.02 ||X||_F``). Pass it as an explicit list
+#: (``ns_coefficients=POLAR_EXPRESS_SPEEDRUN``) to compare with those stacks.
+POLAR_EXPRESS_SPEEDRUN = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+#: Named coefficient schedules accepted as ``ns_coefficients``.
+NS_SCHEDULES = ("polar_express",)
+
+Coefficients = tuple[float, float, float] | str | tuple[tuple[float, float, float], ...]
+
+
+def ns_schedule(coefficients: Any, steps: int) -> tuple[tuple[tuple[float, float, float], ...], float]:
+    """The per-iteration coefficients and the input scale of ``steps`` Newton-Schulz iterations.
+
+    ``coefficients`` is one ``(a, b, c)`` (repeated every iteration: Jordan et al.'s quintic, the
+    default), ``"polar_express"`` (:data:`POLAR_EXPRESS`: its first ``steps`` entries, the last
+    repeated beyond 8, and the input divided by ``1.01 ||X||_F``), or an explicit sequence of
+    ``steps`` triples. Returns ``(schedule, scale)``: the input is divided by ``max(scale ||X||_F, eps)``.
+
+    Raises:
+        ValueError: for anything else, naming the valid forms.
+    """
+    valid = (f"valid: three numbers (a, b, c), one of {list(NS_SCHEDULES)}, or a list of {steps} "
+             "(a, b, c) triples (one per ns_steps iteration)")
+    if isinstance(coefficients, str):
+        if coefficients != "polar_express":
+            raise ValueError(f"unknown ns_coefficients {coefficients!r}; {valid}")
+        schedule = POLAR_EXPRESS[:steps] + (POLAR_EXPRESS[-1],) * max(0, steps - len(POLAR_EXPRESS))
+        return schedule, POLAR_EXPRESS_SAFETY
+
+    def triple(t: Any) -> bool:
+        return (isinstance(t, tuple | list) and len(t) == 3
+                and all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in t))
+
+    if triple(coefficients):
+        return (tuple(float(v) for v in coefficients),) * steps, 1.0
+    if isinstance(coefficients, tuple | list) and coefficients and all(triple(t) for t in coefficients):
+        if len(coefficients) != steps:
+            raise ValueError(f"ns_coefficients has {len(coefficients)} (a, b, c) triples for ns_steps={steps}; {valid}")
+        return tuple(tuple(float(v) for v in t) for t in coefficients), 1.0
+    raise ValueError(f"invalid ns_coefficients {coefficients!r}; {valid}")
+
+
+def canonical_coefficients(coefficients: Any) -> Coefficients:
+    """``ns_coefficients`` as stored in a param group: a name, one triple, or a tuple of triples
+    (lists become tuples, so that groups compare and hash the same whatever the caller passed)."""
+    if isinstance(coefficients, str):
+        return coefficients
+    if isinstance(coefficients, tuple | list) and coefficients and isinstance(coefficients[0], tuple | list):
+        return tuple(tuple(t) for t in coefficients)
+    return tuple(coefficients)
 #: Sums partial statistics over all row shards of a matrix (an all-reduce); ``None``: unsharded.
 PSum = Callable[[Tensor], Tensor] | None
 
@@ -89,7 +177,7 @@ def as_matrix(x: Tensor) -> Tensor:
 def orthogonalize(
     x: Tensor,
     steps: int = NS_STEPS,
-    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    coefficients: Coefficients = NS_COEFFICIENTS,
     dtype: torch.dtype | None = torch.bfloat16,
     eps: float = NS_EPS,
     workspace: dict | None = None,
@@ -110,7 +198,8 @@ def orthogonalize(
     Args:
         x: matrix ``(m, n)`` or batch ``(..., m, n)``.
         steps: number of iterations ``K`` (>= 1).
-        coefficients: ``(a, b, c)``.
+        coefficients: ``(a, b, c)`` for every iteration, ``"polar_express"``, or one triple per
+            iteration (see :func:`ns_schedule`).
         dtype: compute dtype of the iteration; ``None`` keeps ``x.dtype``. bf16 is the default of
             torch.optim.Muon and Moonlight; use float32/float64 for reference computations.
         eps: lower bound on the Frobenius norm (a zero input returns zero).
@@ -137,10 +226,11 @@ def orthogonalize(
             f"orthogonalize: out must be a contiguous {tuple(x.shape)} tensor of dtype {dtype}, "
             f"got {tuple(out.shape)} {out.dtype} (contiguous={out.is_contiguous()})"
         )
+    schedule = ns_schedule(coefficients, steps)
     if x.ndim == 2:
-        return _orthogonalize_matrix(x, steps, coefficients, dtype, eps, workspace, out)
+        return _orthogonalize_matrix(x, schedule, dtype, eps, workspace, out)
     if batched:
-        return _orthogonalize_stack(x, steps, coefficients, dtype, eps, out)
+        return _orthogonalize_stack(x, schedule, dtype, eps, out)
     # One matrix at a time with fused addmm, exactly torch.optim.Muon's iteration. Measured on the
     # Llama-60M shapes (2 CPU cores, bf16): 602 ms per step against 1098 ms for one batched call
     # with separate elementwise ops and 841 ms with baddbmm (docs/benchmarks.md). It also makes each
@@ -151,14 +241,13 @@ def orthogonalize(
         out = torch.empty(x.shape, dtype=dtype, device=x.device)
     flat_out = out.view(flat.shape)
     for i in range(flat.shape[0]):
-        _orthogonalize_matrix(flat[i], steps, coefficients, dtype, eps, workspace, flat_out[i])
+        _orthogonalize_matrix(flat[i], schedule, dtype, eps, workspace, flat_out[i])
     return out
 
 
 def _orthogonalize_matrix(
     x: Tensor,
-    steps: int,
-    coefficients: tuple[float, float, float],
+    schedule: tuple[tuple[tuple[float, float, float], ...], float],
     dtype: torch.dtype,
     eps: float,
     workspace: dict | None = None,
@@ -175,23 +264,26 @@ def _orthogonalize_matrix(
     k = min(m, n)
     ws = _buffers(workspace, (m, n, k, dtype, x.device))
     X = ws["X"].copy_(x)  # the input in the compute dtype, contiguous
-    X.div_(torch.linalg.vector_norm(X).clamp(min=eps))
+    coefficients, scale = schedule
+    norm = torch.linalg.vector_norm(X)
+    X.div_((norm if scale == 1.0 else norm * scale).clamp(min=eps))
     if result is None:
         result = torch.empty((m, n), dtype=dtype, device=x.device)
-    for i in range(steps):
+    steps = len(coefficients)
+    for i, abc in enumerate(coefficients):
         out = result if i == steps - 1 else ws["Y"][i % 2]
-        ns_step(X, coefficients, out=out, scratch=(ws["A"], ws["B"]))
+        ns_step(X, abc, out=out, scratch=(ws["A"], ws["B"]))
         X = out
     return result
 
 
 def _orthogonalize_stack(
-    x: Tensor, steps: int, coefficients: tuple[float, float, float], dtype: torch.dtype, eps: float,
+    x: Tensor, schedule: tuple[tuple[tuple[float, float, float], ...], float], dtype: torch.dtype, eps: float,
     out: Tensor | None = None,
 ) -> Tensor:
     """:func:`orthogonalize` of a batch ``(..., m, n)`` as one stack (see :func:`orthogonalize_stack`)."""
     m, n = x.shape[-2:]
-    X = orthogonalize_stack(x.reshape(-1, m, n).to(dtype, copy=True), steps, coefficients, eps, inplace=True)
+    X = _iterate_stack(x.reshape(-1, m, n).to(dtype, copy=True), schedule, eps)
     if out is None:
         return X.reshape(x.shape)
     return out.copy_(X.reshape(x.shape))
@@ -200,7 +292,7 @@ def _orthogonalize_stack(
 def orthogonalize_stack(
     x: Tensor,
     steps: int = NS_STEPS,
-    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    coefficients: Coefficients = NS_COEFFICIENTS,
     eps: float = NS_EPS,
     inplace: bool = False,
 ) -> Tensor:
@@ -213,11 +305,16 @@ def orthogonalize_stack(
     """
     if x.ndim != 3 or steps < 1:
         raise ValueError(f"orthogonalize_stack needs a (K, m, n) stack and steps >= 1, got {tuple(x.shape)}, {steps}")
-    a, b, c = coefficients
-    X = x if inplace else x.clone()
-    X.div_(torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp_(min=eps))
+    return _iterate_stack(x if inplace else x.clone(), ns_schedule(coefficients, steps), eps)
+
+
+def _iterate_stack(X: Tensor, schedule: tuple[tuple[tuple[float, float, float], ...], float], eps: float) -> Tensor:
+    """The stack iteration of :func:`orthogonalize_stack`, normalising ``X`` in place first."""
+    coefficients, scale = schedule
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+    X.div_((norm if scale == 1.0 else norm.mul_(scale)).clamp_(min=eps))
     tall = X.shape[-2] > X.shape[-1]
-    for _ in range(steps):
+    for a, b, c in coefficients:
         A = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
@@ -349,6 +446,39 @@ def cv(v: Tensor, delta: float = DELTA, psum: PSum = None) -> Tensor:
         sq = psum(sq)
     var = sq / safe_count
     return torch.where(count > 0, var.sqrt() / mean.clamp(min=delta), 0.0)
+
+
+#: MuonEq's equilibration modes (arXiv 2603.28254; MaeChd/muon-eq 99b6c8b, ``muoneq.py``): rows,
+#: columns, or both.
+MUONEQ_MODES = ("R", "C", "RC")
+#: MuonEq adds this to the squared row/column norms before the power -1/2 (``rowcol_eps``).
+MUONEQ_EPS = 1e-8
+
+
+def muoneq_equilibrate(x: Tensor, mode: str, psum: PSum = None) -> Tensor:
+    r"""MuonEq's pre-Newton-Schulz equilibration of the direction input (a new tensor, >= float32).
+
+    With row and column squared norms ``s_i = \sum_j X_ij^2``, ``t_j = \sum_i X_ij^2`` of the same
+    input (MaeChd/muon-eq 99b6c8b ``muoneq.py``, exponent -1/2, ``rowcol_eps = 1e-8``, no clipping):
+
+    - ``"R"``:  ``X_ij (s_i + eps)^{-1/2}``  (every row to unit L2 norm)
+    - ``"C"``:  ``X_ij (t_j + eps)^{-1/2}``
+    - ``"RC"``: ``X_ij (s_i + eps)^{-1/2} (t_j + eps)^{-1/2}``: one two-sided scaling, both from the
+      original ``X`` (not sequential, not Sinkhorn).
+
+    Batched over leading dimensions. With ``psum`` (rows sharded), column sums are summed over shards.
+    """
+    if mode not in MUONEQ_MODES:
+        raise ValueError(f"unknown MuonEq mode {mode!r}; valid modes: {', '.join(MUONEQ_MODES)}")
+    x = x.to(_stat_dtype(x))
+    sq = x.square()
+    out = x
+    if mode in ("R", "RC"):
+        out = out * (sq.sum(dim=-1, keepdim=True) + MUONEQ_EPS).rsqrt()
+    if mode in ("C", "RC"):
+        t = sq.sum(dim=-2, keepdim=True)
+        out = out * ((t if psum is None else psum(t)) + MUONEQ_EPS).rsqrt()
+    return out
 
 
 def cv_of_norms(norms: Tensor, threshold: Tensor | float) -> Tensor:

@@ -4,7 +4,7 @@ from .engine import RoleOptimizer
 from .factory import OPTIMIZERS, build_optimizer, rules_of, valid_hyperparameters
 from .groups import KINDS, describe_groups, param_groups
 from .memory import optimizer_state_bytes, predicted_state_elements
-from .presets import MeqMuon, Muon, MuonOnlyEmbedding, MuonOnlyHidden, MuonOnlyVector, NorMuon, Scale
+from .presets import MeqMuon, Muon, MuonEq, MuonOnlyEmbedding, MuonOnlyHidden, MuonOnlyVector, NorMuon, Scale
 
 __all__ = [
     "KINDS",
@@ -14,6 +14,7 @@ __all__ = [
     "MuonOnlyEmbedding",
     "MuonOnlyHidden",
     "MuonOnlyVector",
+    "MuonEq",
     "NorMuon",
     "RoleOptimizer",
     "Scale",

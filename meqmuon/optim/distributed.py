@@ -193,7 +193,7 @@ def ns_dtype_of(group: dict, x: Tensor) -> torch.dtype:
 
 
 def _ns(x: Tensor, group: dict, workspace: dict | None = None, out: Tensor | None = None) -> Tensor:
-    steps, coefficients, dtype = group["ns_steps"], tuple(group["ns_coefficients"]), ns_dtype_of(group, x)
+    steps, coefficients, dtype = group["ns_steps"], group["ns_coefficients"], ns_dtype_of(group, x)
     batched = x.ndim > 2 and batched_ns(x.device)
     return F.orthogonalize(x, steps, coefficients, dtype, workspace=workspace, out=out, batched=batched)
 
@@ -244,7 +244,7 @@ class LocalSplit:
     def orthogonalize_stack(self, X: Tensor, group: dict, shape: tuple[int, int]) -> Tensor:
         """Newton-Schulz of a stack ``(k, m, n)`` of matrices of global ``shape`` (this rank's slice
         of a bucket, in the NS dtype), in one batched call; ``X`` is scratch and is consumed."""
-        return F.orthogonalize_stack(X, group["ns_steps"], tuple(group["ns_coefficients"]), inplace=True)
+        return F.orthogonalize_stack(X, group["ns_steps"], group["ns_coefficients"], inplace=True)
 
     def orthogonalize(
         self, input_of: Callable[[int], Tensor], shapes: Sequence[tuple[int, int]], group: dict

@@ -61,9 +61,11 @@ def validate_group(group: Mapping[str, Any], keys: Iterable[str]) -> None:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Invalid ns_steps: {v!r} (expected an integer >= 1)")
         elif key == "ns_coefficients":
-            v = group[key]
-            if not (isinstance(v, tuple | list) and len(v) == 3 and all(isinstance(c, int | float) for c in v)):
-                raise ValueError(f"Invalid ns_coefficients: {v!r} (expected three numbers (a, b, c))")
+            from ..functional import ns_schedule  # raises ValueError naming the valid forms
+
+            steps = group.get("ns_steps", 1)
+            if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1:  # else ns_steps raises
+                ns_schedule(group[key], steps)
         elif key == "ns_dtype":
             v = group[key]
             if v is not None and not (isinstance(v, torch.dtype) and v.is_floating_point):
@@ -74,6 +76,17 @@ def validate_group(group: Mapping[str, Any], keys: Iterable[str]) -> None:
                 raise ValueError(f"Invalid betas: {v!r} (expected a pair (beta1, beta2))")
             for i, b in enumerate(v):
                 _check_number({f"betas[{i}]": b}, f"betas[{i}]", low=0.0, high=1.0)
+        elif key == "eq_mode":
+            from ..functional import MUONEQ_MODES
+
+            if group[key] not in MUONEQ_MODES:
+                raise ValueError(f"Invalid MuonEq mode: {group[key]!r} (valid modes: {', '.join(MUONEQ_MODES)})")
+        elif key == "eq_phase":
+            v = group[key]
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"Invalid phase: {v!r} (expected None or an integer step >= 1)")
+            if v is not None and group.get("eq_mode") != "RC":
+                raise ValueError(f"phase={v} switches RC to R; it needs mode RC, got {group.get('eq_mode')!r}")
         elif key == "foreach":
             v = group[key]
             if v is not None and not isinstance(v, bool):

@@ -15,6 +15,9 @@ from .presets import (
     WEIGHT_DECAY,
     MeqMuon,
     Muon,
+    MuonEqC,
+    MuonEqR,
+    MuonEqRC,
     MuonOnlyEmbedding,
     MuonOnlyHidden,
     MuonOnlyVector,
@@ -33,6 +36,9 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "meqmuon-only-hidden": MuonOnlyHidden,
     "meqmuon-only-embedding": MuonOnlyEmbedding,
     "meqmuon-only-vector": MuonOnlyVector,
+    "muoneq-r": MuonEqR,
+    "muoneq-c": MuonEqC,
+    "muoneq-rc": MuonEqRC,
 }
 
 # Rule tables for memory prediction; AdamW keeps two moments for every tensor.
@@ -54,8 +60,16 @@ def _lookup(name: str) -> type[torch.optim.Optimizer]:
 
 def valid_hyperparameters(name: str) -> list[str]:
     """Keyword arguments accepted by optimizer ``name`` (besides the parameters)."""
-    sig = inspect.signature(_lookup(name).__init__)
-    return [p for p in sig.parameters if p not in ("self", "params")]
+    names: list[str] = []
+    for klass in _lookup(name).__mro__:  # a subclass that forwards **kwargs takes its parent's too
+        if "__init__" not in vars(klass):
+            continue
+        params = inspect.signature(klass.__init__).parameters.values()
+        names += [p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+                  and p.name not in ("self", "params") and p.name not in names]
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    return names
 
 
 def build_optimizer(name: str, model_or_groups: nn.Module | Iterable[Any], **hparams: Any) -> torch.optim.Optimizer:
@@ -63,7 +77,7 @@ def build_optimizer(name: str, model_or_groups: nn.Module | Iterable[Any], **hpa
 
     Args:
         name: one of ``adamw, muon, normuon, scale, meqmuon, meqmuon-only-hidden,
-            meqmuon-only-embedding, meqmuon-only-vector``.
+            meqmuon-only-embedding, meqmuon-only-vector, muoneq-r, muoneq-c, muoneq-rc``.
         model_or_groups: an ``nn.Module`` or param groups.
         **hparams: keyword arguments of the optimizer class; unknown ones are an error.
     """

@@ -9,17 +9,18 @@
 | MuonOnlyHidden       | meq_hidden        | adamw            | adamw            | adamw         |
 | MuonOnlyEmbedding    | moonlight_hidden  | equilibrate      | equilibrate      | adamw         |
 | MuonOnlyVector       | moonlight_hidden  | adamw            | adamw            | rms_normalize |
+| MuonEq (R, C, RC)    | muoneq_hidden     | adamw            | adamw            | adamw         |
 
 The three ablations are the paper's Table 7: each starts from Muon and changes one kind.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from ..functional import NS_COEFFICIENTS, NS_STEPS
+from ..functional import NS_COEFFICIENTS, NS_STEPS, Coefficients, canonical_coefficients
 from .engine import RoleOptimizer
 
 # Defaults shared by the paper's runs (section 4): Nesterov momentum 0.95, 5 NS steps with
@@ -62,7 +63,11 @@ class MeqMuon(RoleOptimizer):
         momentum: ``mu`` in [0, 1).
         nesterov: use ``G_t + mu B_t`` as the direction input.
         rho: RMS alignment coefficient (target update RMS ``rho * lr``).
-        ns_steps, ns_coefficients, ns_dtype: Newton-Schulz iterations, ``(a, b, c)`` and compute dtype.
+        ns_steps, ns_coefficients, ns_dtype: Newton-Schulz iterations, coefficients and compute dtype.
+            ``ns_coefficients``: one ``(a, b, c)`` for every iteration (default: Jordan et al.'s
+            quintic), ``"polar_express"`` (Amsel et al. 2025, Algorithm 1: per-iteration
+            coefficients with a 1.01 safety factor, input divided by ``1.01 ||X||_F``; see
+            :data:`meqmuon.functional.POLAR_EXPRESS`), or a list of ``ns_steps`` triples.
             ``ns_dtype=None`` (default) picks per device at step time: bf16 where the hardware runs it
             natively (CUDA with bf16, CPUs with AVX512-BF16/AMX), float32 elsewhere, since bf16 is
             ~170x slower than float32 on an AVX2-only CPU (:func:`meqmuon.precision.resolve_ns_dtype`).
@@ -92,7 +97,7 @@ class MeqMuon(RoleOptimizer):
         nesterov: bool = True,
         rho: float = RHO,
         ns_steps: int = NS_STEPS,
-        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        ns_coefficients: Coefficients = NS_COEFFICIENTS,
         ns_dtype: torch.dtype | None = None,
         state_dtype: torch.dtype | None = None,
         foreach: bool | None = None,
@@ -106,7 +111,7 @@ class MeqMuon(RoleOptimizer):
             nesterov=nesterov,
             rho=rho,
             ns_steps=ns_steps,
-            ns_coefficients=tuple(ns_coefficients),
+            ns_coefficients=canonical_coefficients(ns_coefficients),
             ns_dtype=ns_dtype,
             state_dtype=state_dtype,
             foreach=foreach,
@@ -143,7 +148,7 @@ class Muon(RoleOptimizer):
         nesterov: bool = True,
         rho: float = RHO,
         ns_steps: int = NS_STEPS,
-        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        ns_coefficients: Coefficients = NS_COEFFICIENTS,
         ns_dtype: torch.dtype | None = None,
         betas: tuple[float, float] = ADAMW_BETAS,
         eps: float = ADAMW_EPS,
@@ -158,7 +163,7 @@ class Muon(RoleOptimizer):
             nesterov=nesterov,
             rho=rho,
             ns_steps=ns_steps,
-            ns_coefficients=tuple(ns_coefficients),
+            ns_coefficients=canonical_coefficients(ns_coefficients),
             ns_dtype=ns_dtype,
             betas=tuple(betas),
             eps=eps,
@@ -191,7 +196,7 @@ class NorMuon(RoleOptimizer):
         rho: float = RHO,
         beta2: float = 0.95,
         ns_steps: int = NS_STEPS,
-        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        ns_coefficients: Coefficients = NS_COEFFICIENTS,
         ns_dtype: torch.dtype | None = None,
         betas: tuple[float, float] = ADAMW_BETAS,
         eps: float = ADAMW_EPS,
@@ -207,7 +212,7 @@ class NorMuon(RoleOptimizer):
             rho=rho,
             beta2=beta2,
             ns_steps=ns_steps,
-            ns_coefficients=tuple(ns_coefficients),
+            ns_coefficients=canonical_coefficients(ns_coefficients),
             ns_dtype=ns_dtype,
             betas=tuple(betas),
             eps=eps,
@@ -283,3 +288,59 @@ class MuonOnlyVector(Muon):
     normalisation of their momentum instead of AdamW."""
 
     RULES = {"hidden": "moonlight_hidden", "embedding": "adamw", "head": "adamw", "vector": "rms_normalize"}
+
+
+class MuonEq(Muon):
+    r"""MuonEq (arXiv 2603.28254; official code MaeChd/muon-eq 99b6c8b,
+    ``llm-opt-baseline-npu/llama2_pretrain/optimizers/muon_variants/muoneq.py``): :class:`Muon`
+    whose hidden-matrix direction input is equilibrated *before* Newton-Schulz.
+
+    ``B <- mu B + G``; ``U = G + mu B`` (Nesterov); ``U <- E(U)`` with ``mode``:
+
+    - ``"R"``: each row divided by ``sqrt(||U_i,:||^2 + 1e-8)`` (the paper's default; the form
+      karpathy/nanochat's fused Muon step uses),
+    - ``"C"``: each column likewise,
+    - ``"RC"``: both, from the same ``U`` (``U_ij / (||U_i,:|| ||U_:,j||)``, up to the eps);
+
+    then ``W <- (1 - lr wd) W - lr rho sqrt(max(m, n)) Orth(U)``, and AdamW (betas (0.9, 0.95), as
+    upstream's training scripts pass) for embeddings, heads and 1-D parameters: exactly
+    :class:`Muon` but for ``E``. MuonEq equilibrates before orthogonalisation; MeqMuon normalises
+    after it (and replaces AdamW). ``phase`` (mode RC only): from step ``phase`` on, R instead of
+    RC, as upstream's phase switch (its counter starts at 1, so RC runs ``phase - 1`` steps).
+    """
+
+    RULES = {"hidden": "muoneq_hidden", "embedding": "adamw", "head": "adamw", "vector": "adamw"}
+    #: The mode of the named presets (``muoneq-r`` ...); ``None``: the ``mode`` argument decides.
+    MODE: ClassVar[str | None] = None
+
+    def __init__(self, params: Any, lr: float = 1e-3, mode: str | None = None, phase: int | None = None,
+                 **kwargs: Any) -> None:
+        if self.MODE is not None and mode is not None and mode != self.MODE:
+            raise ValueError(f"{type(self).__name__} is MuonEq mode {self.MODE}; got mode={mode!r} "
+                             "(use MuonEq(mode=...) or the muoneq-r / muoneq-c / muoneq-rc names)")
+        self._eq = {"eq_mode": mode or self.MODE or "R", "eq_phase": phase}
+        super().__init__(params, lr=lr, **kwargs)
+        self.defaults.update(self._eq)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        for key, value in getattr(self, "_eq", {}).items():
+            param_group.setdefault(key, value)
+        super().add_param_group(param_group)
+
+
+class MuonEqR(MuonEq):
+    """``muoneq-r``: :class:`MuonEq` with row equilibration."""
+
+    MODE = "R"
+
+
+class MuonEqC(MuonEq):
+    """``muoneq-c``: :class:`MuonEq` with column equilibration."""
+
+    MODE = "C"
+
+
+class MuonEqRC(MuonEq):
+    """``muoneq-rc``: :class:`MuonEq` with two-sided equilibration (and the optional ``phase`` switch to R)."""
+
+    MODE = "RC"

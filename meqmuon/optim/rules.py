@@ -428,7 +428,7 @@ class _MomentumRule(Rule):
             static: dict[str, Any] = {"nesterov": group["nesterov"]}
             if self.name == "meq_hidden":
                 tensors.append([it.state["rows_chosen"] for it in b.items])
-                static.update(plain=b.plain, steps=group["ns_steps"], coefficients=tuple(group["ns_coefficients"]),
+                static.update(plain=b.plain, steps=group["ns_steps"], coefficients=group["ns_coefficients"],
                               ns_dtype=ns_dtype_of(group, b.items[0].param))
             fused.bucket_step(self.name, b.key, *tensors, *scalars, **static)
 
@@ -467,28 +467,42 @@ class _HiddenRule(_MomentumRule):
         """``(i, Orth(X_i))`` for every item, one at a time; ``X_i`` is made just before its NS."""
         shapes = [_matrix_shape(it.shape) for it in items]
         if ctx.split.sharded:  # ShardedSplit gathers all inputs before its all-to-all: no sharing
-            return ctx.split.orthogonalize(lambda i: _direction_input(items[i], group), shapes, group)
+            return ctx.split.orthogonalize(
+                lambda i: self.pre_ns(F.as_matrix(_direction_input(items[i], group)), [items[i]], group, ctx),
+                shapes, group,
+            )
         # Otherwise each input is consumed (copied into the NS buffer) before the next is made, so
         # same-shape inputs can share one buffer: fresh temporaries are page faults on CPU.
         scratch: dict[tuple, Tensor] = {}
 
         def input_of(i: int) -> Tensor:
             b = local(items[i].state["momentum_buffer"])
-            return _direction_input(items[i], group, out=_buffer(scratch, "nesterov", b.shape, b.dtype, b.device))
+            x = _direction_input(items[i], group, out=_buffer(scratch, "nesterov", b.shape, b.dtype, b.device))
+            return self.pre_ns(F.as_matrix(x), [items[i]], group, ctx)
 
         return ctx.split.orthogonalize(input_of, shapes, group)
+
+    def pre_ns(self, x: Tensor, items: Sequence[Item], group: dict, ctx: StepContext) -> Tensor:
+        """A transform of the Newton-Schulz input (a matrix, or a stack of ``items``' inputs); here
+        none. Must not write into ``x`` (without Nesterov it is the momentum buffer itself)."""
+        return x
 
     def orthogonalized_stacks(self, buckets: list[Bucket], ranges: list[tuple[int, int]], group: dict,
                               ctx: StepContext) -> list[Tensor]:
         """Batched form of :meth:`orthogonalized`: per bucket, ``Orth`` of the stacked inputs of
-        members ``lo..hi``, one batched Newton-Schulz call each (the inputs are made in the NS dtype)."""
-        return [
-            ctx.split.orthogonalize_stack(
-                _stack_inputs(ctx, self.name, b, lo, hi, group, ns_dtype_of(group, b.items[0].param)), group,
-                b.global_shape,
-            )
-            for b, (lo, hi) in zip(buckets, ranges, strict=True)
-        ]
+        members ``lo..hi``, one batched Newton-Schulz call each (the inputs are made in the NS dtype,
+        or first in float32 where :meth:`pre_ns` transforms them)."""
+        out = []
+        for b, (lo, hi) in zip(buckets, ranges, strict=True):
+            p = b.items[0].param
+            dtype = ns_dtype_of(group, p)
+            if type(self).pre_ns is _HiddenRule.pre_ns:
+                X = _stack_inputs(ctx, self.name, b, lo, hi, group, dtype)
+            else:
+                X = self.pre_ns(_stack_inputs(ctx, self.name, b, lo, hi, group, F._stat_dtype(p)), b.items[lo:hi],
+                                group, ctx).to(dtype)
+            out.append(ctx.split.orthogonalize_stack(X, group, b.global_shape))
+        return out
 
 
 class MeqHidden(_HiddenRule):
@@ -639,6 +653,35 @@ class MoonlightHidden(_HiddenRule):
 
     def scale_foreach(self, bucket, group):
         return group["rho"] * _shape_scale(bucket.global_shape)
+
+
+class MuonEqHidden(MoonlightHidden):
+    """MuonEq for hidden matrices (arXiv 2603.28254; MaeChd/muon-eq 99b6c8b ``muoneq.py``): Moonlight's
+    Muon with the direction input equilibrated before Newton-Schulz,
+    ``O = Orth(E(G + mu B))`` with ``E`` = :func:`functional.muoneq_equilibrate` in mode ``eq_mode``;
+    in mode RC with ``eq_phase = P``, steps ``P, P+1, ...`` use R (upstream's phase switch: RC for
+    the first ``P - 1`` steps). Everything else is :class:`MoonlightHidden`, so the only difference
+    from ``muon`` is ``E``. Buckets never transpose: R on a transposed member would be C."""
+
+    name = "muoneq_hidden"
+    hyperparameters = MoonlightHidden.hyperparameters + ("eq_mode", "eq_phase")
+    transposes = False
+
+    @staticmethod
+    def mode_at(group: dict, step: int) -> str:
+        mode, phase = group["eq_mode"], group["eq_phase"]
+        return "R" if mode == "RC" and phase is not None and step >= phase else mode
+
+    def pre_ns(self, x, items, group, ctx):
+        modes = {self.mode_at(group, it.state["step"]) for it in items}
+        if len(modes) == 1:
+            return F.muoneq_equilibrate(x, modes.pop(), ctx.split.psum)
+        # Members past and before the phase switch in one stack (parameters that skipped steps):
+        # R, or R and C, per member from the same input.
+        rows = F.muoneq_equilibrate(x, "R", ctx.split.psum)
+        both = F.muoneq_equilibrate(x, "RC", ctx.split.psum)
+        use_rows = [self.mode_at(group, it.state["step"]) == "R" for it in items]
+        return torch.stack([r if u else b for r, b, u in zip(rows, both, use_rows, strict=True)])
 
 
 class NorMuonHidden(_HiddenRule):
@@ -1040,6 +1083,7 @@ RULES: dict[str, Rule] = {
     for r in (
         MeqHidden(),
         MoonlightHidden(),
+        MuonEqHidden(),
         NorMuonHidden(),
         Equilibrate(),
         RmsNormalize(),

@@ -203,10 +203,10 @@ def _dtype(value: Any) -> Any:
 def optimizer_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     """Keyword arguments for :func:`meqmuon.build_optimizer` (lr, weight decay, passthrough args)."""
     extra = {k: (_dtype(v) if k.endswith("dtype") and v is not None else v) for k, v in cfg.optimizer_args.items()}
-    if "betas" in extra or "ns_coefficients" in extra:
-        for key in ("betas", "ns_coefficients"):
-            if key in extra:
-                extra[key] = tuple(extra[key])
+    if isinstance(extra.get("betas"), list):
+        extra["betas"] = tuple(extra["betas"])
+    if isinstance(extra.get("ns_coefficients"), list):  # a name such as "polar_express" stays a string
+        extra["ns_coefficients"] = tuple(tuple(t) if isinstance(t, list) else t for t in extra["ns_coefficients"])
     return {"lr": cfg.lr, "weight_decay": cfg.weight_decay, **extra}
 
 
