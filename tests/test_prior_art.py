@@ -73,7 +73,8 @@ def test_polar_express_lands_closer_to_one_than_the_quintic():
 def test_polar_express_beyond_its_list_repeats_the_last_entry():
     sched, scale = meqmuon.functional.ns_schedule("polar_express", 10)
     assert scale == 1.01 and len(sched) == 10 and sched[7:] == (PE_RAW[-1],) * 3
-    assert all(math.isclose(x, y, rel_tol=1e-15) for s, p in zip(sched, PE, strict=False) for x, y in zip(s, p, strict=True))
+    pairs = [(x, y) for s, p in zip(sched, PE, strict=False) for x, y in zip(s, p, strict=True)]
+    assert all(math.isclose(x, y, rel_tol=1e-15) for x, y in pairs)
 
 
 def _compare(name, ns_schedule_fn, steps=3, foreach=False, **kw):
