@@ -120,6 +120,8 @@ def test_memory_equals_table5_and_table7(paper_groups):
             assert abs(values[opt][model] - w) <= 0.005 + 1e-9, (opt, model, values[opt][model], w)
     # SCALE is undefined on the tied models, defined on Llama.
     assert [values["scale"][m] is None for m in PAPER_MODELS] == [False] * 3 + [True] * 3
+    # MuonEq (not in the paper) keeps exactly Muon's state: one momentum per hidden matrix, AdamW elsewhere.
+    assert values["muoneq-r"] == values["muon"]
     # The paper's headline: MeqMuon saves 21.6 % over Muon on Qwen2-0.5B.
     assert 1 - values["meqmuon"]["qwen2-0.5b"] / values["muon"]["qwen2-0.5b"] == pytest.approx(0.216, abs=5e-4)
 

@@ -40,7 +40,8 @@ __all__ = [
     "relative_saving",
 ]
 
-#: Rows of the memory table: the five optimizers of Table 5 (plus AdamW, SCALE) and Table 7's ablations.
+#: Rows of the memory table: the five optimizers of Table 5 (plus AdamW, SCALE), Table 7's ablations,
+#: and MuonEq (not in the paper; its R, C and RC modes keep the same state as Muon).
 MEMORY_OPTIMIZERS = (
     "adamw",
     "scale",
@@ -50,6 +51,7 @@ MEMORY_OPTIMIZERS = (
     "meqmuon-only-hidden",
     "meqmuon-only-embedding",
     "meqmuon-only-vector",
+    "muoneq-r",
 )
 #: Table 7's rows in the paper's order.
 ABLATION_OPTIMIZERS = ("muon", "meqmuon-only-hidden", "meqmuon-only-embedding", "meqmuon-only-vector", "meqmuon")
@@ -63,6 +65,7 @@ _LABELS = {
     "meqmuon-only-hidden": "Only 2D weights in hidden layers",
     "meqmuon-only-embedding": "Only remaining 2D parameters",
     "meqmuon-only-vector": "Only 1D parameters",
+    "muoneq-r": "MuonEq (R, C, RC)",
 }
 
 # Rules whose state includes one float32 value per matrix row regardless of the state dtype.
