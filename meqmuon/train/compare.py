@@ -11,6 +11,11 @@ natively, fp32 elsewhere), one CPU thread. 100 rather than the earlier 240 updat
 four runs finish in well under 10 minutes on 2 cores of an AVX2-only CPU too, shared or not
 (issue #16; docs/training.md has the timings). Per-optimizer learning rates (:data:`DEMO_LRS`)
 are the best of a pre-check grid at exactly this setting (docs/training.md lists it).
+
+Over several seeds (``sweep``, ``compare --seeds N``) the tables report, per optimizer at its best lr,
+the mean final validation loss, its 95 % Student-t interval and the paired difference against
+:data:`REFERENCE` (MeqMuon) on the same seeds (:func:`summarize_seeds`; formulas in
+:mod:`meqmuon.train.stats`), so that intervals, not single runs, decide which optimizer is better.
 """
 
 from __future__ import annotations
@@ -363,7 +368,8 @@ def format_seed_summary(summary: Sequence[dict[str, Any]], *, lr_label: str = "b
 def _head(rows: Sequence[dict[str, Any]]) -> str:
     caps = sorted({str(r["cpu_capability"]) for r in rows if r.get("cpu_capability")})
     precs = sorted({str(r["precision"]) for r in rows if r.get("precision")})
-    return f"CPU capability: {', '.join(caps)}; precision: {'; '.join(precs)}\n" if caps or precs else ""
+    # precision cells contain commas ("fp32, NS fp32"), so several are separated by " / "
+    return f"CPU capability: {', '.join(caps)}; precision: {' / '.join(precs)}\n" if caps or precs else ""
 
 
 SEED_NOTE = ("Best lr: the lowest mean final validation loss over seeds. 95 % interval: Student-t over seeds "
