@@ -215,6 +215,10 @@ def test_bad_seeds_are_clear_errors(tmp_path, capsys):
     assert main(["sweep", "--optimizers", "adamw", "--lrs", "1e-3", "--seeds", "0,0", "--out",
                  str(tmp_path / "s")]) == 1
     assert "seeds must be distinct" in one_error_line(capsys)
+    assert main(["sweep", "--optimizers", "adamw", "--lrs", "1e-3,0.001", "--out", str(tmp_path / "s")]) == 1
+    assert "lrs must be distinct" in one_error_line(capsys)
+    assert main(["compare", "--optimizers", "adamw,adamw", "--seeds", "2", "--out", str(tmp_path / "c")]) == 1
+    assert "optimizers must be distinct" in one_error_line(capsys)
     assert not (tmp_path / "c").exists() and not (tmp_path / "s").exists()
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "best_lrs",
     "summarize_seeds",
     "format_seed_summary",
+    "format_compare_seeds_table",
 ]
 
 DEMO_OPTIMIZERS = ["adamw", "muon", "normuon", "meqmuon"]
@@ -192,6 +193,7 @@ def run_compare(optimizers: list[str], lrs: dict[str, float], base: TrainConfig,
         raise ValueError(f"--lr given for optimizer(s) {unknown} that are not compared ({', '.join(optimizers)})")
     if seeds is not None:
         seeds = _check_seeds(seeds)
+        _check_distinct("optimizers", optimizers)  # the seed summary keys runs by (optimizer, lr, seed)
     out_dir = Path(out_dir)
     rows = []
     for name in optimizers:
@@ -237,12 +239,15 @@ def _check_seeds(seeds: Sequence[int]) -> list[int]:
     return seeds
 
 
+def _check_distinct(what: str, values: Sequence[Any]) -> None:
+    if len(set(values)) != len(values):
+        raise ValueError(f"{what} must be distinct, got {list(values)}")
+
+
 def _plot_summary(rows: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]], out: Path, title: str) -> None:
     """Mean validation-perplexity curve over seeds with a min-max band, per optimizer at its (best) lr."""
     groups: dict[str, list[Path]] = {}
     for s in summary:
-        if s["lr"] is None:
-            continue
         runs = [Path(r["run_dir"]) for r in rows if r["optimizer"] == s["optimizer"] and r["lr"] == s["lr"]]
         groups[f"{s['optimizer']} (lr {s['lr']:g})"] = runs
     plot_seed_bands(groups, out, title=title)
@@ -266,6 +271,8 @@ def run_sweep(optimizers: list[str], lrs: list[float], seeds: list[int], base: T
         if not lr > 0 or not math.isfinite(lr):
             raise ValueError(f"lr must be a positive number, got {lr!r}")
     seeds = _check_seeds(seeds)
+    _check_distinct("optimizers", optimizers)
+    _check_distinct("lrs", lrs)
     out_dir = Path(out_dir)
     rows = []
     for name in optimizers:
