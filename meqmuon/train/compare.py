@@ -224,7 +224,9 @@ def format_compare_seeds_table(rows: Sequence[dict[str, Any]], summary: Sequence
     summary = summarize_seeds(rows) if summary is None else summary
     cols = list(TABLE_COLUMNS)
     cols.insert(cols.index("lr") + 1, "seed")
-    return "\n".join([_head(rows), format_seed_summary(summary, lr_label="lr"), "", "Runs:", "",
+    ref = summary[0]["reference"] if summary else REFERENCE
+    return "\n".join([_head(rows), SEED_NOTE.format(ref=ref), "", format_seed_summary(summary, lr_label="lr"), "",
+                      "Runs:", "",
                       format_table(rows, cols, head=False)]).lstrip("\n")
 
 
@@ -379,10 +381,10 @@ def _head(rows: Sequence[dict[str, Any]]) -> str:
     return f"CPU capability: {', '.join(caps)}; precision: {' / '.join(precs)}\n" if caps or precs else ""
 
 
-SEED_NOTE = ("Best lr: the lowest mean final validation loss over seeds. 95 % interval: Student-t over seeds "
-             "(n - 1 degrees of freedom), '-' for one seed. Δ: optimizer minus {ref} per seed, each at its own "
-             "best lr, on the seeds both have; Δ > 0 means {ref} reached the lower loss, and only an interval "
-             "of Δ that excludes 0 resolves the order.")
+BEST_LR_NOTE = "Best lr: the lowest mean final validation loss over seeds. "
+SEED_NOTE = ("95 % interval: Student-t over seeds (n - 1 degrees of freedom), '-' for one seed. Δ: optimizer "
+             "minus {ref} per seed, each at its own lr, on the seeds both have; Δ > 0 means {ref} reached the "
+             "lower loss, and only an interval of Δ that excludes 0 resolves the order.")
 
 
 def format_sweep_table(rows: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]] | None = None) -> str:
@@ -393,7 +395,7 @@ def format_sweep_table(rows: Sequence[dict[str, Any]], summary: Sequence[dict[st
     cells = _cells(rows)
     best = {s["optimizer"]: s["lr"] for s in summary}
     ref = summary[0]["reference"] if summary else REFERENCE
-    lines = [_head(rows), SEED_NOTE.format(ref=ref), "", format_seed_summary(summary), "",
+    lines = [_head(rows), BEST_LR_NOTE + SEED_NOTE.format(ref=ref), "", format_seed_summary(summary), "",
              "All runs (optimizer x lr), best lr in bold:", "",
              "| optimizer | lr | seeds | mean val loss | std | 95 % interval | mean perplexity |",
              "|---|---:|---:|---:|---:|---:|---:|"]
