@@ -155,20 +155,39 @@ def _check_optimizers(names: list[str]) -> list[str]:
     return names
 
 
+def _seed_count(text: str) -> int:
+    """``--seeds N`` of ``compare``: a whole number >= 1 (argparse turns the error into exit status 2)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of seeds >= 1, got {text!r}")
+    return n
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from meqmuon.train.compare import DEMO_OPTIMIZERS, demo_config, run_compare
+    from meqmuon.train.compare import (
+        DEMO_OPTIMIZERS,
+        demo_config,
+        format_compare_seeds_table,
+        format_table,
+        run_compare,
+    )
     from meqmuon.train.config import config_from_dict, config_to_dict, validate_config
 
     optimizers = _check_optimizers(_csv(args.optimizers) if args.optimizers else list(DEMO_OPTIMIZERS))
     lrs = _compare_lrs(args.lr_overrides)
     over = _overrides(args)
+    if args.seeds > 1 and "seed" in over:
+        raise ValueError(f"--seed {over['seed']} and --seeds {args.seeds} together: --seeds N runs seeds "
+                         f"0..{args.seeds - 1}; give one of the two")
+    seeds = list(range(args.seeds)) if args.seeds > 1 else None
     out = Path(over.pop("out", "runs/compare"))
     base = config_from_dict({**config_to_dict(demo_config()), **_base_dict(args), **over})
     validate_config(base)  # fail before the first run, not after it
-    rows = run_compare(optimizers, lrs, base, out)
-    from meqmuon.train.compare import format_table
-
-    print(format_table(rows))
+    rows = run_compare(optimizers, lrs, base, out, seeds=seeds)
+    print(format_table(rows) if seeds is None else format_compare_seeds_table(rows))
     print(f"\n(table: {out / 'table.md'}, plot: {out / 'val_ppl.png'})")
     return 0
 
@@ -189,7 +208,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     validate_config(base)
     rows = run_sweep(optimizers, lrs, seeds, base, out)
     print(format_sweep_table(rows))
-    print(f"\n(table: {out / 'sweep.md'})")
+    print(f"\n(table: {out / 'sweep.md'}, plot: {out / 'val_ppl.png'})")
     return 0
 
 
@@ -214,17 +233,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compare", help="offline demo: the same tiny run with several optimizers",
                        description="Same model, initial weights, data order and validation set for every optimizer; "
-                                   "prints and saves a markdown table and a perplexity plot.")
+                                   "prints and saves a markdown table and a perplexity plot. With --seeds N: "
+                                   "every optimizer for seeds 0..N-1, then per optimizer the mean final "
+                                   "validation loss, its 95%% Student-t interval and the paired difference "
+                                   "against meqmuon on the same seeds; the plot shows mean curves with a "
+                                   "min-max band.")
     p.add_argument("--optimizers", default=None, help="comma-separated (default adamw,muon,normuon,meqmuon)")
     p.add_argument("--lr", dest="lr_overrides", action="append", metavar="NAME=VALUE", default=None,
                    help="per-optimizer lr override, e.g. --lr meqmuon=2e-2 (repeatable)")
+    p.add_argument("--seeds", type=_seed_count, default=1, metavar="N",
+                   help="run seeds 0..N-1 (run dirs <out>/<optimizer>-s<seed>) and report mean, 95%% interval "
+                        "and paired difference vs meqmuon (default 1: one run per optimizer at --seed, "
+                        "dirs <out>/<optimizer>)")
     _add_run_args(p, compare=True)
     p.set_defaults(func=_cmd_compare)
 
-    p = sub.add_parser("sweep", help="grid over optimizers x learning rates x seeds")
+    p = sub.add_parser("sweep", help="grid over optimizers x learning rates x seeds",
+                       description="Trains every optimizer x lr x seed; sweep.md reports per optimizer at its best "
+                                   "lr (lowest mean final validation loss over seeds) the mean, its 95%% "
+                                   "Student-t interval and the paired difference against meqmuon on the same "
+                                   "seeds, then every optimizer x lr cell; val_ppl.png shows mean curves with "
+                                   "a min-max band over seeds.")
     p.add_argument("--optimizers", required=True, help="comma-separated optimizer names")
     p.add_argument("--lrs", required=True, help="comma-separated learning rates")
-    p.add_argument("--seeds", default="0", help="comma-separated seeds (0)")
+    p.add_argument("--seeds", default="0", help="comma-separated distinct seeds >= 0 (0)")
     _add_run_args(p, compare=True)
     p.set_defaults(func=_cmd_sweep)
 

@@ -156,12 +156,70 @@ def test_plot_and_sweep(cache, tmp_path, capsys):
     assert main(args) == 0
     table = (out / "sweep.md").read_text()
     assert "| adamw | " in table and table.count("**") == 4  # exactly one best lr, bold in two cells
+    results = json.loads((out / "results.json").read_text())
+    losses = {r["lr"]: r["final val loss"] for r in results["runs"]}
+    (best,) = results["summary"]
+    assert best["lr"] == min(losses, key=losses.get) and best["val_loss"]["n"] == 1
+    # One seed: no interval ("-"), and no MeqMuon in the sweep: no paired difference ("-").
+    assert f"| adamw | {best['lr']:g} | 1 | {losses[best['lr']]:.4f} | - | - | - | - |" in table
+    assert (out / "val_ppl.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["plot", str(out / "adamw-lr0.001-s0" / "metrics.jsonl"), str(out / "adamw-lr0.003-s0"),
                  "--out", str(tmp_path / "p.png"), "--metric", "loss"]) == 0
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     capsys.readouterr()
     assert main(["plot", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "q.png")]) == 1
     assert "metrics file does not exist" in one_error_line(capsys)
+
+
+def test_compare_seeds_end_to_end(cache, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "cmp"
+    args = ["compare", "--optimizers", "adamw,meqmuon", "--seeds", "2", "--vocab-size", "512", "--seq-len", "32",
+            "--global-batch", "8", "--steps", "3", "--eval-every", "3", "--val-tokens", "256", "--cache-dir", cache,
+            "--out", str(out), "--quiet"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["adamw-s0", "adamw-s1", "meqmuon-s0",
+                                                                    "meqmuon-s1"]
+    results = json.loads((out / "results.json").read_text())
+    loss = {(r["optimizer"], r["seed"]): r["final val loss"] for r in results["runs"]}
+    assert len(loss) == 4 and loss[("adamw", 0)] != loss[("adamw", 1)]  # the seeds really differ
+    adamw, meq = results["summary"]
+    assert (adamw["optimizer"], adamw["seeds"], meq["optimizer"]) == ("adamw", [0, 1], "meqmuon")
+    # The paired difference is adamw - meqmuon seed by seed, recomputed here from the runs' own losses.
+    d = [loss[("adamw", s)] - loss[("meqmuon", s)] for s in (0, 1)]
+    half = 12.706204736 * abs(d[0] - d[1]) / 2  # n = 2: s = |d0 - d1| / sqrt(2), half = t1 * s / sqrt(2)
+    got = adamw["vs_reference"]
+    assert got["differences"] == pytest.approx(d) and got["mean"] == pytest.approx(sum(d) / 2)
+    assert got["half_width"] == pytest.approx(half, rel=1e-8) and meq["vs_reference"] is None
+    table = (out / "table.md").read_text()
+    assert table in printed
+    assert f"| adamw | 0.003 | 2 | {(loss[('adamw', 0)] + loss[('adamw', 1)]) / 2:.4f} | [" in table
+    assert f"| {sum(d) / 2:+.4f} | [{sum(d) / 2 - half:+.4f}, {sum(d) / 2 + half:+.4f}] | 2 |" in table
+    png = out / "val_ppl.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    # Finished runs are reused: no training the second time, same table.
+    from meqmuon.train import loop as loop_mod
+
+    monkeypatch.setattr(loop_mod, "_train", None)
+    assert main(args) == 0 and (out / "table.md").read_text() == table
+
+
+def test_bad_seeds_are_clear_errors(tmp_path, capsys):
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(SystemExit) as e:
+            main(["compare", "--seeds", bad, "--out", str(tmp_path / "c")])
+        assert e.value.code == 2
+        assert "argument --seeds: expected a number of seeds >= 1" in capsys.readouterr().err
+    assert main(["compare", "--seeds", "2", "--seed", "3", "--out", str(tmp_path / "c")]) == 1
+    assert "--seed 3 and --seeds 2 together" in one_error_line(capsys)
+    assert main(["sweep", "--optimizers", "adamw", "--lrs", "1e-3", "--seeds", "0,0", "--out",
+                 str(tmp_path / "s")]) == 1
+    assert "seeds must be distinct" in one_error_line(capsys)
+    assert main(["sweep", "--optimizers", "adamw", "--lrs", "1e-3,0.001", "--out", str(tmp_path / "s")]) == 1
+    assert "lrs must be distinct" in one_error_line(capsys)
+    assert main(["compare", "--optimizers", "adamw,adamw", "--seeds", "2", "--out", str(tmp_path / "c")]) == 1
+    assert "optimizers must be distinct" in one_error_line(capsys)
+    assert not (tmp_path / "c").exists() and not (tmp_path / "s").exists()
 
 
 def test_parse_count():

@@ -11,6 +11,11 @@ natively, fp32 elsewhere), one CPU thread. 100 rather than the earlier 240 updat
 four runs finish in well under 10 minutes on 2 cores of an AVX2-only CPU too, shared or not
 (issue #16; docs/training.md has the timings). Per-optimizer learning rates (:data:`DEMO_LRS`)
 are the best of a pre-check grid at exactly this setting (docs/training.md lists it).
+
+Over several seeds (``sweep``, ``compare --seeds N``) the tables report, per optimizer at its best lr,
+the mean final validation loss, its 95 % Student-t interval and the paired difference against
+:data:`REFERENCE` (MeqMuon) on the same seeds (:func:`summarize_seeds`; formulas in
+:mod:`meqmuon.train.stats`), so that intervals, not single runs, decide which optimizer is better.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from typing import Any
 
 from meqmuon.train.config import TrainConfig, fill_model_defaults, resolve_numerics
 from meqmuon.train.loop import train, write_json
-from meqmuon.train.plot import plot_runs
+from meqmuon.train.plot import plot_runs, plot_seed_bands
+from meqmuon.train.stats import mean_interval, paired_difference
 
 __all__ = [
     "DEMO_OPTIMIZERS",
@@ -36,6 +42,11 @@ __all__ = [
     "format_table",
     "run_sweep",
     "format_sweep_table",
+    "REFERENCE",
+    "best_lrs",
+    "summarize_seeds",
+    "format_seed_summary",
+    "format_compare_seeds_table",
 ]
 
 DEMO_OPTIMIZERS = ["adamw", "muon", "normuon", "meqmuon"]
@@ -112,12 +123,13 @@ def _fmt(key: str, v: Any) -> str:
     return str(v)
 
 
-def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = TABLE_COLUMNS) -> str:
-    """Markdown table of comparison rows, preceded by a line naming the CPU capability (the numbers
-    depend on it through the precision: bf16 where native, fp32 elsewhere)."""
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = TABLE_COLUMNS, *,
+                 head: bool = True) -> str:
+    """Markdown table of comparison rows, preceded (``head=True``) by a line naming the CPU capability
+    (the numbers depend on it through the precision: bf16 where native, fp32 elsewhere)."""
     caps = sorted({str(r["cpu_capability"]) for r in rows if r.get("cpu_capability")})
-    head = [f"CPU capability: {', '.join(caps)}", ""] if caps else []
-    lines = head + ["| " + " | ".join(columns) + " |",
+    first = [f"CPU capability: {', '.join(caps)}", ""] if caps and head else []
+    lines = first + ["| " + " | ".join(columns) + " |",
              "|" + "|".join("---" if c in ("optimizer", "precision") else "---:" for c in columns) + "|"]
     for r in rows:
         lines.append("| " + " | ".join(_fmt(c, r.get(c)) for c in columns) + " |")
@@ -157,50 +169,112 @@ def _train_or_reuse(cfg: TrainConfig) -> dict[str, Any]:
     return train(dataclasses.replace(cfg, resume="auto"))  # "auto" starts fresh when there is no checkpoint
 
 
-def run_compare(optimizers: list[str], lrs: dict[str, float], base: TrainConfig, out_dir: Path) -> list[dict]:
-    """Train ``base`` once per optimizer (run dirs ``out_dir/<optimizer>``) and tabulate the results.
+def run_compare(optimizers: list[str], lrs: dict[str, float], base: TrainConfig, out_dir: Path,
+                seeds: Sequence[int] | None = None) -> list[dict]:
+    """Train ``base`` once per optimizer (and per seed) and tabulate the results.
 
     ``lrs`` maps optimizer -> lr; optimizers missing from it use ``base.lr`` if set, else
-    :data:`DEMO_LRS`. Writes ``out_dir/table.md``, ``out_dir/results.json`` and
-    ``out_dir/val_ppl.png`` (validation perplexity against tokens, one curve per optimizer).
+    :data:`DEMO_LRS`. With ``seeds=None`` (the default, ``meqmuon compare`` without ``--seeds``) every
+    optimizer runs once at ``base.seed`` in ``out_dir/<optimizer>`` and ``out_dir/table.md`` is the
+    per-run table (:func:`format_table`), ``out_dir/results.json`` the list of rows and
+    ``out_dir/val_ppl.png`` one perplexity curve per optimizer. With ``seeds`` (``--seeds N`` gives
+    ``0..N-1``) every optimizer runs once per seed in ``out_dir/<optimizer>-s<seed>``; ``table.md``
+    then starts with the seed summary (:func:`format_seed_summary`: mean, 95 % interval, paired
+    difference against :data:`REFERENCE`) followed by the per-run table with a seed column,
+    ``results.json`` is ``{"runs": rows, "summary": summarize_seeds(rows)}``, and the plot shows per
+    optimizer the mean curve over seeds with a min-max band (:func:`plot_seed_bands`).
     Finished runs with identical settings are reused, interrupted ones resumed.
-    Returns the table rows (dicts keyed by :data:`TABLE_COLUMNS` plus ``seed`` and ``run_dir``).
+    Returns the run rows (dicts keyed by :data:`TABLE_COLUMNS` plus ``seed`` and ``run_dir``).
     """
     if not optimizers:
         raise ValueError("no optimizers to compare")
     unknown = sorted(set(lrs) - set(optimizers))
     if unknown:
         raise ValueError(f"--lr given for optimizer(s) {unknown} that are not compared ({', '.join(optimizers)})")
+    if seeds is not None:
+        seeds = _check_seeds(seeds)
+        _check_distinct("optimizers", optimizers)  # the seed summary keys runs by (optimizer, lr, seed)
     out_dir = Path(out_dir)
     rows = []
     for name in optimizers:
         lr = lrs.get(name, base.lr if base.lr is not None else DEMO_LRS.get(name))
-        cfg = dataclasses.replace(base, optimizer=name, lr=lr, out=str(out_dir / name), resume=None,
-                                  stop_at_step=None)
-        rows.append(_row(_train_or_reuse(cfg)))
+        for seed in ([None] if seeds is None else seeds):
+            cfg = dataclasses.replace(base, optimizer=name, lr=lr, out=str(out_dir / name), resume=None,
+                                      stop_at_step=None)
+            if seed is not None:
+                cfg = dataclasses.replace(cfg, seed=seed, out=str(out_dir / f"{name}-s{seed}"))
+            rows.append(_row(_train_or_reuse(cfg)))
     out_dir.mkdir(parents=True, exist_ok=True)
-    table = format_table(rows)
-    (out_dir / "table.md").write_text(table + "\n")
-    write_json(out_dir / "results.json", rows)
-    plot_runs([Path(r["run_dir"]) / "metrics.jsonl" for r in rows], out_dir / "val_ppl.png",
-              labels=[f"{r['optimizer']} (lr {r['lr']:g})" for r in rows],
-              title=f"{base.model}: validation perplexity")
+    title = f"{base.model}: validation perplexity"
+    if seeds is None:
+        (out_dir / "table.md").write_text(format_table(rows) + "\n")
+        write_json(out_dir / "results.json", rows)
+        plot_runs([Path(r["run_dir"]) / "metrics.jsonl" for r in rows], out_dir / "val_ppl.png",
+                  labels=[f"{r['optimizer']} (lr {r['lr']:g})" for r in rows], title=title)
+        return rows
+    summary = summarize_seeds(rows)
+    (out_dir / "table.md").write_text(format_compare_seeds_table(rows, summary) + "\n")
+    write_json(out_dir / "results.json", {"runs": rows, "summary": summary})
+    _plot_summary(rows, summary, out_dir / "val_ppl.png", title)
     return rows
+
+
+def format_compare_seeds_table(rows: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]] | None = None) -> str:
+    """``table.md`` of ``compare --seeds N``: the seed summary, then every run (with its seed)."""
+    summary = summarize_seeds(rows) if summary is None else summary
+    cols = list(TABLE_COLUMNS)
+    cols.insert(cols.index("lr") + 1, "seed")
+    ref = summary[0]["reference"] if summary else REFERENCE
+    return "\n".join([_head(rows), SEED_NOTE.format(ref=ref), "", format_seed_summary(summary, lr_label="lr"), "",
+                      "Runs:", "",
+                      format_table(rows, cols, head=False)]).lstrip("\n")
+
+
+def _check_seeds(seeds: Sequence[int]) -> list[int]:
+    seeds = list(seeds)
+    if not seeds:
+        raise ValueError("no seeds given")
+    if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in seeds):
+        raise ValueError(f"seeds must be non-negative integers, got {seeds}")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds must be distinct, got {seeds}")
+    return seeds
+
+
+def _check_distinct(what: str, values: Sequence[Any]) -> None:
+    if len(set(values)) != len(values):
+        raise ValueError(f"{what} must be distinct, got {list(values)}")
+
+
+def _plot_summary(rows: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]], out: Path, title: str) -> None:
+    """Mean validation-perplexity curve over seeds with a min-max band, per optimizer at its (best) lr."""
+    groups: dict[str, list[Path]] = {}
+    for s in summary:
+        runs = [Path(r["run_dir"]) for r in rows if r["optimizer"] == s["optimizer"] and r["lr"] == s["lr"]]
+        groups[f"{s['optimizer']} (lr {s['lr']:g})"] = runs
+    plot_seed_bands(groups, out, title=title)
 
 
 def run_sweep(optimizers: list[str], lrs: list[float], seeds: list[int], base: TrainConfig,
               out_dir: Path) -> list[dict]:
     """Grid of optimizer x lr x seed (run dirs ``out_dir/<optimizer>-lr<lr>-s<seed>``).
 
-    Writes ``out_dir/sweep.md`` (mean and standard deviation over seeds of the final validation loss,
-    best lr per optimizer marked) and ``out_dir/results.json``; returns one row per run. Finished
-    runs are reused and interrupted ones resumed, so a sweep can be re-launched after a time limit.
+    Writes ``out_dir/sweep.md`` (:func:`format_sweep_table`: per optimizer at its best lr the mean
+    final validation loss, its 95 % interval over seeds and the paired difference against
+    :data:`REFERENCE`; then every optimizer x lr cell), ``out_dir/results.json``
+    (``{"runs": rows, "summary": summarize_seeds(rows)}``) and ``out_dir/val_ppl.png`` (per
+    optimizer at its best lr, the mean validation-perplexity curve over seeds with a min-max band).
+    Returns one row per run. Finished runs are reused and interrupted ones resumed, so a sweep can be
+    re-launched after a time limit.
     """
     if not (optimizers and lrs and seeds):
         raise ValueError("sweep needs at least one optimizer, one lr and one seed")
     for lr in lrs:
         if not lr > 0 or not math.isfinite(lr):
             raise ValueError(f"lr must be a positive number, got {lr!r}")
+    seeds = _check_seeds(seeds)
+    _check_distinct("optimizers", optimizers)
+    _check_distinct("lrs", lrs)
     out_dir = Path(out_dir)
     rows = []
     for name in optimizers:
@@ -210,30 +284,125 @@ def run_sweep(optimizers: list[str], lrs: list[float], seeds: list[int], base: T
                                           out=str(out_dir / f"{name}-lr{lr:g}-s{seed}"))
                 rows.append(_row(_train_or_reuse(cfg)))
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "sweep.md").write_text(format_sweep_table(rows) + "\n")
-    write_json(out_dir / "results.json", rows)
+    summary = summarize_seeds(rows)
+    (out_dir / "sweep.md").write_text(format_sweep_table(rows, summary) + "\n")
+    write_json(out_dir / "results.json", {"runs": rows, "summary": summary})
+    _plot_summary(rows, summary, out_dir / "val_ppl.png", f"{base.model}: validation perplexity at the best lr")
     return rows
 
 
-def format_sweep_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Markdown: optimizer, lr, seeds, mean/std final val loss, mean perplexity; best lr per optimizer in bold."""
-    cells: dict[tuple[str, float], list[float]] = {}
+#: The optimizer every other one is compared against, seed by seed.
+REFERENCE = "meqmuon"
+
+
+def _cells(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, float], dict[int, float]]:
+    """(optimizer, lr) -> {seed: final val loss}, in the order of ``rows``; a seed twice is an error."""
+    cells: dict[tuple[str, float], dict[int, float]] = {}
     for r in rows:
-        cells.setdefault((r["optimizer"], r["lr"]), []).append(r["final val loss"])
-    best: dict[str, float] = {}
-    for (opt, lr), losses in cells.items():
-        m = statistics.fmean(losses)
-        if math.isfinite(m) and (opt not in best or m < statistics.fmean(cells[(opt, best[opt])])):
-            best[opt] = lr
+        cell = cells.setdefault((r["optimizer"], r["lr"]), {})
+        seed = r.get("seed")
+        if seed in cell:
+            raise ValueError(f"{r['optimizer']} lr {r['lr']:g} has seed {seed} twice ({r.get('run_dir')})")
+        cell[seed] = float(r["final val loss"])
+    return cells
+
+
+def best_lrs(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Per optimizer, the lr with the lowest mean final validation loss over the seeds run at it.
+
+    Rule: the mean over all seeds of that (optimizer, lr) cell decides; lrs whose mean is not finite
+    only win when no lr of that optimizer has a finite mean; ties go to the lr met first in ``rows``
+    (the order given on the command line). The choice uses the same seeds that the intervals are then
+    computed on, so the best lr's mean is slightly optimistic (selection); with few lrs this is small
+    next to the seed spread, and a held-out seed set would remove it.
+    """
+    best: dict[str, tuple[bool, float, float]] = {}
+    for (opt, lr), losses in _cells(rows).items():
+        m = statistics.fmean(losses.values())
+        key = (not math.isfinite(m), m if math.isfinite(m) else 0.0, lr)
+        if opt not in best or key[:2] < best[opt][:2]:
+            best[opt] = key
+    return {opt: key[2] for opt, key in best.items()}
+
+
+def summarize_seeds(rows: Sequence[dict[str, Any]], reference: str = REFERENCE) -> list[dict[str, Any]]:
+    """Per optimizer (order of first appearance), at its best lr (:func:`best_lrs`): the mean and 95 %
+    t interval of the final validation loss over seeds, and the paired difference against
+    ``reference`` at *its* best lr on the seeds both have (:mod:`meqmuon.train.stats` has the formulas).
+
+    Each entry: ``{"optimizer", "lr", "seeds", "val_loss": {mean, n, sd, half_width, low, high,
+    confidence}, "reference", "vs_reference": {seeds, differences, mean, ..., low, high} or None}``.
+    ``vs_reference`` is None for the reference itself, when the reference is not among ``rows``, or
+    when the two share no seed.
+    """
+    cells = _cells(rows)
+    best = best_lrs(rows)
+    ref = cells.get((reference, best[reference])) if reference in best else None
+    out = []
+    for opt, lr in best.items():
+        losses = cells[(opt, lr)]
+        paired = None
+        if ref is not None and opt != reference and set(losses) & set(ref):
+            paired = paired_difference(losses, ref).as_dict()
+        out.append({"optimizer": opt, "lr": lr, "seeds": sorted(losses), "val_loss": mean_interval(
+            list(losses.values())).as_dict(), "reference": reference, "vs_reference": paired})
+    return out
+
+
+def _f(v: float | None, sign: bool = False) -> str:
+    return "-" if v is None else (f"{v:+.4f}" if sign else f"{v:.4f}")
+
+
+def _iv(d: dict[str, Any] | None, sign: bool = False) -> str:
+    if d is None or d["low"] is None:
+        return "-"
+    return f"[{_f(d['low'], sign)}, {_f(d['high'], sign)}]"
+
+
+def format_seed_summary(summary: Sequence[dict[str, Any]], *, lr_label: str = "best lr") -> str:
+    """Markdown of :func:`summarize_seeds`: one row per optimizer with mean, 95 % interval, and the
+    paired difference against the reference (Δ = optimizer - reference, per seed; Δ > 0: the
+    reference's loss is lower). "-" where there is no interval (one seed) or no paired difference."""
+    ref = summary[0]["reference"] if summary else REFERENCE
+    lines = [f"| optimizer | {lr_label} | seeds | mean final val loss | 95 % interval | Δ vs {ref} (paired) | "
+             "95 % interval of Δ | paired seeds |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in summary:
+        v, d = s["val_loss"], s["vs_reference"]
+        lines.append(f"| {s['optimizer']} | {s['lr']:g} | {v['n']} | {_f(v['mean'])} | {_iv(v)} | "
+                     f"{_f(d['mean'], True) if d else '-'} | {_iv(d, True)} | {d['n'] if d else '-'} |")
+    return "\n".join(lines)
+
+
+def _head(rows: Sequence[dict[str, Any]]) -> str:
     caps = sorted({str(r["cpu_capability"]) for r in rows if r.get("cpu_capability")})
     precs = sorted({str(r["precision"]) for r in rows if r.get("precision")})
-    head = [f"CPU capability: {', '.join(caps)}; precision: {'; '.join(precs)}", ""] if caps or precs else []
-    lines = head + ["| optimizer | lr | seeds | mean val loss | std | mean perplexity |",
-                    "|---|---:|---:|---:|---:|---:|"]
+    # precision cells contain commas ("fp32, NS fp32"), so several are separated by " / "
+    return f"CPU capability: {', '.join(caps)}; precision: {' / '.join(precs)}\n" if caps or precs else ""
+
+
+BEST_LR_NOTE = "Best lr: the lowest mean final validation loss over seeds. "
+SEED_NOTE = ("95 % interval: Student-t over seeds (n - 1 degrees of freedom), '-' for one seed. Δ: optimizer "
+             "minus {ref} per seed, each at its own lr, on the seeds both have; Δ > 0 means {ref} reached the "
+             "lower loss, and only an interval of Δ that excludes 0 resolves the order.")
+
+
+def format_sweep_table(rows: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]] | None = None) -> str:
+    """Markdown of a sweep: the seed summary per optimizer at its best lr (:func:`format_seed_summary`),
+    then every (optimizer, lr) cell: seeds, mean / std / 95 % interval of the final val loss and
+    ``exp(mean loss)`` ("mean perplexity"), the best lr of each optimizer in bold."""
+    summary = summarize_seeds(rows) if summary is None else summary
+    cells = _cells(rows)
+    best = {s["optimizer"]: s["lr"] for s in summary}
+    ref = summary[0]["reference"] if summary else REFERENCE
+    lines = [_head(rows), BEST_LR_NOTE + SEED_NOTE.format(ref=ref), "", format_seed_summary(summary), "",
+             "All runs (optimizer x lr), best lr in bold:", "",
+             "| optimizer | lr | seeds | mean val loss | std | 95 % interval | mean perplexity |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for (opt, lr), losses in cells.items():
-        m = statistics.fmean(losses)
-        sd = statistics.stdev(losses) if len(losses) > 1 else 0.0
+        iv = mean_interval(list(losses.values())).as_dict()
         mark = "**" if best.get(opt) == lr else ""
-        lines.append(f"| {opt} | {mark}{lr:g}{mark} | {len(losses)} | {mark}{m:.4f}{mark} | {sd:.4f} | "
-                     f"{math.exp(min(m, 700)):.2f} |")
-    return "\n".join(lines)
+        sd = _f(iv["sd"]) if iv["sd"] is not None else "-"
+        lines.append(f"| {opt} | {mark}{lr:g}{mark} | {iv['n']} | {mark}{iv['mean']:.4f}{mark} | {sd} | {_iv(iv)} | "
+                     f"{math.exp(min(iv['mean'], 700)):.2f} |")
+    return "\n".join(lines).lstrip("\n")
