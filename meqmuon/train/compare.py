@@ -63,6 +63,10 @@ DEMO_LRS: dict[str, float] = {
     "meqmuon-only-hidden": 1e-2,
     "meqmuon-only-embedding": 1e-2,
     "meqmuon-only-vector": 1e-2,
+    # MuonEq (issue 15): Muon's lr until the 3-seed grid of docs/benchmarks.md picks its own.
+    "muoneq-r": 1e-2,
+    "muoneq-c": 1e-2,
+    "muoneq-rc": 1e-2,
 }
 
 TABLE_COLUMNS = ["optimizer", "lr", "final val loss", "perplexity", "bits/byte", "optimizer state (MiB)", "tokens/s",
