@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_optimizers import NAMES, OURS, RefOptimizer, batches, kinds_of, loss_fn, make_model
+from test_optimizers import MUONEQ_MODE, NAMES, OURS, RefOptimizer, batches, kinds_of, loss_fn, make_model
 
 import meqmuon
 from meqmuon.optim.buckets import make_buckets
@@ -76,7 +76,7 @@ def test_batched_matches_float64_reference(name):
     ref_model = copy.deepcopy(model)
     kw = {"ns_dtype": torch.float64} if name != "scale" else {}
     opt = meqmuon.build_optimizer(name, model, lr=0.03, weight_decay=0.1, foreach=True, **kw)
-    ref = RefOptimizer(kinds_of(ref_model), meqmuon.rules_of(name), lr=0.03)
+    ref = RefOptimizer(kinds_of(ref_model), meqmuon.rules_of(name), lr=0.03, eq_mode=MUONEQ_MODE.get(name))
     for ids in batches(4):
         for m in (model, ref_model):
             m.zero_grad()

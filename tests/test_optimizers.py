@@ -62,6 +62,17 @@ def equilibrate_dir(Bm):
     return Y * inv(rms_vec(Y, 0))[None, :]
 
 
+def muoneq_dir(U, mode):
+    """MuonEq (MaeChd/muon-eq muoneq.py): rows and/or columns by (squared norm + 1e-8)^(-1/2) of the same U."""
+    r = (U.square().sum(dim=1, keepdim=True) + 1e-8).rsqrt()
+    c = (U.square().sum(dim=0, keepdim=True) + 1e-8).rsqrt()
+    return {"R": U * r, "C": U * c, "RC": U * r * c}[mode]
+
+
+#: The MuonEq mode of each named preset, for the references below.
+MUONEQ_MODE = {"muoneq-r": "R", "muoneq-c": "C", "muoneq-rc": "RC"}
+
+
 def rms_dir(b):
     rms = b.square().mean().sqrt()
     return b * inv(rms)
@@ -84,12 +95,14 @@ class RefOptimizer:
         beta2=0.95,
         scale_betas=(0.9, 0.999),
         scale_mu=0.9,
+        eq_mode=None,
     ):
         self.items = params_kinds
         self.rules = rules
         self.lr, self.wd, self.mu, self.nesterov, self.rho = lr, wd, mu, nesterov, rho
         self.betas, self.eps, self.beta2 = betas, eps, beta2
         self.scale_betas, self.scale_mu = scale_betas, scale_mu
+        self.eq_mode = eq_mode
         self.state = {id(p): {} for p, _ in params_kinds}
         self.rows_chosen = {id(p): 0 for p, _ in params_kinds}
 
@@ -103,7 +116,8 @@ class RefOptimizer:
             st["t"] = st.get("t", 0) + 1
             t = st["t"]
             W = p.data
-            if rule in ("meq_hidden", "moonlight_hidden", "normuon_hidden", "equilibrate", "rms_normalize"):
+            if rule in ("meq_hidden", "moonlight_hidden", "muoneq_hidden", "normuon_hidden", "equilibrate",
+                        "rms_normalize"):
                 Bm = st.setdefault("B", torch.zeros_like(p))
                 Bm.mul_(self.mu).add_(g)
                 x = g + self.mu * Bm if self.nesterov else Bm.clone()
@@ -120,6 +134,8 @@ class RefOptimizer:
                         s = self.rho
                     elif rule == "moonlight_hidden":
                         d, s = ns(X), self.rho * math.sqrt(max(m, n))
+                    elif rule == "muoneq_hidden":
+                        d, s = ns(muoneq_dir(X, self.eq_mode)), self.rho * math.sqrt(max(m, n))
                     else:  # normuon
                         O = ns(X)
                         v = st.setdefault("v", torch.zeros(m, dtype=X.dtype))
@@ -223,7 +239,8 @@ def test_matches_float64_reference(name, nesterov):
     if name != "scale":
         kw.update(ns_dtype=torch.float64, nesterov=nesterov)
     opt = meqmuon.build_optimizer(name, model, **kw)
-    ref = RefOptimizer(kinds_of(ref_model), meqmuon.rules_of(name), lr=0.03, nesterov=nesterov)
+    ref = RefOptimizer(kinds_of(ref_model), meqmuon.rules_of(name), lr=0.03, nesterov=nesterov,
+                       eq_mode=MUONEQ_MODE.get(name))
     for ids in batches(4):
         for m in (model, ref_model):
             m.zero_grad()
@@ -721,6 +738,7 @@ def test_optimizer_state_bytes_matches_rule_counts():
         "meqmuon-only-embedding": (n_h + sizes["embedding"] + sizes["head"] + 2 * sizes["vector"]) * 4,
         "meqmuon-only-vector": (n_h + 2 * (sizes["embedding"] + sizes["head"]) + sizes["vector"]) * 4,
         "scale": (sizes["head"] + 2 * sizes["vector"]) * 4,
+        **{name: (n_h + 2 * n_a) * 4 for name in MUONEQ_MODE},  # Muon's state
     }
     for name in NAMES:
         opt = meqmuon.build_optimizer(name, model, lr=1e-3)
