@@ -544,10 +544,12 @@ def test_copy_keeps_compile_and_refuses_an_explicit_process_group():
         copy.deepcopy(bound)
 
 
-def test_step_makes_no_host_device_sync(monkeypatch):
-    """Any Python read of a tensor value (item, bool, float, int, tolist) inside step() fails the test."""
+@pytest.mark.parametrize("foreach", [False, True])
+def test_step_makes_no_host_device_sync(monkeypatch, foreach):
+    """Any Python read of a tensor value (item, bool, float, int, tolist) inside step() fails the test,
+    on the per-tensor and on the batched (foreach) step."""
     model = make_model(dtype=torch.float32)
-    opts = [meqmuon.build_optimizer(n, model, lr=1e-2) for n in OURS]
+    opts = [meqmuon.build_optimizer(n, model, lr=1e-2, foreach=foreach) for n in OURS]
     loss_fn(model, batches(1)[0]).backward()
 
     def forbidden(*a, **k):
