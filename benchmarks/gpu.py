@@ -5,6 +5,7 @@ Usage (one GPU)::
     python benchmarks/gpu.py --optimizer meqmuon --steps 30            # Llama-350M, bf16 autocast, torch.compile
     python benchmarks/gpu.py --optimizer meqmuon --opt-compile        # also MeqMuon's compile=True kernels
     python benchmarks/gpu.py --optimizer meqmuon --ns-per-matrix      # NS matrix by matrix, not batched by shape
+    python benchmarks/gpu.py --optimizer meqmuon --foreach off        # the per-tensor step (default on CUDA: batched)
     python benchmarks/gpu.py --tiny --device cpu --steps 3            # CPU smoke check of the script itself
 
 Model: transformers ``LlamaConfig`` with the paper's Llama-350M (GaLore ``llama_350m.json``): 24
@@ -73,6 +74,8 @@ def main(argv=None):
         "--ns-per-matrix", action="store_true",
         help="orthogonalise matrix by matrix (the CPU path) instead of one batched call per shape bucket",
     )
+    ap.add_argument("--foreach", choices=["auto", "on", "off"], default="auto",
+                    help="the optimizer's foreach: auto (batched on CUDA), on (batched), off (per-tensor step)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=30)
@@ -89,6 +92,8 @@ def main(argv=None):
     torch.manual_seed(0)
     model, cfg = build_model(args.tiny, device)
     kw = {"compile": True} if args.opt_compile else {}
+    if args.optimizer != "adamw" or args.foreach != "auto":
+        kw["foreach"] = {"auto": None, "on": True, "off": False}[args.foreach]
     if args.ns_per_matrix:
         from meqmuon.optim import distributed
 
@@ -135,7 +140,7 @@ def main(argv=None):
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(
         f"| {'tiny' if args.tiny else 'llama-350m'} | {args.optimizer}{' (compile)' if args.opt_compile else ''}"
-        f"{' (NS per matrix)' if args.ns_per_matrix else ''} | "
+        f"{' (NS per matrix)' if args.ns_per_matrix else ''} foreach={args.foreach} | "
         f"{name} | {args.batch}x{args.seq} | {st * 1e3:.1f} ms | {tok_s:,.0f} tok/s | MFU {mfu:.1%} | "
         f"optimizer {ot * 1e3:.1f} ms ({ot / st:.0%}) | loss {loss.item():.3f} |"
     )

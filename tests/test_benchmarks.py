@@ -78,15 +78,17 @@ def test_scaling_pairs_one_rank_with_two_ranks(capsys):
     assert re.search(r"^\| 1 \| 1 \| \d+ \|$", out, re.M) and re.search(r"^\| 2 \| 1 \| \d+ \|$", out, re.M)
 
 
-@pytest.mark.parametrize("per_matrix", [False, True])
-def test_gpu_benchmark_smoke_runs_on_cpu(capsys, per_matrix, monkeypatch):
-    """The GPU benchmark has never had a GPU here; its --tiny mode at least proves the script runs."""
+@pytest.mark.parametrize("per_matrix, foreach", [(False, "auto"), (True, "auto"), (False, "on")])
+def test_gpu_benchmark_smoke_runs_on_cpu(capsys, per_matrix, foreach, monkeypatch):
+    """The GPU benchmark has never had a GPU here; its --tiny mode at least proves the script runs,
+    on the per-tensor step and on the batched one (--foreach on)."""
     from meqmuon.optim import distributed
 
     monkeypatch.setattr(distributed, "BATCHED_NS_DEVICES", distributed.BATCHED_NS_DEVICES)  # restored after
-    args = ["--tiny", "--no-compile", "--steps", "2", "--warmup", "1", "--device", "cpu"]
+    args = ["--tiny", "--no-compile", "--steps", "2", "--warmup", "1", "--device", "cpu", "--foreach", foreach]
     gpu.main(args + (["--ns-per-matrix"] if per_matrix else []))
     out = capsys.readouterr().out
+    assert f"foreach={foreach}" in out
     m = re.search(r"\| ([\d,]+) tok/s \| MFU [\d.]+% \| optimizer [\d.]+ ms \((\d+)%\) \| loss (\d+\.\d+) \|", out)
     assert m, out
     assert int(m[1].replace(",", "")) > 0 and 0 < int(m[2]) <= 100 and 0 < float(m[3]) < 20
