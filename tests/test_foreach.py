@@ -10,8 +10,8 @@ What is proven and why the tolerances:
 - The batched step makes no host-device synchronisation (test_optimizers.py, parametrised by foreach).
 - Dispatched aten ops per step (the CPU proxy for GPU kernel launches, benchmarks/op_count.py) at
   Llama-60M shapes: each of Muon, NorMuon and MeqMuon <= 300 with ``foreach=True``, and a model
-  three times as deep costs <= 1.15x the ops. MeqMuon stays within 2x of Muon (issue 14 asks for
-  1.5x; 1.90x is what this form reaches, see docs/benchmarks.md).
+  three times as deep costs <= 1.15x the ops. MeqMuon stays within 1.75x of Muon (issue 14 asks for
+  1.5x; 1.67x is what this form reaches, see docs/benchmarks.md).
 - DDP (2 gloo ranks): one ``all_gather_into_tensor`` per split bucket and step, every rank ends
   with identical parameters and state, equal to one process to fp32 tolerance; FSDP2 row shards
   with the batched step equal the unsharded per-tensor step to the same tolerance.
@@ -67,6 +67,33 @@ def test_batched_equals_per_tensor(name):
                 assert v == w
     if name.startswith("meqmuon"):
         assert o0.selection_counts() == o1.selection_counts()
+
+
+@pytest.mark.parametrize("name", ["meqmuon", "muon", "normuon"])
+def test_same_rule_calls_with_different_hyperparameters_keep_their_own_stacks(name):
+    """The embedding and the head (same shape, same rule) with different learning rates and the
+    vectors split over two groups are separate batched calls whose updates are applied together
+    (rules.step_foreach_calls): each must step with its own directions, as in the per-tensor step."""
+    results = []
+    for foreach in (False, True):
+        model = make_model(dtype=torch.float32)
+        groups = meqmuon.param_groups(model)
+        for g in groups:
+            if g["kind"] == "head":
+                g["lr"] = 0.005
+        vec = next(g for g in groups if g["kind"] == "vector")
+        groups.append({**vec, "params": vec["params"][1:], "names": vec.get("names", [None] * 3)[1:], "lr": 0.03})
+        vec["params"], vec["names"] = vec["params"][:1], vec.get("names", [None])[:1]
+        groups = [{k: v for k, v in g.items() if not (k == "names" and None in v)} for g in groups]
+        kw = {"ns_dtype": torch.float32} if name in MATRIX_NS else {}
+        opt = meqmuon.build_optimizer(name, groups, lr=0.02, foreach=foreach, **kw)
+        for ids in batches(5):
+            model.zero_grad()
+            loss_fn(model, ids).backward()
+            opt.step()
+        results.append(model)
+    for (n, p), q in zip(results[0].named_parameters(), results[1].parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-5 * p.abs().max().item()), (n, (p - q).abs().max().item())
 
 
 def test_changing_rho_is_followed_and_does_not_grow_the_workspace():
@@ -168,7 +195,7 @@ def test_op_counts_at_llama_60m_shapes():
     for name, total in counts.items():
         assert total <= 300, (name, total)
         assert op_count.count_step_ops(name, deep, foreach=True).total <= 1.15 * total, name
-    assert counts["meqmuon"] <= 2.0 * counts["muon"], counts
+    assert counts["meqmuon"] <= 1.75 * counts["muon"], counts
     assert op_count.count_step_ops("meqmuon", shapes, foreach=False).total > 10 * counts["meqmuon"]
 
 

@@ -72,13 +72,9 @@ class Bucket:
     def stack_into(self, out: Tensor, values: Sequence[Tensor], start: int = 0) -> Tensor:
         """Stack ``values`` (members ``start..start+len(values)`` in their own shapes) into ``out``
         ``(len(values), *shape)`` in the bucket's orientation, casting to ``out.dtype`` on the way:
-        one ``stack`` per orientation present."""
+        one ``stack`` for both orientations (it reads the transposed members through strided views)."""
         plain, flipped = self.members([v.reshape(v.shape[0], -1) if v.ndim > 2 else v for v in values], start)
-        if plain:
-            torch.stack(plain, out=out[: len(plain)])
-        if flipped:
-            torch.stack(flipped, out=out[len(plain):])
-        return out
+        return torch.stack(plain + flipped, out=out)
 
     def unstack(self, stack: Tensor, start: int = 0) -> list[Tensor]:
         """Members ``start..`` of a stack in the bucket's orientation, back in their own shapes.

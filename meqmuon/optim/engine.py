@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 
 from .distributed import LocalSplit, is_dtensor, replicated_splitter, resolve_process_group, splitter_for
 from .groups import KINDS, infer_kind
-from .rules import RULES, Item, Rule, StepContext
+from .rules import RULES, Item, Rule, StepContext, step_foreach_calls
 
 
 def _check_number(
@@ -303,9 +303,9 @@ class RoleOptimizer(Optimizer):
                 if split is not replicated:  # DTensor groups follow their own mesh: never merged
                     key += (id(split),)
                 batched.setdefault(key, (rule, group, [], split, kind))[2].extend(items)
-        for rule, group, items, split, kind in batched.values():
-            ctx = StepContext(self._capture_hook, kind, split, self._compile, self._workspace)
-            rule.step_foreach(items, group, ctx)
+        step_foreach_calls([(rule, items, group, StepContext(self._capture_hook, kind, split, self._compile,
+                                                             self._workspace, call=i))
+                            for i, (rule, group, items, split, kind) in enumerate(batched.values())])
         replicated.finish()  # wait for the owners' broadcasts (DDP)
         return loss
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -67,7 +67,7 @@ class StepContext:
     rules with ``"gradient"`` and the raw gradient. Default ``None``: no call, no cost.
     """
 
-    __slots__ = ("capture", "kind", "split", "compile", "workspace")
+    __slots__ = ("capture", "kind", "split", "compile", "workspace", "call")
 
     def __init__(
         self,
@@ -76,12 +76,16 @@ class StepContext:
         split: LocalSplit | None = None,
         compile: bool = False,
         workspace: dict | None = None,
+        call: int = 0,
     ) -> None:
         self.capture = capture
         self.kind = kind
         #: Tensors the batched step keeps between steps (one input stack per bucket, statistics
         #: buffers); owned by the optimizer, never part of its state_dict.
         self.workspace = workspace if workspace is not None else {}
+        #: This call's position among the step's batched calls: its input stacks are its own, since
+        #: some rules' directions are those stacks and all calls' updates are applied together.
+        self.call = call
         #: Use the torch.compile-fused normalise+update kernels of ``fused.py`` where a rule has one.
         self.compile = compile
         #: Work splitter (see ``distributed.py``): who orthogonalises which matrix, sums over shards.
@@ -228,10 +232,10 @@ def _grads_like(items: Sequence[Item], like: Sequence[Tensor]) -> list[Tensor]:
     return [it.grad if it.grad.dtype == b.dtype else it.grad.to(b.dtype) for it, b in zip(items, like, strict=True)]
 
 
-def _foreach_momentum(items: Sequence[Item], group: dict) -> None:
+def _foreach_momentum(items: Sequence[Item], mu: float) -> None:
     """``B <- mu B + G`` for every item in two ``torch._foreach_*`` kernels."""
     bufs = [local(it.state["momentum_buffer"]) for it in items]
-    torch._foreach_mul_(bufs, group["momentum"])
+    torch._foreach_mul_(bufs, mu)
     torch._foreach_add_(bufs, _grads_like(items, bufs))
 
 
@@ -240,7 +244,7 @@ def _stack_inputs(ctx: StepContext, name: str, bucket: Bucket, lo: int, hi: int,
     """The direction inputs of members ``lo..hi`` (``G + mu B``, or ``B``) stacked in the bucket's
     persistent workspace, cast to ``dtype`` (the Newton-Schulz dtype for hidden matrices) on the way."""
     items = bucket.items[lo:hi]
-    out, _ = _workspace(ctx, (name, "inputs", bucket.key, lo, hi), (hi - lo, *bucket.shape), dtype,
+    out, _ = _workspace(ctx, (name, "inputs", ctx.call, bucket.key, lo, hi), (hi - lo, *bucket.shape), dtype,
                         items[0].param.device)
     bufs = [local(it.state["momentum_buffer"]) for it in items]
     values = torch._foreach_add(_grads_like(items, bufs), bufs, alpha=group["momentum"]) if group["nesterov"] else bufs
@@ -250,35 +254,53 @@ def _stack_inputs(ctx: StepContext, name: str, bucket: Bucket, lo: int, hi: int,
 def _stack_tensors(ctx: StepContext, name: str, bucket: Bucket, tensors: Sequence[Tensor]) -> Tensor:
     """``tensors`` (one per member) stacked in the bucket's workspace, at least float32."""
     t0 = tensors[0]
-    out, _ = _workspace(ctx, (name, "inputs", bucket.key), (len(tensors), *bucket.shape),
+    out, _ = _workspace(ctx, (name, "inputs", ctx.call, bucket.key), (len(tensors), *bucket.shape),
                         torch.promote_types(t0.dtype, torch.float32), t0.device)
     return bucket.stack_into(out, tensors)
 
 
+class PendingUpdate(NamedTuple):
+    """A batched call's update, ``W <- (1 - lr wd) W - lr s D`` per parameter, not yet applied."""
+
+    params: list[Tensor]
+    directions: list[Tensor]
+    scales: list[float]
+    lr: float
+    weight_decay: float
+
+
+def _foreach_apply(pending: Sequence[PendingUpdate]) -> None:
+    """Apply several calls' updates together: one decay kernel per distinct ``1 - lr wd``
+    (:func:`_foreach_decay_`), then one ``_foreach_add_`` per distinct ``lr s``. All decays come
+    before all adds; each parameter is in one call, so its bits are those of ``decay, add``."""
+    decays: dict[float, list[Tensor]] = {}
+    adds: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
+    for u in pending:
+        if u.weight_decay != 0:
+            decays.setdefault(1.0 - u.lr * u.weight_decay, []).extend(u.params)
+        for p, d, s in zip(u.params, u.directions, u.scales, strict=True):
+            ps, ds = adds.setdefault(-u.lr * s, ([], []))
+            ps.append(p)
+            ds.append(d)
+    for factor, params in decays.items():
+        _foreach_decay_(params, factor)
+    for alpha, (ps, ds) in adds.items():
+        torch._foreach_add_(ps, ds, alpha=alpha)
+
+
 def _foreach_update(params: list[Tensor], directions: list[Tensor], scales: list[float], group: dict) -> None:
-    """``W <- (1 - lr wd) W - lr s D`` for every parameter: one decay kernel (:func:`_foreach_decay_`)
-    and one add per distinct scale ``s``."""
-    lr = group["lr"]
-    _foreach_decay_(params, lr, group["weight_decay"])
-    by_scale: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
-    for p, d, s in zip(params, directions, scales, strict=True):
-        ps, ds = by_scale.setdefault(s, ([], []))
-        ps.append(p)
-        ds.append(d)
-    for s, (ps, ds) in by_scale.items():
-        torch._foreach_add_(ps, ds, alpha=-lr * s)
+    """``W <- (1 - lr wd) W - lr s D`` for every parameter of one call (:func:`_foreach_apply`)."""
+    _foreach_apply([PendingUpdate(params, directions, scales, group["lr"], group["weight_decay"])])
 
 
-def _foreach_decay_(params: list[Tensor], lr: float, wd: float) -> None:
-    """``W <- (1 - lr wd) W`` for every parameter in one kernel where that keeps the bits of
-    :func:`_decay_`: ``torch._foreach_mul_`` rounds the factor to a narrower dtype (bf16)."""
-    if wd == 0:
-        return
+def _foreach_decay_(params: list[Tensor], factor: float) -> None:
+    """``W <- factor W`` (``factor = 1 - lr wd``) for every parameter in one kernel where that keeps
+    the bits of :func:`_decay_`: ``torch._foreach_mul_`` rounds the factor to a narrower dtype (bf16)."""
     if all(p.dtype in (torch.float32, torch.float64) for p in params):
-        torch._foreach_mul_(params, 1.0 - lr * wd)
+        torch._foreach_mul_(params, factor)
     else:
         for p in params:
-            _decay_(p, lr, wd)
+            p.mul_(factor)
 
 
 def _slice(counts: Sequence[int], rank: int) -> tuple[int, int]:
@@ -375,15 +397,19 @@ class _MomentumRule(Rule):
     transposes: ClassVar[bool] = False
 
     def step_foreach(self, items, group, ctx):
-        """Batched :meth:`step`: momentum for all items at once, then per shape bucket the
-        directions of this rank's slice of the bucket (:meth:`directions_foreach`), gathered
-        across DDP ranks with one collective per bucket, and one update for all items."""
+        """Batched :meth:`step` of this call alone (:func:`step_foreach_calls` with one call); with
+        ``compile=True`` one compiled graph per bucket (:meth:`_step_compiled`)."""
+        if not ctx.compile:
+            step_foreach_calls([(self, items, group, ctx)])
+            return
         for it in items:
             it.state["step"] += 1
-        if ctx.compile:
-            self._step_compiled(items, group, ctx)
-            return
-        _foreach_momentum(items, group)
+        self._step_compiled(items, group, ctx)
+
+    def pending_foreach(self, items: Sequence[Item], group: dict, ctx: StepContext) -> PendingUpdate:
+        """The batched update of ``items`` (momentum already updated): per shape bucket the
+        directions of this rank's slice of the bucket (:meth:`directions_foreach`), gathered across
+        DDP ranks with one collective per bucket, and the owner state stored (:meth:`store_foreach`)."""
         if ctx.capture is not None:
             ctx.emit(items, [_direction_input(it, group) for it in items], "momentum_input")
         buckets = make_buckets(items, matrix=self.needs_matrix, transpose=self.transposes and not ctx.split.sharded)
@@ -399,15 +425,18 @@ class _MomentumRule(Rule):
         params: list[Tensor] = []
         directions: list[Tensor] = []
         scales: list[float] = []
+        extras: list[list[Tensor]] = []
         for i, (bucket, plan) in enumerate(zip(buckets, plans, strict=True)):
-            D, extras = results[i] if i in results else self.empty_directions(bucket)
+            D, owned = results[i] if i in results else self.empty_directions(bucket)
             if split:
-                D, *extras = ctx.split.gather([D, *extras], plan)
-            self.store_foreach(bucket, extras)
+                D, *owned = ctx.split.gather([D, *owned], plan)
+            extras.append(owned)
             params += [it.param for it in bucket.items]
             directions += bucket.unstack(D)
             scales += [self.scale_foreach(bucket, group)] * len(bucket)
-        _foreach_update(params, directions, scales, group)
+        if self.owner_state:
+            self.store_foreach(buckets, extras)
+        return PendingUpdate(params, directions, scales, group["lr"], group["weight_decay"])
 
     def _step_compiled(self, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
         """``compile=True``: each bucket's whole step, momentum to update, as one compiled graph
@@ -451,8 +480,36 @@ class _MomentumRule(Rule):
         """Shape and dtype examples (one member each) of the owner state gathered with the directions."""
         return []
 
-    def store_foreach(self, bucket: Bucket, extras: list[Tensor]) -> None:
-        """Write the gathered owner state (``extras``, stacked over all members) into the state."""
+    def store_foreach(self, buckets: list[Bucket], extras: list[list[Tensor]]) -> None:
+        """Write the gathered owner state into the state: ``extras[i]`` holds bucket ``i``'s stacks
+        over all its members (one kernel for all buckets where the dtypes allow)."""
+
+
+def step_foreach_calls(calls: Sequence[tuple[Rule, Sequence[Item], dict, StepContext]]) -> None:
+    """The batched step of several rule calls of one optimizer step (``(rule, items, group, ctx)``).
+
+    The calls of momentum rules share kernels: every momentum buffer of every call is updated in two
+    ``torch._foreach_*`` kernels per distinct ``mu`` (MeqMuon's hidden, embedding and vector rules
+    make one), then each call computes its directions (:meth:`_MomentumRule.pending_foreach`), and
+    all updates are applied together: one decay kernel per distinct ``1 - lr wd`` and one add per
+    distinct ``lr * scale``. Directions depend on gradients and momentum only, so computing them all
+    before any parameter changes gives the bits of stepping the calls one by one. Other rules
+    (Adam-type, SCALE) and ``compile=True`` (one graph per bucket, momentum inside) step alone.
+    """
+    shared = []
+    for rule, items, group, ctx in calls:
+        if isinstance(rule, _MomentumRule) and not ctx.compile:
+            shared.append((rule, items, group, ctx))
+        else:
+            rule.step_foreach(items, group, ctx)
+    by_mu: dict[float, list[Item]] = {}
+    for _rule, items, group, _ctx in shared:
+        for it in items:
+            it.state["step"] += 1
+        by_mu.setdefault(group["momentum"], []).extend(items)
+    for mu, items in by_mu.items():
+        _foreach_momentum(items, mu)
+    _foreach_apply([rule.pending_foreach(items, group, ctx) for rule, items, group, ctx in shared])
 
 
 class _HiddenRule(_MomentumRule):
@@ -548,20 +605,15 @@ class MeqHidden(_HiddenRule):
             out = []
             for b, U in zip(buckets, us, strict=True):
                 row, col, chose = F.adaptive_scales(U, psum=ctx.split.psum, rows=b.global_shape[0])
-                out.append((F.scale_matrix(U, row, col).mul_(rho), [chose]))
+                out.append((F.scale_matrix(U, row, col).mul_(rho), [chose.to(torch.int64)]))
             return out
         chose, scales = _meq_scales(ctx, buckets, ranges, us, rho)
         out, o = [], 0
         for b, (lo, hi), U in zip(buckets, ranges, us, strict=True):
             k, m, n = hi - lo, *b.shape
-            p = max(0, min(b.plain - lo, k))  # members stored as they are; the rest are transposed
             S = scales[o : o + k]
-            D = torch.empty(U.shape, dtype=F._stat_dtype(U), device=U.device)
-            # Plain members: rows are their rows (slot 0). Transposed: their rows are U's columns.
-            for sl, rows_slot in ((slice(0, p), 0), (slice(p, k), 1)):
-                if sl.stop > sl.start:
-                    torch.mul(U[sl], S[sl, rows_slot, :m, None], out=D[sl]).mul_(S[sl, 1 - rows_slot, None, :n])
-            out.append((D, [chose[o : o + k]]))
+            D = torch.mul(U, S[:, 0, :m, None], out=torch.empty(U.shape, dtype=F._stat_dtype(U), device=U.device))
+            out.append((D.mul_(S[:, 1, None, :n]), [chose[o : o + k]]))
             o += k
         return out
 
@@ -569,60 +621,63 @@ class MeqHidden(_HiddenRule):
         return 1.0  # rho is folded into the factors
 
     def owner_stacks(self, bucket):
-        return [torch.zeros(1, dtype=torch.bool, device=bucket.items[0].param.device)]
+        return [torch.zeros(1, dtype=torch.int64, device=bucket.items[0].param.device)]
 
-    def store_foreach(self, bucket, extras):
-        (chose,) = extras
-        torch._foreach_add_([it.state["rows_chosen"] for it in bucket.items], chose.to(torch.int64).unbind(0))
+    def store_foreach(self, buckets, extras):
+        counters = [it.state["rows_chosen"] for b in buckets for it in b.items]
+        torch._foreach_add_(counters, [c for (chose,) in extras for c in chose.unbind(0)])
 
 
 def _meq_scales(ctx: StepContext, buckets: list[Bucket], ranges: list[tuple[int, int]], us: list[Tensor],
                 rho: float) -> tuple[Tensor, Tensor]:
     """MeqMuon's choice and factors (paper eq. 4-5, 8) for every matrix of every bucket at once.
 
-    The row and column norms of all ``K`` matrices go into one zero-padded ``(K, 2, L)`` buffer,
-    slot 0 along each member's *original* rows and slot 1 along its columns (so a transposed
-    member's slots are swapped). :func:`functional.cv_of_norms` then gives all ``2K`` CVs in one
-    call (padding counts as zero and is excluded, as zero rows are), and the choice and the
-    inverse RMS factors are a few more whole-buffer kernels: the statistics cost a fixed number of
-    kernels per step, not ~30 per matrix. ``rho`` is folded into the factors.
+    The row and column norms of all ``K`` matrices go into one zero-padded ``(K, 2, L)`` buffer in
+    the bucket's orientation: slot 0 the norms of the stack's rows, slot 1 of its columns, two
+    reductions per bucket. :func:`functional.cv_of_norms` then gives all ``2K`` CVs in one call
+    (padding counts as zero and is excluded, as zero rows are). The choice is made on each member's
+    *original* rows: a constant index swaps the two CVs of transposed members (one ``gather``), so
+    eq. 8's tie rule (rows) holds for them too. The inverse RMS factors and the choice are a few more
+    whole-buffer kernels: the statistics cost a fixed number of kernels per step, not ~30 per
+    matrix. ``rho`` is folded into the factors.
 
     Returns:
-        ``chose`` ``(K,)`` (True where the original rows were normalised) and ``scales``
-        ``(K, 2, L)``: slot 0 the row factors, slot 1 the column factors, 1 on the side not chosen.
+        ``chose`` ``(K,)`` int64 (1 where the original rows were normalised) and ``scales``
+        ``(K, 2, L)`` in the bucket's orientation: slot 0 the factors of the stack's rows, slot 1 of
+        its columns, 1 on the side not chosen.
     """
     dtype, device = F._stat_dtype(us[0]), us[0].device
     layout = tuple((b.key, lo, hi) for b, (lo, hi) in zip(buckets, ranges, strict=True))
     K, L = sum(hi - lo for lo, hi in ranges), max(max(b.shape) for b in buckets)
     norms, _ = _workspace(ctx, ("meq_norms", layout), (K, 2, L), dtype, device, zero=True)
-    # rho * sqrt(length) of each slot's vectors (RMS = norm / sqrt(length)), the zero thresholds and
-    # the side marker: filled once per layout, and again only when rho changes.
-    consts, _ = _workspace(ctx, ("meq_consts", layout), (3, K, 2, 1), dtype, device)
-    factor, threshold, side = consts[0], consts[1], consts[2][:1]
+    # Filled once per layout, and again only when rho changes: rho * sqrt(length) of each slot's
+    # vectors (RMS = norm / sqrt(length)), the zero thresholds, which slot holds the original rows
+    # (1 there) and the CV order that puts the original rows first.
+    consts, _ = _workspace(ctx, ("meq_consts", layout), (4, K, 2, 1), dtype, device)
+    factor, threshold, side = consts[0], consts[1], consts[2]
+    order, _ = _workspace(ctx, ("meq_order", layout), (K, 2), torch.int64, device)
     if ctx.workspace.get(("meq_rho", layout)) != rho:
         ctx.workspace[("meq_rho", layout)] = rho
         o = 0
         for b, (lo, hi) in zip(buckets, ranges, strict=True):
             k, m, n = hi - lo, *b.shape
-            p = max(0, min(b.plain - lo, k))
-            factor[o : o + p, 0], factor[o : o + p, 1] = math.sqrt(n), math.sqrt(m)  # plain: rows have n entries
-            factor[o + p : o + k, 0], factor[o + p : o + k, 1] = math.sqrt(m), math.sqrt(n)
+            p = max(0, min(b.plain - lo, k))  # members stored as they are; the rest are transposed
+            factor[o : o + k, 0], factor[o : o + k, 1] = math.sqrt(n), math.sqrt(m)  # a stack row has n entries
+            side[o : o + p, 0], side[o : o + p, 1] = 1.0, 0.0
+            side[o + p : o + k, 0], side[o + p : o + k, 1] = 0.0, 1.0
+            order[o : o + p, 0], order[o : o + p, 1] = 0, 1
+            order[o + p : o + k, 0], order[o + p : o + k, 1] = 1, 0
             o += k
         torch.mul(factor, F.DELTA, out=threshold)  # RMS <= delta counts as zero (eq. 5)
         factor.mul_(rho)
-        side[0, 0], side[0, 1] = 1.0, 0.0
     o = 0
     for b, (lo, hi), U in zip(buckets, ranges, us, strict=True):
         k, m, n = hi - lo, *b.shape
-        p = max(0, min(b.plain - lo, k))
-        for sl, rows_slot in ((slice(o, o + p), 0), (slice(o + p, o + k), 1)):
-            if sl.stop > sl.start:
-                Us = U[sl.start - o : sl.stop - o]
-                torch.linalg.vector_norm(Us, dim=-1, dtype=dtype, out=norms[sl, rows_slot, :m])
-                torch.linalg.vector_norm(Us, dim=-2, dtype=dtype, out=norms[sl, 1 - rows_slot, :n])
+        torch.linalg.vector_norm(U, dim=-1, dtype=dtype, out=norms[o : o + k, 0, :m])
+        torch.linalg.vector_norm(U, dim=-2, dtype=dtype, out=norms[o : o + k, 1, :n])
         o += k
-    gamma = F.cv_of_norms(norms, threshold)  # (K, 2): CVs of the original rows and columns
-    chose = gamma[:, 0] >= gamma[:, 1]  # eq. 8; ties choose rows
+    gamma = F.cv_of_norms(norms, threshold).gather(1, order)  # (K, 2): CVs of the original rows, columns
+    chose = torch.ge(gamma[:, 0], gamma[:, 1], out=torch.empty(K, dtype=torch.int64, device=device))  # eq. 8
     # rho / RMS, 0 for zero rows/columns; masked_fill takes its value without a scalar tensor kernel.
     scales = torch.div(factor, norms).masked_fill_(norms <= threshold, 0.0)
     scales.masked_fill_(chose[:, None, None] != side, 1.0)  # 1 on the side not chosen
@@ -760,10 +815,9 @@ class NorMuonHidden(_HiddenRule):
     def owner_stacks(self, bucket):
         return [local(bucket.items[0].state["second_moment"])[None]]
 
-    def store_foreach(self, bucket, extras):
-        (v,) = extras
-        states = [local(it.state["second_moment"]) for it in bucket.items]
-        torch._foreach_copy_(states, list(v.to(states[0].dtype).unbind(0)))
+    def store_foreach(self, buckets, extras):
+        states = [local(it.state["second_moment"]) for b in buckets for it in b.items]
+        torch._foreach_copy_(states, [row for (v,) in extras for row in v.unbind(0)])
 
 
 class Equilibrate(_MomentumRule):
@@ -801,22 +855,25 @@ class Equilibrate(_MomentumRule):
             p = b.items[0].param
             X = _stack_inputs(ctx, self.name, b, lo, hi, group, F._stat_dtype(p))
             m, n = b.global_shape
-            X.mul_(_inverse_above(torch.linalg.vector_norm(X, dim=-1), F.DELTA * math.sqrt(n)).unsqueeze(-1))
+            X.div_(_zero_below(torch.linalg.vector_norm(X, dim=-1), F.DELTA * math.sqrt(n)).unsqueeze(-1))
             if ctx.split.psum is None:
                 col = torch.linalg.vector_norm(X, dim=-2)
             else:  # column sums of squares over all row shards
                 col = ctx.split.psum(X.square().sum(dim=-2)).sqrt_()
-            X.mul_(_inverse_above(col, F.DELTA * math.sqrt(m / n)).unsqueeze(-2))
+            # The step scale rho * sqrt(m) rides on the column divisor, so every MeqMuon rule steps
+            # with scale 1 and their updates share one add (step_foreach_calls).
+            col = _zero_below(col, F.DELTA * math.sqrt(m / n)).div_(group["rho"] * math.sqrt(m))
+            X.div_(col.unsqueeze(-2))
             out.append((X, []))
         return out
 
     def scale_foreach(self, bucket, group):
-        return group["rho"] * math.sqrt(bucket.global_shape[0])
+        return 1.0  # rho * sqrt(m) is folded into the column divisor
 
 
-def _inverse_above(norms: Tensor, threshold: float) -> Tensor:
-    """``1 / norms`` where ``norms > threshold``, else 0 (1/inf is 0)."""
-    return norms.masked_fill(norms <= threshold, math.inf).reciprocal_()
+def _zero_below(norms: Tensor, threshold: float) -> Tensor:
+    """``norms`` as divisors that zero what they divide where ``norms <= threshold`` (x / inf = 0)."""
+    return norms.masked_fill(norms <= threshold, math.inf)
 
 
 class RmsNormalize(_MomentumRule):
@@ -846,12 +903,13 @@ class RmsNormalize(_MomentumRule):
                 norm = torch.linalg.vector_norm(flat, dim=-1)
             else:
                 norm = ctx.split.psum(flat.square().sum(dim=-1)).sqrt_()
-            flat.mul_(_inverse_above(norm, F.DELTA * math.sqrt(d)).unsqueeze(-1))
+            # The step scale rho * sqrt(d) rides on the divisor (scale 1, as the other MeqMuon rules).
+            flat.div_(_zero_below(norm, F.DELTA * math.sqrt(d)).div_(group["rho"] * math.sqrt(d)).unsqueeze(-1))
             out.append((X, []))
         return out
 
     def scale_foreach(self, bucket, group):
-        return group["rho"] * math.sqrt(math.prod(bucket.global_shape))
+        return 1.0  # rho * sqrt(d) is folded into the divisor
 
 
 # --------------------------------------------------------------------------------------------
@@ -925,7 +983,8 @@ class AdamW(Rule):
             ms = [local(it.state["exp_avg"]) for it in b.items]
             vs = [local(it.state["exp_avg_sq"]) for it in b.items]
             grads = _grads_like(b.items, ms)
-            _foreach_decay_(params, lr, group["weight_decay"])
+            if group["weight_decay"] != 0:
+                _foreach_decay_(params, 1.0 - lr * group["weight_decay"])
             torch._foreach_lerp_(ms, grads, 1.0 - beta1)
             torch._foreach_mul_(vs, beta2)
             torch._foreach_addcmul_(vs, grads, grads, value=1.0 - beta2)
