@@ -92,3 +92,31 @@ def test_gpu_benchmark_smoke_runs_on_cpu(capsys, per_matrix, foreach, monkeypatc
     m = re.search(r"\| ([\d,]+) tok/s \| MFU [\d.]+% \| optimizer [\d.]+ ms \((\d+)%\) \| loss (\d+\.\d+) \|", out)
     assert m, out
     assert int(m[1].replace(",", "")) > 0 and 0 < int(m[2]) <= 100 and 0 < float(m[3]) < 20
+
+
+def test_seed_pairs_pairs_by_seed_at_each_best_lr(tmp_path):
+    """Two sweeps' results.json: B - A per optimizer at each sweep's own best lr, paired by seed,
+    with the t interval; pairs within a sweep the same way. Values hand-made so each sum is known."""
+    import json
+
+    import seed_pairs
+
+    def rows(values):  # {(optimizer, lr): [loss per seed 0, 1, 2]}
+        return [{"optimizer": o, "lr": lr, "seed": s, "final val loss": v}
+                for (o, lr), vs in values.items() for s, v in enumerate(vs)]
+
+    a = rows({("x", 0.01): [5.0, 5.1, 5.2], ("x", 0.02): [4.0, 4.1, 4.2], ("y", 0.01): [4.5, 4.5, 4.5]})
+    b = rows({("x", 0.01): [3.9, 4.1, 4.3], ("x", 0.02): [6.0, 6.0, 6.0], ("y", 0.01): [4.4, 4.6, 4.5]})
+    (tmp_path / "a.json").write_text(json.dumps({"runs": a, "summary": []}))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    out = seed_pairs.report(seed_pairs.load_rows(tmp_path / "a.json"), seed_pairs.load_rows(tmp_path / "b.json"),
+                            ("A", "B"))
+    lines = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    # x: best lr 0.02 in A, 0.01 in B; differences -0.1, 0, +0.1: mean 0, interval +-t(2) * 0.1 / sqrt(3).
+    half = 4.302652729911275 * 0.1 / 3 ** 0.5
+    cells = lines["x"].split("|")[2:7]
+    assert cells[:2] == [" 0.02 ", " 0.01 "] and abs(float(cells[2])) < 1e-4
+    assert cells[3:] == [f" [{-half:+.4f}, {half:+.4f}] ", " 3 "]
+    assert lines["x"].rstrip().endswith("| no |")
+    # Within A: x (0.02) - y differences -0.5, -0.4, -0.3: interval excludes 0.
+    assert "| x - y | 0.02 | 0.01 | -0.4000 |" in out and out.split("B: Δ")[0].count("| yes |") == 1
