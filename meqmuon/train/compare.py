@@ -63,8 +63,9 @@ DEMO_LRS: dict[str, float] = {
     "meqmuon-only-hidden": 1e-2,
     "meqmuon-only-embedding": 1e-2,
     "meqmuon-only-vector": 1e-2,
-    # MuonEq (issue 15): Muon's lr until the 3-seed grid of docs/benchmarks.md picks its own.
-    "muoneq-r": 1e-2,
+    # MuonEq (issue 15): R's is the best of the 3-seed grid at the demo setting (docs/benchmarks.md,
+    # 5e-3..8e-2; 2e-2 with and without Polar Express). C and RC were not swept: Muon's.
+    "muoneq-r": 2e-2,
     "muoneq-c": 1e-2,
     "muoneq-rc": 1e-2,
 }
