@@ -100,14 +100,18 @@ def detect_cuda_bf16(device: torch.device | str | None = None) -> bool:
     return _cuda_bf16(d.index if d.index is not None else torch.cuda.current_device())
 
 
+def _device_type(device: torch.device | str) -> str:
+    """``"cuda"`` for ``"cuda:1"`` or ``torch.device("cuda", 1)``."""
+    return (device if isinstance(device, str) else device.type).split(":")[0]
+
+
 def native_bf16(device: torch.device | str, *, cpu_capability: str | None = None,
                 cuda_bf16: bool | None = None) -> bool:
     """Whether ``device`` runs bf16 matmuls natively (see the module docstring for the rule).
 
     ``cpu_capability`` / ``cuda_bf16`` inject the hardware report (tests); ``None`` asks the hardware.
     """
-    dev_type = device if isinstance(device, str) else device.type
-    dev_type = dev_type.split(":")[0]
+    dev_type = _device_type(device)
     if dev_type == "cuda":
         return detect_cuda_bf16(device) if cuda_bf16 is None else bool(cuda_bf16)
     if dev_type == "cpu":
@@ -144,8 +148,7 @@ def resolve_precision(precision: str, device: torch.device | str, *, cpu_capabil
 def bf16_warning(device: torch.device | str, *, what: str = "bf16", cpu_capability: str | None = None) -> str | None:
     """One warning line when bf16 (``what``, e.g. "bf16 autocast") is asked for on a CPU without
     native bf16, else ``None``."""
-    dev_type = (device if isinstance(device, str) else device.type).split(":")[0]
-    if dev_type != "cpu":
+    if _device_type(device) != "cpu":
         return None
     cap = detect_cpu_capability() if cpu_capability is None else cpu_capability
     if cpu_native_bf16(cap):

@@ -217,15 +217,13 @@ def _direction_input(it: Item, group: dict, rows: slice = slice(None), out: Tens
 
 
 def _workspace(ctx: StepContext, key: tuple, shape: tuple[int, ...], dtype: torch.dtype, device,
-               zero: bool = False) -> tuple[Tensor, bool]:
-    """A tensor kept between steps in the optimizer's workspace; returns it and whether it is new."""
+               zero: bool = False) -> Tensor:
+    """A tensor kept between steps in the optimizer's workspace (made on first use, zeroed if ``zero``)."""
     full = (key, tuple(shape), dtype, device)
     t = ctx.workspace.get(full)
-    if t is not None:
-        return t, False
-    t = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
-    ctx.workspace[full] = t
-    return t, True
+    if t is None:
+        t = ctx.workspace[full] = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+    return t
 
 
 def _grads_like(items: Sequence[Item], like: Sequence[Tensor]) -> list[Tensor]:
@@ -244,7 +242,7 @@ def _stack_inputs(ctx: StepContext, name: str, bucket: Bucket, lo: int, hi: int,
     """The direction inputs of members ``lo..hi`` (``G + mu B``, or ``B``) stacked in the bucket's
     persistent workspace, cast to ``dtype`` (the Newton-Schulz dtype for hidden matrices) on the way."""
     items = bucket.items[lo:hi]
-    out, _ = _workspace(ctx, (name, "inputs", ctx.call, bucket.key, lo, hi), (hi - lo, *bucket.shape), dtype,
+    out = _workspace(ctx, (name, "inputs", ctx.call, bucket.key, lo, hi), (hi - lo, *bucket.shape), dtype,
                         items[0].param.device)
     bufs = [local(it.state["momentum_buffer"]) for it in items]
     values = torch._foreach_add(_grads_like(items, bufs), bufs, alpha=group["momentum"]) if group["nesterov"] else bufs
@@ -254,7 +252,7 @@ def _stack_inputs(ctx: StepContext, name: str, bucket: Bucket, lo: int, hi: int,
 def _stack_tensors(ctx: StepContext, name: str, bucket: Bucket, tensors: Sequence[Tensor]) -> Tensor:
     """``tensors`` (one per member) stacked in the bucket's workspace, at least float32."""
     t0 = tensors[0]
-    out, _ = _workspace(ctx, (name, "inputs", ctx.call, bucket.key), (len(tensors), *bucket.shape),
+    out = _workspace(ctx, (name, "inputs", ctx.call, bucket.key), (len(tensors), *bucket.shape),
                         torch.promote_types(t0.dtype, torch.float32), t0.device)
     return bucket.stack_into(out, tensors)
 
@@ -649,13 +647,12 @@ def _meq_scales(ctx: StepContext, buckets: list[Bucket], ranges: list[tuple[int,
     dtype, device = F._stat_dtype(us[0]), us[0].device
     layout = tuple((b.key, lo, hi) for b, (lo, hi) in zip(buckets, ranges, strict=True))
     K, L = sum(hi - lo for lo, hi in ranges), max(max(b.shape) for b in buckets)
-    norms, _ = _workspace(ctx, ("meq_norms", layout), (K, 2, L), dtype, device, zero=True)
+    norms = _workspace(ctx, ("meq_norms", layout), (K, 2, L), dtype, device, zero=True)
     # Filled once per layout, and again only when rho changes: rho * sqrt(length) of each slot's
     # vectors (RMS = norm / sqrt(length)), the zero thresholds, which slot holds the original rows
     # (1 there) and the CV order that puts the original rows first.
-    consts, _ = _workspace(ctx, ("meq_consts", layout), (4, K, 2, 1), dtype, device)
-    factor, threshold, side = consts[0], consts[1], consts[2]
-    order, _ = _workspace(ctx, ("meq_order", layout), (K, 2), torch.int64, device)
+    factor, threshold, side = _workspace(ctx, ("meq_consts", layout), (3, K, 2, 1), dtype, device)
+    order = _workspace(ctx, ("meq_order", layout), (K, 2), torch.int64, device)
     if ctx.workspace.get(("meq_rho", layout)) != rho:
         ctx.workspace[("meq_rho", layout)] = rho
         o = 0
