@@ -26,6 +26,7 @@ from torch import nn
 from ..optim import build_optimizer, optimizer_state_bytes, rules_of
 from ..optim.memory import MIB
 from ..optim.rules import RULES
+from ..optim.views import group_layout
 from .tables import markdown_table
 
 __all__ = [
@@ -104,11 +105,11 @@ def predicted_state_bytes(name: str, groups: Sequence[Mapping[str, Any]], state_
     for g in groups:
         rule_name = rules[g["kind"]]
         rule = RULES[rule_name]
-        for p in g["params"]:
-            shape = tuple(p.shape)
-            elements = rule.state_elements(shape)
+        for i, p in enumerate(g["params"]):
+            layout = group_layout(g, i, p.shape)
+            elements = rule.state_elements(layout)
             if rule_name in _FP32_ROW_STATE:
-                rows = shape[0]
+                rows = math.prod(layout.rows_shape)
                 total += (elements - rows) * state_bytes + rows * max(state_bytes, 4)
             else:
                 total += elements * state_bytes

@@ -78,9 +78,9 @@ __all__ = [
     "ns_dtype_of",
     "ns_flops",
     "resolve_process_group",
-    "rows_state_like",
     "replicated_splitter",
     "splitter_for",
+    "state_like",
 ]
 
 
@@ -94,12 +94,14 @@ def local(t: Tensor) -> Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
-def rows_state_like(p: Tensor, dtype: torch.dtype) -> Tensor:
-    """Zeros of shape ``(p.shape[0],)``, one per row, sharded like ``p``'s rows if ``p`` is a DTensor."""
+def state_like(p: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """Zeros of ``shape`` (whose first dim is ``p``'s: one entry per row, or per stacked matrix, of
+    ``p``), sharded along dim 0 like ``p`` if ``p`` is a DTensor."""
     if not is_dtensor(p):
-        return torch.zeros(p.shape[0], dtype=dtype, device=p.device)
-    loc = torch.zeros(p.to_local().shape[0], dtype=dtype, device=p.device)
-    return DTensor.from_local(loc, p.device_mesh, p.placements, run_check=False, shape=(p.shape[0],), stride=(1,))
+        return torch.zeros(shape, dtype=dtype, device=p.device)
+    loc = torch.zeros((p.to_local().shape[0], *shape[1:]), dtype=dtype, device=p.device)
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(loc, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride)
 
 
 def resolve_process_group(process_group: Any) -> Any:

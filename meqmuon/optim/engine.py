@@ -17,9 +17,10 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
-from .distributed import LocalSplit, is_dtensor, replicated_splitter, resolve_process_group, splitter_for
+from .distributed import LocalSplit, is_dtensor, local, replicated_splitter, resolve_process_group, splitter_for
 from .groups import KINDS, infer_kind
 from .rules import RULES, Item, Rule, StepContext, step_foreach_calls
+from .views import Layout, group_layout, normalise_group_views
 
 
 def _check_number(
@@ -95,6 +96,21 @@ def validate_group(group: Mapping[str, Any], keys: Iterable[str]) -> None:
             v = group[key]
             if v is not None and not (isinstance(v, torch.dtype) and v.is_floating_point):
                 raise ValueError(f"Invalid state_dtype: {v!r} (expected a floating torch.dtype or None)")
+
+
+def _matrix_items(rule: Rule, layout: Layout, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
+                  name: str, kind: str) -> list[Item]:
+    """One item per matrix of ``param`` (:meth:`Layout.matrices`): the matrix, its gradient and its
+    state as views (``rule.state_views`` says how each state tensor divides), named ``name[e]#j``.
+    Under FSDP2 ``param`` is the local shard of a stack, whose matrices are whole."""
+    pieces = {"param": layout.matrices, "rows": layout.row_pieces, "counter": layout.counters}
+    per_key = {k: pieces[how](local(state[k])) for k, how in rule.state_views.items()}
+    items = []
+    for j, (p, g, label) in enumerate(zip(layout.matrices(param), layout.matrices(grad), layout.labels(),
+                                          strict=False)):
+        sub = {"step": state["step"], **{k: v[j] for k, v in per_key.items()}}
+        items.append(Item(p, g, sub, name + label, p.shape, kind))
+    return items
 
 
 class RoleOptimizer(Optimizer):
@@ -189,6 +205,7 @@ class RoleOptimizer(Optimizer):
         names = group.get("names")
         if names is not None and len(names) != len(group["params"]):
             raise ValueError(f"param group 'names' has {len(names)} entries for {len(group['params'])} params")
+        normalise_group_views(group, names or [f"params[{i}]" for i in range(len(group["params"]))])
         keys = {"lr", "weight_decay"}
         for i, p in enumerate(group["params"]):
             pname = names[i] if names else f"params[{i}]"
@@ -212,29 +229,42 @@ class RoleOptimizer(Optimizer):
 
     # ---- stepping --------------------------------------------------------------------------
 
-    def _group_items(self, group: dict[str, Any]) -> dict[Rule, list[Item]]:
-        """Items with a gradient, by rule; DTensors are unwrapped to their local shards here."""
-        buckets: dict[Rule, list[Item]] = defaultdict(list)
+    def _group_items(self, group: dict[str, Any]) -> dict[tuple[Rule, bool], list[Item]]:
+        """Items with a gradient, by rule and by whether they are whole local matrices of sharded
+        (DTensor) stacks. Counts each stepped parameter's ``step``; creates the state of every
+        parameter of the group, gradient or not, so that the state is the same on every rank (a
+        ``torch.distributed.checkpoint`` save needs that; microsoft/dion#89). A parameter whose view
+        is not one whole matrix (:mod:`.views`) becomes one item per matrix, each a view of it and of
+        its state; DTensors are unwrapped to their local shards here."""
+        out: dict[tuple[Rule, bool], list[Item]] = defaultdict(list)
         kind = group.get("kind")
         names = group.get("names")
         for i, p in enumerate(group["params"]):
+            name = names[i] if names else f"params[{i}]"
+            pkind = kind or infer_kind(p)
+            rule = self._rule_for(pkind)
+            layout = group_layout(group, i, p.shape, name)
+            state = self.state[p]
+            if not state:
+                rule.init_state(p, state, group, layout)
             g = p.grad
             if g is None:
                 continue
-            name = names[i] if names else f"params[{i}]"
             if g.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients ({name})")
-            rule = self._rule_for(kind or infer_kind(p))
-            state = self.state[p]
-            if not state:
-                rule.init_state(p, state, group)
-            pkind = kind or infer_kind(p)
-            if is_dtensor(p):
-                buckets[rule].append(Item(p.to_local(), g.to_local(), state, name, p.shape, pkind))
-            else:
-                buckets[rule].append(Item(p, g, state, name, kind=pkind))
-        return buckets
-
+            state["step"] += 1
+            sharded = is_dtensor(p)
+            param, grad = (p.to_local(), g.to_local()) if sharded else (p, g)
+            if layout.whole or not rule.needs_matrix:
+                out[(rule, False)].append(Item(param, grad, state, name, p.shape, pkind))
+                continue
+            if sharded and (layout.transposed or layout.split):
+                raise NotImplementedError(
+                    f"{name}: view {layout.view!r}{' with a split' if layout.split else ''} under FSDP2 would need "
+                    "the rows of a matrix from several shards; give its group views='matrix' / splits=None, or "
+                    "keep this parameter unsharded")
+            out[(rule, sharded)].extend(_matrix_items(rule, layout, param, grad, state, name, pkind))
+        return out
     @staticmethod
     def _batched(group: dict[str, Any], items: list[Item]) -> bool:
         """``foreach`` as in torch.optim: ``None`` takes the batched path where every parameter is on a
@@ -292,8 +322,10 @@ class RoleOptimizer(Optimizer):
         # (the embedding and head groups, say) are one call, so that they share shape buckets.
         batched: dict[tuple, tuple[Rule, dict, list[Item], LocalSplit, str]] = {}
         for group in self.param_groups:
-            split = self._splitter(group, replicated)
-            for rule, items in self._group_items(group).items():
+            group_split = self._splitter(group, replicated)
+            for (rule, whole), items in self._group_items(group).items():
+                # Whole local matrices of a sharded stack (FSDP2 experts) need no other rank.
+                split = LocalSplit() if whole else group_split
                 kind = group.get("kind") or infer_kind(items[0].param)
                 if not self._batched(group, items):
                     rule.step(items, group, StepContext(self._capture_hook, kind, split, self._compile))
@@ -316,21 +348,22 @@ class RoleOptimizer(Optimizer):
 
     # ---- introspection -----------------------------------------------------------------------
 
-    def _named_params(self) -> Iterable[tuple[str, torch.Tensor, dict[str, Any]]]:
-        for gi, group in enumerate(self.param_groups):
-            names = group.get("names")
-            for i, p in enumerate(group["params"]):
-                yield (names[i] if names else f"group{gi}.params[{i}]"), p, group
-
     def selection_counts(self) -> dict[str, tuple[int, int]]:
-        """Per hidden parameter using MeqMuon's adaptive rule: ``(row_steps, column_steps)`` so far.
+        """Per matrix using MeqMuon's adaptive rule: ``(row_steps, column_steps)`` so far, keyed by the
+        parameter's name, or ``name[e]#j`` for the matrices of a stacked or split parameter.
 
         Counting happens on device during ``step()``; this call reads the counters (one sync).
         """
         out: dict[str, tuple[int, int]] = {}
-        for name, p, _group in self._named_params():
-            st = self.state.get(p)
-            if st and "rows_chosen" in st:
-                rows = int(st["rows_chosen"].item())
-                out[name] = (rows, int(st["step"]) - rows)
+        for gi, group in enumerate(self.param_groups):
+            names = group.get("names")
+            for i, p in enumerate(group["params"]):
+                st = self.state.get(p)
+                if not st or "rows_chosen" not in st:
+                    continue
+                name = names[i] if names else f"group{gi}.params[{i}]"
+                counts = local(st["rows_chosen"]).reshape(-1).tolist()
+                labels = group_layout(group, i, p.shape, name).labels() if len(counts) > 1 else [""]
+                for label, rows in zip(labels, counts, strict=True):
+                    out[name + label] = (rows, int(st["step"]) - rows)
         return out

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .rules import RULES
+from .views import group_layout
 
 MIB = 2**20
 
@@ -49,6 +50,6 @@ def predicted_state_elements(rules: Mapping[str, str], groups: Iterable[Mapping[
     total = 0
     for g in groups:
         rule = RULES[rules[g["kind"]]]
-        for p in g["params"]:
-            total += rule.state_elements(tuple(p.shape))
+        for i, p in enumerate(g["params"]):
+            total += rule.state_elements(group_layout(g, i, p.shape))
     return total

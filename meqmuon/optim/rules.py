@@ -39,7 +39,8 @@ from torch import Tensor
 from .. import functional as F
 from . import blockwise, fused
 from .buckets import Bucket, make_buckets
-from .distributed import LocalSplit, local, ns_dtype_of, ns_flops, rows_state_like
+from .distributed import LocalSplit, local, ns_dtype_of, ns_flops, state_like
+from .views import Layout
 
 # SCALE divides by the slice RMS clamped at this value (OptimAI-Lab/Minimalist_LLM_Pretraining
 # f5bd4e7, mem_eff_pt/pt_scale/scale_optimizer.py: ``.clamp_min(1e-8)``).
@@ -320,11 +321,16 @@ class Rule:
     #: Hyperparameter keys the rule reads from its group (validated by the engine).
     hyperparameters: ClassVar[tuple[str, ...]] = ()
 
-    def state_elements(self, shape: torch.Size | tuple[int, ...]) -> int:
-        """Number of state elements (excluding scalar counters) kept for a parameter of ``shape``."""
+    #: How each state tensor divides among a parameter's matrices (``views.py``): ``"param"`` (shaped
+    #: like the parameter), ``"rows"`` (one value per matrix row), ``"counter"`` (one per matrix).
+    state_views: ClassVar[dict[str, str]] = {}
+
+    def state_elements(self, layout: Layout) -> int:
+        """Number of state elements (excluding scalar counters) kept for a parameter of ``layout``."""
         raise NotImplementedError
 
-    def init_state(self, p: Tensor, state: dict[str, Any], group: dict) -> None:
+    def init_state(self, p: Tensor, state: dict[str, Any], group: dict, layout: Layout) -> None:
+        """Create the state of parameter ``p``; ``state["step"]`` is counted by the engine."""
         raise NotImplementedError
 
     def step(self, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
@@ -359,10 +365,12 @@ class _MomentumRule(Rule):
     #: Split updates over DDP ranks; False where repeating the work is cheaper than sending it.
     split_work: ClassVar[bool] = True
 
-    def state_elements(self, shape):
-        return math.prod(shape)
+    state_views = {"momentum_buffer": "param"}
 
-    def init_state(self, p, state, group):
+    def state_elements(self, layout):
+        return math.prod(layout.batch) * layout.rows * layout.cols
+
+    def init_state(self, p, state, group, layout):
         state["momentum_buffer"] = torch.zeros_like(
             p, dtype=_state_dtype(p, group), memory_format=torch.preserve_format
         )
@@ -377,8 +385,6 @@ class _MomentumRule(Rule):
         raise NotImplementedError
 
     def step(self, items, group, ctx):
-        for it in items:
-            it.state["step"] += 1
         _update_momentum(items, group)
         if ctx.capture is not None:
             ctx.emit(items, [_direction_input(it, group) for it in items], "momentum_input")
@@ -400,8 +406,6 @@ class _MomentumRule(Rule):
         if not ctx.compile:
             step_foreach_calls([(self, items, group, ctx)])
             return
-        for it in items:
-            it.state["step"] += 1
         self._step_compiled(items, group, ctx)
 
     def pending_foreach(self, items: Sequence[Item], group: dict, ctx: StepContext) -> PendingUpdate:
@@ -502,8 +506,6 @@ def step_foreach_calls(calls: Sequence[tuple[Rule, Sequence[Item], dict, StepCon
             rule.step_foreach(items, group, ctx)
     by_mu: dict[float, list[Item]] = {}
     for _rule, items, group, _ctx in shared:
-        for it in items:
-            it.state["step"] += 1
         by_mu.setdefault(group["momentum"], []).extend(items)
     for mu, items in by_mu.items():
         _foreach_momentum(items, mu)
@@ -569,11 +571,14 @@ class MeqHidden(_HiddenRule):
     name = "meq_hidden"
     hyperparameters = ("momentum", "nesterov", "rho", "ns_steps", "ns_coefficients", "ns_dtype")
     owner_state = ("rows_chosen",)
+    state_views = {**_MomentumRule.state_views, "rows_chosen": "counter"}
 
-    def init_state(self, p, state, group):
-        super().init_state(p, state, group)
-        # Plain tensor even under FSDP2: every rank makes the same choice for the whole matrix.
-        state["rows_chosen"] = torch.zeros((), dtype=torch.int64, device=p.device)
+    def init_state(self, p, state, group, layout):
+        super().init_state(p, state, group, layout)
+        # One count per matrix. For one whole matrix a plain tensor even under FSDP2 (every rank
+        # makes the same choice for it); stacked matrices are sharded with the parameter's dim 0.
+        state["rows_chosen"] = state_like(p, layout.counter_shape, torch.int64) if layout.batch else torch.zeros(
+            layout.counter_shape, dtype=torch.int64, device=p.device)
 
     def update(self, items, group, ctx):
         scratch: dict[tuple, Tensor] = {}
@@ -752,13 +757,14 @@ class NorMuonHidden(_HiddenRule):
     name = "normuon_hidden"
     hyperparameters = ("momentum", "nesterov", "rho", "beta2", "ns_steps", "ns_coefficients", "ns_dtype")
     owner_state = ("second_moment",)
+    state_views = {**_MomentumRule.state_views, "second_moment": "rows"}
 
-    def state_elements(self, shape):
-        return math.prod(shape) + shape[0]
+    def state_elements(self, layout):
+        return super().state_elements(layout) + math.prod(layout.rows_shape)
 
-    def init_state(self, p, state, group):
-        super().init_state(p, state, group)
-        state["second_moment"] = rows_state_like(p, torch.promote_types(p.dtype, torch.float32))
+    def init_state(self, p, state, group, layout):
+        super().init_state(p, state, group, layout)
+        state["second_moment"] = state_like(p, layout.rows_shape, torch.promote_types(p.dtype, torch.float32))
 
     def update(self, items, group, ctx):
         beta2 = group["beta2"]
@@ -928,10 +934,10 @@ class AdamW(Rule):
     #: Moonlight/SCALE form: eps added to the uncorrected sqrt(v).
     eps_before_correction: ClassVar[bool] = False
 
-    def state_elements(self, shape):
-        return 2 * math.prod(shape)
+    def state_elements(self, layout):
+        return 2 * math.prod(layout.batch) * layout.rows * layout.cols
 
-    def init_state(self, p, state, group):
+    def init_state(self, p, state, group, layout):
         dtype = _state_dtype(p, group)
         state["step"] = 0
         state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
@@ -950,7 +956,6 @@ class AdamW(Rule):
         denominators: dict[tuple, Tensor] = {}
         for it in items:
             st = it.state
-            st["step"] += 1
             t = st["step"]
             _decay_(it.param, lr, wd)
             m, v = local(st["exp_avg"]), local(st["exp_avg_sq"])
@@ -974,8 +979,6 @@ class AdamW(Rule):
         beta1, beta2 = group["betas"]
         eps, lr = group["eps"], group["lr"]
         for b in make_buckets(items, matrix=False, transpose=False, by_shape=False):
-            for it in b.items:
-                it.state["step"] += 1
             params = [it.param for it in b.items]
             ms = [local(it.state["exp_avg"]) for it in b.items]
             vs = [local(it.state["exp_avg_sq"]) for it in b.items]
@@ -1046,16 +1049,14 @@ class _ScaleRaw(Rule):
     normalise: ClassVar[Callable[[Tensor], Tensor]]
     needs_matrix = True
 
-    def state_elements(self, shape):
+    def state_elements(self, layout):
         return 0
 
-    def init_state(self, p, state, group):
+    def init_state(self, p, state, group, layout):
         state["step"] = 0
 
     def step(self, items, group, ctx):
         ctx.emit(items, [it.grad for it in items], "gradient")
-        for it in items:
-            it.state["step"] += 1
         psum = ctx.split.psum
         directions = [type(self).normalise(it.grad, psum, _matrix_shape(it.shape)[0]) for it in items]
         apply_update(items, directions, [1.0] * len(items), group)
@@ -1065,8 +1066,6 @@ class _ScaleRaw(Rule):
 
     def step_foreach(self, items, group, ctx):
         ctx.emit(items, [it.grad for it in items], "gradient")
-        for it in items:
-            it.state["step"] += 1
         params, directions = [], []
         for b in make_buckets(items, matrix=True, transpose=False):
             G = _stack_tensors(ctx, self.name, b, [it.grad for it in b.items])
@@ -1100,10 +1099,12 @@ class ScaleHead(Rule):
     needs_matrix = True
     hyperparameters = ("momentum",)
 
-    def state_elements(self, shape):
-        return math.prod(shape)
+    state_views = {"momentum_buffer": "param"}
 
-    def init_state(self, p, state, group):
+    def state_elements(self, layout):
+        return math.prod(layout.batch) * layout.rows * layout.cols
+
+    def init_state(self, p, state, group, layout):
         state["step"] = 0
         state["momentum_buffer"] = torch.zeros_like(
             p, dtype=_state_dtype(p, group), memory_format=torch.preserve_format
@@ -1113,7 +1114,6 @@ class ScaleHead(Rule):
         ctx.emit(items, [it.grad for it in items], "gradient")
         directions = []
         for it in items:
-            it.state["step"] += 1
             m = local(it.state["momentum_buffer"])
             m.lerp_(it.grad.to(m.dtype), 1.0 - group["momentum"])
             directions.append(_scale_row(m))
@@ -1121,8 +1121,6 @@ class ScaleHead(Rule):
 
     def step_foreach(self, items, group, ctx):
         ctx.emit(items, [it.grad for it in items], "gradient")
-        for it in items:
-            it.state["step"] += 1
         ms = [local(it.state["momentum_buffer"]) for it in items]
         torch._foreach_lerp_(ms, _grads_like(items, ms), 1.0 - group["momentum"])
         params, directions = [], []
