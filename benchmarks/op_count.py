@@ -60,15 +60,30 @@ def deepen(shapes: dict[str, list[tuple[int, ...]]], depth: int) -> dict[str, li
     return {k: (v * depth if k in ("hidden", "vector") else list(v)) for k, v in shapes.items()}
 
 
-def count_step_ops(name: str, shapes: dict[str, list[tuple[int, ...]]], foreach: bool, **hparams) -> OpCounter:
-    """Ops dispatched by the second ``step()`` of optimizer ``name`` over meta tensors of ``shapes``."""
+def mixtral_shapes(experts: int, layers: int = 2, d: int = 512, inner: int = 1376,
+                   vocab: int = 32000) -> tuple[dict[str, list[tuple[int, ...]]], dict[str, list]]:
+    """Shapes of a Mixtral-like model (GQA attention, a router, ``experts`` experts stored as
+    transformers 5 does, ``(E, 2I, d)`` and ``(E, d, I)``) and its hidden tensors' views and splits."""
+    hidden: list[tuple[int, ...]] = []
+    for _ in range(layers):
+        hidden += [(d, d), (d // 4, d), (d // 4, d), (d, d), (experts, d), (experts, 2 * inner, d), (experts, d, inner)]
+    views = ["stacked" if len(s) == 3 else "matrix" for s in hidden]
+    splits = [(inner, inner) if len(s) == 3 and s[1] == 2 * inner else None for s in hidden]
+    shapes = {"hidden": hidden, "embedding": [(vocab, d)], "head": [(vocab, d)], "vector": [(d,)] * (2 * layers + 1)}
+    return shapes, {"views": views, "splits": splits}
+
+
+def count_step_ops(name: str, shapes: dict[str, list[tuple[int, ...]]], foreach: bool,
+                   hidden_views: dict[str, list] | None = None, **hparams) -> OpCounter:
+    """Ops dispatched by the second ``step()`` of optimizer ``name`` over meta tensors of ``shapes``;
+    ``hidden_views`` (``views`` and ``splits`` lists) declares the hidden tensors' matrix views."""
     groups = []
     for kind, kind_shapes in shapes.items():
         params = [nn.Parameter(torch.empty(s, device="meta")) for s in kind_shapes]
         for p in params:
             p.grad = torch.empty_like(p)
         if params:
-            groups.append({"params": params, "kind": kind})
+            groups.append({"params": params, "kind": kind, **(hidden_views or {} if kind == "hidden" else {})})
     if "ns_dtype" in meqmuon.valid_hyperparameters(name):
         # What ns_dtype=None resolves to on a bf16-capable GPU (meqmuon.precision); on `meta` it
         # would resolve to float32 and drop the casts a GPU step makes.
@@ -100,6 +115,12 @@ def main(argv=None) -> None:
         counts[name] = batched
         print(f"| {name} | {per_tensor:,} | {batched.total:,} | {deeper:,} | {deeper / batched.total:.2f} |")
     print(f"\nMeqMuon / Muon, batched: {counts['meqmuon'].total / counts['muon'].total:.2f}")
+    print("\n# batched ops per step, Mixtral-like model (2 layers, experts viewed stacked, gate/up split)\n")
+    print("| optimizer | 4 experts | 16 experts | 16 / 4 |\n|---|---:|---:|---:|")
+    for name in ("meqmuon", "muon", "normuon"):
+        four, sixteen = (count_step_ops(name, shapes, True, views).total
+                         for shapes, views in (mixtral_shapes(4), mixtral_shapes(16)))
+        print(f"| {name} | {four:,} | {sixteen:,} | {sixteen / four:.2f} |")
     if args.top:
         for name, c in counts.items():
             print(f"\n{name}: " + ", ".join(f"{op} {k}" for op, k in c.ops.most_common(args.top)))

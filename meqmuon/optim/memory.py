@@ -22,8 +22,9 @@ MIB = 2**20
 def optimizer_state_bytes(opt: torch.optim.Optimizer, *, include_counters: bool = False) -> int:
     """Bytes held by the optimizer's state tensors.
 
-    Works for any ``torch.optim.Optimizer``. 0-D tensors (step counters, selection counters) are
-    excluded unless ``include_counters`` is set, matching the paper's accounting.
+    Works for any ``torch.optim.Optimizer``. Counters (0-D tensors such as torch's step counts, and
+    integer tensors such as MeqMuon's per-matrix selection counts) are excluded unless
+    ``include_counters`` is set, matching the paper's accounting.
     """
     total = 0
     seen: set[int] = set()
@@ -31,7 +32,7 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer, *, include_counters: bool 
         for value in state.values():
             if not isinstance(value, torch.Tensor):
                 continue
-            if value.ndim == 0 and not include_counters:
+            if (value.ndim == 0 or not value.is_floating_point()) and not include_counters:
                 continue
             key = id(value)
             if key in seen:
