@@ -596,3 +596,126 @@ def test_dcp_checkpoint_resumes_across_world_sizes(tmp_path):
         for i, (p, q) in enumerate(zip(params, ref["params"], strict=True)):
             assert torch.allclose(p, q, rtol=0, atol=1e-6), (name, i, (p - q).abs().max().item())
         assert counts == ref["counts"]
+
+
+# ---- MoE experts: stacked views under DDP and FSDP2 ------------------------------------------------
+
+# 5 experts (uneven over 2 ranks: FSDP2 gives rank 0 three, rank 1 two), gate/up split in halves, and
+# a dense matrix of an expert half's shape, which joins the experts' bucket.
+EXPERTS = {"up": (5, 12, 8), "down": (5, 8, 6), "dense": (6, 8)}
+EXPERT_VIEWS = {"views": ["stacked", "stacked", "matrix"], "splits": [(6, 6), None, None]}
+EXPERT_NAMES = ["meqmuon", "muon", "normuon", "meqmuon+foreach", "normuon+foreach"]
+
+
+def _expert_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"hidden": [nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in EXPERTS.values()],
+            "vector": [nn.Parameter(torch.randn(8, generator=g))]}
+
+
+def _expert_groups(params):
+    groups = _groups(params)
+    groups[0].update(names=list(EXPERTS), **EXPERT_VIEWS)
+    return groups
+
+
+def _expert_grads(step):
+    """Gradients of one step; expert 4 gets no tokens (a zero gradient) at every step."""
+    g = torch.Generator().manual_seed(2000 + step)
+    hidden = [torch.randn(s, generator=g) for s in EXPERTS.values()]
+    hidden[0][4] = hidden[1][4] = 0.0
+    return {"hidden": hidden, "vector": [torch.randn(8, generator=g)]}
+
+
+def _expert_single(name, steps=STEPS):
+    params = _expert_params()
+    opt = _opt(name, _expert_groups(params))
+    for step in range(steps):
+        for k, gs in _expert_grads(step).items():
+            for p, gr in zip(params[k], gs, strict=True):
+                p.grad = gr
+        opt.step()
+    return [p.detach().clone() for ps in params.values() for p in ps], opt
+
+
+def _experts_ddp_worker(rank, names):
+    out = {}
+    for name in names:
+        params = _expert_params()
+        opt = _opt(name, _expert_groups(params))
+        assert isinstance(opt._splitter(opt.param_groups[0]), D.ReplicatedSplit)
+        for step in range(STEPS):
+            for k, gs in _expert_grads(step).items():
+                for p, gr in zip(params[k], gs, strict=True):
+                    p.grad = gr
+            opt.step()
+        counts = opt.selection_counts() if name.startswith("meqmuon") else None
+        out[name] = {"params": [p.detach().clone() for ps in params.values() for p in ps], "counts": counts,
+                     "state": opt.state_dict()}
+    return out
+
+
+def test_ddp_experts_are_bit_exact(tmp_path):
+    """DDP splits the experts' matrices over ranks (per-tensor and batched); both ranks end bit for bit
+    on the single-process result, with complete, equal state."""
+    results = _spawn(_experts_ddp_worker, tmp_path, EXPERT_NAMES)
+    torch.set_num_threads(1)
+    for name in EXPERT_NAMES:
+        ref, ref_opt = _expert_single(name)
+        for r in range(WORLD):
+            assert all(torch.equal(a, b) for a, b in zip(results[r][name]["params"], ref, strict=True)), (name, r)
+        _state_equal(results[0][name]["state"], results[1][name]["state"])
+        if name.startswith("meqmuon"):
+            assert results[0][name]["counts"] == ref_opt.selection_counts()
+            assert "up[4]#1" in ref_opt.selection_counts()
+
+
+def _experts_fsdp_worker(rank, names, ckpt_root):
+    """FSDP2 shards the stacks along dim 0 (whole experts per rank). On rank 1 the dense matrix gets
+    no gradient at step 0 (as an expert module that got no tokens there): its state must exist anyway."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    out = {}
+    for name in names:
+        params = _expert_params()
+        holder = _Holder(params)
+        fully_shard(holder, mesh=mesh)
+        sharded = {k: [getattr(holder, f"{k}_{i}") for i in range(len(ps))] for k, ps in params.items()}
+        opt = _opt(name, _expert_groups(sharded))
+        local_experts = sharded["hidden"][0].to_local().shape[0]
+        for step in range(STEPS):
+            for k, gs in _expert_grads(step).items():
+                for p, gr in zip(sharded[k], gs, strict=True):
+                    p.grad = distribute_tensor(gr, mesh, [Shard(0)])
+            if step == 0 and rank == 1:
+                sharded["hidden"][0].grad = None  # rank 1's experts of "up" got no tokens
+            opt.step()
+        keys = {i: sorted(s) for i, s in enumerate(opt.state.values())}
+        model_sd, optim_sd = get_state_dict(holder, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(ckpt_root, f"experts_{name}"))
+        out[name] = {"params": [p.full_tensor().detach().clone() for ps in sharded.values() for p in ps],
+                     "local_experts": local_experts, "keys": keys}
+    return out
+
+
+def test_fsdp2_experts_are_whole_matrices_per_rank(tmp_path):
+    """Under FSDP2 each rank updates its own whole experts with no collective; the result equals the
+    unsharded optimizer (rank 1's skipped step aside) and every rank holds the same state keys, so a
+    ``torch.distributed.checkpoint`` save works (microsoft/dion#89)."""
+    names = ["meqmuon", "normuon", "muon+foreach"]
+    results = _spawn(_experts_fsdp_worker, tmp_path, names, str(tmp_path))
+    assert [results[r]["meqmuon"]["local_experts"] for r in range(WORLD)] == [3, 2]
+    for name in names:
+        assert results[0][name]["keys"] == results[1][name]["keys"]
+        ref, _ = _expert_single(name)
+        got = results[0][name]["params"]
+        assert torch.allclose(got[0][:3], ref[0][:3], rtol=0, atol=1e-6)  # rank 0's experts stepped 4 times
+        for a, b in zip(got[1:], ref[1:], strict=True):
+            assert torch.allclose(a, b, rtol=0, atol=1e-6), name
+        assert not torch.allclose(got[0][3:], ref[0][3:], atol=1e-6)  # rank 1 skipped a step there
+        assert (tmp_path / f"experts_{name}").is_dir()

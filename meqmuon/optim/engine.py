@@ -258,7 +258,7 @@ class RoleOptimizer(Optimizer):
             if layout.whole or not rule.needs_matrix:
                 out[(rule, False)].append(Item(param, grad, state, name, p.shape, pkind))
                 continue
-            if sharded and (layout.transposed or layout.split):
+            if sharded and not layout.batch:  # FSDP2 shards this matrix's dim 0: its rows are not all here
                 raise NotImplementedError(
                     f"{name}: view {layout.view!r}{' with a split' if layout.split else ''} under FSDP2 would need "
                     "the rows of a matrix from several shards; give its group views='matrix' / splits=None, or "
