@@ -82,8 +82,9 @@ def test_same_rule_calls_with_different_hyperparameters_keep_their_own_stacks(na
             if g["kind"] == "head":
                 g["lr"] = 0.005
         vec = next(g for g in groups if g["kind"] == "vector")
-        groups.append({**vec, "params": vec["params"][1:], "names": vec.get("names", [None] * 3)[1:], "lr": 0.03})
-        vec["params"], vec["names"] = vec["params"][:1], vec.get("names", [None])[:1]
+        per_param = ("params", "names", "views", "splits")  # the lists parallel to params
+        groups.append({**vec, **{k: vec[k][1:] for k in per_param}, "lr": 0.03})
+        vec.update({k: vec[k][:1] for k in per_param})
         groups = [{k: v for k, v in g.items() if not (k == "names" and None in v)} for g in groups]
         kw = {"ns_dtype": torch.float32} if name in MATRIX_NS else {}
         opt = meqmuon.build_optimizer(name, groups, lr=0.02, foreach=foreach, **kw)

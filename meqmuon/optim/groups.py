@@ -153,7 +153,8 @@ def classify_parameters(model: nn.Module) -> dict[str, Any]:
     head_ids: set[int] = set()
     emb_module = _hf_module(model, "get_input_embeddings")
     if emb_module is not None:
-        embedding_ids.update(id(p) for p in emb_module.parameters(recurse=False) if p.ndim >= 2)
+        # recurse: ViT's input embedding is a module whose patch projection is a child Conv2d
+        embedding_ids.update(id(p) for p in emb_module.parameters() if p.ndim >= 2)
     for module in model.modules():
         if isinstance(module, nn.Embedding | nn.EmbeddingBag):
             embedding_ids.add(id(module.weight))
