@@ -1,0 +1,371 @@
+"""A transformers zoo: tiny random-init models of the kinds users train (issue 20, item 8).
+
+Dense (Llama, Qwen2, Gemma2 tied), fused (Phi3, GPT-2), MoE (Mixtral, Qwen2-MoE, Qwen3-MoE), encoder
+(BERT), encoder-decoder (T5), vision (ViT), state-space (Mamba); the factories are in ``tests/zoo.py``.
+No downloads. An architecture the installed transformers lacks is skipped.
+
+- Routing: every trainable tensor lands in exactly one group of :func:`meqmuon.param_groups`, with the
+  kind, view and split of the per-architecture table below (regex on the HF parameter name ->
+  ``(kind, view, split)``; every parameter must match exactly one regex and every regex some
+  parameter, so a new or renamed parameter fails). A failure prints the whole actual routing.
+- Training: meqmuon, muon, normuon and muoneq-r take 10 steps on a fixed batch, per-tensor and
+  batched (``foreach=False/True``): losses finite and falling, no NaN in the parameters, and the two
+  step implementations follow the same loss trajectory.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+# tests/zoo.py (pytest puts tests/ on sys.path)
+from zoo import ZOO, Missing  # noqa: E402
+
+import meqmuon  # noqa: E402
+from meqmuon.optim.factory import build_optimizer  # noqa: E402
+
+# --------------------------------------------------------------------------------------- tables
+
+# (kind, view, split). ``view``: "matrix" = one (shape[0], prod(rest)) matrix (2-D weights,
+# convolution kernels, and every vector-kind tensor); "stacked" = a batch of matrices over the
+# leading dims (MoE experts (E, out, in)); "transposed" = GPT-2 Conv1D weight stored (in, out);
+# "stacked-transposed". ``split``: None or the row-block sizes of the (transposed) matrix.
+VECTOR = ("vector", "matrix", None)
+HIDDEN = ("hidden", "matrix", None)
+EMBEDDING = ("embedding", "matrix", None)
+HEAD = ("head", "matrix", None)
+
+ATTENTION = r"self_attn\.(q|k|v|o)_proj\.weight$"
+NORM = r"norm\.weight$"
+
+
+def _head_dim(c) -> int:
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+def llama_routes(c) -> dict:
+    return {
+        r"embed_tokens\.weight$": EMBEDDING,
+        r"^lm_head\.weight$": HEAD,
+        ATTENTION: HIDDEN,
+        r"mlp\.(gate|up|down)_proj\.weight$": HIDDEN,
+        NORM: VECTOR,
+    }
+
+
+def qwen2_routes(c) -> dict:
+    return {**llama_routes(c), r"self_attn\.(q|k|v)_proj\.bias$": VECTOR}
+
+
+def gemma2_routes(c) -> dict:  # tied: no head group
+    routes = llama_routes(c)
+    del routes[r"^lm_head\.weight$"]
+    return routes
+
+
+def phi3_routes(c) -> dict:
+    hd, inter = _head_dim(c), c.intermediate_size
+    qkv = (c.num_attention_heads * hd, c.num_key_value_heads * hd, c.num_key_value_heads * hd)
+    return {
+        r"embed_tokens\.weight$": EMBEDDING,
+        r"^lm_head\.weight$": HEAD,
+        r"self_attn\.qkv_proj\.weight$": ("hidden", "matrix", qkv),
+        r"self_attn\.o_proj\.weight$": HIDDEN,
+        r"mlp\.gate_up_proj\.weight$": ("hidden", "matrix", (inter, inter)),
+        r"mlp\.down_proj\.weight$": HIDDEN,
+        NORM: VECTOR,
+    }
+
+
+def gpt2_routes(c) -> dict:  # tied wte / lm_head
+    d = c.n_embd
+    return {
+        r"wte\.weight$": EMBEDDING,
+        r"wpe\.weight$": EMBEDDING,
+        r"attn\.c_attn\.weight$": ("hidden", "transposed", (d, d, d)),
+        r"(attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$": ("hidden", "transposed", None),
+        r"\.(c_attn|c_proj|c_fc)\.bias$": VECTOR,
+        r"ln_(1|2|f)\.(weight|bias)$": VECTOR,
+    }
+
+
+def _moe_routes(c, expert_inter: int) -> dict:
+    return {
+        r"embed_tokens\.weight$": EMBEDDING,
+        r"^lm_head\.weight$": HEAD,
+        ATTENTION: HIDDEN,
+        r"mlp\.gate\.weight$": HIDDEN,  # the router, (E, d)
+        r"mlp\.experts\.gate_up_proj$": ("hidden", "stacked", (expert_inter, expert_inter)),  # (E, 2I, d)
+        r"mlp\.experts\.down_proj$": ("hidden", "stacked", None),  # (E, d, I)
+        NORM: VECTOR,
+    }
+
+
+def mixtral_routes(c) -> dict:
+    return _moe_routes(c, c.intermediate_size)
+
+
+def qwen2_moe_routes(c) -> dict:
+    return {
+        **_moe_routes(c, c.moe_intermediate_size),
+        r"self_attn\.(q|k|v)_proj\.bias$": VECTOR,
+        r"mlp\.shared_expert\.(gate|up|down)_proj\.weight$": HIDDEN,
+        r"mlp\.shared_expert_gate\.weight$": VECTOR,  # (1, d): a vector in disguise, no sign update
+    }
+
+
+def qwen3_moe_routes(c) -> dict:  # q_norm / k_norm fall under NORM
+    return _moe_routes(c, c.moe_intermediate_size)
+
+
+def bert_routes(c) -> dict:  # word embeddings tied with cls.predictions.decoder; MLM has no pooler
+    return {
+        r"embeddings\.(word|position|token_type)_embeddings\.weight$": EMBEDDING,
+        r"\.(query|key|value|dense)\.weight$": HIDDEN,
+        r"\.(query|key|value|dense)\.bias$": VECTOR,
+        r"LayerNorm\.(weight|bias)$": VECTOR,
+        r"^cls\.predictions\.bias$": VECTOR,
+    }
+
+
+def t5_routes(c) -> dict:  # transformers 5 always ties lm_head to shared (T5Config forces it)
+    return {
+        r"^shared\.weight$": EMBEDDING,
+        r"relative_attention_bias\.weight$": EMBEDDING,  # an nn.Embedding (buckets, heads)
+        r"(SelfAttention|EncDecAttention)\.(q|k|v|o)\.weight$": HIDDEN,
+        r"DenseReluDense\.(wi|wo|wi_0|wi_1)\.weight$": HIDDEN,
+        r"layer_norm\.weight$": VECTOR,
+    }
+
+
+def vit_routes(c) -> dict:
+    return {
+        r"embeddings\.cls_token$": VECTOR,  # (1, 1, d)
+        r"embeddings\.position_embeddings$": ("embedding", "stacked", None),  # (1, N, d)
+        r"patch_embeddings\.projection\.weight$": EMBEDDING,  # Conv2d, get_input_embeddings()
+        r"patch_embeddings\.projection\.bias$": VECTOR,
+        r"attention\.(q|k|v|o)_proj\.weight$": HIDDEN,
+        r"mlp\.fc(1|2)\.weight$": HIDDEN,
+        r"(attention\.(q|k|v|o)_proj|mlp\.fc(1|2))\.bias$": VECTOR,
+        r"layernorm(_before|_after)?\.(weight|bias)$": VECTOR,
+        r"^classifier\.weight$": HEAD,
+        r"^classifier\.bias$": VECTOR,
+    }
+
+
+def mamba_routes(c) -> dict:  # tied embeddings / lm_head (MambaConfig default)
+    return {
+        r"embeddings\.weight$": EMBEDDING,
+        r"mixer\.(in_proj|x_proj|dt_proj|out_proj)\.weight$": HIDDEN,
+        r"mixer\.conv1d\.weight$": HIDDEN,  # (d_inner, 1, k) depthwise convolution
+        r"mixer\.A_log$": HIDDEN,  # (d_inner, state)
+        r"mixer\.D$": VECTOR,
+        r"mixer\.(conv1d|dt_proj)\.bias$": VECTOR,
+        r"norm(_f)?\.weight$": VECTOR,
+    }
+
+
+ROUTES = {
+    "llama": llama_routes,
+    "qwen2": qwen2_routes,
+    "gemma2": gemma2_routes,
+    "phi3": phi3_routes,
+    "gpt2": gpt2_routes,
+    "mixtral": mixtral_routes,
+    "qwen2_moe": qwen2_moe_routes,
+    "qwen3_moe": qwen3_moe_routes,
+    "bert": bert_routes,
+    "t5": t5_routes,
+    "vit": vit_routes,
+    "mamba": mamba_routes,
+}
+
+# The embedding tensor shared with the output head (its group has ``tied=True``), or None.
+TIED = {
+    "gemma2": r"^model\.embed_tokens\.weight$",
+    "gpt2": r"^transformer\.wte\.weight$",
+    "bert": r"^bert\.embeddings\.word_embeddings\.weight$",
+    "t5": r"^shared\.weight$",
+    "mamba": r"^backbone\.embeddings\.weight$",
+}
+
+assert set(ROUTES) == set(ZOO)
+
+OPTIMIZERS = ("meqmuon", "muon", "normuon", "muoneq-r")
+# One lr for all four: MeqMuon's step RMS is rho * lr = 2e-3 (loss falls ~25% in 10 steps); the
+# baselines' AdamW parts (embedding/head/vectors) at 1e-2 drop it ~60%. Both far from the edge.
+LR = {"meqmuon": 1e-2, "muon": 1e-2, "normuon": 1e-2, "muoneq-r": 1e-2}
+STEPS = 10
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices gain nothing from intra-op threads, and on a shared, busy CPU two OpenMP threads
+    spin-wait for each other: the file ran 350 s with 2 threads and ~30 s with 1 under load 6 on 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.cache
+def _base(arch: str):
+    return ZOO[arch]()
+
+
+def _model(arch: str):
+    """A fresh copy of the cached tiny model and its fixed batch; skip what transformers lacks."""
+    try:
+        model, batch = _base(arch)
+    except Missing as e:
+        pytest.skip(str(e))
+    return copy.deepcopy(model), batch
+
+
+# -------------------------------------------------------------------------------------- routing
+
+MISSING = "<missing>"
+
+
+def _matrix_rows(p: torch.Tensor, view: str) -> int | None:
+    """Rows of the matrix a split refers to under ``view``."""
+    if view == "matrix":
+        return p.shape[0]
+    if view == "stacked":
+        return p.shape[-2]
+    if view in ("transposed", "stacked-transposed"):
+        return p.shape[-1]
+    return None
+
+
+def _actual_routing(groups: list[dict]) -> list[dict]:
+    rows = []
+    for g in groups:
+        n = len(g["params"])
+        views, splits = g.get("views", [MISSING] * n), g.get("splits", [MISSING] * n)
+        for i, (name, p) in enumerate(zip(g["names"], g["params"], strict=True)):
+            split = splits[i] if i < len(splits) else MISSING
+            rows.append({
+                "name": name,
+                "param": p,
+                "kind": g["kind"],
+                "view": views[i] if i < len(views) else MISSING,
+                "split": tuple(split) if isinstance(split, list | tuple) else split,
+                "tied": bool(g.get("tied")),
+            })
+    return rows
+
+
+def _format(rows: list[dict], expected: dict[str, tuple | None]) -> str:
+    lines = [f"{'name':62s} {'shape':15s} {'kind':9s} {'view':18s} {'split':14s} tied  expected"]
+    for r in rows:
+        exp = expected.get(r["name"])
+        exp_s = "(no rule)" if exp is None else ("ok" if exp == (r["kind"], r["view"], r["split"]) else str(exp))
+        lines.append(
+            f"{r['name']:62s} {str(tuple(r['param'].shape)):15s} {r['kind']:9s} {str(r['view']):18s} "
+            f"{str(r['split']):14s} {'yes' if r['tied'] else 'no ':4s}  {exp_s}"
+        )
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("arch", list(ZOO))
+def test_every_tensor_routed_once_with_the_expected_view(arch):
+    model, _ = _model(arch)
+    groups = meqmuon.param_groups(model)
+    rows = _actual_routing(groups)
+    problems: list[str] = []
+
+    # Exactly once, by identity; nothing that is not a trainable parameter of the model.
+    trainable = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    seen: dict[int, str] = {}
+    for r in rows:
+        pid = id(r["param"])
+        if pid in seen:
+            problems.append(f"{r['name']} routed twice (also as {seen[pid]})")
+        elif pid not in trainable:
+            problems.append(f"{r['name']} routed but not a trainable parameter of the model")
+        seen[pid] = r["name"]
+    problems += [f"{n} not routed" for i, n in trainable.items() if i not in seen]
+
+    for g in groups:
+        for key in ("views", "splits"):
+            if key not in g:
+                problems.append(f"group kind={g['kind']} has no {key!r}")
+            elif len(g[key]) != len(g["params"]):
+                problems.append(f"group kind={g['kind']}: len({key})={len(g[key])} != len(params)={len(g['params'])}")
+
+    # The table: every parameter matches exactly one rule, every rule some parameter.
+    routes = ROUTES[arch](model.config)
+    expected: dict[str, tuple | None] = {}
+    used = dict.fromkeys(routes, 0)
+    for r in rows:
+        hits = [rx for rx in routes if re.search(rx, r["name"])]
+        if len(hits) != 1:
+            problems.append(f"{r['name']} matches {len(hits)} rules of the table: {hits}")
+            expected[r["name"]] = None
+            continue
+        used[hits[0]] += 1
+        exp = expected[r["name"]] = routes[hits[0]]
+        kind, view, split = exp
+        if split is not None and sum(split) != _matrix_rows(r["param"], view):  # a wrong table entry
+            problems.append(f"table: split {split} of {r['name']} {tuple(r['param'].shape)} does not fit view {view}")
+        if (r["kind"], r["view"], r["split"]) != exp:
+            problems.append(f"{r['name']}: got {(r['kind'], r['view'], r['split'])}, expected {exp}")
+    problems += [f"table rule {rx!r} matches no parameter" for rx, k in used.items() if k == 0]
+
+    # Tying: the tied embedding's group says tied=True, every other group tied=False.
+    tied_rx = TIED.get(arch)
+    for g in groups:
+        want = tied_rx is not None and any(re.search(tied_rx, n) for n in g["names"])
+        if bool(g.get("tied")) != want:
+            problems.append(f"group kind={g['kind']}: tied={g.get('tied')}, expected {want}")
+    out = model.get_output_embeddings()
+    model_tied = out is not None and out.weight is model.get_input_embeddings().weight
+    assert model_tied == (tied_rx is not None), f"{arch}: TIED says {tied_rx!r}, the model is tied: {model_tied}"
+
+    shown = problems[:40] + ([f"... and {len(problems) - 40} more"] if len(problems) > 40 else [])
+    assert not problems, (
+        f"{arch}: {len(problems)} routing problem(s):\n  " + "\n  ".join(shown)
+        + "\n\nactual routing:\n" + _format(rows, expected)
+    )
+
+
+# ------------------------------------------------------------------------------------- training
+
+
+def _train(model, batch, name: str, foreach: bool) -> list[float]:
+    opt = build_optimizer(name, model, lr=LR[name], foreach=foreach)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+    return losses
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("arch", list(ZOO))
+def test_trains_per_tensor_and_batched(arch, name):
+    runs = {}
+    for foreach in (False, True):
+        model, batch = _model(arch)
+        losses = _train(model, batch, name, foreach)
+        label = f"{arch} {name} foreach={foreach}"
+        assert all(math.isfinite(v) for v in losses), f"{label}: non-finite loss {losses}"
+        assert losses[-1] < losses[0], f"{label}: loss did not fall {losses}"
+        bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+        assert not bad, f"{label}: non-finite parameters {bad}"
+        runs[foreach] = losses
+    # The batched step is the per-tensor step, regrouped: same trajectory up to rounding (bf16
+    # Newton-Schulz where the CPU has it; observed differences <= 3e-3).
+    gap = max(abs(a - b) for a, b in zip(runs[False], runs[True], strict=True))
+    assert gap < 3e-2, f"{arch} {name}: per-tensor {runs[False]} vs batched {runs[True]}"
