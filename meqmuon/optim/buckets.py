@@ -73,7 +73,9 @@ class Bucket:
         """Stack ``values`` (members ``start..start+len(values)`` in their own shapes) into ``out``
         ``(len(values), *shape)`` in the bucket's orientation, casting to ``out.dtype`` on the way:
         one ``stack`` for both orientations (it reads the transposed members through strided views)."""
-        plain, flipped = self.members([v.reshape(v.shape[0], -1) if v.ndim > 2 else v for v in values], start)
+        matrix = len(self.shape) == 2  # a matrix bucket stacks matrix views; others the tensors as they are
+        plain, flipped = self.members([v.reshape(v.shape[0], -1) if matrix and v.ndim > 2 else v for v in values],
+                                      start)
         return torch.stack(plain + flipped, out=out)
 
     def unstack(self, stack: Tensor, start: int = 0) -> list[Tensor]:
