@@ -169,3 +169,122 @@ def test_batched_compile_refuses_what_it_cannot_do():
     loss_fn(model, batches(1)[0]).backward()
     with pytest.raises(NotImplementedError, match="capture hook needs the eager step"):
         opt.step()
+
+
+# ---- many buckets: compile=True with foreach=True past dynamo's recompile limit (8 per code object) ----
+
+
+class ManyShapes(torch.nn.Module):
+    """21 hidden matrices of 21 distinct shapes (distinct up to transposition too: 21 buckets), every
+    other one with a bias of its own length (11 vector buckets), between an embedding and a head."""
+
+    def __init__(self, vocab=23, n=21):
+        super().__init__()
+        widths = [4 + i for i in range(n + 1)]
+        self.embed_tokens = torch.nn.Embedding(vocab, widths[0])
+        pairs = zip(widths[:-1], widths[1:], strict=True)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b, bias=i % 2 == 0) for i, (a, b) in enumerate(pairs))
+        self.lm_head = torch.nn.Linear(widths[-1], vocab, bias=False)
+
+    def forward(self, ids):
+        h = self.embed_tokens(ids)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.lm_head(h)
+
+
+class TinyMoE(torch.nn.Module):
+    """MoE-like: per layer a router ``(E, d)`` and 3-D expert weights ``(E, 2f, d)``, ``(E, d, f)``
+    (E and f differ between layers), dense attention-like and shared-expert matrices of several
+    shapes, norms."""
+
+    def __init__(self, vocab=23, d=8, layers=((2, 4), (3, 6), (4, 8))):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList()
+        for i, (experts, f) in enumerate(layers):
+            b = torch.nn.Module()
+            b.qkv = torch.nn.Linear(d, (3 + i) * d, bias=False)
+            b.o = torch.nn.Linear((3 + i) * d, d, bias=False)
+            b.router = torch.nn.Linear(d, experts, bias=False)
+            b.gate_up = torch.nn.Parameter(torch.randn(experts, 2 * f, d) / d**0.5)
+            b.down = torch.nn.Parameter(torch.randn(experts, d, f) / f**0.5)
+            b.shared = torch.nn.Linear(d, f + i, bias=False)
+            b.shared_down = torch.nn.Linear(f + i, d, bias=False)
+            b.norm = torch.nn.LayerNorm(d)
+            self.blocks.append(b)
+        self.lm_head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        h = self.embed_tokens(ids)
+        for b in self.blocks:
+            x = b.norm(h)
+            a = b.qkv(x)
+            h = h + b.o(torch.tanh(a))
+            weights = torch.softmax(b.router(x), dim=-1)  # dense routing: every expert, weighted
+            gate, up = torch.einsum("btd,efd->btef", x, b.gate_up).chunk(2, dim=-1)
+            experts = torch.einsum("btef,edf->bted", torch.nn.functional.silu(gate) * up, b.down)
+            h = h + torch.einsum("bte,bted->btd", weights, experts) + b.shared_down(torch.relu(b.shared(x)))
+        return self.lm_head(h)
+
+
+def _compare_many_buckets(monkeypatch, build, min_hidden_buckets):
+    """Eager batched step against compile=True (dynamo with the eager backend: what is tested is
+    dynamo's caching, which does not depend on the backend; inductor's fusion is covered above), 3
+    steps of an LR schedule, then 5 more: each bucket compiles exactly once and never again. In
+    float64 (model and Newton-Schulz) to 1e-10, as the unbatched compiled step above: the compiled
+    buckets compute their statistics per bucket, the eager step across buckets, and in float32
+    the deep models below amplify that rounding past 1e-5 within 3 steps."""
+    from torch._dynamo.utils import counters
+
+    from meqmuon.optim import fused
+
+    compiled = []
+
+    def backend(gm, example_inputs):  # counts every compilation, recompiles included
+        compiled.append(gm)
+        return gm.forward
+
+    _fresh_compile()
+    fused._bucket_graphs.clear()
+    counters.clear()
+    monkeypatch.setattr(fused, "BACKEND", backend)
+    models = [build() for _ in range(2)]
+    opts = [meqmuon.MeqMuon(meqmuon.param_groups(m), lr=0.02, ns_dtype=torch.float64, foreach=True, compile=c)
+            for m, c in zip(models, (False, True), strict=True)]
+    scheds = [_sched(o) for o in opts]
+    for model, opt, sched in zip(models, opts, scheds, strict=True):
+        _run(model, opt, sched, 3)
+    hidden = [k for k in fused._bucket_graphs if k[0] == "meq_hidden"]
+    assert len(hidden) >= min_hidden_buckets > 8  # past the recompile limit of one code object
+    assert len(compiled) == counters["stats"]["unique_graphs"] == len(fused._bucket_graphs)
+    for (n, p), q in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=0, atol=1e-10), (n, (p - q).abs().max().item())
+    assert opts[0].selection_counts() == opts[1].selection_counts()
+    graphs = len(compiled)
+    _run(models[1], opts[1], scheds[1], 5)
+    assert len(compiled) == counters["stats"]["unique_graphs"] == len(fused._bucket_graphs) == graphs
+    assert opts[1].param_groups[0]["weight_decay"] > 0.17  # 0.1 + 8 * 0.01: the values really changed
+    assert all(torch.isfinite(p).all() for p in models[1].parameters())
+    return graphs
+
+
+def test_batched_compile_many_shapes_each_bucket_compiles_once(monkeypatch):
+    """21 hidden shapes and 11 bias lengths (34 buckets): used to raise FailOnRecompileLimitHit at the
+    ninth bucket, when every bucket's graph lived in the cache of one code object."""
+    def build():
+        torch.manual_seed(0)
+        return ManyShapes().to(torch.float64)
+
+    graphs = _compare_many_buckets(monkeypatch, build, 21)
+    assert graphs == 21 + 11 + 2  # hidden, vector, and the embedding and head (two shapes)
+
+
+def test_batched_compile_moe_like_model(monkeypatch):
+    """Several 3-D expert weights and dense matrices of many shapes (Qwen2-MoE failed at step 1)."""
+
+    def build():
+        torch.manual_seed(0)
+        return TinyMoE().to(torch.float64)
+
+    _compare_many_buckets(monkeypatch, build, 14)  # 21 hidden tensors, 6 of them 3-D

@@ -27,7 +27,6 @@ The maths is the same as the eager rule; only the rounding of the fused expressi
 
 from __future__ import annotations
 
-import functools
 import types
 
 import torch
@@ -169,15 +168,30 @@ _bucket_graphs: dict[tuple, object] = {}
 def bucket_step(rule: str, key: tuple, *args, **static) -> None:
     """Run rule ``rule``'s compiled graph for the bucket ``key`` (compiled on first use).
 
-    One graph per bucket: each bucket gets its own copy of the function's code object, so dynamo
-    keeps one cache entry per bucket and a model with many shapes never meets the recompile limit
-    of one function. ``args`` are the bucket's tensor lists and the 0-D hyperparameter tensors.
+    ``args`` are the bucket's tensor lists and the 0-D hyperparameter tensors; ``static`` the rule's
+    Python constants. One graph per bucket, compiled once, with no recompile limit on the number of
+    buckets: dynamo caches graphs per code object (at most ``recompile_limit`` = 8 per code object,
+    and ``fullgraph=True`` raises on the ninth), so each bucket compiles its own copy of the rule's
+    function, with its own code object, and ``static`` baked in as its keyword defaults.
+
+    The copy itself is what ``torch.compile`` gets: given a ``functools.partial`` (no source file,
+    not a function), it compiles dynamo's ``external_utils.wrap_inline`` around it, whose ``inner``
+    is one code object for every such callable; every bucket then landed in that code object's
+    cache, its entries told apart by a guard on ``fn.func.__code__``, and the ninth bucket hit the
+    limit whatever the copies' code objects. A graph is keyed on the
+    member count and the first dtype of each tensor list as well (two param groups with the same
+    shapes but another size or ``state_dtype`` get copies of their own, not a recompile of one
+    copy), and on ``BACKEND``.
     """
-    full = (rule, key, tuple(sorted(static.items())))
-    if full not in _bucket_graphs:
+    signature = tuple((len(a), a[0].dtype if a else None) if isinstance(a, list) else None for a in args)
+    full = (rule, key, signature, tuple(sorted(static.items())), BACKEND)
+    graph = _bucket_graphs.get(full)
+    if graph is None:
         fn = BUCKET_FUNCTIONS[rule]
-        code = fn.__code__.replace(co_name=f"{fn.__name__}_{len(_bucket_graphs)}")
+        # A readable name that is a function of the bucket: dynamo's automatic-dynamic state (pgo.py)
+        # is keyed on (file, line, name), so two copies sharing a name could share it.
+        code = fn.__code__.replace(co_name=f"{fn.__name__}{full[1:]}")
         clone = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-        clone.__kwdefaults__ = fn.__kwdefaults__
-        _bucket_graphs[full] = torch.compile(functools.partial(clone, **static), fullgraph=True, backend=BACKEND)
-    _bucket_graphs[full](*args)
+        clone.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **static}
+        graph = _bucket_graphs[full] = torch.compile(clone, fullgraph=True, backend=BACKEND)
+    graph(*args)
