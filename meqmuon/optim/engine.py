@@ -197,7 +197,8 @@ class RoleOptimizer(Optimizer):
             self._warned_inferred = True
             warnings.warn(
                 f"{type(self).__name__}: a param group has no 'kind'; kinds are inferred from shape "
-                "(>=2-D: hidden, else vector). Token embeddings and LM heads cannot be recognised from shape: "
+                "(>=2-D: hidden, else vector) and a >=3-D tensor is one (shape[0], -1) matrix unless its group "
+                "sets 'views'. Token embeddings, LM heads and MoE experts cannot be recognised from shape: "
                 "route them with meqmuon.param_groups(model).",
                 UserWarning,
                 stacklevel=3,
