@@ -696,10 +696,11 @@ def _experts_fsdp_worker(rank, names, ckpt_root):
                 sharded["hidden"][0].grad = None  # rank 1's experts of "up" got no tokens
             opt.step()
         keys = {i: sorted(s) for i, s in enumerate(opt.state.values())}
+        counts = opt.selection_counts() if name == "meqmuon" else None  # no collective: this rank's experts
         model_sd, optim_sd = get_state_dict(holder, opt)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(ckpt_root, f"experts_{name}"))
         out[name] = {"params": [p.full_tensor().detach().clone() for ps in sharded.values() for p in ps],
-                     "local_experts": local_experts, "keys": keys}
+                     "local_experts": local_experts, "keys": keys, "counts": counts}
     return out
 
 
@@ -710,6 +711,8 @@ def test_fsdp2_experts_are_whole_matrices_per_rank(tmp_path):
     names = ["meqmuon", "normuon", "muon+foreach"]
     results = _spawn(_experts_fsdp_worker, tmp_path, names, str(tmp_path))
     assert [results[r]["meqmuon"]["local_experts"] for r in range(WORLD)] == [3, 2]
+    held = [{k.split("#")[0] for k in results[r]["meqmuon"]["counts"] if k.startswith("up[")} for r in range(WORLD)]
+    assert held == [{"up[0]", "up[1]", "up[2]"}, {"up[3]", "up[4]"}]  # global expert indices
     for name in names:
         assert results[0][name]["keys"] == results[1][name]["keys"]
         ref, _ = _expert_single(name)

@@ -98,16 +98,27 @@ def validate_group(group: Mapping[str, Any], keys: Iterable[str]) -> None:
                 raise ValueError(f"Invalid state_dtype: {v!r} (expected a floating torch.dtype or None)")
 
 
+def _held(p: torch.Tensor) -> slice:
+    """The indices along dim 0 of ``p`` that this rank holds: all, or under FSDP2/HSDP its
+    ``Shard(0)`` piece (``torch.chunk`` sizes over the mesh's last dimension)."""
+    if not is_dtensor(p):
+        return slice(0, p.shape[0])
+    mesh = p.device_mesh
+    size = -(-p.shape[0] // mesh.size(mesh.ndim - 1))
+    start = min(mesh.get_local_rank(mesh.ndim - 1) * size, p.shape[0])
+    return slice(start, start + p.to_local().shape[0])
+
+
 def _matrix_items(rule: Rule, layout: Layout, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
-                  name: str, kind: str) -> list[Item]:
+                  name: str, kind: str, held: slice) -> list[Item]:
     """One item per matrix of ``param`` (:meth:`Layout.matrices`): the matrix, its gradient and its
     state as views (``rule.state_views`` says how each state tensor divides), named ``name[e]#j``.
-    Under FSDP2 ``param`` is the local shard of a stack, whose matrices are whole."""
+    Under FSDP2 ``param`` is the local shard of a stack, whose matrices (``held``) are whole."""
     pieces = {"param": layout.matrices, "rows": layout.row_pieces, "counter": layout.counters}
     per_key = {k: pieces[how](local(state[k])) for k, how in rule.state_views.items()}
     items = []
-    for j, (p, g, label) in enumerate(zip(layout.matrices(param), layout.matrices(grad), layout.labels(),
-                                          strict=False)):
+    for j, (p, g, label) in enumerate(zip(layout.matrices(param), layout.matrices(grad), layout.labels(held),
+                                          strict=True)):
         sub = {"step": state["step"], **{k: v[j] for k, v in per_key.items()}}
         items.append(Item(p, g, sub, name + label, p.shape, kind))
     return items
@@ -264,7 +275,7 @@ class RoleOptimizer(Optimizer):
                     f"{name}: view {layout.view!r}{' with a split' if layout.split else ''} under FSDP2 would need "
                     "the rows of a matrix from several shards; give its group views='matrix' / splits=None, or "
                     "keep this parameter unsharded")
-            out[(rule, sharded)].extend(_matrix_items(rule, layout, param, grad, state, name, pkind))
+            out[(rule, sharded)].extend(_matrix_items(rule, layout, param, grad, state, name, pkind, _held(p)))
         return out
     @staticmethod
     def _batched(group: dict[str, Any], items: list[Item]) -> bool:
@@ -351,7 +362,8 @@ class RoleOptimizer(Optimizer):
 
     def selection_counts(self) -> dict[str, tuple[int, int]]:
         """Per matrix using MeqMuon's adaptive rule: ``(row_steps, column_steps)`` so far, keyed by the
-        parameter's name, or ``name[e]#j`` for the matrices of a stacked or split parameter.
+        parameter's name, or ``name[e]#j`` for the matrices of a stacked or split parameter (under
+        FSDP2, the experts this rank holds: no collective, so rank 0 alone may call it).
 
         Counting happens on device during ``step()``; this call reads the counters (one sync).
         """
@@ -364,7 +376,8 @@ class RoleOptimizer(Optimizer):
                     continue
                 name = names[i] if names else f"group{gi}.params[{i}]"
                 counts = local(st["rows_chosen"]).reshape(-1).tolist()
-                labels = group_layout(group, i, p.shape, name).labels() if len(counts) > 1 else [""]
+                layout = group_layout(group, i, p.shape, name)
+                labels = [""] if layout.whole else layout.labels(_held(p))
                 for label, rows in zip(labels, counts, strict=True):
                     out[name + label] = (rows, int(st["step"]) - rows)
         return out

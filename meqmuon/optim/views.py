@@ -86,9 +86,13 @@ class Layout:
         """Shape of per-row state (NorMuon's second moment): one value per row of every matrix."""
         return (*self.batch, self.rows)
 
-    def labels(self) -> list[str]:
-        """Suffixes naming each matrix: ``[e]`` for a stacked index, ``#j`` for a row block."""
-        idx = [f"[{','.join(map(str, i))}]" for i in itertools.product(*map(range, self.batch))]
+    def labels(self, first: slice | None = None) -> list[str]:
+        """Suffixes naming each matrix: ``[e]`` for a stacked index, ``#j`` for a row block;
+        ``first`` restricts the first batch dim (the stacks an FSDP2 rank holds)."""
+        ranges = [range(n) for n in self.batch]
+        if first is not None and ranges:
+            ranges[0] = ranges[0][first]
+        idx = [f"[{','.join(map(str, i))}]" for i in itertools.product(*ranges)]
         blocks = [f"#{j}" for j in range(len(self.blocks))] if self.split else [""]
         return [i + b for i in idx for b in blocks]
 
