@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .engine import RoleOptimizer, check_unique_params, listed_params, wrong_params
 from .groups import param_groups
 from .registry import REGISTRY, spec
 
@@ -44,13 +45,27 @@ def build_optimizer(name: str, model_or_groups: nn.Module | Iterable[Any], **hpa
 
     Args:
         name: a name of :data:`meqmuon.optim.registry.REGISTRY` (case-insensitive).
-        model_or_groups: an ``nn.Module`` or param groups.
+        model_or_groups: an ``nn.Module``, parameters or param groups.
         **hparams: keyword arguments of the optimizer class; unknown ones are an error.
+
+    Raises:
+        TypeError: ``model_or_groups`` is none of those (one line saying what to pass).
+        ValueError: an unknown name or hyperparameter, a tensor given twice (``torch.optim.AdamW`` included,
+            which would only warn), or a bad hyperparameter value.
     """
     entry = spec(name)
     valid = valid_hyperparameters(name)
     unknown = sorted(set(hparams) - set(valid))
     if unknown:
         raise ValueError(f"unknown hyperparameter(s) {unknown} for optimizer {name!r}; valid: {', '.join(valid)}")
-    groups = param_groups(model_or_groups) if isinstance(model_or_groups, nn.Module) else list(model_or_groups)
+    if isinstance(model_or_groups, nn.Module):
+        groups = param_groups(model_or_groups)
+    elif (what := wrong_params(model_or_groups)) is not None:
+        raise TypeError(f"build_optimizer(name, model_or_groups) takes an nn.Module, parameters or param groups, "
+                        f"e.g. build_optimizer({entry.name!r}, model); got {what}")
+    else:
+        groups = list(model_or_groups)
+    if not issubclass(entry.cls, RoleOptimizer):  # the engine checks its groups itself (add_param_group)
+        listed = [listed_params(g) if isinstance(g, dict) else g for g in groups]
+        check_unique_params(listed if listed and isinstance(listed[0], dict) else [{"params": listed}])
     return entry.cls(groups, **{**entry.build_defaults, **hparams})
