@@ -41,12 +41,14 @@ def _csv(text: str) -> list[str]:
 
 def _add_run_args(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
     """Flags shared by train/compare/sweep. Defaults are SUPPRESSed so that only given flags override."""
+    from meqmuon.optim.registry import REGISTRY
+
     S = argparse.SUPPRESS
     g = p.add_argument_group("run")
     g.add_argument("--config", metavar="FILE", default=S, help="JSON config (e.g. a run's config.json); flags override")
     g.add_argument("--model", default=S, help="registry name (llama-60m ... qwen2-0.5b, llama-tiny, ...)")
     if not compare:
-        g.add_argument("--optimizer", default=S, help="adamw, muon, normuon, scale, meqmuon, meqmuon-only-*")
+        g.add_argument("--optimizer", default=S, help=", ".join(REGISTRY))
         g.add_argument("--lr", type=float, default=S, help="peak learning rate (default: per optimizer)")
     g.add_argument("--weight-decay", type=float, default=S, help="decoupled weight decay (0.1)")
     g.add_argument("--optimizer-arg", action="append", metavar="KEY=VALUE", default=S,
@@ -146,12 +148,12 @@ def _compare_lrs(items: list[str] | None) -> dict[str, float]:
 
 
 def _check_optimizers(names: list[str]) -> list[str]:
-    from meqmuon import OPTIMIZERS
+    from meqmuon.optim.registry import REGISTRY
 
     names = [n.lower() for n in names]
-    bad = [n for n in names if n not in OPTIMIZERS]
+    bad = [n for n in names if n not in REGISTRY]
     if bad:
-        raise ValueError(f"unknown optimizer(s) {bad}; valid optimizers: {', '.join(OPTIMIZERS)}")
+        raise ValueError(f"unknown optimizer(s) {bad}; valid optimizers: {', '.join(REGISTRY)}")
     return names
 
 
@@ -167,16 +169,11 @@ def _seed_count(text: str) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from meqmuon.train.compare import (
-        DEMO_OPTIMIZERS,
-        demo_config,
-        format_compare_seeds_table,
-        format_table,
-        run_compare,
-    )
+    from meqmuon.optim.registry import DEMO_NAMES
+    from meqmuon.train.compare import demo_config, format_compare_seeds_table, format_table, run_compare
     from meqmuon.train.config import config_from_dict, config_to_dict, validate_config
 
-    optimizers = _check_optimizers(_csv(args.optimizers) if args.optimizers else list(DEMO_OPTIMIZERS))
+    optimizers = _check_optimizers(_csv(args.optimizers) if args.optimizers else list(DEMO_NAMES))
     lrs = _compare_lrs(args.lr_overrides)
     over = _overrides(args)
     if args.seeds > 1 and "seed" in over:
@@ -222,6 +219,8 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``meqmuon`` (diagnostics subcommands added when that package is present)."""
+    from meqmuon.optim.registry import DEMO_NAMES
+
     parser = argparse.ArgumentParser(prog="meqmuon", description="MeqMuon pretraining harness")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -238,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "validation loss, its 95%% Student-t interval and the paired difference "
                                    "against meqmuon on the same seeds; the plot shows mean curves with a "
                                    "min-max band.")
-    p.add_argument("--optimizers", default=None, help="comma-separated (default adamw,muon,normuon,meqmuon)")
+    p.add_argument("--optimizers", default=None, help=f"comma-separated (default {','.join(DEMO_NAMES)})")
     p.add_argument("--lr", dest="lr_overrides", action="append", metavar="NAME=VALUE", default=None,
                    help="per-optimizer lr override, e.g. --lr meqmuon=2e-2 (repeatable)")
     p.add_argument("--seeds", type=_seed_count, default=1, metavar="N",

@@ -707,7 +707,7 @@ def test_bad_kinds_complex_and_sparse():
 
 def test_build_optimizer_errors_list_valid_choices():
     model = make_model(dtype=torch.float32)
-    with pytest.raises(ValueError, match="valid names: adamw, muon"):
+    with pytest.raises(ValueError, match="valid optimizers: adamw, muon"):
         meqmuon.build_optimizer("lion", model)
     with pytest.raises(ValueError, match=r"unknown hyperparameter\(s\) \['betaz'\].*valid: lr"):
         meqmuon.build_optimizer("muon", model, betaz=(0.9, 0.9))

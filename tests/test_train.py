@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from meqmuon.optim.registry import REGISTRY
 from meqmuon.train import compare as compare_mod
 from meqmuon.train import loop as loop_mod
 from meqmuon.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
@@ -334,7 +335,7 @@ def test_compare_same_init_data_and_val_for_every_optimizer(cache, tmp_path, mon
     rows = compare_mod.run_compare(["adamw", "meqmuon"], {"meqmuon": 2e-2}, base, tmp_path / "cmp")
 
     assert [r["optimizer"] for r in rows] == ["adamw", "meqmuon"]
-    assert rows[0]["lr"] == compare_mod.DEMO_LRS["adamw"] and rows[1]["lr"] == 2e-2
+    assert rows[0]["lr"] == REGISTRY["adamw"].demo_lr and rows[1]["lr"] == 2e-2
     assert seen["init"][0][1] == seen["init"][1][1]  # same initial weights
     assert seen["batches"][:4] == seen["batches"][4:] and len(set(seen["batches"][:4])) == 4  # same order
     assert len(set(seen["val"])) == 1 and len(seen["val"]) == 4  # same validation set, 2 evals per run

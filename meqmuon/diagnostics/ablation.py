@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .memory import ABLATION_OPTIMIZERS, label
+from ..optim.registry import ABLATION_NAMES
+from .memory import label
 from .tables import bold, markdown_table
 
 __all__ = ["meta_param_groups", "tiny_lm_factory", "run_ablation", "ablation_table"]
@@ -93,7 +94,7 @@ def run_ablation(
     steps: int = 150,
     lr: float | None = None,
     out_dir: Path = Path("runs/ablation"),
-    optimizers: Sequence[str] = ABLATION_OPTIMIZERS,
+    optimizers: Sequence[str] = ABLATION_NAMES,
     seq_len: int = 128,
     batch: int = 8,
     seed: int = 0,
@@ -104,7 +105,7 @@ def run_ablation(
     Args:
         model: registry model (default ``llama-tiny`` on the built-in corpus: minutes on 2 CPU cores).
         steps: optimizer updates per run.
-        lr: one learning rate for all variants (they share Muon's lr grid); ``None``: harness default.
+        lr: one learning rate for all variants (they share Muon's lr grid); ``None``: each one's ``demo_lr``.
         out_dir: parent directory of the runs; the table is also saved there as ``ablation.md``.
         optimizers: variants, in table order.
         seq_len, batch, seed: sequence length, global batch (sequences) and seed of every run.
@@ -122,7 +123,7 @@ def run_ablation(
     base = demo_config(
         **{"model": model, "steps": steps, "seq_len": seq_len, "global_batch": batch, "seed": seed, **overrides}
     )
-    lrs = {o: lr for o in optimizers} if lr is not None else {}  # else: run_compare's DEMO_LRS
+    lrs = {o: lr for o in optimizers} if lr is not None else {}  # else: each one's demo_lr (run_compare)
     summaries = run_compare(list(optimizers), lrs, base, Path(out_dir))
     order = {o: i for i, o in enumerate(optimizers)}
     summaries = sorted(summaries, key=lambda s: order.get(s.get("optimizer"), len(order)))

@@ -56,14 +56,15 @@ def _out_dir(args: argparse.Namespace) -> Path:
 
 def cmd_memory(args: argparse.Namespace) -> int:
     """Table 5 / Table 7 memory from meta-device models; ``--measure`` adds a measured one-step check."""
+    from ..optim.registry import MEMORY_NAMES
     from .ablation import meta_param_groups, tiny_lm_factory
-    from .memory import MEMORY_OPTIMIZERS, measure_state_bytes, measure_table, memory_mib, memory_table
+    from .memory import measure_state_bytes, measure_table, memory_mib, memory_table
 
     dtype = _DTYPES[args.state_dtype]
     nbytes = torch.empty((), dtype=dtype).element_size()
     models = args.models or None
     groups = meta_param_groups(models)
-    optimizers = args.optimizers or list(MEMORY_OPTIMIZERS)
+    optimizers = args.optimizers or list(MEMORY_NAMES)
     values = memory_mib(groups, optimizers, nbytes)
     parts = [
         f"## Optimizer-state memory (MiB, {args.state_dtype} state; paper Table 5 and Table 7's memory)\n",
@@ -241,11 +242,11 @@ def cmd_ablation(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add ``memory``, ``diagnose {imbalance,ns-trajectory,selection}`` and ``ablation`` to ``subparsers``."""
-    from .memory import ABLATION_OPTIMIZERS
+    from ..optim.registry import ABLATION_NAMES, MEMORY_NAMES
 
     p = subparsers.add_parser("memory", help="optimizer-state memory per optimizer and model (Tables 5, 7)")
     p.add_argument("--models", type=_names, default=None, help="comma list (default: the six paper models)")
-    p.add_argument("--optimizers", type=_names, default=None, help="comma list (default: all eight)")
+    p.add_argument("--optimizers", type=_names, default=None, help=f"comma list (default: {','.join(MEMORY_NAMES)})")
     p.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--measure", action="store_true", help="also take one real step per optimizer on a small model")
     p.add_argument("--measure-model", default="llama-tiny", help="model for --measure (default llama-tiny)")
@@ -283,8 +284,8 @@ def register(subparsers: Any) -> None:
     a = subparsers.add_parser("ablation", help="Muon vs single-component variants vs MeqMuon (Table 7)")
     a.add_argument("--model", default="llama-tiny")
     a.add_argument("--steps", type=int, default=150)
-    a.add_argument("--lr", type=float, default=None, help="one lr for every variant (default: the harness default)")
-    a.add_argument("--optimizers", type=_names, default=list(ABLATION_OPTIMIZERS))
+    a.add_argument("--lr", type=float, default=None, help="one lr for every variant (default: each one's demo lr)")
+    a.add_argument("--optimizers", type=_names, default=list(ABLATION_NAMES))
     a.add_argument("--seq-len", type=int, default=128)
     a.add_argument("--batch", type=int, default=8, help="global batch in sequences")
     a.add_argument("--seed", type=int, default=0)

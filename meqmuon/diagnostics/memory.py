@@ -25,13 +25,12 @@ from torch import nn
 
 from ..optim import build_optimizer, optimizer_state_bytes, rules_of
 from ..optim.memory import MIB
+from ..optim.registry import MEMORY_NAMES, REGISTRY
 from ..optim.rules import RULES
 from ..optim.views import group_layout
 from .tables import markdown_table
 
 __all__ = [
-    "MEMORY_OPTIMIZERS",
-    "ABLATION_OPTIMIZERS",
     "predicted_state_bytes",
     "memory_mib",
     "memory_table",
@@ -41,41 +40,14 @@ __all__ = [
     "relative_saving",
 ]
 
-#: Rows of the memory table: the five optimizers of Table 5 (plus AdamW, SCALE), Table 7's ablations,
-#: and MuonEq (not in the paper; its R, C and RC modes keep the same state as Muon).
-MEMORY_OPTIMIZERS = (
-    "adamw",
-    "scale",
-    "muon",
-    "normuon",
-    "meqmuon",
-    "meqmuon-only-hidden",
-    "meqmuon-only-embedding",
-    "meqmuon-only-vector",
-    "muoneq-r",
-)
-#: Table 7's rows in the paper's order.
-ABLATION_OPTIMIZERS = ("muon", "meqmuon-only-hidden", "meqmuon-only-embedding", "meqmuon-only-vector", "meqmuon")
-
-_LABELS = {
-    "adamw": "AdamW",
-    "scale": "SCALE",
-    "muon": "Muon",
-    "normuon": "NorMuon",
-    "meqmuon": "MeqMuon",
-    "meqmuon-only-hidden": "Only 2D weights in hidden layers",
-    "meqmuon-only-embedding": "Only remaining 2D parameters",
-    "meqmuon-only-vector": "Only 1D parameters",
-    "muoneq-r": "MuonEq (R, C, RC)",
-}
-
 # Rules whose state includes one float32 value per matrix row regardless of the state dtype.
 _FP32_ROW_STATE = {"normuon_hidden"}
 
 
 def label(name: str) -> str:
-    """Display name of an optimizer in the paper's tables."""
-    return _LABELS.get(name, name)
+    """Display name of an optimizer in the paper's tables (the registry's label; unknown names as given)."""
+    entry = REGISTRY.get(name)
+    return entry.display if entry else name
 
 
 def _supported(name: str, groups: Sequence[Mapping[str, Any]]) -> bool:
@@ -118,7 +90,7 @@ def predicted_state_bytes(name: str, groups: Sequence[Mapping[str, Any]], state_
 
 def memory_mib(
     models: Mapping[str, Sequence[Mapping[str, Any]]],
-    optimizers: Iterable[str] = MEMORY_OPTIMIZERS,
+    optimizers: Iterable[str] = MEMORY_NAMES,
     state_bytes: int = 4,
 ) -> dict[str, dict[str, float | None]]:
     """``{optimizer: {model: MiB or None}}`` for ``models`` given as name -> param groups."""
@@ -148,7 +120,7 @@ def memory_table(values: Mapping[str, Mapping[str, float | None]], digits: int =
 def measure_state_bytes(
     make_model: Callable[[], nn.Module],
     loss_fn: Callable[[nn.Module], torch.Tensor],
-    optimizers: Iterable[str] = MEMORY_OPTIMIZERS,
+    optimizers: Iterable[str] = MEMORY_NAMES,
     state_dtype: torch.dtype = torch.float32,
 ) -> list[dict[str, Any]]:
     """Take one real step per optimizer and compare measured state bytes with the prediction.

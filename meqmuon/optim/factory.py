@@ -9,37 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from .engine import RoleOptimizer, check_unique_params, listed_params, wrong_params
 from .groups import param_groups
-from .presets import (
-    ADAMW_BETAS,
-    WEIGHT_DECAY,
-    MeqMuon,
-    Muon,
-    MuonEqC,
-    MuonEqR,
-    MuonEqRC,
-    MuonOnlyEmbedding,
-    MuonOnlyHidden,
-    MuonOnlyVector,
-    NorMuon,
-    Scale,
-)
+from .registry import REGISTRY, spec
 
-#: name -> optimizer class. ``adamw`` is ``torch.optim.AdamW`` with betas (0.9, 0.95) and weight decay
-#: 0.1 (the paper's setting, section 4) over the same role groups.
-OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "adamw": torch.optim.AdamW,
-    "muon": Muon,
-    "normuon": NorMuon,
-    "scale": Scale,
-    "meqmuon": MeqMuon,
-    "meqmuon-only-hidden": MuonOnlyHidden,
-    "meqmuon-only-embedding": MuonOnlyEmbedding,
-    "meqmuon-only-vector": MuonOnlyVector,
-    "muoneq-r": MuonEqR,
-    "muoneq-c": MuonEqC,
-    "muoneq-rc": MuonEqRC,
-}
+#: name -> optimizer class, read from :data:`meqmuon.optim.registry.REGISTRY` (where the facts are written).
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {name: s.cls for name, s in REGISTRY.items()}
 
 # Rule tables for memory prediction; AdamW keeps two moments for every tensor.
 ADAMW_RULES = {"hidden": "adamw", "embedding": "adamw", "head": "adamw", "vector": "adamw"}
@@ -47,21 +22,14 @@ ADAMW_RULES = {"hidden": "adamw", "embedding": "adamw", "head": "adamw", "vector
 
 def rules_of(name: str) -> dict[str, str]:
     """The kind -> rule table of optimizer ``name`` (for memory accounting)."""
-    cls = _lookup(name)
+    cls = spec(name).cls
     return ADAMW_RULES if cls is torch.optim.AdamW else dict(cls.RULES)  # type: ignore[attr-defined]
-
-
-def _lookup(name: str) -> type[torch.optim.Optimizer]:
-    key = name.lower()
-    if key not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; valid names: {', '.join(OPTIMIZERS)}")
-    return OPTIMIZERS[key]
 
 
 def valid_hyperparameters(name: str) -> list[str]:
     """Keyword arguments accepted by optimizer ``name`` (besides the parameters)."""
     names: list[str] = []
-    for klass in _lookup(name).__mro__:  # a subclass that forwards **kwargs takes its parent's too
+    for klass in spec(name).cls.__mro__:  # a subclass that forwards **kwargs takes its parent's too
         if "__init__" not in vars(klass):
             continue
         params = inspect.signature(klass.__init__).parameters.values()
@@ -76,18 +44,28 @@ def build_optimizer(name: str, model_or_groups: nn.Module | Iterable[Any], **hpa
     """Build optimizer ``name`` over a model (routed with :func:`param_groups`) or given groups.
 
     Args:
-        name: one of ``adamw, muon, normuon, scale, meqmuon, meqmuon-only-hidden,
-            meqmuon-only-embedding, meqmuon-only-vector, muoneq-r, muoneq-c, muoneq-rc``.
-        model_or_groups: an ``nn.Module`` or param groups.
+        name: a name of :data:`meqmuon.optim.registry.REGISTRY` (case-insensitive).
+        model_or_groups: an ``nn.Module``, parameters or param groups.
         **hparams: keyword arguments of the optimizer class; unknown ones are an error.
+
+    Raises:
+        TypeError: ``model_or_groups`` is none of those (one line saying what to pass).
+        ValueError: an unknown name or hyperparameter, a tensor given twice (``torch.optim.AdamW`` included,
+            which would only warn), or a bad hyperparameter value.
     """
-    cls = _lookup(name)
+    entry = spec(name)
     valid = valid_hyperparameters(name)
     unknown = sorted(set(hparams) - set(valid))
     if unknown:
         raise ValueError(f"unknown hyperparameter(s) {unknown} for optimizer {name!r}; valid: {', '.join(valid)}")
-    groups = param_groups(model_or_groups) if isinstance(model_or_groups, nn.Module) else list(model_or_groups)
-    if cls is torch.optim.AdamW:
-        hparams.setdefault("betas", ADAMW_BETAS)
-        hparams.setdefault("weight_decay", WEIGHT_DECAY)
-    return cls(groups, **hparams)
+    if isinstance(model_or_groups, nn.Module):
+        groups = param_groups(model_or_groups)
+    elif (what := wrong_params(model_or_groups)) is not None:
+        raise TypeError(f"build_optimizer(name, model_or_groups) takes an nn.Module, parameters or param groups, "
+                        f"e.g. build_optimizer({entry.name!r}, model); got {what}")
+    else:
+        groups = list(model_or_groups)
+    if not issubclass(entry.cls, RoleOptimizer):  # the engine checks its groups itself (add_param_group)
+        listed = [listed_params(g) if isinstance(g, dict) else g for g in groups]
+        check_unique_params(listed if listed and isinstance(listed[0], dict) else [{"params": listed}])
+    return entry.cls(groups, **{**entry.build_defaults, **hparams})

@@ -242,8 +242,13 @@ def param_groups(
         in ``notes`` (name -> why). Frozen parameters are skipped.
 
     Raises:
+        TypeError: if ``model`` is not an ``nn.Module`` (e.g. ``model.parameters()``).
         ValueError: if some trainable parameter would land in no group or in two.
     """
+    if not isinstance(model, nn.Module):
+        what = type(model).__name__
+        raise TypeError(f"param_groups() takes an nn.Module (it needs parameter names and module types to route by "
+                        f"role); got {'an' if what[:1].lower() in 'aeiou' else 'a'} {what}: pass the model itself")
     info = classify_parameters(model)
     groups: dict[str, dict[str, Any]] = {
         k: {"params": [], "names": [], "kind": k, "tied": False, "views": [], "splits": []} for k in KINDS

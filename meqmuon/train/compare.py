@@ -9,8 +9,9 @@ global batch 32, 100 updates (0.41M tokens, ~0.8 epoch of the ~0.5M-token corpus
 20 updates on the whole held-out split (~30k tokens), precision ``auto`` (bf16 where the CPU runs it
 natively, fp32 elsewhere), one CPU thread. 100 rather than the earlier 240 updates so that the
 four runs finish in well under 10 minutes on 2 cores of an AVX2-only CPU too, shared or not
-(issue #16; docs/training.md has the timings). Per-optimizer learning rates (:data:`DEMO_LRS`)
-are the best of a pre-check grid at exactly this setting (docs/training.md lists it).
+(issue #16; docs/training.md has the timings). Per-optimizer learning rates (``demo_lr`` of
+:data:`meqmuon.optim.registry.REGISTRY`) are the best of a pre-check grid at exactly this setting
+(docs/training.md lists it).
 
 Over several seeds (``sweep``, ``compare --seeds N``) the tables report, per optimizer at its best lr,
 the mean final validation loss, its 95 % Student-t interval and the paired difference against
@@ -29,14 +30,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from meqmuon.optim.registry import spec
 from meqmuon.train.config import TrainConfig, fill_model_defaults, resolve_numerics
 from meqmuon.train.loop import train, write_json
 from meqmuon.train.plot import plot_runs, plot_seed_bands
 from meqmuon.train.stats import mean_interval, paired_difference
 
 __all__ = [
-    "DEMO_OPTIMIZERS",
-    "DEMO_LRS",
     "demo_config",
     "run_compare",
     "format_table",
@@ -48,27 +48,6 @@ __all__ = [
     "format_seed_summary",
     "format_compare_seeds_table",
 ]
-
-DEMO_OPTIMIZERS = ["adamw", "muon", "normuon", "meqmuon"]
-
-#: Learning rates of the demo: the best of a pre-check grid (100 updates, the demo's setting; AdamW
-#: 1e-3/3e-3/1e-2, the others 1e-2/3e-2; docs/training.md has the numbers). SCALE and the ablations
-#: were not pre-checked and use 1e-2.
-DEMO_LRS: dict[str, float] = {
-    "adamw": 3e-3,
-    "muon": 1e-2,
-    "normuon": 3e-2,
-    "scale": 1e-2,
-    "meqmuon": 3e-2,
-    "meqmuon-only-hidden": 1e-2,
-    "meqmuon-only-embedding": 1e-2,
-    "meqmuon-only-vector": 1e-2,
-    # MuonEq (issue 15): R's is the best of the 3-seed grid at the demo setting (docs/benchmarks.md,
-    # 5e-3..8e-2; 2e-2 with and without Polar Express). C and RC were not swept: Muon's.
-    "muoneq-r": 2e-2,
-    "muoneq-c": 1e-2,
-    "muoneq-rc": 1e-2,
-}
 
 TABLE_COLUMNS = ["optimizer", "lr", "final val loss", "perplexity", "bits/byte", "optimizer state (MiB)", "tokens/s",
                  "precision"]
@@ -178,10 +157,10 @@ def run_compare(optimizers: list[str], lrs: dict[str, float], base: TrainConfig,
                 seeds: Sequence[int] | None = None) -> list[dict]:
     """Train ``base`` once per optimizer (and per seed) and tabulate the results.
 
-    ``lrs`` maps optimizer -> lr; optimizers missing from it use ``base.lr`` if set, else
-    :data:`DEMO_LRS`. With ``seeds=None`` (the default, ``meqmuon compare`` without ``--seeds``) every
-    optimizer runs once at ``base.seed`` in ``out_dir/<optimizer>`` and ``out_dir/table.md`` is the
-    per-run table (:func:`format_table`), ``out_dir/results.json`` the list of rows and
+    ``lrs`` maps optimizer -> lr; optimizers missing from it use ``base.lr`` if set, else their
+    ``demo_lr`` (:data:`meqmuon.optim.registry.REGISTRY`). With ``seeds=None`` (the default, ``meqmuon
+    compare`` without ``--seeds``) every optimizer runs once at ``base.seed`` in ``out_dir/<optimizer>`` and
+    ``out_dir/table.md`` is the per-run table (:func:`format_table`), ``out_dir/results.json`` the list of rows and
     ``out_dir/val_ppl.png`` one perplexity curve per optimizer. With ``seeds`` (``--seeds N`` gives
     ``0..N-1``) every optimizer runs once per seed in ``out_dir/<optimizer>-s<seed>``; ``table.md``
     then starts with the seed summary (:func:`format_seed_summary`: mean, 95 % interval, paired
@@ -202,7 +181,7 @@ def run_compare(optimizers: list[str], lrs: dict[str, float], base: TrainConfig,
     out_dir = Path(out_dir)
     rows = []
     for name in optimizers:
-        lr = lrs.get(name, base.lr if base.lr is not None else DEMO_LRS.get(name))
+        lr = lrs.get(name, base.lr if base.lr is not None else spec(name).demo_lr)
         for seed in ([None] if seeds is None else seeds):
             cfg = dataclasses.replace(base, optimizer=name, lr=lr, out=str(out_dir / name), resume=None,
                                       stop_at_step=None)

@@ -34,7 +34,6 @@ from meqmuon.precision import PRECISIONS, resolve_ns_dtype, resolve_precision
 
 __all__ = [
     "TrainConfig",
-    "DEFAULT_LRS",
     "IDENTITY_KEYS",
     "PAPER_RUN_DEFAULTS",
     "CPU_PRESET_DEFAULTS",
@@ -50,19 +49,6 @@ __all__ = [
     "validate_config",
     "optimizer_kwargs",
 ]
-
-#: Learning rate used when ``--lr`` is not given. MeqMuon: the paper's 2e-3 (Llama-60M, section 4);
-#: the Muon-family baselines share it; AdamW 1e-3 (GaLore's Llama-60M/130M setting).
-DEFAULT_LRS: dict[str, float] = {
-    "adamw": 1e-3,
-    "muon": 2e-3,
-    "normuon": 2e-3,
-    "scale": 2e-3,
-    "meqmuon": 2e-3,
-    "meqmuon-only-hidden": 2e-3,
-    "meqmuon-only-embedding": 2e-3,
-    "meqmuon-only-vector": 2e-3,
-}
 
 #: Batch, sequence and validation sizes of the paper (section 4), the defaults of the paper models.
 PAPER_RUN_DEFAULTS: dict[str, int] = {"global_batch": 512, "seq_len": 1024, "val_tokens": 1_000_000}
@@ -91,7 +77,7 @@ class TrainConfig:
     # what to train
     model: str = "llama-tiny"
     optimizer: str = "meqmuon"
-    lr: float | None = None  # None -> DEFAULT_LRS[optimizer]
+    lr: float | None = None  # None -> the optimizer's default_lr (meqmuon.optim.registry)
     weight_decay: float = 0.1
     optimizer_args: dict[str, Any] = field(default_factory=dict)  # passthrough to build_optimizer
     # data
@@ -219,14 +205,13 @@ def _positive(name: str, value: Any, allow_none: bool = True) -> None:
 
 def validate_config(cfg: TrainConfig) -> None:
     """Cheap checks that need no data or model: names, signs, options. Raises ``ValueError``."""
-    from meqmuon import OPTIMIZERS, valid_hyperparameters
+    from meqmuon import valid_hyperparameters
+    from meqmuon.optim.registry import spec
     from meqmuon.train.models import MODELS
 
     if cfg.model not in MODELS:
         raise ValueError(f"unknown model {cfg.model!r}; valid models: {', '.join(MODELS)}")
-    if cfg.optimizer.lower() not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {cfg.optimizer!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
-    cfg.optimizer = cfg.optimizer.lower()
+    cfg.optimizer = spec(cfg.optimizer).name  # ValueError listing the valid names
     valid = valid_hyperparameters(cfg.optimizer)
     unknown = sorted(set(cfg.optimizer_args) - set(valid))
     if unknown:
@@ -270,11 +255,12 @@ def resolve_config(cfg: TrainConfig, *, unique_params: int, world_size: int) -> 
     Raises ``ValueError`` for an indivisible batch: ``global_batch`` must equal
     ``world_size x micro_batch x accumulation`` for a whole number of accumulation steps.
     """
+    from meqmuon.optim.registry import spec
     from meqmuon.train.models import TOKENS_PER_PARAM
 
     c = fill_model_defaults(cfg)
     if c.lr is None:
-        c.lr = DEFAULT_LRS[c.optimizer]
+        c.lr = spec(c.optimizer).default_lr
     if c.global_batch % world_size:
         raise ValueError(f"global batch {c.global_batch} is not divisible by the world size {world_size}")
     per_rank = c.global_batch // world_size

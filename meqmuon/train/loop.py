@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from meqmuon.optim.registry import REGISTRY
 from meqmuon.train.checkpoint import (
     CheckpointError,
     find_checkpoint,
@@ -55,7 +56,6 @@ from meqmuon.train.checkpoint import (
     set_rng_state,
 )
 from meqmuon.train.config import (
-    DEFAULT_LRS,
     IDENTITY_KEYS,
     TrainConfig,
     config_to_dict,
@@ -112,7 +112,8 @@ def run_dir_of(cfg: TrainConfig) -> Path:
     if cfg.resume not in (None, "auto"):
         p = Path(cfg.resume)
         return p if p.is_dir() else p.parent.parent
-    lr = cfg.lr if cfg.lr is not None else DEFAULT_LRS.get(cfg.optimizer, 0.0)
+    known = REGISTRY.get(str(cfg.optimizer).lower())  # not validated yet: an unknown name fails later
+    lr = cfg.lr if cfg.lr is not None else known.default_lr if known else 0.0
     return Path(f"runs/{cfg.model}-{cfg.optimizer}-lr{lr:g}-s{cfg.seed}")
 
 
