@@ -281,6 +281,15 @@ class RoleOptimizer(Optimizer):
         self._workspace = {}
         self._process_group = resolve_process_group(None)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict``, which casts every state tensor but ``step`` to its parameter's
+        dtype; MeqMuon's selection counters are cast back to int64 (they count steps)."""
+        super().load_state_dict(state_dict)
+        for st in self.state.values():
+            counter = st.get("rows_chosen")
+            if isinstance(counter, torch.Tensor) and counter.is_floating_point():
+                st["rows_chosen"] = counter.round().to(torch.int64)
+
     def set_capture_hook(self, hook: Callable[[str, str, str, torch.Tensor], None] | None) -> None:
         """Install (or, with ``None``, remove) an opt-in diagnostics hook called during ``step()``.
 
