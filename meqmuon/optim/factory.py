@@ -9,8 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .engine import RoleOptimizer, check_unique_params, listed_params, wrong_params
+from .engine import RoleOptimizer
 from .groups import param_groups
+from .inputs import check_unique_params, listed_params, wrong_params
 from .registry import REGISTRY, spec
 
 #: name -> optimizer class, read from :data:`meqmuon.optim.registry.REGISTRY` (where the facts are written).
