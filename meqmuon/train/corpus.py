@@ -308,7 +308,7 @@ def open_local(name: str) -> BinaryIO:
 
 
 def _line_number(name: str, opener: Opener, start: int, local: int) -> int:
-    """1-based line number of the ``local``-th line after byte ``start`` (only computed for errors)."""
+    """1-based line number of the ``local``-th line from byte ``start``, a line start (for errors only)."""
     if start == 0:
         return local
     with opener(name) as f:
@@ -336,10 +336,11 @@ def iter_file_documents(path: Path | str, opener: Opener | None = None, *, start
     try:
         with opener(name) as raw:
             f = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
+            pos = 0
             if start:
                 f.seek(start - 1)
-                f.readline()  # the rest of the line that began before start (or just its newline)
-            pos = start
+                pos = start - 1 + len(f.readline())  # the rest of the line that began before start
+            first = pos  # byte offset of the first line read
             if kind == ".txt":
                 block: list[str] = []
                 for lineno, line in enumerate(f, 1):  # noqa: B007 - the error handler reads lineno
@@ -362,12 +363,12 @@ def iter_file_documents(path: Path | str, opener: Opener | None = None, *, start
                 try:
                     obj = json.loads(line)
                 except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-                    where = _line_number(name, opener, start, lineno)
+                    where = _line_number(name, opener, first, lineno)
                     msg = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
                     raise ValueError(f"{name}:{where}: not a JSON line ({msg})") from None
                 text = obj.get("text") if isinstance(obj, dict) else None
                 if not isinstance(text, str):
-                    where = _line_number(name, opener, start, lineno)
+                    where = _line_number(name, opener, first, lineno)
                     raise ValueError(f"{name}:{where}: expected a JSON object with a 'text' string field") from None
                 if text.strip():
                     yield text

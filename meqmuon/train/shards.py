@@ -421,7 +421,7 @@ _W: dict[str, Any] = {}  # per-process state of the task runner (tokenizer, outp
 
 def _init_worker(tokenizer: TextTokenizer | str, out: str, dtype: str, val_fraction: float,
                  docs: Sequence[str] | None, single_threaded: bool) -> None:
-    if single_threaded:  # one process per core: the tokenizer's own thread pool would oversubscribe
+    if single_threaded:  # see _runner
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     _W.update(tok=tok, out=Path(out), dtype=np.dtype(dtype), val_fraction=val_fraction, docs=docs)
@@ -585,7 +585,10 @@ def _prepare(out: Path, tok: TextTokenizer, kind: str, split: str, sources: list
     for t in tasks:
         path = out / f"train-{t.index:05d}.json"
         if path.is_file() and (out / f"train-{t.index:05d}.bin").is_file():
-            records[t.index] = _read_json(path)
+            rec = _read_json(path)
+            # its held-out part is deleted once val.bin is written: then the task runs again
+            if rec["val_tokens"] == 0 or (out / f"val-part-{t.index:05d}.bin").is_file():
+                records[t.index] = rec
     pending = [t for t in tasks if t.index not in records]
     n_proc = max(1, min(workers or _cpu_count(), len(pending)))
     from tqdm import tqdm
@@ -697,8 +700,15 @@ def _cpu_count() -> int:
 
 class _runner:
     """Context manager returning ``run(tasks) -> iterator of records in task order``: in this process
-    for one worker, else a pool of ``spawn``ed processes (no fork of a process that may hold torch's
-    or the tokenizer's threads)."""
+    for one worker, else a pool of processes.
+
+    The pool forks where the platform can (Linux): no re-import of the caller's ``__main__`` (which
+    ``spawn`` needs, and which breaks scripts without an ``if __name__ == "__main__"`` guard), and
+    the tokenizer is inherited instead of loaded again. Workers use numpy and the tokenizer only,
+    one thread each (``TOKENIZERS_PARALLELISM=false``; with one process per core the tokenizer's own
+    thread pool would oversubscribe the cores). Elsewhere the pool spawns and loads the tokenizer
+    from ``DIR/tokenizer``.
+    """
 
     def __init__(self, n: int, tok: TextTokenizer, out: Path, dtype: np.dtype, val_fraction: float,
                  docs: Sequence[str] | None):
@@ -709,10 +719,20 @@ class _runner:
         if self.n == 1:
             _init_worker(self.tok, str(self.out), self.dtype.name, self.vf, self.docs, single_threaded=False)
             return lambda tasks: map(_run_task, tasks)
-        ctx = multiprocessing.get_context("spawn")
-        self.pool = ctx.Pool(self.n, initializer=_init_worker,
-                             initargs=(str(self.out / "tokenizer"), str(self.out), self.dtype.name, self.vf, None,
-                                       True))
+        fork = "fork" in multiprocessing.get_all_start_methods()
+        ctx = multiprocessing.get_context("fork" if fork else "spawn")
+        tok = self.tok if fork else str(self.out / "tokenizer")
+        # Set around the fork too: the tokenizer library warns in a child forked after it used threads.
+        saved = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        try:
+            self.pool = ctx.Pool(self.n, initializer=_init_worker,
+                                 initargs=(tok, str(self.out), self.dtype.name, self.vf, None, True))
+        finally:
+            if saved is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = saved
         return lambda tasks: self.pool.imap(_run_task, tasks)
 
     def __exit__(self, *exc: Any) -> None:
