@@ -22,11 +22,17 @@ Local files (``--data PATH...``)
     ``*.jsonl`` / ``*.json`` and their ``.gz`` versions hold one JSON object per line with a
     ``"text"`` field (the C4 shard format); ``*.txt`` (or ``.txt.gz``) files are split into
     documents on blank lines (one or more empty lines end a document), which also covers
-    one-document-per-file. Directories are expanded recursively in sorted order.
+    one-document-per-file. Directories are expanded recursively in sorted order. Bad input (a line
+    that is not JSON or has no ``"text"`` string, text that is not UTF-8, a corrupt ``.gz``) raises
+    ``ValueError`` naming the file and line (:func:`iter_file_documents`).
 
 C4
-    ``datasets.load_dataset("allenai/c4", "en", split=..., streaming=True)``; see
-    :func:`c4_documents`. Needs network access to the Hugging Face hub.
+    allenai/c4's English files (``en/c4-train.NNNNN-of-01024.json.gz``,
+    ``en/c4-validation.NNNNN-of-00008.json.gz``) read by :class:`C4Documents` from a list of file
+    names and an opener: :func:`open_hub` streams them from the hub (``--data c4``, needs network),
+    :func:`open_local` reads a local copy (``--data DIR`` when every file has C4's names,
+    :func:`c4_split`). One reader, so the tests exercise the hub path's shard order, rank split and
+    shuffle buffer offline.
 """
 
 from __future__ import annotations
