@@ -1,4 +1,4 @@
-"""The ``meqmuon`` command: ``train | compare | sweep | plot`` (+ ``memory | diagnose | ablation``).
+"""The ``meqmuon`` command: ``train | compare | sweep | plot | prepare`` (+ ``memory | diagnose | ablation``).
 
 ``python -m meqmuon ...`` is the same command. Every run flag maps to a :class:`TrainConfig` field
 (``--global-batch`` -> ``global_batch``); flags that are not given keep the config's default, or,
@@ -53,8 +53,11 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
     g.add_argument("--weight-decay", type=float, default=S, help="decoupled weight decay (0.1)")
     g.add_argument("--optimizer-arg", action="append", metavar="KEY=VALUE", default=S,
                    help="extra optimizer keyword, validated by build_optimizer (repeatable)")
-    g.add_argument("--data", default=S, help="builtin (offline), c4 (streamed), or a .jsonl/.txt file or directory")
-    g.add_argument("--tokenizer", default=S, help="HF tokenizer id; default: the model's own for c4, else built-in BPE")
+    g.add_argument("--data", default=S, help="builtin (offline), c4 (streamed from the hub), a directory written by "
+                   "`meqmuon prepare`, a local C4 copy (c4-train.*.json.gz, c4-validation.*), or a .jsonl/.txt "
+                   "file or directory")
+    g.add_argument("--tokenizer", default=S, help="HF tokenizer id or save_pretrained directory; default: the "
+                   "model's own for c4, a prepared directory's own, else the built-in BPE")
     g.add_argument("--vocab-size", type=int, default=S, help="built-in BPE vocabulary (4096)")
     g.add_argument("--val-tokens", type=parse_count, default=S,
                    help="validation targets (per model: 1M, *-tiny 32768; fewer if less text)")
@@ -217,6 +220,50 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from meqmuon.train.shards import MANIFEST, prepare
+
+    out = Path(args.out)
+    was_complete = (out / MANIFEST).is_file()
+    m = prepare(args.data, args.tokenizer, out, val_fraction=args.val_fraction, val_tokens=args.val_tokens,
+                workers=args.workers, max_tokens=args.max_tokens, chunk_bytes=int(args.chunk_mb * 2**20),
+                progress=not args.quiet)
+    if was_complete and not args.quiet:
+        print(f"meqmuon: {out} was already complete with these sources and tokenizer; nothing to do",
+              file=sys.stderr)
+    tr, va = m["train"], m["validation"]
+    print(json.dumps({"out": str(out), "kind": m["kind"], "shards": len(tr["shards"]), "documents": tr["documents"],
+                      "tokens": tr["tokens"], "val_documents": va["documents"], "val_tokens": va["tokens"],
+                      "dtype": m["dtype"], "tokenizer": m["tokenizer"]["fingerprint"], "workers": m["workers"],
+                      "seconds": m["seconds"], "tokens_per_s": round((tr["tokens"] + va["tokens"]) / m["seconds"])}))
+    return 0
+
+
+def _add_prepare_parser(sub: Any) -> None:
+    from meqmuon.train.shards import DEFAULT_CHUNK_BYTES, DEFAULT_VAL_TOKENS
+
+    p = sub.add_parser("prepare", help="tokenise local text into memory-mapped token shards for `train --data DIR`",
+                       description="Tokenise .jsonl/.json/.txt files (optionally .gz; a local C4 copy included) on "
+                                   "all cores into memory-mapped token shards with a manifest. Resumable: rerun the "
+                                   "same command after an interruption. Example: meqmuon prepare --data c4/en "
+                                   "--tokenizer t5-base --out data/c4-t5 --max-tokens 1.2B")
+    p.add_argument("--data", nargs="+", required=True, metavar="PATH", help="files and directories")
+    p.add_argument("--tokenizer", required=True, metavar="NAME_OR_DIR", help="HF hub id or save_pretrained directory")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (new, or an unfinished preparation)")
+    p.add_argument("--workers", type=int, default=None, help="processes (default: every core)")
+    p.add_argument("--val-fraction", type=float, default=0.05,
+                   help="share of documents held out for validation (0.05; C4 uses its validation files)")
+    p.add_argument("--val-tokens", type=parse_count, default=DEFAULT_VAL_TOKENS,
+                   help=f"validation tokens kept, whole documents ({DEFAULT_VAL_TOKENS:,})")
+    p.add_argument("--max-tokens", type=parse_count, default=None,
+                   help="stop after the first shards (source order) holding this many train tokens (e.g. 1.2B)")
+    p.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_BYTES / 2**20,
+                   help="uncompressed .jsonl files are split into tasks of about this many MB "
+                        f"({DEFAULT_CHUNK_BYTES >> 20})")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_prepare)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``meqmuon`` (diagnostics subcommands added when that package is present)."""
     from meqmuon.optim.registry import DEMO_NAMES
@@ -265,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", default="val_ppl", help="val_ppl (default), val_loss, val_bpb or loss (train)")
     p.add_argument("--title", default=None)
     p.set_defaults(func=_cmd_plot)
+
+    _add_prepare_parser(sub)
 
     try:
         from meqmuon.diagnostics import cli as diagnostics_cli

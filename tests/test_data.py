@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import random
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import meqmuon.train.data as data_mod
+import meqmuon.train.shards as shards_mod
 import meqmuon.train.tokenizer as tok_mod
 from meqmuon.train import corpus
 from meqmuon.train.data import (
@@ -263,6 +265,7 @@ def test_cache_reused_and_val_identical(builtin, cache, monkeypatch):
     monkeypatch.setattr(tok_mod, "train_bpe", boom)
     monkeypatch.setattr(data_mod, "encode_documents", boom)
     monkeypatch.setattr(data_mod, "make_val_set", boom)
+    monkeypatch.setattr(shards_mod, "_run_task", boom)
     again = build_data(None, seq_len=SEQ, seed=0, cache_dir=cache, val_tokens=4096, vocab_size=VOCAB)
     assert torch.equal(again.val, builtin.val) and again.val_bytes == builtin.val_bytes
     assert torch.equal(again.train.tokens, builtin.train.tokens)
@@ -279,3 +282,52 @@ def test_cache_root_env(monkeypatch, tmp_path):
     assert cache_root(tmp_path / "arg") == tmp_path / "arg"
     monkeypatch.delenv("MEQMUON_CACHE")
     assert cache_root().name == "meqmuon"
+
+
+# ---------------------------------------------------------------- the stream before the prepared shards (issue 22)
+
+
+def _digest_batches(bundle, global_batch, n):
+    h = hashlib.sha256()
+    for _ in range(n):
+        h.update(bundle.train.next_batch(global_batch).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _digest(t):
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+# Recorded with the in-memory pipeline of commit 9498201 (before the built-in corpus and local files went
+# through prepared shards): the token stream, the sequence order (also per rank) and the validation set
+# must not change, or the demo's losses would.
+PINNED = {
+    "builtin512": ("47a8a7b74af94d77", "068e5b96569cb922", 8081),
+    "builtin512_rank1": "169a42cad117a322",
+    "local": ("3f32c0ab43b13a25", "01345efa2372cca2", 347),
+    "demo": ("11692a3dad46fcb4", "675f4147e8c5571c", 107140),
+}
+
+
+def test_builtin_and_local_streams_unchanged_by_prepared_shards(cache, tmp_path):
+    b = build_data(None, seq_len=SEQ, seed=0, cache_dir=cache, val_tokens=4096, vocab_size=VOCAB)
+    assert b.source == "builtin"
+    assert (_digest_batches(b, 8, 20), _digest(b.val), b.val_bytes) == PINNED["builtin512"]
+    r1 = build_data(None, seq_len=SEQ, seed=0, cache_dir=cache, val_tokens=4096, vocab_size=VOCAB, rank=1,
+                    world_size=2)
+    assert _digest_batches(r1, 8, 20) == PINNED["builtin512_rank1"]
+    docs = _synthetic_docs(600, seed=5)
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:300]))
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs[300:])
+    loc = build_data(str(tmp_path), seq_len=16, seed=3, cache_dir=cache, val_tokens=128, vocab_size=300)
+    assert loc.source == "local"
+    assert (_digest_batches(loc, 8, 30), _digest(loc.val), loc.val_bytes) == PINNED["local"]
+    assert list(cache.glob("local-*/prepared-*/manifest.json"))  # read through the prepared-shard code
+
+
+def test_demo_stream_unchanged_by_prepared_shards(cache):
+    # The demo's own setting (meqmuon compare: 4096-token BPE, 128-token rows, batch 32, 32,768 val tokens).
+    b = build_data(None, seq_len=128, seed=0, cache_dir=cache, val_tokens=32768, vocab_size=4096)
+    assert (_digest_batches(b, 32, 30), _digest(b.val), b.val_bytes) == PINNED["demo"]
+    assert b.train.num_sequences == 3934 and b.val.shape == (235, 129)

@@ -81,8 +81,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     optimizer_args: dict[str, Any] = field(default_factory=dict)  # passthrough to build_optimizer
     # data
-    data: str = "builtin"  # "builtin", "c4" or a path (file or directory)
-    tokenizer: str | None = None  # HF hub id; None -> the model's own for c4, the built-in BPE otherwise
+    data: str = "builtin"  # "builtin", "c4", a prepared directory, a local C4 copy, or data files/directories
+    tokenizer: str | None = None  # HF hub id or directory; None -> the model's own for c4, a prepared
+    # directory's own, the built-in BPE otherwise
     vocab_size: int = 4096  # built-in BPE vocabulary (ignored with a hub tokenizer)
     val_fraction: float = 0.05
     val_tokens: int | None = None  # validation targets (fewer if less held-out text); None -> per model
@@ -117,6 +118,8 @@ class TrainConfig:
     tensorboard: bool = False
     # written by the harness (resolve_numerics), ignored as input: what "auto" became on this machine
     numerics: dict[str, Any] | None = None
+    # written by the harness, ignored as input: which source --data named (meqmuon.train.data.DATA_SOURCES)
+    data_source: str | None = None
 
 
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:

@@ -22,11 +22,17 @@ Local files (``--data PATH...``)
     ``*.jsonl`` / ``*.json`` and their ``.gz`` versions hold one JSON object per line with a
     ``"text"`` field (the C4 shard format); ``*.txt`` (or ``.txt.gz``) files are split into
     documents on blank lines (one or more empty lines end a document), which also covers
-    one-document-per-file. Directories are expanded recursively in sorted order.
+    one-document-per-file. Directories are expanded recursively in sorted order. Bad input (a line
+    that is not JSON or has no ``"text"`` string, text that is not UTF-8, a corrupt ``.gz``) raises
+    ``ValueError`` naming the file and line (:func:`iter_file_documents`).
 
 C4
-    ``datasets.load_dataset("allenai/c4", "en", split=..., streaming=True)``; see
-    :func:`c4_documents`. Needs network access to the Hugging Face hub.
+    allenai/c4's English files (``en/c4-train.NNNNN-of-01024.json.gz``,
+    ``en/c4-validation.NNNNN-of-00008.json.gz``) read by :class:`C4Documents` from a list of file
+    names and an opener: :func:`open_hub` streams them from the hub (``--data c4``, needs network),
+    :func:`open_local` reads a local copy (``--data DIR`` when every file has C4's names,
+    :func:`c4_split`). One reader, so the tests exercise the hub path's shard order, rank split and
+    shuffle buffer offline.
 """
 
 from __future__ import annotations
@@ -35,13 +41,16 @@ import gzip
 import hashlib
 import importlib
 import inspect
-import io
+import itertools
 import json
+import re
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterable, Iterator
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 __all__ = [
     "CORPUS_VERSION",
@@ -54,7 +63,12 @@ __all__ = [
     "expand_paths",
     "iter_file_documents",
     "local_documents",
-    "c4_documents",
+    "C4_FILE",
+    "open_local",
+    "open_hub",
+    "c4_split",
+    "c4_hub_files",
+    "C4Documents",
 ]
 
 #: Bump when the way the built-in corpus is assembled changes (invalidates caches).
@@ -251,10 +265,20 @@ def split_documents(docs: Iterable[str], val_fraction: float = 0.05) -> tuple[li
 
 
 _SUFFIXES = (".jsonl", ".json", ".txt")
+#: File names of allenai/c4 (``en/c4-train.00000-of-01024.json.gz``, ``en/c4-validation.00000-of-00008.json.gz``).
+C4_FILE = re.compile(r"^c4-(train|validation)\.\d{5}-of-\d{5}\.json(\.gz)?$")
+#: Documents per shuffle block of the C4 stream (GaLore's shuffle buffer size).
+C4_SHUFFLE_BUFFER = 10_000
+#: The hub copy of C4 English: repository and file counts per split.
+C4_HUB_REPO = "allenai/c4"
+C4_HUB_FILES = {"train": 1024, "validation": 8}
+
+#: Opens a file name (a local path or a hub path) as a binary stream; see :func:`iter_file_documents`.
+Opener = Callable[[str], BinaryIO]
 
 
-def _kind(path: Path) -> str | None:
-    name = path.name.lower()
+def _kind(path: Path | str) -> str | None:
+    name = Path(path).name.lower()
     if name.endswith(".gz"):
         name = name[:-3]
     return next((s for s in _SUFFIXES if name.endswith(s)), None)
@@ -284,36 +308,80 @@ def expand_paths(paths: str | Path | Iterable[str | Path]) -> list[Path]:
     return files
 
 
-def _open_text(path: Path) -> io.TextIOBase:
-    if path.name.lower().endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
+def open_local(name: str) -> BinaryIO:
+    """The :data:`Opener` of local files."""
+    return open(name, "rb")
 
 
-def iter_file_documents(path: Path) -> Iterator[str]:
-    """Documents of one data file (see the module docstring for the formats)."""
-    kind = _kind(path)
-    with _open_text(path) as f:
-        if kind == ".txt":
-            block: list[str] = []
-            for line in f:
-                if line.strip():
-                    block.append(line.rstrip("\n"))
-                elif block:
+def _line_number(name: str, opener: Opener, start: int, local: int) -> int:
+    """1-based line number of the ``local``-th line from byte ``start``, a line start (for errors only)."""
+    if start == 0:
+        return local
+    with opener(name) as f:
+        before = f.read(start).count(b"\n")
+    return before + local
+
+
+def iter_file_documents(path: Path | str, opener: Opener | None = None, *, start: int = 0,
+                        end: int | None = None) -> Iterator[str]:
+    """Documents of one data file (see the module docstring for the formats).
+
+    ``opener`` reads the file (default: the local file system; C4 from the hub passes its own).
+    ``start``/``end`` restrict an uncompressed ``.jsonl``/``.json`` file to the lines that begin in
+    that byte range, so that one large file can be read by several processes (``meqmuon prepare``).
+    Bad input raises ``ValueError`` naming the file and, for a line, its number: a line that is not
+    JSON or has no ``"text"`` string, text that is not UTF-8, a corrupt or truncated ``.gz``.
+    """
+    name = str(path)
+    opener = opener or open_local
+    kind = _kind(name)
+    gz = name.lower().endswith(".gz")
+    if (start or end is not None) and (gz or kind == ".txt"):
+        raise ValueError(f"{name}: byte ranges need an uncompressed .jsonl/.json file")
+    lineno = 0
+    try:
+        with opener(name) as raw:
+            f = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
+            pos = 0
+            if start:
+                f.seek(start - 1)
+                pos = start - 1 + len(f.readline())  # the rest of the line that began before start
+            first = pos  # byte offset of the first line read
+            if kind == ".txt":
+                block: list[str] = []
+                for lineno, line in enumerate(f, 1):  # noqa: B007 - the error handler reads lineno
+                    text = line.decode("utf-8")
+                    if text.strip():
+                        block.append(text.rstrip("\r\n"))
+                    elif block:
+                        yield "\n".join(block)
+                        block = []
+                if block:
                     yield "\n".join(block)
-                    block = []
-            if block:
-                yield "\n".join(block)
-        else:
+                return
             for lineno, line in enumerate(f, 1):
+                if end is not None:
+                    if pos >= end:
+                        break
+                    pos += len(line)
                 if not line.strip():
                     continue
                 try:
-                    text = json.loads(line)["text"]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path}:{lineno}: expected a JSON object with a 'text' field") from e
+                    obj = json.loads(line)
+                except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                    where = _line_number(name, opener, first, lineno)
+                    msg = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+                    raise ValueError(f"{name}:{where}: not a JSON line ({msg})") from None
+                text = obj.get("text") if isinstance(obj, dict) else None
+                if not isinstance(text, str):
+                    where = _line_number(name, opener, first, lineno)
+                    raise ValueError(f"{name}:{where}: expected a JSON object with a 'text' string field") from None
                 if text.strip():
                     yield text
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{name}:{lineno}: not UTF-8 text ({e.reason})") from None
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise ValueError(f"{name}: corrupt or truncated gzip file ({e})") from None
 
 
 def local_documents(paths: str | Path | Iterable[str | Path]) -> tuple[list[Path], list[str]]:
@@ -328,26 +396,125 @@ def local_documents(paths: str | Path | Iterable[str | Path]) -> tuple[list[Path
     return files, docs
 
 
-def c4_documents(split: str, *, rank: int = 0, world_size: int = 1, seed: int | None = None,
-                 shuffle_buffer: int = 10_000):
-    """English C4 documents streamed from the hub (``allenai/c4``, config ``en``).
+def c4_split(files: Sequence[str | Path]) -> dict[str, list[str]] | None:
+    """``{"train": [...], "validation": [...]}`` (sorted) when every file has one of C4's names
+    (:data:`C4_FILE`, e.g. a local copy of allenai/c4's ``en/`` folder) and at least one is a train
+    file; ``None`` otherwise (plain local data).
 
-    Returns a ``datasets.IterableDataset`` of ``{"text": ...}`` rows, split across ranks with
-    ``datasets.distributed.split_dataset_by_node`` (C4 ``en`` has 1024 train shards, so for a
-    world size dividing 1024 each rank reads whole, disjoint shards). With ``seed`` the shard order
-    and a ``shuffle_buffer``-document buffer are shuffled (as in GaLore's C4 loader).
+    Raises ``ValueError`` when there are C4 train files but no validation file.
     """
-    try:
-        from datasets import load_dataset
-        from datasets.distributed import split_dataset_by_node
+    found: dict[str, list[str]] = {"train": [], "validation": []}
+    for f in files:
+        m = C4_FILE.match(Path(f).name)
+        if m is None:
+            return None
+        found[m.group(1)].append(str(f))
+    if not found["train"]:
+        return None
+    if not found["validation"]:
+        raise ValueError(f"C4 data ({found['train'][0]} ...) has c4-train.* files but no c4-validation.* file")
+    return {k: sorted(v) for k, v in found.items()}
 
-        ds = load_dataset("allenai/c4", "en", split=split, streaming=True)
+
+def c4_hub_files(split: str) -> list[str]:
+    """The file names of C4 English's ``split`` in the hub repository, in order."""
+    n = C4_HUB_FILES[split]
+    return [f"en/c4-{split}.{i:05d}-of-{n:05d}.json.gz" for i in range(n)]
+
+
+def open_hub(name: str) -> BinaryIO:
+    """The :data:`Opener` of C4 on the hub: ``name`` is a path inside :data:`C4_HUB_REPO`."""
+    try:
+        from huggingface_hub import HfFileSystem
+
+        return HfFileSystem().open(f"datasets/{C4_HUB_REPO}/{name}", "rb")
     except Exception as e:  # noqa: BLE001 - network, auth, missing package: one clear line
-        raise RuntimeError(f"cannot stream allenai/c4 ({split}) from the Hugging Face hub: "
-                           f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
-    ds = ds.select_columns(["text"])
-    if seed is not None and shuffle_buffer > 0:
-        ds = ds.shuffle(seed=seed, buffer_size=shuffle_buffer)
-    if world_size > 1:
-        ds = split_dataset_by_node(ds, rank=rank, world_size=world_size)
-    return ds
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise RuntimeError(f"cannot read {C4_HUB_REPO}/{name} from the Hugging Face hub: "
+                           f"{type(e).__name__}: {first}") from None
+
+
+class C4Documents:
+    """The C4 train documents one rank reads, from the hub or a local copy through the same code.
+
+    Order of epoch ``e`` (all from ``numpy.random.default_rng``):
+
+    * shard order: the sorted ``files`` permuted with seed ``[seed, e]`` (the same on every rank);
+    * rank split: rank ``r`` of ``W`` reads files ``r, r + W, r + 2W, ...`` of that order, whole and
+      disjoint from the other ranks' (C4's 1024 train files give 128 per rank on 8 GPUs);
+    * shuffle buffer: the rank's documents, in file order, are cut into blocks of ``shuffle_buffer``
+      documents and each block is emitted permuted with seed ``[seed, e, r, block]``.
+
+    A block shuffle rather than the reservoir buffer of ``datasets``: the state (epoch, block, where
+    the block starts, documents of it emitted) is a few integers, and resuming re-reads at most one
+    block, so a resumed run sees exactly the documents an uninterrupted one would.
+    """
+
+    def __init__(self, files: Sequence[str], opener: Opener = open_local, *, seed: int = 0, rank: int = 0,
+                 world_size: int = 1, shuffle_buffer: int = C4_SHUFFLE_BUFFER):
+        if not files:
+            raise ValueError("C4 source has no train files")
+        if world_size > len(files):
+            raise ValueError(f"{world_size} ranks but only {len(files)} C4 train files: every rank needs one")
+        self.files = sorted(files)
+        self.opener = opener
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.shuffle_buffer = max(1, shuffle_buffer)
+        self._state = self._start(0)
+
+    @staticmethod
+    def _start(epoch: int) -> dict[str, int]:
+        return {"epoch": epoch, "block": 0, "file": 0, "doc": 0, "taken": 0}
+
+    def rank_files(self, epoch: int) -> list[str]:
+        """This rank's files in epoch ``epoch``, in reading order."""
+        import numpy as np  # not at module level: the built-in corpus runs this file without site-packages
+
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.files))
+        return [self.files[i] for i in order[self.rank :: self.world_size]]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its beginning."""
+        self._state = self._start(epoch)
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self._state)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._state = {k: int(state[k]) for k in ("epoch", "block", "file", "doc", "taken")}
+
+    def _docs_from(self, files: list[str], file: int, doc: int) -> Iterator[tuple[str, int, int]]:
+        """``(text, file, doc)`` from position (file, doc) on, where (file, doc) is the position
+        *after* that document."""
+        for fi in range(file, len(files)):
+            it = iter_file_documents(files[fi], self.opener)
+            skip = doc if fi == file else 0
+            for _ in itertools.islice(it, skip):
+                pass
+            n = skip
+            for text in it:
+                n += 1
+                yield text, fi, n
+
+    def __iter__(self) -> Iterator[str]:
+        import numpy as np
+
+        st = self._state
+        epoch = st["epoch"]
+        files = self.rank_files(epoch)
+        while True:
+            block: list[str] = []
+            after = (st["file"], st["doc"])
+            for text, fi, n in itertools.islice(self._docs_from(files, st["file"], st["doc"]), self.shuffle_buffer):
+                block.append(text)
+                after = (fi, n)
+            if not block:
+                return
+            perm = np.random.default_rng([self.seed, epoch, self.rank, st["block"]]).permutation(len(block))
+            for j in range(st["taken"], len(block)):
+                # The state is updated before the yield, so it always names the next document to emit.
+                if j + 1 < len(block):
+                    st["taken"] = j + 1
+                else:  # block done: the state points at the next block
+                    st.update(block=st["block"] + 1, file=after[0], doc=after[1], taken=0)
+                yield block[perm[j]]

@@ -1,16 +1,24 @@
 """Data pipeline of the pretraining harness: packing, a resumable rank-aware train stream, a fixed
 validation set with its byte count, and one entry point, :func:`build_data`.
 
-Sources (``spec`` of :func:`build_data`)
-    ``None`` / ``"builtin"``: the offline built-in corpus (Python documentation text, see
-    :mod:`meqmuon.train.corpus`) with a byte-level BPE trained on its train split.
-    ``"c4"``: English C4 streamed from the hub (train split for training, the first documents of
-    the validation split for validation); needs ``tokenizer_name`` (T5-base for Llama, SmolLM2's or
-    Qwen2's own).
-    Paths: local ``.jsonl``/``.json`` (one ``{"text": ...}`` per line, e.g. C4 shards),
-    ``.txt`` (documents separated by blank lines), any of them gzipped; directories are expanded.
+Sources (``spec`` of :func:`build_data`; :func:`data_source` names them, and every run records the
+name as ``data_source`` in ``config.json`` and ``summary.json``)
+    ``builtin`` (``None`` / ``"builtin"``): the offline built-in corpus (Python documentation text,
+    see :mod:`meqmuon.train.corpus`) with a byte-level BPE trained on its train split.
+    ``local``: paths to ``.jsonl``/``.json`` (one ``{"text": ...}`` per line) or ``.txt``
+    (documents separated by blank lines) files, any of them gzipped; directories are expanded.
     Validation documents are held out by a stable hash of their text (5 %); without
     ``tokenizer_name`` a BPE is trained on the train split.
+    ``prepared``: a directory written by ``meqmuon prepare`` (:mod:`meqmuon.train.shards`); its
+    tokenizer comes with it, and a ``tokenizer_name`` whose fingerprint differs is an error.
+    ``c4-hub`` (``"c4"``): English C4 streamed from the hub; ``c4-local``: a directory (or files)
+    with C4's file names (``c4-train.NNNNN-of-01024.json.gz``, ``c4-validation.*``). Both need
+    ``tokenizer_name`` (T5-base for Llama, SmolLM2's or Qwen2's own) and run through the same code,
+    :class:`meqmuon.train.corpus.C4Documents` with a different opener, for training and the first
+    documents of the validation files for validation.
+
+    The built-in corpus and local files are prepared into the cache by the code of
+    ``meqmuon prepare`` and then read like a prepared directory, memory-mapped.
 
 Packing
     Each document is tokenised without special tokens and followed by EOS; the documents are
@@ -21,18 +29,21 @@ Packing
     cross-entropy itself, i.e. exactly ``L`` predicted tokens per row, no HF-internal shift.
     Attention crosses document boundaries (standard packed pretraining, no masking).
 
-Train stream (:class:`PackedTrainStream`, built-in corpus and local files)
-    The rows are permuted per epoch with ``numpy.random.default_rng([seed, epoch])``; the stream
-    position is one global row counter. ``next_batch(G)`` consumes the next ``G`` rows of the global
-    order and returns this rank's contiguous ``G / world_size`` of them, so the union over ranks of
-    one call is exactly the batch a single process gets from ``next_batch(G)``. The state
-    (``state_dict``) is that counter plus identity checks; it does not depend on the world size, so
-    a run may even be resumed on a different number of ranks. Epochs roll over seamlessly.
+Train stream (:class:`PackedTrainStream`: built-in corpus, local files, prepared directories)
+    The stream is the concatenation of all train shards (rows may span two shards). The rows are
+    permuted per epoch with ``numpy.random.default_rng([seed, epoch])``, a global permutation over
+    all shards (int32: 4 bytes per row, 39 MB for 9.9B tokens at ``L`` = 1024, the only memory that
+    grows with the data); the stream position is one global row counter. ``next_batch(G)``
+    consumes the next ``G`` rows of the global order and returns this rank's contiguous
+    ``G / world_size`` of them, so the ranks' rows are disjoint and their union over one call is
+    exactly the batch a single process gets from ``next_batch(G)``. The state (``state_dict``) is
+    that counter plus identity checks; it does not depend on the world size, so a run may even be
+    resumed on a different number of ranks. Epochs roll over seamlessly.
 
-    For C4 (:class:`StreamingPackedStream`) each rank packs its own document stream
-    (``split_dataset_by_node``): ranks see disjoint data, but not the same global batch as one
-    process would. Its state is the source position plus the not-yet-emitted tokens; the shuffle
-    buffer of a streamed ``datasets`` source is not part of it (a ``datasets`` limitation).
+    For C4 (:class:`StreamingPackedStream`) each rank packs its own document stream (its own C4
+    files): ranks see disjoint data, but not the same global batch as one process would. Its state
+    is the source position (:class:`meqmuon.train.corpus.C4Documents`) plus the not-yet-emitted
+    tokens, so a resumed run continues exactly.
 
 Validation set and bits per byte
     The first validation documents (in source order) are packed the same way into
@@ -46,13 +57,14 @@ Validation set and bits per byte
 Cache (``cache_dir`` argument, else ``$MEQMUON_CACHE``, else ``~/.cache/meqmuon``)::
 
     <cache>/<data key>/tokenizer-bpe<V>.json     BPE trained on that source's train split
-    <cache>/<data key>/train-<tokenizer fp>.npy  int32 train token stream (EOS-separated)
-    <cache>/<data key>/val-<tokenizer fp>-L<L>-T<val_tokens>.pt   {"val", "val_bytes", ...}
+    <cache>/<data key>/prepared-<tokenizer fp>/  the prepared shards (all held-out documents as validation)
+    <cache>/<c4 key>/val-<tokenizer fp>-L<L>-T<val_tokens>.pt   C4's {"val", "val_bytes", ...}
 
     data key: ``builtin-v1-cpython3.11.7-<sha12 of the corpus>-vf0.05`` (Python version included),
-    ``local-<sha12 of (resolved path, size, mtime) of every file>-vf0.05`` or ``c4-en``.
-    Files are written atomically (temp file + rename), so concurrent ranks are safe; in DDP build on
-    rank 0 first and barrier to avoid redundant tokenisation.
+    ``local-<sha12 of (resolved path, size, mtime) of every file>-vf0.05``, ``c4-en`` (hub) or
+    ``c4-local-<sha12 of the validation files' (path, size, mtime)>``.
+    Files are written atomically (temp file + rename) and a prepared directory is used only once its
+    manifest is complete; in DDP rank 0 builds first and the others wait at a barrier.
 """
 
 from __future__ import annotations
@@ -70,9 +82,13 @@ import numpy as np
 import torch
 
 from meqmuon.train import corpus as _corpus
+from meqmuon.train import shards as _shards
+from meqmuon.train.shards import TokenStore
 from meqmuon.train.tokenizer import TextTokenizer, load_or_train_bpe, load_tokenizer
 
 __all__ = [
+    "DATA_SOURCES",
+    "data_source",
     "DEFAULT_CACHE_DIR",
     "cache_root",
     "encode_documents",
@@ -88,6 +104,8 @@ __all__ = [
 ]
 
 DEFAULT_CACHE_DIR = Path("~/.cache/meqmuon")
+#: What ``--data`` can name (see the module docstring); recorded as ``data_source`` by every run.
+DATA_SOURCES = ("builtin", "local", "prepared", "c4-hub", "c4-local")
 _ENCODE_CHUNK = 256  # documents per encode_batch call: big enough for the Rust thread pool
 
 
@@ -147,8 +165,7 @@ def make_val_set(docs: Iterable[str], tokenizer: TextTokenizer, seq_len: int,
     the ``n * seq_len`` targets (see the module docstring), ``n_docs`` documents touched.
     ``n = max(1, val_tokens // seq_len)``, fewer when the documents run out; none at all is an error.
     """
-    want_rows = max(1, val_tokens // seq_len)
-    need = want_rows * seq_len + 1
+    need = max(1, val_tokens // seq_len) * seq_len + 1
     token_docs: list[list[int]] = []
     doc_bytes: list[int] = []
     total = 0
@@ -161,48 +178,45 @@ def make_val_set(docs: Iterable[str], tokenizer: TextTokenizer, seq_len: int,
             if total >= need:
                 break
     stream = pack_documents(token_docs, tokenizer.eos_id)
-    n = min(want_rows, num_sequences(stream.size, seq_len))
-    if n == 0:
-        raise ValueError(f"validation text too short for one sequence of {seq_len + 1} tokens "
-                         f"({stream.size} tokens)")
-    val = as_sequences(torch.from_numpy(stream.astype(np.int64)), seq_len)[:n].clone()
-    # Targets are stream positions [1, n*L]; document i occupies [start, start + len_i + 1).
-    lo, hi = 1, n * seq_len + 1
-    covered_bytes, start = 0.0, 0
-    for ids, nbytes in zip(token_docs, doc_bytes, strict=True):
-        end = start + len(ids) + 1
-        overlap = max(0, min(end, hi) - max(start, lo))
-        covered_bytes += nbytes * overlap / (end - start)
-        start = end
-    return val, int(round(covered_bytes)), len(token_docs)
+    rows, nbytes, ndocs = _shards.val_set_from_stream(stream, [len(t) + 1 for t in token_docs], doc_bytes, seq_len,
+                                                      val_tokens)
+    return torch.from_numpy(rows), nbytes, ndocs
 
 
 class PackedTrainStream:
-    """Deterministic, resumable, rank-aware batches of packed rows from an in-memory token stream.
+    """Deterministic, resumable, rank-aware batches of packed rows of a token stream.
 
-    See the module docstring for the order and the rank split. ``tokens`` is the 1-D token stream.
+    See the module docstring for the order and the rank split. ``tokens``: a :class:`TokenStore`
+    (memory-mapped shards) or a 1-D tensor/array held in memory.
     """
 
-    def __init__(self, tokens: torch.Tensor | np.ndarray, seq_len: int, *, seed: int = 0,
+    def __init__(self, tokens: TokenStore | torch.Tensor | np.ndarray, seq_len: int, *, seed: int = 0,
                  rank: int = 0, world_size: int = 1):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world_size {world_size}")
-        self.tokens = torch.as_tensor(tokens)
+        if not isinstance(tokens, TokenStore):
+            tokens = TokenStore([tokens.numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens)])
+        self.store = tokens
         self.seq_len = seq_len
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
-        self.num_sequences = num_sequences(self.tokens.numel(), seq_len)
+        self.num_sequences = num_sequences(len(self.store), seq_len)
         if self.num_sequences == 0:
             raise ValueError(f"train data too short for one sequence of {seq_len + 1} tokens")
-        self._rows = as_sequences(self.tokens, seq_len)
         self.position = 0  # rows consumed by all ranks together
         self._perm_epoch = -1
-        self._perm: torch.Tensor | None = None
+        self._perm: np.ndarray | None = None
         # Cheap identity check for load_state_dict: size plus a sample of the tokens.
-        sample = self.tokens[:: max(1, self.tokens.numel() // 4096)].to(torch.int64)
-        checksum = int((sample * torch.arange(1, sample.numel() + 1)).sum())
-        self._fingerprint = f"{self.tokens.numel()}-{checksum}"
+        n = len(self.store)
+        sample = self.store.take(np.arange(0, n, max(1, n // 4096)))
+        checksum = int((sample * np.arange(1, sample.size + 1)).sum())
+        self._fingerprint = f"{n}-{checksum}"
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The whole stream as an int64 tensor (reads everything: for small data and tests)."""
+        return torch.from_numpy(self.store.read(0, len(self.store)).astype(np.int64))
 
     @property
     def epoch(self) -> int:
@@ -214,13 +228,17 @@ class PackedTrainStream:
         """Prediction targets per epoch (``num_sequences * seq_len``)."""
         return self.num_sequences * self.seq_len
 
-    def _order(self, epoch: int) -> torch.Tensor:
+    def _order(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_sequences)
-            self._perm, self._perm_epoch = torch.from_numpy(perm), epoch
+            # shuffle of an int32 range: the permutation(n) of earlier versions (same draws, same
+            # order) at half the memory
+            self._perm = None
+            perm = np.arange(self.num_sequences, dtype=np.int32 if self.num_sequences < 2**31 else np.int64)
+            np.random.default_rng([self.seed, epoch]).shuffle(perm)
+            self._perm, self._perm_epoch = perm, epoch
         return self._perm
 
-    def _global_rows(self, start: int, count: int) -> torch.Tensor:
+    def _global_rows(self, start: int, count: int) -> np.ndarray:
         idx = []
         pos, end = start, start + count
         while pos < end:  # may span an epoch boundary
@@ -228,7 +246,7 @@ class PackedTrainStream:
             take = min(end - pos, self.num_sequences - within)
             idx.append(self._order(epoch)[within : within + take])
             pos += take
-        return torch.cat(idx)
+        return np.concatenate(idx)
 
     def next_batch(self, global_batch_size: int) -> torch.Tensor:
         """Next ``global_batch_size`` rows of the global order; returns this rank's share,
@@ -237,7 +255,7 @@ class PackedTrainStream:
         local = global_batch_size // self.world_size
         idx = self._global_rows(self.position + self.rank * local, local)
         self.position += global_batch_size
-        return self._rows[idx].to(torch.int64)
+        return torch.from_numpy(self.store.rows(idx, self.seq_len))
 
     def batches(self, global_batch_size: int) -> Iterator[torch.Tensor]:
         """Endless iterator over :meth:`next_batch`."""
@@ -360,6 +378,7 @@ class DataBundle:
     val_bytes: int  # UTF-8 bytes covered by the n * seq_len validation targets
     description: str
     seq_len: int
+    source: str = "builtin"  # one of DATA_SOURCES
 
     @property
     def val_target_tokens(self) -> int:
@@ -378,12 +397,8 @@ def _sha12(*parts: Any) -> str:
     return h.hexdigest()[:12]
 
 
-def _train_tokens(path: Path, tokenizer: TextTokenizer, docs: Sequence[str]) -> np.ndarray:
-    if path.exists():
-        return np.load(path)
-    tokens = pack_documents(encode_documents(tokenizer, docs), tokenizer.eos_id)
-    _atomic_save(path, lambda f: np.save(f, tokens))
-    return tokens
+def _stats(files: Iterable[Path | str]) -> list[tuple[str, int, int]]:
+    return [(str(Path(f).resolve()), Path(f).stat().st_size, Path(f).stat().st_mtime_ns) for f in files]
 
 
 def _val_set(path: Path, docs: Iterable[str], tokenizer: TextTokenizer, seq_len: int,
@@ -397,8 +412,24 @@ def _val_set(path: Path, docs: Iterable[str], tokenizer: TextTokenizer, seq_len:
     return val, nbytes, ndocs
 
 
+def _paths(spec: str | Path | Sequence[str | Path] | None) -> list[str]:
+    return [str(spec)] if isinstance(spec, (str, Path)) else ([str(p) for p in spec] if spec is not None else [])
+
+
+def data_source(spec: str | Path | Sequence[str | Path] | None) -> str:
+    """Which of :data:`DATA_SOURCES` a ``--data`` value names (raises ``ValueError`` for a bad path)."""
+    paths = _paths(spec)
+    if not paths or (len(paths) == 1 and paths[0].lower() == "builtin"):
+        return "builtin"
+    if len(paths) == 1 and paths[0].lower() == "c4":
+        return "c4-hub"
+    if len(paths) == 1 and _shards.is_prepared_dir(paths[0]):
+        return "prepared"
+    return "c4-local" if _corpus.c4_split(_corpus.expand_paths(paths)) is not None else "local"
+
+
 def build_data(
-    spec: str | Sequence[str] | None = None,
+    spec: str | Path | Sequence[str | Path] | None = None,
     *,
     tokenizer_name: str | None = None,
     seq_len: int = 1024,
@@ -412,25 +443,41 @@ def build_data(
 ) -> DataBundle:
     """Tokenizer, train stream and validation set for ``spec`` (see the module docstring).
 
-    ``tokenizer_name``: HF hub id; ``None`` means a byte-level BPE of ``vocab_size`` trained on the
-    source's train split (not allowed for C4). ``val_tokens``: validation targets wanted (rounded
-    down to whole rows). ``val_fraction``: share of documents held out (built-in and local data).
+    ``tokenizer_name``: hub id or local directory; ``None`` means a byte-level BPE of ``vocab_size``
+    trained on the source's train split (not allowed for C4), or a prepared directory's own.
+    ``val_tokens``: validation targets wanted (rounded down to whole rows). ``val_fraction``: share
+    of documents held out (built-in and local data).
     """
     root = cache_root(cache_dir)
-    paths = [spec] if isinstance(spec, (str, Path)) else (list(spec) if spec is not None else [])
-    if len(paths) == 1 and str(paths[0]).lower() == "c4":
-        return _build_c4(tokenizer_name, seq_len, seed, rank, world_size, root, val_tokens)
-    if not paths or (len(paths) == 1 and str(paths[0]).lower() == "builtin"):
+    paths = _paths(spec)
+    source = data_source(paths)
+    common = dict(seq_len=seq_len, seed=seed, rank=rank, world_size=world_size, val_tokens=val_tokens)
+    if source in ("c4-hub", "c4-local"):
+        return _build_c4(source, paths, tokenizer_name, root=root, **common)
+    if source == "prepared":
+        prepared = _shards.PreparedData(paths[0])
+        tokenizer = prepared.tokenizer()
+        if tokenizer_name is not None:
+            given = load_tokenizer(tokenizer_name)
+            if given.fingerprint != tokenizer.fingerprint:
+                raise ValueError(f"{prepared.dir} was prepared with tokenizer {tokenizer.name!r} (fingerprint "
+                                 f"{tokenizer.fingerprint}), not {tokenizer_name!r} ({given.fingerprint}); leave "
+                                 "out --tokenizer or prepare the data again with this one")
+        what = f"prepared data {prepared.dir} ({prepared.source}, {len(prepared.manifest['train']['shards'])} shards)"
+        return _bundle(prepared, tokenizer, what, source, **common)
+    if source == "builtin":
         docs = _corpus.builtin_documents()
         key = f"{_corpus.builtin_corpus_key()}-{_sha12(docs)}-vf{val_fraction}"
         what = f"built-in corpus ({key})"
+        files: list[Path] = []
     else:
-        files, docs = _corpus.local_documents(paths)
-        stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-        key = f"local-{_sha12(stats)}-vf{val_fraction}"
+        files = _corpus.expand_paths(paths)
+        key = f"local-{_sha12(_stats(files))}-vf{val_fraction}"
         what = f"{len(files)} local file(s) ({key})"
+        # Documents in memory only to train a BPE on them; a given tokenizer streams the files.
+        docs = _corpus.local_documents(files)[1] if tokenizer_name is None else []
     train_docs, val_docs = _corpus.split_documents(docs, val_fraction)
-    if not train_docs or not val_docs:
+    if docs and (not train_docs or not val_docs):
         raise ValueError(f"need both train and held-out documents, got {len(train_docs)} train / "
                          f"{len(val_docs)} validation from {what}")
     data_dir = root / key
@@ -438,32 +485,57 @@ def build_data(
         tokenizer = load_or_train_bpe(train_docs, vocab_size, data_dir / f"tokenizer-bpe{vocab_size}.json")
     else:
         tokenizer = load_tokenizer(tokenizer_name)
-    fp = tokenizer.fingerprint
-    tokens = _train_tokens(data_dir / f"train-{fp}.npy", tokenizer, train_docs)
-    train = PackedTrainStream(torch.from_numpy(tokens), seq_len, seed=seed, rank=rank, world_size=world_size)
-    val, val_bytes, n_val_docs = _val_set(data_dir / f"val-{fp}-L{seq_len}-T{val_tokens}.pt", val_docs,
-                                          tokenizer, seq_len, val_tokens)
-    n_bytes = sum(len(d.encode("utf-8")) for d in docs)
-    desc = (f"{what}: {len(docs)} docs, {n_bytes / 1e6:.2f} MB; {len(train_docs)} train / {len(val_docs)} "
-            f"validation docs; tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size}); train "
-            f"{train.num_tokens:,} tokens = {train.num_sequences:,} x {seq_len}; validation "
-            f"{val.shape[0]} x {seq_len} tokens from {n_val_docs} docs, {val_bytes:,} bytes")
-    return DataBundle(tokenizer, train, val, val_bytes, desc, seq_len)
+    out = data_dir / f"prepared-{tokenizer.fingerprint}"
+    try:
+        prepared = _shards.PreparedData(out)
+    except ValueError:
+        if source == "builtin":
+            _shards.prepare_documents(out, tokenizer, train_docs, val_docs, kind="builtin",
+                                      sources=[{"path": key, "documents": len(docs)}])
+        else:
+            import sys
+
+            _shards.prepare(files, tokenizer, out, val_fraction=val_fraction, val_tokens=None,
+                            progress=sys.stderr.isatty())
+        prepared = _shards.PreparedData(out)
+    return _bundle(prepared, tokenizer, what, source, **common)
 
 
-def _build_c4(tokenizer_name: str | None, seq_len: int, seed: int, rank: int, world_size: int, root: Path,
-              val_tokens: int) -> DataBundle:
+def _bundle(prepared: _shards.PreparedData, tokenizer: TextTokenizer, what: str, source: str, *, seq_len: int,
+            seed: int, rank: int, world_size: int, val_tokens: int) -> DataBundle:
+    m = prepared.manifest
+    train = PackedTrainStream(prepared.train_store(), seq_len, seed=seed, rank=rank, world_size=world_size)
+    rows, val_bytes, n_val_docs = prepared.val_set(seq_len, val_tokens)
+    val = torch.from_numpy(rows)
+    tr, va = m["train"], m["validation"]
+    desc = (f"{what}: {tr['documents'] + va['documents']} docs, {(tr['bytes'] + va['bytes']) / 1e6:.2f} MB; "
+            f"{tr['documents']} train / {va['documents']} validation docs; tokenizer {tokenizer.name} (vocab "
+            f"{tokenizer.vocab_size}); train {train.num_tokens:,} tokens = {train.num_sequences:,} x {seq_len}; "
+            f"validation {val.shape[0]} x {seq_len} tokens from {n_val_docs} docs, {val_bytes:,} bytes")
+    return DataBundle(tokenizer, train, val, val_bytes, desc, seq_len, source)
+
+
+def _build_c4(source: str, paths: list[str], tokenizer_name: str | None, *, root: Path, seq_len: int, seed: int,
+              rank: int, world_size: int, val_tokens: int) -> DataBundle:
+    if source == "c4-hub":
+        files = {split: _corpus.c4_hub_files(split) for split in ("train", "validation")}
+        opener, key, where = _corpus.open_hub, "c4-en", "streamed from the hub"
+    else:
+        files = _corpus.c4_split(_corpus.expand_paths(paths))
+        opener, where = _corpus.open_local, f"local copy {', '.join(paths)}"
+        key = f"c4-local-{_sha12(_stats(files['validation']))}"
     if tokenizer_name is None:
-        raise ValueError("--data c4 needs a hub tokenizer "
-                         "(t5-base, HuggingFaceTB/SmolLM2-135M or Qwen/Qwen2-0.5B)")
+        raise ValueError(f"C4 ({where}) needs --tokenizer: a hub id (t5-base, HuggingFaceTB/SmolLM2-135M, "
+                         "Qwen/Qwen2-0.5B) or a local directory")
     tokenizer = load_tokenizer(tokenizer_name)
-    path = root / "c4-en" / f"val-{tokenizer.fingerprint}-L{seq_len}-T{val_tokens}.pt"
-    # Validation: first documents of the validation split, unshuffled and unsplit (same on all ranks).
-    val_docs = (row["text"] for row in _corpus.c4_documents("validation")) if not path.exists() else ()
+    path = root / key / f"val-{tokenizer.fingerprint}-L{seq_len}-T{val_tokens}.pt"
+    # Validation: first documents of the validation files, unshuffled and unsplit (same on all ranks).
+    val_docs = (text for f in files["validation"] for text in _corpus.iter_file_documents(f, opener)) \
+        if not path.exists() else iter(())
     val, val_bytes, n_val_docs = _val_set(path, val_docs, tokenizer, seq_len, val_tokens)
-    train_docs = _corpus.c4_documents("train", rank=rank, world_size=world_size, seed=seed)
+    train_docs = _corpus.C4Documents(files["train"], opener, seed=seed, rank=rank, world_size=world_size)
     train = StreamingPackedStream(train_docs, tokenizer, seq_len, rank=rank, world_size=world_size)
-    desc = (f"C4 en (streamed, rank {rank}/{world_size}); tokenizer {tokenizer.name} (vocab "
-            f"{tokenizer.vocab_size}); validation {val.shape[0]} x {seq_len} tokens from {n_val_docs} docs, "
-            f"{val_bytes:,} bytes")
-    return DataBundle(tokenizer, train, val, val_bytes, desc, seq_len)
+    desc = (f"C4 en ({where}; rank {rank}/{world_size} reads {len(train_docs.rank_files(0))} of "
+            f"{len(files['train'])} train files); tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size}); "
+            f"validation {val.shape[0]} x {seq_len} tokens from {n_val_docs} docs, {val_bytes:,} bytes")
+    return DataBundle(tokenizer, train, val, val_bytes, desc, seq_len, source)

@@ -280,6 +280,7 @@ def _train(cfg, rank, world, local_rank, build_optimizer, optimizer_state_bytes,
     data = build_data(None if cfg.data == "builtin" else cfg.data, **data_kwargs)
     if world > 1 and is_main:
         dist.barrier()
+    cfg = dataclasses.replace(cfg, data_source=data.source)
     model = build_model(cfg.model, vocab_size=_model_vocab(cfg, data.tokenizer), seed=cfg.seed, device=device)
     n_params = count_unique_params(model)
     cfg = resolve_config(cfg, unique_params=n_params, world_size=world)
@@ -470,6 +471,7 @@ def _train(cfg, rank, world, local_rank, build_optimizer, optimizer_state_bytes,
         "wall_time_s": time.perf_counter() - t_start,
         "world_size": world,
         "device": str(device),
+        "data_source": data.source,
         **_numerics_record(cfg),
         "run_dir": str(run_dir),
     }

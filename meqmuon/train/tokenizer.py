@@ -5,7 +5,19 @@ Interface (:class:`TextTokenizer`): ``name``, ``encode(text) -> list[int]``,
 ``encode_batch(texts) -> list[list[int]]``, ``decode(ids) -> str``, ``eos_id``, ``vocab_size``
 (the number of ids the tokenizer can emit, i.e. the embedding rows a model needs) and
 ``fingerprint`` (a short string that changes whenever the token ids could change; used in cache
-keys). ``encode`` never adds special tokens: the packer appends ``eos_id`` after each document.
+keys and prepared-data manifests). ``encode`` never adds special tokens: the packer appends ``eos_id``
+after each document.
+
+Fingerprints hash the tokenizer's content, never its name: the byte-level BPE hashes its
+``tokenizer.json``; a ``transformers`` fast tokenizer hashes its backend's JSON (without the
+run-time truncation/padding settings) plus its EOS id and length. So ``t5-base`` from the hub and a
+directory it was ``save_pretrained`` into give the same fingerprint, and a prepared directory can
+check that ``--tokenizer`` names the tokenizer it was made with.
+
+Directories (:func:`load_tokenizer`, :meth:`TextTokenizer.save`): a ``transformers``
+``save_pretrained`` directory, or one written by :meth:`TextTokenizer.save`, which adds
+``meqmuon_tokenizer.json`` (kind and original name) so that a saved built-in BPE loads as itself and
+a saved hub tokenizer keeps its hub name (the model registry picks embedding rows by that name).
 
 The built-in BPE (GPT-2 style byte-level BPE, ``tokenizers`` library) has ``<|endoftext|>`` as its
 only special token, with id 0, and is trained on the *train* documents only, so validation text
@@ -15,6 +27,7 @@ is never seen by the tokenizer. Training on ~2 MB takes about a second.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +43,8 @@ __all__ = [
 ]
 
 EOS_TOKEN = "<|endoftext|>"
+#: Marker file of a tokenizer directory written by :meth:`TextTokenizer.save`.
+MARKER = "meqmuon_tokenizer.json"
 
 
 class TextTokenizer:
@@ -48,6 +63,15 @@ class TextTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
+
+    def save(self, directory: str | Path) -> None:
+        """Write the tokenizer into ``directory`` so that :func:`load_tokenizer` loads it back with the
+        same fingerprint (prepared data carries its tokenizer this way)."""
+        raise NotImplementedError
+
+    def _write_marker(self, directory: Path, kind: str) -> None:
+        (directory / MARKER).write_text(json.dumps({"kind": kind, "name": self.name,
+                                                     "fingerprint": self.fingerprint}) + "\n")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
@@ -70,14 +94,17 @@ class BPETokenizer(TextTokenizer):
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        # encode_batch runs on the Rust thread pool: several times faster than a Python loop.
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        # The Rust thread pool, without offsets (the _fast variant): same ids, ~1.8x the speed.
+        return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
-    def save(self, path: str | Path) -> None:
-        self._tok.save(str(path))
+    def save(self, directory: str | Path) -> None:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(d / "tokenizer.json"))
+        self._write_marker(d, "bpe")
 
     @classmethod
     def load(cls, path: str | Path, name: str = "builtin-bpe") -> BPETokenizer:
@@ -113,7 +140,7 @@ def load_or_train_bpe(texts: Sequence[str], vocab_size: int, cache_file: Path) -
     tok = train_bpe(texts, vocab_size)
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache_file.with_name(f"{cache_file.name}.tmp{os.getpid()}")
-    tok.save(tmp)
+    tok._tok.save(str(tmp))
     os.replace(tmp, cache_file)  # atomic: concurrent ranks never read a half-written file
     return tok
 
@@ -131,7 +158,7 @@ class HFTokenizer(TextTokenizer):
         # len() counts added tokens too (e.g. T5's 100 sentinels: 32100, while the paper's Llama
         # models use 32000 rows; those sentinel ids only appear for literal "<extra_id_N>" text).
         self.vocab_size = len(tok)
-        self.fingerprint = f"hf-{name.replace('/', '--')}-{self.vocab_size}"
+        self.fingerprint = _hf_fingerprint(tok, self.eos_id, self.vocab_size, name)
 
     def encode(self, text: str) -> list[int]:
         return self._tok(text, add_special_tokens=False)["input_ids"]
@@ -142,20 +169,46 @@ class HFTokenizer(TextTokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))
 
+    def save(self, directory: str | Path) -> None:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self._tok.save_pretrained(str(d))
+        self._write_marker(d, "hf")
 
-def load_tokenizer(name: str) -> HFTokenizer:
-    """Hub tokenizer by id (``"t5-base"``, ``"HuggingFaceTB/SmolLM2-135M"``, ``"Qwen/Qwen2-0.5B"``)
-    or local directory. Needs network access unless already in the Hugging Face cache."""
+
+def _hf_fingerprint(tok, eos_id: int, size: int, name: str) -> str:
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:  # a slow (Python) tokenizer: no content to hash, fall back to the name
+        return f"hf-{name.replace('/', '--')}-{size}"
+    spec = json.loads(backend.to_str())
+    for runtime in ("truncation", "padding"):  # set per call by transformers; do not change the ids
+        spec.pop(runtime, None)
+    blob = json.dumps(spec, sort_keys=True, ensure_ascii=False) + f"\x00{eos_id}\x00{size}"
+    return "hf-" + hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def load_tokenizer(name: str | Path) -> TextTokenizer:
+    """Tokenizer by hub id (``"t5-base"``, ``"HuggingFaceTB/SmolLM2-135M"``, ``"Qwen/Qwen2-0.5B"``) or
+    local directory (``save_pretrained`` or :meth:`TextTokenizer.save`). A hub id needs network
+    access unless it is already in the Hugging Face cache."""
+    name = str(name)
+    path = Path(name).expanduser()
+    marker = path / MARKER if path.is_dir() else None
+    meta = json.loads(marker.read_text()) if marker is not None and marker.is_file() else {}
+    if meta.get("kind") == "bpe":
+        return BPETokenizer.load(path / "tokenizer.json", name=meta.get("name", "builtin-bpe"))
     try:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(name)
+        tok = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name)
     except Exception as e:  # noqa: BLE001 - offline, unknown id, missing files: one clear line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        where = "directory" if path.is_dir() else "hub id"
         raise RuntimeError(
-            f"cannot load tokenizer {name!r} (needs the Hugging Face hub or a local copy; "
-            f"offline? use the built-in corpus/tokenizer instead): {type(e).__name__}: {first}"
+            f"cannot load tokenizer {name!r} ({where}; a hub id needs the Hugging Face hub or its local "
+            f"cache, a directory must hold save_pretrained files; offline? use the built-in "
+            f"corpus/tokenizer instead): {type(e).__name__}: {first}"
         ) from None
     # Packed sequences are far longer than a document-level tokenizer limit; silence its warning.
     tok.model_max_length = int(1e30)
-    return HFTokenizer(tok, name)
+    return HFTokenizer(tok, meta.get("name", name))
