@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -103,16 +101,13 @@ def test_tiny_forward_backward(name):
     vocab = model.config.vocab_size
     batch = torch.randint(0, vocab, (8, 129))
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    t0 = time.perf_counter()
     logits = model(input_ids=inputs).logits
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab).float(), targets.reshape(-1))
     loss.backward()
-    elapsed = time.perf_counter() - t0
     # random init: loss near ln(vocab) (SmolLM2's larger init_range 1/sqrt(d) adds some spread)
     assert abs(loss.item() - torch.log(torch.tensor(float(vocab))).item()) < 1.5
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
-    assert elapsed < 5.0  # generous bound: "well under a second" on 2 cores, but CI machines vary
 
 
 def test_bf16_build():
