@@ -153,7 +153,8 @@ def canonical_coefficients(coefficients: Any) -> Coefficients:
 PSum = Callable[[Tensor], Tensor] | None
 
 #: Lower bound on the Frobenius norm in the Newton-Schulz pre-normalisation; torch.optim.Muon
-#: clamps the norm at this value (``eps=1e-7``), so a zero matrix maps to zero.
+#: clamps the norm at this value (``eps=1e-7``), so a zero matrix maps to zero. The official repos
+#: add it instead (``||X|| + 1e-7``): 1.9e-3 relative apart at ``||X|| = 1e-4`` (docs/algorithm.md).
 NS_EPS = 1e-7
 
 
