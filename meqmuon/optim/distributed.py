@@ -30,7 +30,7 @@ Why DDP broadcasts parameters (whole updates) rather than all-gathering Newton-S
 Muon implementations usually do: the normalisations of MeqMuon (two-sided on the 32000 x d
 embedding and head, one-sided with CV statistics on hidden matrices) are memory-bound passes that
 a gather of NS outputs would leave repeated on every rank, and on gloo a broadcast per tensor
-moves the same bytes 3-5x faster than ``all_gather_into_tensor``. Sending compact factors instead
+moves the same bytes 3.6-8.5x faster than ``all_gather_into_tensor``. Sending compact factors instead
 (the bf16 NS output and scale vectors; only ``1/r`` and ``1/c`` for the embedding and head, whose
 momentum every rank has) cuts the bytes about 4x, but then every rank applies every update, which
 cost more than it saved (docs/benchmarks.md, "Distributed scaling").
