@@ -153,7 +153,8 @@ def canonical_coefficients(coefficients: Any) -> Coefficients:
 PSum = Callable[[Tensor], Tensor] | None
 
 #: Lower bound on the Frobenius norm in the Newton-Schulz pre-normalisation; torch.optim.Muon
-#: clamps the norm at this value (``eps=1e-7``), so a zero matrix maps to zero.
+#: clamps the norm at this value (``eps=1e-7``), so a zero matrix maps to zero. The official repos
+#: add it instead (``||X|| + 1e-7``): 1.9e-3 relative apart at ``||X|| = 1e-4`` (docs/algorithm.md).
 NS_EPS = 1e-7
 
 
@@ -210,7 +211,7 @@ def orthogonalize(
             on CPU costs page faults.
         batched: iterate a batch as one stack (``bmm``/``baddbmm``, three batched matmuls per
             iteration) instead of matrix by matrix. Fewer, larger kernels: what GPUs want when
-            there are many small matrices. On CPU the per-matrix loop measured faster, and it
+            there are many small matrices. On CPU the per-matrix loop is faster, and it
             keeps each matrix's bits independent of the batch it travels in (see below).
 
     Returns:
@@ -231,11 +232,10 @@ def orthogonalize(
         return _orthogonalize_matrix(x, schedule, dtype, eps, workspace, out)
     if batched:
         return _orthogonalize_stack(x, schedule, dtype, eps, out)
-    # One matrix at a time with fused addmm, exactly torch.optim.Muon's iteration. Measured on the
-    # Llama-60M shapes (2 CPU cores, bf16): 602 ms per step against 1098 ms for one batched call
-    # with separate elementwise ops and 841 ms with baddbmm (docs/benchmarks.md). It also makes each
-    # matrix's bits independent of the batch it travels in, which the DDP split relies on for
-    # bit-exactness with one process (a batched baddbmm broke that for some inputs).
+    # One matrix at a time with fused addmm, exactly torch.optim.Muon's iteration: faster on CPU than
+    # one batched call (docs/benchmarks.md). It also makes each matrix's bits independent of the
+    # batch it travels in, which the DDP split relies on for bit-exactness with one process (a
+    # batched baddbmm broke that for some inputs).
     flat = x.reshape(-1, *x.shape[-2:])
     if out is None:
         out = torch.empty(x.shape, dtype=dtype, device=x.device)
@@ -256,7 +256,7 @@ def _orthogonalize_matrix(
     """:func:`orthogonalize` of one 2-D matrix into ``result`` (contiguous), or a new tensor.
 
     Tall matrices are not transposed: :func:`ns_step` uses the right Gram matrix for them (strided
-    transposing copies cost ~1 ms per 1376 x 512 matrix here, ~20 ms per Llama-60M step). With a
+    transposing copies cost time; docs/benchmarks.md). With a
     ``workspace`` dict the intermediates live in buffers kept there (keyed by shape, dtype and
     device) and reused by the next same-shape matrix: on CPU, fresh temporaries are page faults.
     """
@@ -338,10 +338,8 @@ def _buffers(workspace: dict | None, key: tuple) -> dict[str, Any]:
 
 #: Smallest Gram size ``k = min(m, n)`` at which :func:`ns_step` computes its two symmetric products
 #: (``A = YY^T`` and ``bA + cA^2``) block-wise on CPU: 3 of the 4 blocks, the fourth mirrored, so
-#: each costs 3/4 of its FLOPs. Measured per NS iteration in bf16 on 2 CPU cores
-#: (``benchmarks/ns_blocks.py``; docs/benchmarks.md, third session): 1.45-1.9x slower at
-#: k <= 192, break-even within noise at k = 320-576, 0.85-0.94x from k = 768 to 1024. Other
-#: devices keep the plain products: not measured there.
+#: each costs 3/4 of its FLOPs. On CPU it loses below k = 320, breaks even up to 576 and wins from
+#: 768 (``benchmarks/ns_blocks.py``; docs/benchmarks.md). Other devices keep the plain products.
 SYMMETRIC_MIN = 576
 
 
@@ -412,8 +410,7 @@ def col_rms(x: Tensor, psum: PSum = None, rows: int | None = None) -> Tensor:
     squares are summed over shards.
     """
     x = x.to(_stat_dtype(x))
-    # Not vector_norm(dim=-2): its strided column reduction measured 54 ms against 28 ms for this
-    # on a 32000 x 512 float32 embedding (2 CPU cores).
+    # Not vector_norm(dim=-2): its strided column reduction is ~2x slower on CPU (docs/benchmarks.md).
     sumsq = (x * x).sum(dim=-2)
     if psum is None:
         return (sumsq / x.shape[-2]).sqrt()

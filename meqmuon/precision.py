@@ -1,12 +1,12 @@
 """Which compute dtype is fast on this hardware: bf16 where it runs natively, float32 elsewhere.
 
 bf16 is only a speed-up where the hardware multiplies bf16 natively. On an x86 CPU without
-AVX512-BF16/AMX (torch capability ``AVX2``) PyTorch falls back to a scalar bf16 GEMM: a
-1024 x 1024 bf16 matmul measured 2,275 ms there against 13 ms in float32 (~170x slower, issue
-#16), whereas CPUs with AVX512-BF16 run it ~4x faster than float32. So the package's "auto"
-choices (``ns_dtype=None`` of the Muon-family optimizers, ``--precision auto`` of the harness)
-ask this module, which decides from what the hardware *reports*, never from a timing, so the
-decision is the same in every process on a machine and can be tested by injecting the report:
+AVX512-BF16/AMX (torch capability ``AVX2``) PyTorch falls back to a scalar bf16 GEMM, ~170x
+slower than float32 (issue #16; docs/benchmarks.md), whereas CPUs with AVX512-BF16 run it ~4x
+faster. So the package's "auto" choices (``ns_dtype=None`` of the Muon-family optimizers,
+``--precision auto`` of the harness) ask this module, which decides from what the hardware
+*reports*, never from a timing, so the decision is the same in every process on a machine and can
+be tested by injecting the report:
 
 * CUDA: ``torch.cuda.is_bf16_supported()`` (Ampere and newer).
 * CPU: :func:`detect_cpu_capability`, torch's vectorisation level (``torch.backends.cpu.get_cpu_capability()``:
@@ -15,7 +15,7 @@ decision is the same in every process on a machine and can be tested by injectin
   (other architectures, from oneDNN's ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``). bf16 is
   native when the string carries a ``BF16`` feature (:func:`cpu_native_bf16`). Plain ``AVX512``
   is *not* native: oneDNN emulates bf16 there by conversions, no faster than float32.
-* Any other device type: float32 (not measured here).
+* Any other device type: float32 (not timed).
 
 Core module: imports torch only. The CPU answer is computed once per process (``functools.cache``).
 """
@@ -45,7 +45,7 @@ __all__ = [
 PRECISIONS = ("auto", "bf16", "fp32")
 
 #: How much slower a bf16 matmul is than a float32 one on a CPU without native bf16, for the
-#: warning: 170x measured on a 1024 x 1024 matmul (AMD EPYC, capability AVX2, torch 2.13, issue #16).
+#: warning (a 1024 x 1024 matmul, capability AVX2; docs/benchmarks.md).
 BF16_SLOWDOWN_NO_NATIVE = 170
 
 

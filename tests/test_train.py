@@ -163,7 +163,7 @@ def test_run_records_resolved_numerics_and_refuses_resume_where_auto_differs(cac
     assert summary["finished"] and summary["precision"] == want_p and summary["ns_dtype"] == want_ns
     assert summary["cpu_capability"] == cap
     runs = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "run"]
-    assert [r["step"] for r in runs] == [0, 1]  # one record per session
+    assert [r["step"] for r in runs] == [0, 1]  # one record per start or resume
     assert all(r["precision"] == want_p and r["ns_dtype"] == want_ns and r["cpu_capability"] == cap for r in runs)
 
 

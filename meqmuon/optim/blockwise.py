@@ -3,7 +3,7 @@
 The direction ``N_c(N_r(X))`` of a ``32000 x d`` matrix is ``X_ij / (r_i c_j)``, with ``r`` the row
 RMS of ``X`` and ``c`` the column RMS of the row-normalised ``X``. Computed whole, it takes several
 matrix-sized float32 temporaries; on CPU each fresh 64 MB temporary is memory the allocator hands
-back to the OS and page-faults in again (about 30 ms apiece here, more than the arithmetic). This
+back to the OS and page-faults in again, which costs more than the arithmetic (docs/benchmarks.md). This
 module computes the same update in two passes over blocks of rows small enough to stay in cache
 (``BLOCK_ELEMENTS``):
 
@@ -26,9 +26,7 @@ from torch import Tensor
 from .. import functional as F
 
 #: Elements per block (2 MiB of float32): the block's few temporaries stay in cache, and there are
-#: few enough blocks that per-op dispatch does not dominate. One 32000 x 512 update, 2 CPU cores,
-#: median of 7 (2026-11-22): 30.4 ms at 512 KiB, 24.9 at 1 MiB, 22.0 at 2 MiB, 28.5 at 4 MiB, and
-#: 73-76 ms at 128 KiB and 8 MiB.
+#: few enough blocks that per-op dispatch does not dominate; the fastest size timed (docs/benchmarks.md).
 BLOCK_ELEMENTS = 1 << 19
 
 

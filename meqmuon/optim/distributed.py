@@ -30,12 +30,10 @@ Why DDP broadcasts parameters (whole updates) rather than all-gathering Newton-S
 Muon implementations usually do: the normalisations of MeqMuon (two-sided on the 32000 x d
 embedding and head, one-sided with CV statistics on hidden matrices) are memory-bound passes that
 a gather of NS outputs would leave repeated on every rank, and on gloo a broadcast per tensor
-moved the same bytes 3-5x faster than ``all_gather_into_tensor`` (measured here, 2 ranks, 24 MB
-per rank: 16 ms against 58 ms in bf16, 22 ms against 187 ms in fp32; docs/benchmarks.md). Sending
-compact factors instead (the bf16 NS output and scale vectors; only ``1/r`` and ``1/c`` for the
-embedding and head, whose momentum every rank has) cuts the bytes about 4x, but then every rank
-applies every update; it measured 0.70-0.82x of one rank's step time against 0.61-0.65x for this
-design, so it was not kept.
+moves the same bytes 3.6-8.5x faster than ``all_gather_into_tensor``. Sending compact factors instead
+(the bf16 NS output and scale vectors; only ``1/r`` and ``1/c`` for the embedding and head, whose
+momentum every rank has) cuts the bytes about 4x, but then every rank applies every update, which
+cost more than it saved (docs/benchmarks.md, "Distributed scaling").
 
 Bit-exactness with one process: an owner runs exactly the per-parameter code a single process
 runs (``functional.orthogonalize`` iterates matrix by matrix, so a matrix's bits never depend on
@@ -176,10 +174,9 @@ def _buckets(shapes: Sequence[tuple[int, int]], inputs: Sequence[Tensor]) -> lis
 #: Device types on which same-shape matrices are orthogonalised as one batched call (a stack per
 #: shape bucket; ``functional.orthogonalize(batched=True)``). GPUs: one matmul kernel per matrix is
 #: launch-bound for small models (Llama-60M has 56 hidden matrices, so 840 matmul launches per
-#: step), and every GPU Muon implementation we surveyed batches by shape (landscape.md). Not yet
-#: measured on a GPU here. CPU: one ``addmm`` per matrix measured faster (602 ms against 841-1098
-#: ms per Llama-60M step; docs/benchmarks.md), and it makes a matrix's bits independent of the
-#: batch it travels in, which the bit-exact DDP split relies on.
+#: step), and every GPU Muon implementation we surveyed batches by shape (landscape.md); not yet
+#: timed on a GPU. CPU: one ``addmm`` per matrix is faster (docs/benchmarks.md), and it makes a
+#: matrix's bits independent of the batch it travels in, which the bit-exact DDP split relies on.
 BATCHED_NS_DEVICES: frozenset[str] = frozenset({"cuda"})
 
 

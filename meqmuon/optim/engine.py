@@ -227,7 +227,7 @@ class RoleOptimizer(Optimizer):
     @staticmethod
     def _batched(group: dict[str, Any], items: list[Item]) -> bool:
         """``foreach`` as in torch.optim: ``None`` takes the batched path where every parameter is on a
-        CUDA device (launch-bound there) and the per-tensor path elsewhere (measured faster on CPU,
+        CUDA device (launch-bound there) and the per-tensor path elsewhere (faster on CPU;
         docs/benchmarks.md); ``True``/``False`` force one. DTensor (FSDP2/HSDP) groups take it too."""
         foreach = group.get("foreach")
         if foreach is None:

@@ -6,10 +6,8 @@ Two compiled graphs, both taking one parameter and its Newton-Schulz output ``U`
                      (eq. 4-5), the row-or-column choice (eq. 8), the scaling, decoupled weight
                      decay and the step, ``W <- (1 - lr wd) W - lr rho U~``, in one graph. The
                      float32 direction is never materialised, and the ~30 small eager ops of the
-                     CV statistics become part of the graph. In one process, alternating with
-                     ``scaled_update`` after eager statistics, step by step on Llama-60M (2 CPU
-                     threads, 20 steps each): per-step median ratio 0.94-0.97x in four runs,
-                     faster in 15-18 of 20 steps.
+                     CV statistics become part of the graph: a few percent faster than
+                     ``scaled_update`` after eager statistics (docs/benchmarks.md).
 ``scaled_update``    row shards under FSDP2, whose statistics need cross-shard sums (``psum``, a
                      collective): the statistics stay eager (``functional.adaptive_scales``) and
                      only the scaling, decay and step are compiled.

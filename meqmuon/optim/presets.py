@@ -128,7 +128,8 @@ class Muon(RoleOptimizer):
       ``W <- (1 - lr wd) W - lr * rho * sqrt(max(m, n)) * O``.
     - ``embedding``, ``head``, ``vector``: AdamW with the same ``lr`` and ``weight_decay``,
       ``betas=(0.9, 0.95)``, ``eps=1e-8``, in ``torch.optim.AdamW``'s form (eps after bias
-      correction; Moonlight adds it before, a difference confined to the first steps).
+      correction; Moonlight adds it before: 4.47x our effective eps at step 1, within 3 % from
+      step 56; docs/algorithm.md, "Baselines").
 
     ``ns_dtype=None`` (default): bf16 Newton-Schulz where the device runs bf16 natively, float32
     elsewhere (:func:`meqmuon.precision.resolve_ns_dtype`); an explicit dtype is always used.
@@ -303,10 +304,11 @@ class MuonEq(Muon):
     - ``"RC"``: both, from the same ``U`` (``U_ij / (||U_i,:|| ||U_:,j||)``, up to the eps);
 
     then ``W <- (1 - lr wd) W - lr rho sqrt(max(m, n)) Orth(U)``, and AdamW (betas (0.9, 0.95), as
-    upstream's training scripts pass) for embeddings, heads and 1-D parameters: exactly
-    :class:`Muon` but for ``E``. MuonEq equilibrates before orthogonalisation; MeqMuon normalises
-    after it (and replaces AdamW). ``phase`` (mode RC only): from step ``phase`` on, R instead of
-    RC, as upstream's phase switch (its counter starts at 1, so RC runs ``phase - 1`` steps).
+    upstream's training scripts pass; eps after bias correction, where upstream adds it before as
+    Moonlight does) for embeddings, heads and 1-D parameters: exactly :class:`Muon` but for ``E``.
+    MuonEq equilibrates before orthogonalisation; MeqMuon normalises after it (and replaces AdamW).
+    ``phase`` (mode RC only): from step ``phase`` on, R instead of RC, as upstream's phase switch
+    (its counter starts at 1, so RC runs ``phase - 1`` steps).
     """
 
     RULES = {"hidden": "muoneq_hidden", "embedding": "adamw", "head": "adamw", "vector": "adamw"}

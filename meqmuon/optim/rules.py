@@ -12,9 +12,9 @@ A rule receives all parameters of its kind in one param group at once and works 
 at a time: each matrix's direction input is made just before its Newton-Schulz and dropped after
 its update, so no model-sized temporary exists (on CPU, fresh 64 MB temporaries cost more in page
 faults than the arithmetic; docs/benchmarks.md). On CPU Newton-Schulz runs matrix by matrix with
-fused ``addmm`` (torch.optim.Muon's form): measured faster there than one batched call per shape,
-and it makes each matrix's bits independent of its neighbours, which the DDP split relies on. On
-GPUs each shape bucket is one batched call (``distributed.BATCHED_NS_DEVICES``). No rule makes a
+fused ``addmm`` (torch.optim.Muon's form): faster there than one batched call per shape, and it
+makes each matrix's bits independent of its neighbours, which the DDP split relies on. On GPUs
+each shape bucket is one batched call (``distributed.BATCHED_NS_DEVICES``). No rule makes a
 host-device sync: step counters are Python ints, choices are tensors.
 
 Every rule also has a batched form, ``step_foreach`` (``foreach=True``, the default on CUDA), beside
@@ -829,8 +829,7 @@ class Equilibrate(_MomentumRule):
     Row-blocked (``blockwise.equilibrate_step_``), so the 32000 x d direction is never
     materialised. ``compile=True`` changes nothing here: the two blocked passes already run at
     memory bandwidth. The compiled whole-matrix kernel used before could not take FSDP2's
-    cross-shard sums, and with it the whole step was only 2-5% faster than eager, within this
-    machine's run-to-run noise (docs/benchmarks.md)."""
+    cross-shard sums and gained the step nothing beyond noise (docs/benchmarks.md)."""
 
     name = "equilibrate"
     needs_matrix = True
@@ -923,9 +922,10 @@ class RmsNormalize(_MomentumRule):
 class AdamW(Rule):
     """AdamW exactly as ``torch.optim.AdamW`` (paper eq. 1-2): eps added after bias correction.
 
-    Used for embedding/head/vector kinds by Muon and NorMuon. Moonlight's toy_train.py adds eps to
-    the uncorrected ``sqrt(v)``; the two differ only in the first steps (baselines.md section 2),
-    and torch's form is what the paper states (eq. 1) and lets us test parity with
+    Used for embedding/head/vector kinds by Muon, NorMuon and MuonEq. Moonlight's toy_train.py and
+    MaeChd/muon-eq add eps to the uncorrected ``sqrt(v)``: an effective eps ``1/sqrt(1 - beta2^t)``
+    times ours (4.47x at step 1 with beta2 0.95, within 3 % from step 56; docs/algorithm.md,
+    "Baselines"). Torch's form is what the paper states (eq. 1) and lets us test parity with
     ``torch.optim.AdamW`` exactly.
     """
 
@@ -948,7 +948,7 @@ class AdamW(Rule):
         ``W *= 1 - lr wd``; ``m = lerp(m, g, 1 - beta1)``; ``v = beta2 v + (1 - beta2) g^2``;
         ``W -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)`` as one ``addcdiv_``. The denominator goes
         into one buffer per shape, reused across the group's parameters: the old form made four
-        parameter-sized temporaries per tensor, which made our Muon 1.18x torch's on Llama-60M
+        parameter-sized temporaries per tensor, which made our Muon slower than torch's
         (docs/benchmarks.md)."""
         ctx.emit(items, [it.grad for it in items], "gradient")
         beta1, beta2 = group["betas"]

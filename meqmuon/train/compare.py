@@ -55,9 +55,8 @@ TABLE_COLUMNS = ["optimizer", "lr", "final val loss", "perplexity", "bits/byte",
 
 def demo_config(**overrides: Any) -> TrainConfig:
     """The base config of ``meqmuon compare`` / ``meqmuon sweep`` (CPU-sized), with overrides."""
-    # threads=1: on a CPU shared with other jobs, 2 threads on 2 cores stalled (OpenMP oversubscription:
-    # 760-3,000 tokens/s against ~4,900 at 1 thread; 8,900 against 5,000 when idle), and the demo
-    # must finish in 10 minutes on a shared 2-core machine. `--threads 2` is faster on an idle one.
+    # threads=1: on a CPU shared with other jobs, 2 threads on 2 cores stall (OpenMP oversubscription;
+    # docs/benchmarks.md), and the demo must finish in 10 minutes there. `--threads 2` is faster when idle.
     base = dict(model="llama-tiny", data="builtin", seq_len=128, global_batch=32, micro_batch=None, steps=100,
                 eval_every=20, save_every=50, val_tokens=32768, keep_checkpoints=1, threads=1)
     base.update(overrides)

@@ -15,7 +15,7 @@ Numerics: fp32 master weights and optimizer state; forward/backward under ``torc
 (``precision="bf16"``, also on CPU) or in fp32; ``precision="auto"`` (default) picks bf16 where the
 device runs it natively and fp32 elsewhere, and the Muon-family Newton-Schulz dtype follows the same
 rule (:func:`meqmuon.train.config.resolve_numerics`); both are recorded in ``config.json``, the first
-``metrics.jsonl`` record of each session (``kind: "run"``) and ``summary.json``. bf16 forced on a CPU
+``metrics.jsonl`` record of each start or resume (``kind: "run"``) and ``summary.json``. bf16 forced on a CPU
 without native bf16 prints one warning line. On CUDA, float32 matmuls use TF32 unless ``tf32=False``.
 Logits are upcast to fp32 for the loss. Attention is PyTorch SDPA
 (set in :func:`meqmuon.train.models.build_config`). No dropout.
@@ -187,7 +187,7 @@ def _check_resume_config(saved: dict[str, Any], cfg: TrainConfig, path: Path) ->
 
 
 def _numerics_record(cfg: TrainConfig) -> dict[str, Any]:
-    """What the numerics of this session resolved to (for metrics.jsonl, summary.json and tables)."""
+    """What the numerics of this start or resume resolved to (for metrics.jsonl, summary.json and tables)."""
     n = cfg.numerics or {}
     return {"precision": cfg.precision, "ns_dtype": cfg.optimizer_args.get("ns_dtype"),
             "cpu_capability": n.get("cpu_capability"), "tf32": n.get("tf32")}
@@ -237,8 +237,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     threads = torch.get_num_threads()
     if cfg.threads is not None:
         # On a CPU shared with other jobs, fewer threads than cores avoids OpenMP's oversubscription
-        # stalls: llama-tiny at 2 threads fell from 8,900 to 760-3,000 tokens/s while another job
-        # used both cores, at 1 thread it kept ~4,900 (2 cores, AVX2, 2026-11-23).
+        # stalls (docs/benchmarks.md, "design measurements").
         torch.set_num_threads(cfg.threads)
     try:
         return _train(cfg, rank, world, local_rank, build_optimizer, optimizer_state_bytes, build_data, build_model,
