@@ -43,11 +43,12 @@ CHECKS = {
     "views": "matrix views (experts, split fused projections, Conv1D) equal separate 2-D matrices (test_views.py)",
     "stacked-ns": "same-shape hidden matrices in one batched Newton-Schulz call = per matrix (test_optimizers.py)",
     "own-stacks": "same-rule batched calls with different hyperparameters keep their own stacks (test_foreach.py)",
-    "expert-op-count": "the batched step's op count is flat in the number of experts (test_views.py)",
+    "op-count": "the batched step's op count: <= 300 at Llama-60M shapes, <= 1.15x for 3x the depth "
+                "(test_foreach.py), flat in the number of experts (test_views.py)",
 }
 
 _CORE_DISTRIBUTED = frozenset({"ddp", "ddp-batched", "fsdp2", "fsdp2-batched", "hsdp", "experts-ddp"})
-_CORE_CHECKS = frozenset({"views", "stacked-ns", "own-stacks", "expert-op-count"})
+_CORE_CHECKS = frozenset({"views", "stacked-ns", "own-stacks", "op-count"})
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from capabilities import (
     having,
     runs,
 )
+from references import MUONEQ_MODE
 
 import meqmuon
 from meqmuon.optim.registry import REGISTRY
@@ -36,6 +37,8 @@ def test_derived_columns_agree_with_the_library():
     assert all(c.forms == () for n, c in CAPABILITIES.items() if n not in ENGINE)
     assert all({"per-tensor", "batched"} <= set(c.forms) <= set(FORMS) for n, c in CAPABILITIES.items() if c.engine)
     assert ONE_PER_HIDDEN_RULE == ["muon", "normuon", "meqmuon", "muoneq-r"]
+    # every MuonEq preset has its mode in the references
+    assert [n for n, c in CAPABILITIES.items() if c.rules["hidden"] == "muoneq_hidden"] == list(MUONEQ_MODE)
     hidden = [CAPABILITIES[n].rules["hidden"] for n in ONE_PER_HIDDEN_RULE]
     assert len(set(hidden)) == len(hidden) and {CAPABILITIES[n].rules["hidden"] for n in NEWTON_SCHULZ} == set(hidden)
 

@@ -193,7 +193,7 @@ def test_workspace_is_at_most_one_stack_per_bucket():
 def test_op_counts_at_llama_60m_shapes():
     shapes = op_count.model_shapes("llama-60m")
     deep = op_count.deepen(shapes, 3)
-    counts = {n: op_count.count_step_ops(n, shapes, foreach=True).total for n in ("muon", "normuon", "meqmuon")}
+    counts = {n: op_count.count_step_ops(n, shapes, foreach=True).total for n in having("batched", check="op-count")}
     for name, total in counts.items():
         assert total <= 300, (name, total)
         assert op_count.count_step_ops(name, deep, foreach=True).total <= 1.15 * total, name

@@ -48,7 +48,7 @@ def test_matches_float64_reference(name, nesterov, foreach):
         ref.step()
     for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters(), strict=True):
         assert torch.allclose(p, q, atol=1e-10, rtol=0), n
-    if name in ("meqmuon", "meqmuon-only-hidden"):
+    if CAPABILITIES[name].rules["hidden"] == "meq_hidden":  # MeqMuon's row/column choices, too
         counts = opt.selection_counts()
         names = dict(ref_model.named_parameters())
         for pname, (rows, cols) in counts.items():
@@ -306,7 +306,7 @@ def test_state_dict_round_trip_is_bit_exact(name):
     train(resumed, opt2, data[3:])
     for (n, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q), n
-    if hasattr(opt2, "selection_counts") and name in ("meqmuon", "meqmuon-only-hidden"):
+    if hasattr(opt2, "selection_counts") and CAPABILITIES[name].rules["hidden"] == "meq_hidden":
         assert sum(r + c for r, c in opt2.selection_counts().values()) == 6 * 5  # 5 hidden tensors
 
 

@@ -21,7 +21,7 @@ import pytest
 import references as R
 import torch
 from capabilities import ONE_PER_HIDDEN_RULE
-from references import RefOptimizer, kinds_of
+from references import MUONEQ_MODE, RefOptimizer, kinds_of
 from tinynet import batches, loss_fn, make_model
 
 import meqmuon
@@ -100,7 +100,7 @@ def test_polar_express_inside_the_optimizers_matches_a_float64_reference(name, f
 
 def test_muoneq_keeps_muons_state_and_routing():
     model = make_model()
-    for name in ("muoneq-r", "muoneq-c", "muoneq-rc"):
+    for name in MUONEQ_MODE:
         groups = meqmuon.param_groups(model)
         assert (meqmuon.predicted_state_elements(meqmuon.rules_of(name), groups)
                 == meqmuon.predicted_state_elements(meqmuon.rules_of("muon"), groups))

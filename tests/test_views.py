@@ -319,7 +319,7 @@ def test_state_exists_for_parameters_without_gradients():
     assert opt.state[a]["step"] == 1
 
 
-@pytest.mark.parametrize("name", having("batched", check="expert-op-count"))
+@pytest.mark.parametrize("name", having("batched", check="op-count"))
 def test_batched_op_count_is_flat_in_the_number_of_experts(name):
     """On the meta device (shapes only), 16 experts dispatch <= 1.05x the ops of 4."""
     counts = []
