@@ -47,10 +47,6 @@ CHECKS = {
                 "(test_foreach.py), flat in the number of experts (test_views.py)",
 }
 
-_CORE_DISTRIBUTED = frozenset({"ddp", "ddp-batched", "fsdp2", "fsdp2-batched", "hsdp", "experts-ddp"})
-_CORE_CHECKS = frozenset({"views", "stacked-ns", "own-stacks", "op-count"})
-
-
 @dataclass(frozen=True)
 class Stated:
     """What the tests check of one optimizer that the library does not say."""
@@ -71,15 +67,28 @@ class Stated:
 #: One row per registered optimizer.
 STATED: dict[str, Stated] = {
     "adamw": Stated(),  # torch.optim.AdamW: its forms are torch's own
-    "muon": Stated(transposes=True, ddp_gathers=3, checks=_CORE_CHECKS,
-                   distributed=_CORE_DISTRIBUTED | {"experts-fsdp2-batched"}),
-    "normuon": Stated(ddp_gathers=4, checks=_CORE_CHECKS,
-                      distributed=_CORE_DISTRIBUTED | {"ddp-resume", "fsdp2-dcp", "experts-ddp-batched",
-                                                       "experts-fsdp2"}),
-    "scale": Stated(checks=frozenset({"views"}), distributed=frozenset({"fsdp2", "fsdp2-batched"})),
-    "meqmuon": Stated(transposes=True, ddp_gathers=4, checks=_CORE_CHECKS,
-                      distributed=_CORE_DISTRIBUTED | {"ddp-compile", "ddp-resume", "fsdp2-compile", "fsdp2-dcp",
-                                                       "hsdp-dcp", "experts-ddp-batched", "experts-fsdp2"}),
+    "muon": Stated(
+        transposes=True,
+        distributed=frozenset({"ddp", "ddp-batched", "fsdp2", "fsdp2-batched", "hsdp", "experts-ddp",
+                               "experts-fsdp2-batched"}),
+        ddp_gathers=3,
+        checks=frozenset({"views", "stacked-ns", "own-stacks", "op-count"}),
+    ),
+    "normuon": Stated(
+        distributed=frozenset({"ddp", "ddp-batched", "ddp-resume", "fsdp2", "fsdp2-batched", "fsdp2-dcp", "hsdp",
+                               "experts-ddp", "experts-ddp-batched", "experts-fsdp2"}),
+        ddp_gathers=4,
+        checks=frozenset({"views", "stacked-ns", "own-stacks", "op-count"}),
+    ),
+    "scale": Stated(distributed=frozenset({"fsdp2", "fsdp2-batched"}), checks=frozenset({"views"})),
+    "meqmuon": Stated(
+        transposes=True,
+        distributed=frozenset({"ddp", "ddp-compile", "ddp-batched", "ddp-resume", "fsdp2", "fsdp2-compile",
+                               "fsdp2-batched", "fsdp2-dcp", "hsdp", "hsdp-dcp", "experts-ddp",
+                               "experts-ddp-batched", "experts-fsdp2"}),
+        ddp_gathers=4,
+        checks=frozenset({"views", "stacked-ns", "own-stacks", "op-count"}),
+    ),
     "meqmuon-only-hidden": Stated(transposes=True, checks=frozenset({"views"})),
     "meqmuon-only-embedding": Stated(transposes=True),
     "meqmuon-only-vector": Stated(transposes=True),
@@ -105,10 +114,6 @@ class Capability:
     #: Its kind -> rule table (``meqmuon.rules_of``).
     rules: dict[str, str]
     stated: Stated
-
-    @property
-    def transposes(self) -> bool:
-        return self.stated.transposes
 
 
 def _capability(name: str, stated: Stated) -> Capability:
