@@ -3,8 +3,8 @@
 Rows follow ``meqmuon.optim.registry.REGISTRY`` (its names and order). What the library already says is
 read from it: the class (a meqmuon ``RoleOptimizer``, or torch's AdamW), the keyword arguments it takes
 (``ns_dtype``, ``nesterov``, ``compile``) and its kind -> rule table. What only the tests say is written
-in ``STATED``: whether its batched buckets take a matrix transposed, whether the matrix-view tests run
-it, which distributed layouts and which other checks run it. test_capabilities.py fails when a
+in ``STATED``: whether its batched buckets take a matrix transposed, which distributed layouts
+(``LAYOUTS``) and which other checks (``CHECKS``, the matrix views among them) run it. test_capabilities.py fails when a
 registered optimizer has no row, so a new optimizer cannot be left out of the parametrised tests.
 """
 
@@ -46,6 +46,7 @@ CHECKS = {
     "op-count": "the batched step's op count: <= 300 at Llama-60M shapes, <= 1.15x for 3x the depth "
                 "(test_foreach.py), flat in the number of experts (test_views.py)",
 }
+
 
 @dataclass(frozen=True)
 class Stated:
@@ -133,11 +134,18 @@ ALL: list[str] = list(REGISTRY)
 ENGINE: list[str] = [n for n, c in CAPABILITIES.items() if c.engine]
 #: Those that orthogonalise with Newton-Schulz (take ``ns_dtype``).
 NEWTON_SCHULZ: list[str] = [n for n, c in CAPABILITIES.items() if c.newton_schulz]
+
+
+def _one_per_hidden_rule() -> list[str]:
+    first: dict[str, str] = {}
+    for n, c in CAPABILITIES.items():
+        if c.newton_schulz:
+            first.setdefault(c.rules["hidden"], n)
+    return list(first.values())
+
+
 #: The first Newton-Schulz optimizer of each distinct hidden rule: one per hidden update.
-ONE_PER_HIDDEN_RULE: list[str] = []
-for _n, _c in CAPABILITIES.items():
-    if _c.newton_schulz and all(CAPABILITIES[m].rules["hidden"] != _c.rules["hidden"] for m in ONE_PER_HIDDEN_RULE):
-        ONE_PER_HIDDEN_RULE.append(_n)
+ONE_PER_HIDDEN_RULE: list[str] = _one_per_hidden_rule()
 #: Optimizers with at least one of MeqMuon's rules (eq. 8-10).
 MEQ_RULES = frozenset({"meq_hidden", "equilibrate", "rms_normalize"})
 WITH_MEQ_RULES: list[str] = [n for n, c in CAPABILITIES.items() if MEQ_RULES & set(c.rules.values())]
