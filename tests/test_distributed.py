@@ -24,8 +24,12 @@ What is proven and why the tolerances:
   ``set_state_dict``; nested and flattened optimizer state dicts): MeqMuon and NorMuon resumed into
   a fresh model and optimizer end bit for bit where the uninterrupted run ends. Across world sizes
   (2 FSDP2 ranks -> 1 unsharded process, and back) they end within the FSDP2 bound of 1e-6.
+- The batched step (``foreach=True``, test_foreach.py) under DDP: one ``all_gather_into_tensor`` per
+  split bucket and step, every rank identical, equal to one process to 1e-5; under FSDP2 equal to the
+  unsharded per-tensor step to 1e-5 (the file's last section).
 
-Workers are spawned inside the tests; each ends with ``destroy_process_group`` and ``os._exit``
+Which optimizers each layout runs is the ``distributed`` column of capabilities.py. Workers are
+spawned inside the tests; each ends with ``destroy_process_group`` and ``os._exit``
 (a gloo process may otherwise abort at interpreter exit after finishing its work).
 """
 
@@ -40,6 +44,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from capabilities import ddp_gathers, runs
 from torch import nn
 
 import meqmuon
@@ -62,8 +67,8 @@ FSDP_HIDDEN = [(15, 8), (15, 8), (7, 12), (7, 12), (7, 12), (12, 12), (1, 6)]
 FSDP_EMBED, FSDP_HEAD, FSDP_VECTORS = (21, 8), (21, 8), [(15,), (7,)]
 # "+compile": MeqMuon with compile=True. Under DDP an owner compiles statistics and step of its whole
 # matrices in one graph; under FSDP2 the statistics (with cross-shard sums) stay eager.
-DDP_NAMES = ["meqmuon", "meqmuon+compile", "muon", "normuon"]
-FSDP_NAMES = ["meqmuon", "meqmuon+compile", "muon", "normuon", "scale"]
+DDP_NAMES = runs("ddp", "ddp-compile")
+FSDP_NAMES = runs("fsdp2", "fsdp2-compile")
 
 
 def _free_port() -> int:
@@ -304,7 +309,7 @@ def _resume_single_process(name, saved):
     return _flat(params)
 
 
-@pytest.mark.parametrize("name", ["meqmuon", "normuon"])
+@pytest.mark.parametrize("name", runs("ddp-resume"))
 def test_state_dict_from_rank0_resumes_single_process(name, tmp_path):
     results = _spawn(_ddp_worker, tmp_path, name)
     threads = torch.get_num_threads()
@@ -421,7 +426,7 @@ def test_newton_schulz_sub_stack_regression():
 
 # ---- HSDP (2 replica groups x 2 shards, 4 processes) ------------------------------------------
 
-HSDP_NAMES = ["meqmuon", "muon", "normuon"]
+HSDP_NAMES = runs("hsdp")
 
 
 def test_hsdp_equals_unsharded_and_replicas_agree(tmp_path):
@@ -525,13 +530,13 @@ def test_fsdp2_dcp_checkpoint_resumes_exactly(tmp_path):
     uninterrupted run ends, with the same row/column choices. (Without the optimizer state the same
     resume differs by ~2e-2.) The state round-trips with its types: DTensor momentum/second moment,
     Python-int ``step``, plain 0-D ``rows_chosen`` (replicated, identical on every rank)."""
-    names = ["meqmuon", "normuon"]
+    names = runs("fsdp2-dcp")
     _check_dcp_resume(_spawn(_fsdp_dcp_worker, tmp_path, names, str(tmp_path)), names)
 
 
 def test_hsdp_dcp_checkpoint_resumes_exactly(tmp_path):
     """The same resume under HSDP (2 replica groups x 2 shards, 4 processes): bit for bit on every rank."""
-    names = ["meqmuon"]
+    names = runs("hsdp-dcp")
     _check_dcp_resume(_spawn(_fsdp_dcp_worker, tmp_path, names, str(tmp_path), (2, 2), world=4), names)
 
 
@@ -579,7 +584,7 @@ def test_dcp_checkpoint_resumes_across_world_sizes(tmp_path):
     process, and one saved by one unsharded process resumes on 2 FSDP2 ranks. Both end where the
     uninterrupted 2-rank run ends, to the FSDP2-vs-unsharded bound (1e-6: partial sums of squares
     reduced across shards round differently), with the same row/column choices."""
-    names = ["meqmuon", "normuon"]
+    names = runs("fsdp2-dcp")
     for name in names:
         _unsharded_dcp_run(name, range(SAVE_AT), save_to=str(tmp_path / f"dcp_single_{name}"))
     results = _spawn(_fsdp_dcp_worker, tmp_path, names, str(tmp_path))
@@ -604,7 +609,7 @@ def test_dcp_checkpoint_resumes_across_world_sizes(tmp_path):
 # a dense matrix of an expert half's shape, which joins the experts' bucket.
 EXPERTS = {"up": (5, 12, 8), "down": (5, 8, 6), "dense": (6, 8)}
 EXPERT_VIEWS = {"views": ["stacked", "stacked", "matrix"], "splits": [(6, 6), None, None]}
-EXPERT_NAMES = ["meqmuon", "muon", "normuon", "meqmuon+foreach", "normuon+foreach"]
+EXPERT_NAMES = runs("experts-ddp", "experts-ddp-batched")
 
 
 def _expert_params(seed=0):
@@ -708,7 +713,7 @@ def test_fsdp2_experts_are_whole_matrices_per_rank(tmp_path):
     """Under FSDP2 each rank updates its own whole experts with no collective; the result equals the
     unsharded optimizer (rank 1's skipped step aside) and every rank holds the same state keys, so a
     ``torch.distributed.checkpoint`` save works (microsoft/dion#89)."""
-    names = ["meqmuon", "normuon", "muon+foreach"]
+    names = runs("experts-fsdp2", "experts-fsdp2-batched")
     results = _spawn(_experts_fsdp_worker, tmp_path, names, str(tmp_path))
     assert [results[r]["meqmuon"]["local_experts"] for r in range(WORLD)] == [3, 2]
     held = [{k.split("#")[0] for k in results[r]["meqmuon"]["counts"] if k.startswith("up[")} for r in range(WORLD)]
@@ -722,3 +727,67 @@ def test_fsdp2_experts_are_whole_matrices_per_rank(tmp_path):
             assert torch.allclose(a, b, rtol=0, atol=1e-6), name
         assert not torch.allclose(got[0][3:], ref[0][3:], atol=1e-6)  # rank 1 skipped a step there
         assert (tmp_path / f"experts_{name}").is_dir()
+
+
+# ---- the batched step (foreach=True, test_foreach.py) under DDP and FSDP2 ----------------------------------
+
+
+def _ddp_foreach_worker(rank, names):
+    import torch.distributed as dist
+
+    gathers = [0]
+    real = dist.all_gather_into_tensor
+
+    def counting(*a, **k):
+        gathers[0] += 1
+        return real(*a, **k)
+
+    dist.all_gather_into_tensor = counting
+    out = {}
+    for name in names:
+        gathers[0] = 0
+        params = _params(HIDDEN, EMBED, HEAD, VECTORS)
+        opt = _opt(name, _groups(params))
+        for step in range(STEPS):
+            _set_grads(params, step)
+            opt.step()
+        counts = opt.selection_counts() if name.startswith("meqmuon") else None
+        out[name] = {"params": _flat(params), "state": opt.state_dict(), "counts": counts, "gathers": gathers[0]}
+    return out
+
+
+def test_ddp_batched_step_gathers_once_per_bucket_and_matches_one_process(tmp_path):
+    # Split buckets per step of these shapes: hidden (16, 32) with (32, 16) transposed, (24, 24) and the
+    # (8, 12) conv view; NorMuon keeps (32, 16) apart; plus one embedding/head bucket for MeqMuon.
+    results = _spawn(_ddp_foreach_worker, tmp_path, runs("ddp-batched"))
+    for name, gathers in ddp_gathers().items():
+        r0, r1 = results[0][f"{name}+foreach"], results[1][f"{name}+foreach"]
+        ref_params, ref_opt = _single_process(f"{name}+f32")
+        for a, b in zip(r0["params"], r1["params"], strict=True):
+            assert torch.equal(a, b), name  # every rank ends with identical parameters
+        _state_equal(r0["state"], r1["state"])
+        for p, q in zip(r0["params"], _flat(ref_params), strict=True):
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-5), (name, (p - q).abs().max().item())
+        assert r0["gathers"] == r1["gathers"] == gathers * STEPS, name
+        if name == "meqmuon":
+            assert r0["counts"] == ref_opt.selection_counts()
+
+
+def test_fsdp2_batched_step_equals_unsharded(tmp_path):
+    """FSDP2 row shards (odd sizes, an empty shard) with the batched step: every rule equals the
+    unsharded per-tensor step to 1e-5 (partial sums of squares reduced across shards round
+    differently), MeqMuon's row/column choices exactly."""
+    names = runs("fsdp2-batched")
+    results = _spawn(_fsdp_worker, tmp_path, names)
+    init = _flat(_params(FSDP_HIDDEN, FSDP_EMBED, FSDP_HEAD, FSDP_VECTORS))
+    for name in names:
+        base = name.partition("+")[0]
+        ref_params, ref_opt = _single_process(f"{base}+f32", FSDP_HIDDEN, FSDP_EMBED, FSDP_HEAD,
+                                                 FSDP_VECTORS)
+        ref = _flat(ref_params)
+        assert max((a - b).abs().max().item() for a, b in zip(ref, init, strict=True)) > 1e-3
+        for r in range(WORLD):
+            for i, (p, q) in enumerate(zip(results[r][name]["params"], ref, strict=True)):
+                assert torch.allclose(p, q, rtol=0, atol=1e-5), (name, r, i, (p - q).abs().max().item())
+        if base == "meqmuon":
+            assert results[0][name]["counts"] == results[1][name]["counts"] == ref_opt.selection_counts()

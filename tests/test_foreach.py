@@ -4,7 +4,7 @@ What is proven and why the tolerances:
 - For every optimizer and preset, 10 steps of the batched step equal 10 steps of the per-tensor
   step to 1e-5 relative with float32 Newton-Schulz (the two differ only in summation order:
   batched matmuls, foreach kernels, norms instead of sums of squares), and MeqMuon's row/column
-  choices are the same. In float64 both equal the float64 references of test_optimizers.py to
+  choices are the same. In float64 both equal the float64 references of references.py to
   1e-10 (``test_matches_float64_reference`` runs both), transposed bucket members included.
 - The batched AdamW rule equals ``torch.optim.AdamW(foreach=True)`` bit for bit.
 - The batched step makes no host-device synchronisation (test_optimizers.py, parametrised by foreach).
@@ -14,7 +14,9 @@ What is proven and why the tolerances:
   1.5x; 1.67x is what this form reaches, see docs/benchmarks.md).
 - DDP (2 gloo ranks): one ``all_gather_into_tensor`` per split bucket and step, every rank ends
   with identical parameters and state, equal to one process to fp32 tolerance; FSDP2 row shards
-  with the batched step equal the unsharded per-tensor step to the same tolerance.
+  with the batched step equal the unsharded per-tensor step to the same tolerance. These two tests
+  live with the other distributed ones, at the end of test_distributed.py.
+- Which optimizers each test runs is read from capabilities.py.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_optimizers import NAMES, OURS, batches, loss_fn, make_model
+from capabilities import NEWTON_SCHULZ, having
+from tinynet import batches, loss_fn, make_model
 
 import meqmuon
 from meqmuon.optim.buckets import make_buckets
@@ -35,12 +38,10 @@ from meqmuon.optim.rules import Item
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import op_count  # noqa: E402
 
-MATRIX_NS = [n for n in OURS if n != "scale"]
-
 
 def _run(name, foreach, dtype=torch.float32, steps=10, **kw):
     model = make_model(dtype=dtype)
-    if name in MATRIX_NS:
+    if name in NEWTON_SCHULZ:
         kw.setdefault("ns_dtype", dtype)
     opt = meqmuon.build_optimizer(name, model, lr=0.02, foreach=foreach, **kw)
     for ids in batches(steps):
@@ -50,7 +51,7 @@ def _run(name, foreach, dtype=torch.float32, steps=10, **kw):
     return model, opt
 
 
-@pytest.mark.parametrize("name", OURS)
+@pytest.mark.parametrize("name", having("per-tensor", "batched"))
 def test_batched_equals_per_tensor(name):
     (m0, o0), (m1, o1) = _run(name, False), _run(name, True)
     start = make_model(dtype=torch.float32)
@@ -69,7 +70,7 @@ def test_batched_equals_per_tensor(name):
         assert o0.selection_counts() == o1.selection_counts()
 
 
-@pytest.mark.parametrize("name", ["meqmuon", "muon", "normuon"])
+@pytest.mark.parametrize("name", having(check="own-stacks"))
 def test_same_rule_calls_with_different_hyperparameters_keep_their_own_stacks(name):
     """The embedding and the head (same shape, same rule) with different learning rates and the
     vectors split over two groups are separate batched calls whose updates are applied together
@@ -86,7 +87,7 @@ def test_same_rule_calls_with_different_hyperparameters_keep_their_own_stacks(na
         groups.append({**vec, **{k: vec[k][1:] for k in per_param}, "lr": 0.03})
         vec.update({k: vec[k][:1] for k in per_param})
         groups = [{k: v for k, v in g.items() if not (k == "names" and None in v)} for g in groups]
-        kw = {"ns_dtype": torch.float32} if name in MATRIX_NS else {}
+        kw = {"ns_dtype": torch.float32} if name in NEWTON_SCHULZ else {}
         opt = meqmuon.build_optimizer(name, groups, lr=0.02, foreach=foreach, **kw)
         for ids in batches(5):
             model.zero_grad()
@@ -192,82 +193,10 @@ def test_workspace_is_at_most_one_stack_per_bucket():
 def test_op_counts_at_llama_60m_shapes():
     shapes = op_count.model_shapes("llama-60m")
     deep = op_count.deepen(shapes, 3)
-    counts = {n: op_count.count_step_ops(n, shapes, foreach=True).total for n in ("muon", "normuon", "meqmuon")}
+    counts = {n: op_count.count_step_ops(n, shapes, foreach=True).total for n in having("batched", check="op-count")}
     for name, total in counts.items():
         assert total <= 300, (name, total)
         assert op_count.count_step_ops(name, deep, foreach=True).total <= 1.15 * total, name
     assert counts["meqmuon"] <= 1.75 * counts["muon"], counts
     assert op_count.count_step_ops("meqmuon", shapes, foreach=False).total > 10 * counts["meqmuon"]
 
-
-# ---- distributed ------------------------------------------------------------------------------------------
-
-import test_distributed as TD  # noqa: E402
-
-
-def _ddp_foreach_worker(rank, names):
-    import torch.distributed as dist
-
-    gathers = [0]
-    real = dist.all_gather_into_tensor
-
-    def counting(*a, **k):
-        gathers[0] += 1
-        return real(*a, **k)
-
-    dist.all_gather_into_tensor = counting
-    out = {}
-    for name in names:
-        gathers[0] = 0
-        params = TD._params(TD.HIDDEN, TD.EMBED, TD.HEAD, TD.VECTORS)
-        opt = TD._opt(name, TD._groups(params))
-        for step in range(TD.STEPS):
-            TD._set_grads(params, step)
-            opt.step()
-        counts = opt.selection_counts() if name.startswith("meqmuon") else None
-        out[name] = {"params": TD._flat(params), "state": opt.state_dict(), "counts": counts, "gathers": gathers[0]}
-    return out
-
-
-#: Split buckets per step of the DDP test's shapes: hidden (16, 32) with (32, 16) transposed, (24, 24)
-#: and the (8, 12) conv view; NorMuon keeps (32, 16) apart; plus one embedding/head bucket for MeqMuon.
-DDP_GATHERS = {"meqmuon": 4, "muon": 3, "normuon": 4}
-
-
-def test_ddp_batched_step_gathers_once_per_bucket_and_matches_one_process(tmp_path):
-    results = TD._spawn(_ddp_foreach_worker, tmp_path, [f"{n}+foreach" for n in DDP_GATHERS])
-    for name, gathers in DDP_GATHERS.items():
-        r0, r1 = results[0][f"{name}+foreach"], results[1][f"{name}+foreach"]
-        ref_params, ref_opt = TD._single_process(f"{name}+f32")
-        for a, b in zip(r0["params"], r1["params"], strict=True):
-            assert torch.equal(a, b), name  # every rank ends with identical parameters
-        TD._state_equal(r0["state"], r1["state"])
-        for p, q in zip(r0["params"], TD._flat(ref_params), strict=True):
-            assert torch.allclose(p, q, rtol=1e-5, atol=1e-5), (name, (p - q).abs().max().item())
-        assert r0["gathers"] == r1["gathers"] == gathers * TD.STEPS, name
-        if name == "meqmuon":
-            assert r0["counts"] == ref_opt.selection_counts()
-
-
-def test_fsdp2_batched_step_equals_unsharded(tmp_path):
-    """FSDP2 row shards (odd sizes, an empty shard) with the batched step: every rule equals the
-    unsharded per-tensor step to 1e-5 (partial sums of squares reduced across shards round
-    differently), MeqMuon's row/column choices exactly."""
-    names = ["meqmuon+foreach", "muon+foreach", "normuon+foreach", "scale+foreach"]
-    results = TD._spawn(TD._fsdp_worker, tmp_path, names)
-    init = TD._flat(TD._params(TD.FSDP_HIDDEN, TD.FSDP_EMBED, TD.FSDP_HEAD, TD.FSDP_VECTORS))
-    for name in names:
-        base = name.partition("+")[0]
-        ref_params, ref_opt = TD._single_process(f"{base}+f32", TD.FSDP_HIDDEN, TD.FSDP_EMBED, TD.FSDP_HEAD,
-                                                 TD.FSDP_VECTORS)
-        ref = TD._flat(ref_params)
-        assert max((a - b).abs().max().item() for a, b in zip(ref, init, strict=True)) > 1e-3
-        for r in range(TD.WORLD):
-            for i, (p, q) in enumerate(zip(results[r][name]["params"], ref, strict=True)):
-                assert torch.allclose(p, q, rtol=0, atol=1e-5), (name, r, i, (p - q).abs().max().item())
-        if base == "meqmuon":
-            assert results[0][name]["counts"] == results[1][name]["counts"] == ref_opt.selection_counts()
-
-
-def test_names_cover_every_optimizer():
-    assert set(OURS) | {"adamw"} == set(NAMES)

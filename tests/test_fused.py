@@ -9,7 +9,7 @@ choices are identical. Recompilation is detected with dynamo's own counters
 
 import pytest
 import torch
-from test_optimizers import batches, loss_fn, make_model
+from tinynet import batches, loss_fn, make_model
 
 import meqmuon
 

@@ -17,13 +17,12 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from capabilities import ENGINE
 from torch import nn
 from torch.optim import lr_scheduler
 
 import meqmuon
 from meqmuon.optim.registry import REGISTRY
-
-ENGINE_NAMES = [n for n, s in REGISTRY.items() if issubclass(s.cls, meqmuon.RoleOptimizer)]
 
 
 class Tiny(nn.Module):
@@ -140,7 +139,7 @@ def test_a_refused_add_param_group_leaves_the_optimizer_as_it_was():
     "lr", [np.float32(1e-2), np.float64(1e-2), torch.tensor(1e-2), torch.tensor(1e-2, dtype=torch.float64),
            Fraction(1, 100), 1]
 )
-@pytest.mark.parametrize("name", ENGINE_NAMES)
+@pytest.mark.parametrize("name", ENGINE)
 def test_real_numbers_and_cpu_tensors_are_accepted(name, lr):
     opt = meqmuon.build_optimizer(name, tiny(), lr=lr, weight_decay=np.float32(0.1))
     for g in opt.param_groups:
@@ -152,7 +151,7 @@ def test_real_numbers_and_cpu_tensors_are_accepted(name, lr):
 
 
 @pytest.mark.parametrize("foreach", [False, True])
-@pytest.mark.parametrize("name", ENGINE_NAMES)
+@pytest.mark.parametrize("name", ENGINE)
 def test_numpy_and_tensor_hyperparameters_step_as_their_float(name, foreach):
     """Same parameters after three steps as with the Python floats; every float hyperparameter of the class."""
     extra = {k: v for k, v in {"momentum": 0.9, "rho": 0.3, "beta2": 0.9, "eps": 1e-7, "betas": (0.8, 0.9)}.items()
@@ -264,7 +263,7 @@ def test_param_groups_needs_the_model(wrong):
                              f"route by role); got {what}: pass the model itself")
 
 
-@pytest.mark.parametrize("name", ENGINE_NAMES)
+@pytest.mark.parametrize("name", ENGINE)
 def test_every_optimizer_class_refuses_a_module_in_one_line(name):
     model = tiny()
     before = snapshot(model)

@@ -1,6 +1,6 @@
-"""The named optimizers against float64 references written here from the paper and upstream code.
+"""The named optimizers against the float64 references of references.py (paper and upstream code).
 
-Each reference below is a direct transcription of one update rule (paper Algorithm 1 / eq. 2-11;
+Each reference there is a direct transcription of one update rule (paper Algorithm 1 / eq. 2-11;
 Moonlight toy_train.py; NorMuon normuon.py; SCALE scale_optimizer.py, see baselines.md), written
 per parameter with plain loops. The optimizers run in float64 with float64 Newton-Schulz, so the
 only differences are rounding: tolerance 1e-10 after several steps.
@@ -14,225 +14,21 @@ import warnings
 
 import pytest
 import torch
+from capabilities import ALL, CAPABILITIES, ENGINE, WITH_MEQ_RULES, having
+from references import MUONEQ_MODE, RefOptimizer, kinds_of
+from tinynet import batches, loss_fn, make_model, train
 from torch import nn
 
 import meqmuon
 
-A, B, C = 3.4445, -4.7750, 2.0315
-DELTA = 1e-7
+# Every step form of every meqmuon optimizer, with and without Nesterov where it has the option (SCALE's
+# head momentum is a plain EMA, so it runs once).
+CASES = [pytest.param(n, nest, form == "batched", id=f"{n}-{nest}-{form}")
+         for n, c in CAPABILITIES.items() for nest in ((True, False) if c.nesterov else (True,))
+         for form in ("per-tensor", "batched") if form in c.forms]
 
 
-# ---- independent float64 references ----------------------------------------------------------
-
-
-def ns(H, steps=5):
-    tall = H.shape[0] > H.shape[1]
-    X = H.T if tall else H
-    X = X / torch.linalg.norm(X).clamp(min=1e-7)
-    for _ in range(steps):
-        Am = X @ X.T
-        X = A * X + (B * Am + C * Am @ Am) @ X
-    return X.T if tall else X
-
-
-def rms_vec(X, dim):
-    return X.square().mean(dim=dim).sqrt()
-
-
-def cv(v):
-    v = v[v > DELTA]
-    if v.numel() == 0:
-        return 0.0
-    return (v.var(unbiased=False).sqrt() / v.mean()).item()
-
-
-def inv(v):
-    return torch.where(v > DELTA, 1 / v.clamp(min=DELTA), torch.zeros_like(v))
-
-
-def meq_hidden_dir(U):
-    r, c = rms_vec(U, 1), rms_vec(U, 0)
-    if cv(r) >= cv(c):
-        return U * inv(r)[:, None], True
-    return U * inv(c)[None, :], False
-
-
-def equilibrate_dir(Bm):
-    Y = Bm * inv(rms_vec(Bm, 1))[:, None]
-    return Y * inv(rms_vec(Y, 0))[None, :]
-
-
-def muoneq_dir(U, mode):
-    """MuonEq (MaeChd/muon-eq muoneq.py): rows and/or columns by (squared norm + 1e-8)^(-1/2) of the same U."""
-    r = (U.square().sum(dim=1, keepdim=True) + 1e-8).rsqrt()
-    c = (U.square().sum(dim=0, keepdim=True) + 1e-8).rsqrt()
-    return {"R": U * r, "C": U * c, "RC": U * r * c}[mode]
-
-
-#: The MuonEq mode of each named preset, for the references below.
-MUONEQ_MODE = {"muoneq-r": "R", "muoneq-c": "C", "muoneq-rc": "RC"}
-
-
-def rms_dir(b):
-    rms = b.square().mean().sqrt()
-    return b * inv(rms)
-
-
-class RefOptimizer:
-    """Per-parameter loop implementing a rule table in float64; kinds given explicitly."""
-
-    def __init__(
-        self,
-        params_kinds,
-        rules,
-        lr,
-        wd=0.1,
-        mu=0.95,
-        nesterov=True,
-        rho=0.2,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-        beta2=0.95,
-        scale_betas=(0.9, 0.999),
-        scale_mu=0.9,
-        eq_mode=None,
-    ):
-        self.items = params_kinds
-        self.rules = rules
-        self.lr, self.wd, self.mu, self.nesterov, self.rho = lr, wd, mu, nesterov, rho
-        self.betas, self.eps, self.beta2 = betas, eps, beta2
-        self.scale_betas, self.scale_mu = scale_betas, scale_mu
-        self.eq_mode = eq_mode
-        self.state = {id(p): {} for p, _ in params_kinds}
-        self.rows_chosen = {id(p): 0 for p, _ in params_kinds}
-
-    @torch.no_grad()
-    def step(self):
-        lr, wd = self.lr, self.wd
-        for p, kind in self.items:
-            g = p.grad
-            st = self.state[id(p)]
-            rule = self.rules[kind]
-            st["t"] = st.get("t", 0) + 1
-            t = st["t"]
-            W = p.data
-            if rule in ("meq_hidden", "moonlight_hidden", "muoneq_hidden", "normuon_hidden", "equilibrate",
-                        "rms_normalize"):
-                Bm = st.setdefault("B", torch.zeros_like(p))
-                Bm.mul_(self.mu).add_(g)
-                x = g + self.mu * Bm if self.nesterov else Bm.clone()
-                if rule == "rms_normalize":
-                    d, s = rms_dir(x), self.rho
-                else:
-                    X = x.reshape(x.shape[0], -1)
-                    m, n = X.shape
-                    if rule == "equilibrate":
-                        d, s = equilibrate_dir(X), self.rho
-                    elif rule == "meq_hidden":
-                        d, rows = meq_hidden_dir(ns(X))
-                        self.rows_chosen[id(p)] += int(rows)
-                        s = self.rho
-                    elif rule == "moonlight_hidden":
-                        d, s = ns(X), self.rho * math.sqrt(max(m, n))
-                    elif rule == "muoneq_hidden":
-                        d, s = ns(muoneq_dir(X, self.eq_mode)), self.rho * math.sqrt(max(m, n))
-                    else:  # normuon
-                        O = ns(X)
-                        v = st.setdefault("v", torch.zeros(m, dtype=X.dtype))
-                        v.mul_(self.beta2).add_((1 - self.beta2) * O.square().mean(dim=1))
-                        Oh = O / (v.sqrt()[:, None] + 1e-10)
-                        Oh = Oh * torch.linalg.norm(O) / (torch.linalg.norm(Oh) + 1e-10)
-                        d, s = Oh, self.rho * math.sqrt(max(m, n))
-            elif rule in ("adamw", "adam_scale"):
-                b1, b2 = self.betas if rule == "adamw" else self.scale_betas
-                mm = st.setdefault("m", torch.zeros_like(p))
-                vv = st.setdefault("v", torch.zeros_like(p))
-                mm.mul_(b1).add_((1 - b1) * g)
-                vv.mul_(b2).add_((1 - b2) * g * g)
-                if rule == "adamw":  # torch.optim.AdamW: eps after bias correction
-                    d = (mm / (1 - b1**t)) / ((vv / (1 - b2**t)).sqrt() + self.eps)
-                else:  # SCALE's Adam: eps on the uncorrected sqrt(v)
-                    d = math.sqrt(1 - b2**t) / (1 - b1**t) * mm / (vv.sqrt() + self.eps)
-                s = 1.0
-            elif rule == "scale_row":  # upstream views 3-D+ gradients as (size(0), -1)
-                g2 = g.reshape(g.shape[0], -1)
-                d, s = g2 / rms_vec(g2, 1).clamp(min=1e-8)[:, None], 1.0
-            elif rule == "scale_col":
-                d, s = g / rms_vec(g, 0).clamp(min=1e-8)[None, :], 1.0
-            elif rule == "scale_head":
-                mm = st.setdefault("m", torch.zeros_like(p))
-                mm.mul_(self.scale_mu).add_((1 - self.scale_mu) * g)
-                d, s = mm / rms_vec(mm, 1).clamp(min=1e-8)[:, None], 1.0
-            else:
-                raise AssertionError(rule)
-            W.mul_(1 - lr * wd)
-            W.add_(d.reshape(W.shape), alpha=-lr * s)
-
-
-# ---- a small model with every kind, including a convolution --------------------------------
-
-
-class TinyNet(nn.Module):
-    """Embedding, hidden matrices of two shapes (two share a shape), a conv kernel, norms, a head."""
-
-    def __init__(self, vocab=23, d=12, tied=False):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, d)
-        self.q = nn.Linear(d, d, bias=False)
-        self.k = nn.Linear(d, d, bias=False)
-        self.up = nn.Linear(d, 3 * d)
-        self.down = nn.Linear(3 * d, d, bias=False)
-        self.conv = nn.Conv1d(d, d, kernel_size=3, padding=1, bias=False)
-        self.norm = nn.LayerNorm(d)
-        self.lm_head = nn.Linear(d, vocab, bias=False)
-        if tied:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def forward(self, ids):
-        h = self.embed_tokens(ids)
-        h = h + self.k(torch.tanh(self.q(h)))
-        h = h + self.down(torch.relu(self.up(h)))
-        h = h + self.conv(h.transpose(1, 2)).transpose(1, 2)
-        return self.lm_head(self.norm(h))
-
-
-def make_model(dtype=torch.float64, seed=0, **kw):
-    torch.manual_seed(seed)
-    return TinyNet(**kw).to(dtype)
-
-
-def batches(n, vocab=23, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (3, 7), generator=g) for _ in range(n)]
-
-
-def loss_fn(model, ids):
-    logits = model(ids)
-    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-
-
-def train(model, opt, bs):
-    """One optimizer step per batch of ``bs``."""
-    for ids in bs:
-        opt.zero_grad()
-        loss_fn(model, ids).backward()
-        opt.step()
-
-
-def kinds_of(model):
-    return [(p, g["kind"]) for g in meqmuon.param_groups(model) for p in g["params"]]
-
-
-NAMES = list(meqmuon.OPTIMIZERS)
-OURS = [n for n in NAMES if n != "adamw"]
-
-
-# SCALE has no Nesterov option (its head momentum is a plain EMA), so it runs once.
-CASES = [(n, nest) for n in OURS for nest in (True, False) if not (n == "scale" and not nest)]
-
-
-@pytest.mark.parametrize("foreach", [False, True], ids=["per-tensor", "batched"])
-@pytest.mark.parametrize("name, nesterov", CASES)
+@pytest.mark.parametrize("name, nesterov, foreach", CASES)
 def test_matches_float64_reference(name, nesterov, foreach):
     """Per-tensor and batched (foreach) steps both equal the float64 transcription; in the batched
     step TinyNet's down (12 x 36) and conv view ride transposed in the up (36 x 12) bucket."""
@@ -252,7 +48,7 @@ def test_matches_float64_reference(name, nesterov, foreach):
         ref.step()
     for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters(), strict=True):
         assert torch.allclose(p, q, atol=1e-10, rtol=0), n
-    if name in ("meqmuon", "meqmuon-only-hidden"):
+    if CAPABILITIES[name].rules["hidden"] == "meq_hidden":  # MeqMuon's row/column choices, too
         counts = opt.selection_counts()
         names = dict(ref_model.named_parameters())
         for pname, (rows, cols) in counts.items():
@@ -377,7 +173,7 @@ def test_muon_adamw_part_equals_torch_adamw_bit_for_bit(dtype):
         assert torch.equal(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
 
 
-@pytest.mark.parametrize("name", ["meqmuon", "muon", "normuon"])
+@pytest.mark.parametrize("name", having(check="stacked-ns"))
 def test_batched_newton_schulz_path_equals_per_matrix(name, monkeypatch):
     """The GPU path (same-shape hidden matrices stacked and orthogonalised in one batched call) gives
     the per-matrix CPU path's parameters, forced on here by treating CPU as a batching device. TinyNet
@@ -431,7 +227,7 @@ def test_meqmuon_updates_a_non_contiguous_conv_kernel_in_place():
 # ---- behaviour -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["meqmuon", "meqmuon-only-hidden", "meqmuon-only-embedding", "meqmuon-only-vector"])
+@pytest.mark.parametrize("name", WITH_MEQ_RULES)
 def test_meqmuon_step_rms_is_rho_lr(name):
     """Every MeqMuon-normalised kind moves by exactly rho*lr in RMS (weight decay off)."""
     model = make_model()
@@ -455,7 +251,7 @@ def test_meqmuon_step_rms_is_rho_lr(name):
 
 def test_zero_gradients_and_tiny_values_are_finite():
     model = make_model(dtype=torch.float32)
-    for name in NAMES:
+    for name in ALL:
         opt = meqmuon.build_optimizer(name, model, lr=1e-2)
         for scale in (0.0, 1e-30, 1e-12):
             for p in model.parameters():
@@ -488,7 +284,7 @@ def test_selection_follows_geometry():
     assert opt.selection_counts() == {"tall": (5, 0), "wide": (0, 5)}
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ALL)
 def test_state_dict_round_trip_is_bit_exact(name):
     """k steps, save, load into a fresh optimizer and model copy, k more == 2k uninterrupted."""
     data = batches(6, seed=11)
@@ -510,11 +306,11 @@ def test_state_dict_round_trip_is_bit_exact(name):
     train(resumed, opt2, data[3:])
     for (n, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q), n
-    if hasattr(opt2, "selection_counts") and name in ("meqmuon", "meqmuon-only-hidden"):
+    if hasattr(opt2, "selection_counts") and CAPABILITIES[name].rules["hidden"] == "meq_hidden":
         assert sum(r + c for r, c in opt2.selection_counts().values()) == 6 * 5  # 5 hidden tensors
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_copied_optimizer_steps_like_the_original(name, how):
     """``copy.deepcopy`` / pickling of (model, optimizer) mid-run: both go on to the same bits.
@@ -552,7 +348,7 @@ def test_step_makes_no_host_device_sync(monkeypatch, foreach):
     """Any Python read of a tensor value (item, bool, float, int, tolist) inside step() fails the test,
     on the per-tensor and on the batched (foreach) step."""
     model = make_model(dtype=torch.float32)
-    opts = [meqmuon.build_optimizer(n, model, lr=1e-2, foreach=foreach) for n in OURS]
+    opts = [meqmuon.build_optimizer(n, model, lr=1e-2, foreach=foreach) for n in ENGINE]
     loss_fn(model, batches(1)[0]).backward()
 
     def forbidden(*a, **k):
@@ -745,7 +541,7 @@ def test_optimizer_state_bytes_matches_rule_counts():
         "scale": (sizes["head"] + 2 * sizes["vector"]) * 4,
         **{name: (n_h + 2 * n_a) * 4 for name in MUONEQ_MODE},  # Muon's state
     }
-    for name in NAMES:
+    for name in ALL:
         opt = meqmuon.build_optimizer(name, model, lr=1e-3)
         model.zero_grad()
         loss_fn(model, batches(1)[0]).backward()

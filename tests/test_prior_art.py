@@ -1,8 +1,8 @@
-"""MuonEq (pre-NS equilibration) and Polar Express (per-iteration NS coefficients) against float64
-references written here from their sources' equations.
+"""MuonEq (pre-NS equilibration) and Polar Express (per-iteration NS coefficients) against the float64
+references of references.py, written from their sources' equations.
 
-- Polar Express (Amsel et al. 2025, Algorithm 1): the schedule below is typed from the paper and
-  the safety factor applied here, independently of meqmuon.functional. At 5 iterations in float64,
+- Polar Express (Amsel et al. 2025, Algorithm 1): the schedule in references.py is typed from the
+  paper and the safety factor applied there, independently of meqmuon.functional. At 5 iterations in float64,
   the singular values of its output lie closer to 1 than the default quintic's, on a random and on
   a low-rank-plus-noise matrix (measured: max |s - 1| 0.13 vs 0.32 and 0.25 vs 0.59).
 - MuonEq R, C and RC (MaeChd/muon-eq 99b6c8b ``muoneq.py``), the RC -> R phase switch, and Polar
@@ -18,41 +18,13 @@ import copy
 import math
 
 import pytest
-import test_optimizers as T
+import references as R
 import torch
-from test_optimizers import RefOptimizer, batches, kinds_of, loss_fn, make_model
+from capabilities import ONE_PER_HIDDEN_RULE
+from references import MUONEQ_MODE, RefOptimizer, kinds_of
+from tinynet import batches, loss_fn, make_model
 
 import meqmuon
-
-PE_RAW = [
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
-    (1.875, -1.25, 0.375),
-]
-PE = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in PE_RAW[:-1]] + [PE_RAW[-1]]
-
-
-def ref_ns(H, schedule, scale=1.0):
-    """Paper eq. 3 with one (a, b, c) per iteration; input divided by scale * ||H||_F."""
-    tall = H.shape[0] > H.shape[1]
-    X = H.T if tall else H
-    X = X / (torch.linalg.norm(X) * scale).clamp(min=1e-7)
-    for a, b, c in schedule:
-        A = X @ X.T
-        X = a * X + (b * A + c * A @ A) @ X
-    return X.T if tall else X
-
-
-def ref_equilibrate(U, mode):
-    """MuonEq: rows and/or columns by (squared norm + 1e-8)^(-1/2), both from the same U."""
-    r = (U.square().sum(dim=1, keepdim=True) + 1e-8).rsqrt()
-    c = (U.square().sum(dim=0, keepdim=True) + 1e-8).rsqrt()
-    return {"R": U * r, "C": U * c, "RC": U * r * c}[mode]
 
 
 def test_polar_express_lands_closer_to_one_than_the_quintic():
@@ -61,8 +33,8 @@ def test_polar_express_lands_closer_to_one_than_the_quintic():
     low_rank = (torch.randn(64, 4, generator=g, dtype=torch.float64) @ torch.randn(4, 128, generator=g,
                 dtype=torch.float64) + 0.05 * torch.randn(64, 128, generator=g, dtype=torch.float64))
     for M in (random, low_rank, low_rank.T):
-        quintic = ref_ns(M, [(T.A, T.B, T.C)] * 5)
-        polar = ref_ns(M, PE[:5], scale=1.01)
+        quintic = R.ns_scheduled(M, [(R.A, R.B, R.C)] * 5)
+        polar = R.ns_scheduled(M, R.PE[:5], scale=1.01)
         ours = meqmuon.functional.orthogonalize(M, 5, "polar_express", torch.float64)
         assert torch.allclose(ours, polar, rtol=0, atol=1e-12)
         err_q = (torch.linalg.svdvals(quintic) - 1).abs().max().item()
@@ -72,8 +44,8 @@ def test_polar_express_lands_closer_to_one_than_the_quintic():
 
 def test_polar_express_beyond_its_list_repeats_the_last_entry():
     sched, scale = meqmuon.functional.ns_schedule("polar_express", 10)
-    assert scale == 1.01 and len(sched) == 10 and sched[7:] == (PE_RAW[-1],) * 3
-    pairs = [(x, y) for s, p in zip(sched, PE, strict=False) for x, y in zip(s, p, strict=True)]
+    assert scale == 1.01 and len(sched) == 10 and sched[7:] == (R.PE_RAW[-1],) * 3
+    pairs = [(x, y) for s, p in zip(sched, R.PE, strict=False) for x, y in zip(s, p, strict=True)]
     assert all(math.isclose(x, y, rel_tol=1e-15) for x, y in pairs)
 
 
@@ -85,17 +57,17 @@ def _compare(name, ns_schedule_fn, steps=3, foreach=False, **kw):
     if rules["hidden"] == "muoneq_hidden":
         rules["hidden"] = "moonlight_hidden"  # the reference's Muon, with E applied in ns() below
     ref = RefOptimizer(kinds_of(ref_model), rules, lr=0.03)
-    real_ns = T.ns
+    real_ns = R.ns
     try:
         for step, ids in enumerate(batches(steps), start=1):
-            T.ns = lambda H, steps=5, step=step: ns_schedule_fn(H, step)  # noqa: E731
+            R.ns = lambda H, steps=5, step=step: ns_schedule_fn(H, step)  # noqa: E731
             for m in (model, ref_model):
                 m.zero_grad()
                 loss_fn(m, ids).backward()
             opt.step()
             ref.step()
     finally:
-        T.ns = real_ns
+        R.ns = real_ns
     for (n, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
         assert torch.allclose(p, q, rtol=0, atol=1e-3), (n, (p - q).abs().max().item())
     start = make_model()
@@ -106,29 +78,29 @@ def _compare(name, ns_schedule_fn, steps=3, foreach=False, **kw):
 @pytest.mark.parametrize("foreach", [False, True])
 @pytest.mark.parametrize("mode", ["R", "C", "RC"])
 def test_muoneq_modes_match_a_float64_reference(mode, foreach):
-    quintic = [(T.A, T.B, T.C)] * 5
-    _compare(f"muoneq-{mode.lower()}", lambda H, step: ref_ns(ref_equilibrate(H, mode), quintic), foreach=foreach)
+    quintic = [(R.A, R.B, R.C)] * 5
+    _compare(f"muoneq-{mode.lower()}", lambda H, step: R.ns_scheduled(R.muoneq_dir(H, mode), quintic), foreach=foreach)
 
 
 @pytest.mark.parametrize("foreach", [False, True])
 def test_muoneq_phase_switches_rc_to_rows(foreach):
-    quintic = [(T.A, T.B, T.C)] * 5
+    quintic = [(R.A, R.B, R.C)] * 5
     # phase=3: RC at steps 1 and 2, R from step 3 on (upstream's counter starts at 1)
-    _compare("muoneq-rc", lambda H, step: ref_ns(ref_equilibrate(H, "RC" if step < 3 else "R"), quintic),
+    _compare("muoneq-rc", lambda H, step: R.ns_scheduled(R.muoneq_dir(H, "RC" if step < 3 else "R"), quintic),
              steps=4, foreach=foreach, phase=3)
 
 
 @pytest.mark.parametrize("foreach", [False, True])
-@pytest.mark.parametrize("name", ["muon", "meqmuon", "normuon", "muoneq-r"])
+@pytest.mark.parametrize("name", ONE_PER_HIDDEN_RULE)
 def test_polar_express_inside_the_optimizers_matches_a_float64_reference(name, foreach):
-    pre = (lambda H: ref_equilibrate(H, "R")) if name == "muoneq-r" else (lambda H: H)
-    _compare(name, lambda H, step: ref_ns(pre(H), PE[:5], scale=1.01), foreach=foreach,
+    pre = (lambda H: R.muoneq_dir(H, "R")) if name == "muoneq-r" else (lambda H: H)
+    _compare(name, lambda H, step: R.ns_scheduled(pre(H), R.PE[:5], scale=1.01), foreach=foreach,
              ns_coefficients="polar_express")
 
 
 def test_muoneq_keeps_muons_state_and_routing():
     model = make_model()
-    for name in ("muoneq-r", "muoneq-c", "muoneq-rc"):
+    for name in MUONEQ_MODE:
         groups = meqmuon.param_groups(model)
         assert (meqmuon.predicted_state_elements(meqmuon.rules_of(name), groups)
                 == meqmuon.predicted_state_elements(meqmuon.rules_of("muon"), groups))

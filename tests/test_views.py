@@ -8,7 +8,7 @@ What is proven:
   per-tensor and batched, with float32 Newton-Schulz, to 1e-5 relative (the issue's bound; the views
   run the very same code on the same bits, so the difference is 0 in practice). The reference
   optimizers hold the separate 2-D matrices, so this also holds each view to the float64
-  references that the 2-D rules are tested against (test_optimizers.py).
+  references that the 2-D rules are tested against (references.py, test_optimizers.py).
 - State: one tensor per parameter (momentum shaped like it; MeqMuon's counter and NorMuon's second
   moment one entry per matrix / per matrix row), round-tripping ``state_dict`` through
   ``torch.load(weights_only=True)``; selection counts per matrix; the memory prediction equals the
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from capabilities import having
 from torch import nn
 
 import meqmuon
@@ -36,10 +37,9 @@ from meqmuon.optim.views import layout_of
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from op_count import count_step_ops, mixtral_shapes  # noqa: E402
 
-#: Optimizers whose hidden rule works on matrices, with their step forms.
-MATRIX_OPTIMIZERS = ["meqmuon", "muon", "normuon", "muoneq-r", "muoneq-c", "muoneq-rc", "scale",
-                     "meqmuon-only-hidden"]
-FORMS = [False, True]  # foreach
+#: Optimizers whose hidden rule works on matrices (the ``views`` check of capabilities.py).
+MATRIX_OPTIMIZERS = having(check="views")
+FORMS = [False, True]  # foreach: the per-tensor and the batched step, which every one of them has
 STEPS = 4
 
 
@@ -319,7 +319,7 @@ def test_state_exists_for_parameters_without_gradients():
     assert opt.state[a]["step"] == 1
 
 
-@pytest.mark.parametrize("name", ["meqmuon", "muon", "normuon"])
+@pytest.mark.parametrize("name", having("batched", check="op-count"))
 def test_batched_op_count_is_flat_in_the_number_of_experts(name):
     """On the meta device (shapes only), 16 experts dispatch <= 1.05x the ops of 4."""
     counts = []

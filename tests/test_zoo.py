@@ -25,7 +25,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-# tests/zoo.py (pytest puts tests/ on sys.path)
+# tests/capabilities.py and tests/zoo.py (pytest puts tests/ on sys.path)
+from capabilities import ONE_PER_HIDDEN_RULE  # noqa: E402
 from zoo import ZOO, Missing  # noqa: E402
 
 import meqmuon  # noqa: E402
@@ -198,10 +199,11 @@ TIED = {
 
 assert set(ROUTES) == set(ZOO)
 
-OPTIMIZERS = ("meqmuon", "muon", "normuon", "muoneq-r")
+#: One optimizer per hidden update (capabilities.py): Muon, NorMuon, MeqMuon, MuonEq.
+OPTIMIZERS = tuple(ONE_PER_HIDDEN_RULE)
 # One lr for all four: MeqMuon's step RMS is rho * lr = 2e-3 (loss falls ~25% in 10 steps); the
 # baselines' AdamW parts (embedding/head/vectors) at 1e-2 drop it ~60%. Both far from the edge.
-LR = {"meqmuon": 1e-2, "muon": 1e-2, "normuon": 1e-2, "muoneq-r": 1e-2}
+LR = dict.fromkeys(OPTIMIZERS, 1e-2)
 STEPS = 10
 
 

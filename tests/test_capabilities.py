@@ -1,0 +1,69 @@
+"""The capability table (capabilities.py) covers every registered optimizer and says consistent things.
+
+The parametrised tests read their optimizer names from the table; a registered optimizer without a
+row would silently run in none of them, so this file fails instead.
+"""
+
+from capabilities import (
+    ALL,
+    CAPABILITIES,
+    CHECKS,
+    ENGINE,
+    FORMS,
+    LAYOUTS,
+    NEWTON_SCHULZ,
+    ONE_PER_HIDDEN_RULE,
+    STATED,
+    ddp_gathers,
+    having,
+    runs,
+)
+from references import MUONEQ_MODE
+
+import meqmuon
+from meqmuon.optim.registry import REGISTRY
+
+
+def test_the_table_has_one_row_per_registered_optimizer():
+    assert set(STATED) == set(REGISTRY), (sorted(set(REGISTRY) - set(STATED)), sorted(set(STATED) - set(REGISTRY)))
+    assert list(CAPABILITIES) == ALL == list(REGISTRY) == list(meqmuon.OPTIMIZERS)
+
+
+def test_names_cover_every_optimizer():
+    assert set(ENGINE) | {"adamw"} == set(ALL)
+
+
+def test_derived_columns_agree_with_the_library():
+    assert set(NEWTON_SCHULZ) == set(ENGINE) - {"scale"}
+    assert [n for n, c in CAPABILITIES.items() if not c.nesterov] == ["adamw", "scale"]
+    assert having("compile") == having("batched-compile") == ["meqmuon"]
+    assert all(c.forms == () for n, c in CAPABILITIES.items() if n not in ENGINE)
+    assert all({"per-tensor", "batched"} <= set(c.forms) <= set(FORMS) for n, c in CAPABILITIES.items() if c.engine)
+    assert ONE_PER_HIDDEN_RULE == ["muon", "normuon", "meqmuon", "muoneq-r"]
+    # every MuonEq preset has its mode in the references
+    assert [n for n, c in CAPABILITIES.items() if c.rules["hidden"] == "muoneq_hidden"] == list(MUONEQ_MODE)
+    hidden = [CAPABILITIES[n].rules["hidden"] for n in ONE_PER_HIDDEN_RULE]
+    assert len(set(hidden)) == len(hidden) and {CAPABILITIES[n].rules["hidden"] for n in NEWTON_SCHULZ} == set(hidden)
+
+
+def test_stated_columns_use_known_words_and_agree_with_each_other():
+    for name, c in CAPABILITIES.items():
+        s = c.stated
+        assert s.distributed <= set(LAYOUTS) and s.checks <= set(CHECKS), name
+        for layout in s.distributed:  # a layout's step form is one the optimizer has
+            form = {"compile": "compile", "batched": "batched"}.get(layout.rpartition("-")[2], "per-tensor")
+            assert form in c.forms, (name, layout)
+        if "views" in s.checks:
+            assert {"per-tensor", "batched"} <= set(c.forms), name  # test_views runs both forms
+        assert (s.ddp_gathers is not None) == ("ddp-batched" in s.distributed), name
+        if s.ddp_gathers is not None:
+            # test_distributed's hidden shapes: 3 buckets with transposes, 4 without; one more for an
+            # embedding/head rule that needs whole matrices (MeqMuon's equilibration).
+            equilibrated = c.rules["embedding"] == "equilibrate"
+            assert s.ddp_gathers == (3 if s.transposes else 4) + equilibrated, name
+        # MeqMuon's and Muon's hidden rules are transpose-equivariant; NorMuon's per-row second moment,
+        # MuonEq's R/C, SCALE's rows and AdamW's elementwise state are not (or need no buckets).
+        assert s.transposes == (c.rules["hidden"] in ("meq_hidden", "moonlight_hidden")), name
+    assert ddp_gathers() == {"muon": 3, "normuon": 4, "meqmuon": 4}
+    assert runs("ddp", "ddp-compile") == ["muon", "normuon", "meqmuon", "meqmuon+compile"]
+    assert runs("experts-fsdp2", "experts-fsdp2-batched") == ["muon+foreach", "normuon", "meqmuon"]
