@@ -293,9 +293,9 @@ class _Recorder:
 def test_capture_recorder_contract(cache, tmp_path, monkeypatch):
     import types
 
-    fake = types.ModuleType("meqmuon.diagnostics.capture")
+    fake = types.ModuleType("meqmuon.train.capture")
     fake.CaptureRecorder = _Recorder
-    monkeypatch.setitem(sys.modules, "meqmuon.diagnostics.capture", fake)
+    monkeypatch.setitem(sys.modules, "meqmuon.train.capture", fake)
     _Recorder.calls = []
     train(tiny(cache, tmp_path / "cap", steps=3, capture_steps=[2], capture_layers=[0]))
     assert _Recorder.calls[:2] == [("init", "cap", [2], [0]), ("attach", "MeqMuon")]

@@ -342,10 +342,8 @@ def _train(cfg, rank, world, local_rank, build_optimizer, optimizer_state_bytes,
     # all-reduced and the optimizer keeps complete state everywhere), so its file is complete,
     # and one writer per file avoids ranks overwriting each other's captures.
     if cfg.capture_steps and is_main:
-        try:
-            from meqmuon.diagnostics.capture import CaptureRecorder
-        except ImportError as e:
-            raise ValueError(f"--capture-steps needs meqmuon.diagnostics.capture ({e})") from None
+        from meqmuon.train.capture import CaptureRecorder
+
         recorder = CaptureRecorder(run_dir, cfg.capture_steps, cfg.capture_layers)
         recorder.attach(opt)
 
