@@ -221,7 +221,8 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    from meqmuon.train.shards import MANIFEST, prepare
+    from meqmuon.train.prepare import prepare
+    from meqmuon.train.shards import MANIFEST
 
     out = Path(args.out)
     was_complete = (out / MANIFEST).is_file()
@@ -240,7 +241,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _add_prepare_parser(sub: Any) -> None:
-    from meqmuon.train.shards import DEFAULT_CHUNK_BYTES, DEFAULT_VAL_TOKENS
+    from meqmuon.train.prepare import DEFAULT_CHUNK_BYTES, DEFAULT_VAL_TOKENS
 
     p = sub.add_parser("prepare", help="tokenise local text into memory-mapped token shards for `train --data DIR`",
                        description="Tokenise .jsonl/.json/.txt files (optionally .gz; a local C4 copy included) on "
