@@ -115,8 +115,8 @@ def _base_dict(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from meqmuon.train.config import config_from_dict, load_config_file
-    from meqmuon.train.loop import run_dir_of, train
+    from meqmuon.train.config import config_from_dict, load_config_file, run_dir_of
+    from meqmuon.train.loop import train
 
     over = _overrides(args)
     d = {**_base_dict(args), **over}

@@ -31,7 +31,7 @@ from meqmuon.train.checkpoint import (
 )
 from meqmuon.train.config import IDENTITY_KEYS, ResolvedConfig, TrainConfig, optimizer_kwargs, resolve
 
-__all__ = ["Run", "WarmupCosine", "build_run", "device_of"]
+__all__ = ["Run", "WarmupCosine", "build_run", "device_of", "seed_all"]
 
 
 class WarmupCosine:
@@ -94,6 +94,7 @@ def device_of(cfg: TrainConfig, local_rank: int) -> torch.device:
 
 
 def seed_all(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (the model's init and the data order follow)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
