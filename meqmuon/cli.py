@@ -115,8 +115,8 @@ def _base_dict(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from meqmuon.train.config import config_from_dict, load_config_file
-    from meqmuon.train.loop import run_dir_of, train
+    from meqmuon.train.config import config_from_dict, load_config_file, run_dir_of
+    from meqmuon.train.loop import train
 
     over = _overrides(args)
     d = {**_base_dict(args), **over}
@@ -221,7 +221,8 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    from meqmuon.train.shards import MANIFEST, prepare
+    from meqmuon.train.prepare import prepare
+    from meqmuon.train.shards import MANIFEST
 
     out = Path(args.out)
     was_complete = (out / MANIFEST).is_file()
@@ -240,7 +241,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _add_prepare_parser(sub: Any) -> None:
-    from meqmuon.train.shards import DEFAULT_CHUNK_BYTES, DEFAULT_VAL_TOKENS
+    from meqmuon.train.prepare import DEFAULT_CHUNK_BYTES, DEFAULT_VAL_TOKENS
 
     p = sub.add_parser("prepare", help="tokenise local text into memory-mapped token shards for `train --data DIR`",
                        description="Tokenise .jsonl/.json/.txt files (optionally .gz; a local C4 copy included) on "

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import meqmuon.train.data as data_mod
-import meqmuon.train.shards as shards_mod
+import meqmuon.train.prepare as prepare_mod
 import meqmuon.train.tokenizer as tok_mod
 from meqmuon.train import corpus
 from meqmuon.train.data import (
@@ -265,7 +265,7 @@ def test_cache_reused_and_val_identical(builtin, cache, monkeypatch):
     monkeypatch.setattr(tok_mod, "train_bpe", boom)
     monkeypatch.setattr(data_mod, "encode_documents", boom)
     monkeypatch.setattr(data_mod, "make_val_set", boom)
-    monkeypatch.setattr(shards_mod, "_run_task", boom)
+    monkeypatch.setattr(prepare_mod, "_run_task", boom)
     again = build_data(None, seq_len=SEQ, seed=0, cache_dir=cache, val_tokens=4096, vocab_size=VOCAB)
     assert torch.equal(again.val, builtin.val) and again.val_bytes == builtin.val_bytes
     assert torch.equal(again.train.tokens, builtin.train.tokens)

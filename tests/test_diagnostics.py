@@ -14,12 +14,13 @@ import torch
 import meqmuon
 from meqmuon.diagnostics import cli as dcli
 from meqmuon.diagnostics.ablation import ablation_table, meta_param_groups
-from meqmuon.diagnostics.capture import CaptureRecorder, layer_index, load_captures, module_type
+from meqmuon.diagnostics.capture import layer_index, load_captures, module_type
 from meqmuon.diagnostics.imbalance import matrix_stats
 from meqmuon.diagnostics.memory import memory_mib, predicted_state_bytes
 from meqmuon.diagnostics.selection import selection_shares
 from meqmuon.diagnostics.trajectory import exact_orthogonalize, ns_trajectory
 from meqmuon.functional import orthogonalize, row_col_cv
+from meqmuon.train.capture import CaptureRecorder
 from meqmuon.train.models import build_model
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import meqmuon.train.corpus as corpus
+import meqmuon.train.prepare as prep
 import meqmuon.train.shards as shards
 from meqmuon.cli import main
 from meqmuon.train.data import (
@@ -70,7 +71,7 @@ def c4_copy(tmp_path_factory):
 @pytest.fixture(scope="module")
 def prepared(c4_copy, tok_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("prep") / "c4-bpe"
-    manifest = shards.prepare([c4_copy[0]], str(tok_dir), out, workers=2, val_tokens=5000, progress=False)
+    manifest = prep.prepare([c4_copy[0]], str(tok_dir), out, workers=2, val_tokens=5000, progress=False)
     return out, manifest
 
 
@@ -106,7 +107,7 @@ def test_prepare_c4_layout_round_trip(prepared, c4_copy, tok_dir, tmp_path):
     assert rows.shape == (8, 33) and rows.dtype == torch.int64
     # the same data prepared in one process is byte-identical
     one = tmp_path / "one"
-    shards.prepare([c4_copy[0]], str(tok_dir), one, workers=1, val_tokens=5000, progress=False)
+    prep.prepare([c4_copy[0]], str(tok_dir), one, workers=1, val_tokens=5000, progress=False)
     for rec in m["train"]["shards"] + [{"file": "val.bin"}]:
         assert (one / rec["file"]).read_bytes() == (out / rec["file"]).read_bytes()
 
@@ -147,17 +148,17 @@ def test_prepare_local_files_chunked_resumable(tok_dir, tmp_path):
     (src / "b.txt").write_text("\n\n".join(docs[350:]) + "\n")
     tok = load_tokenizer(tok_dir)
     out = tmp_path / "out"
-    m = shards.prepare([src], tok, out, workers=2, chunk_bytes=40_000, val_tokens=None, progress=False)
+    m = prep.prepare([src], tok, out, workers=2, chunk_bytes=40_000, val_tokens=None, progress=False)
     assert m["kind"] == "local" and m["validation"]["split"] == "hash"
     assert len(m["train"]["shards"]) > 3  # a.jsonl was cut into byte ranges
     train, val = corpus.split_documents(docs)
     store = shards.PreparedData(out).train_store()
     assert np.array_equal(store.read(0, len(store)), _stream_of(tok, train))
     assert m["validation"]["documents"] == len(val) and m["train"]["documents"] == len(train)
-    assert shards.prepare([src], tok, out, chunk_bytes=40_000, val_tokens=None, progress=False) == m  # complete
+    assert prep.prepare([src], tok, out, chunk_bytes=40_000, val_tokens=None, progress=False) == m  # complete
     # interrupted at the third shard: unusable; the rerun keeps the finished shards and does the rest
     resumed = tmp_path / "resumed"
-    real = shards._run_task
+    real = prep._run_task
 
     def dies_at_2(task):
         if task.index == 2:
@@ -165,21 +166,21 @@ def test_prepare_local_files_chunked_resumable(tok_dir, tmp_path):
         return real(task)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(shards, "_run_task", dies_at_2)
+        mp.setattr(prep, "_run_task", dies_at_2)
         with pytest.raises(KeyboardInterrupt):
-            shards.prepare([src], tok, resumed, workers=1, chunk_bytes=40_000, val_tokens=None, progress=False)
+            prep.prepare([src], tok, resumed, workers=1, chunk_bytes=40_000, val_tokens=None, progress=False)
     assert not list(resumed.glob("*.tmp")) and not (resumed / "train-00002.bin").exists()
     with pytest.raises(ValueError, match="unfinished"):
         build_data(str(resumed), cache_dir=tmp_path)
     mtime = (resumed / "train-00000.bin").stat().st_mtime_ns
-    m2 = shards.prepare([src], tok, resumed, workers=1, chunk_bytes=40_000, val_tokens=None, progress=False)
+    m2 = prep.prepare([src], tok, resumed, workers=1, chunk_bytes=40_000, val_tokens=None, progress=False)
     assert (resumed / "train-00000.bin").stat().st_mtime_ns == mtime and m2["train"] == m["train"]
     assert (resumed / "val.bin").read_bytes() == (out / "val.bin").read_bytes()
     # another tokenizer (or changed sources) into the same directory is refused
     with pytest.raises(ValueError, match="other data or another tokenizer"):
-        shards.prepare([src], train_bpe(docs, 300), out, chunk_bytes=40_000, val_tokens=None, progress=False)
+        prep.prepare([src], train_bpe(docs, 300), out, chunk_bytes=40_000, val_tokens=None, progress=False)
     # --max-tokens keeps the first shards that reach it
-    capped = shards.prepare([src], tok, tmp_path / "cap", chunk_bytes=40_000, max_tokens=5000, progress=False)
+    capped = prep.prepare([src], tok, tmp_path / "cap", chunk_bytes=40_000, max_tokens=5000, progress=False)
     assert 5000 <= capped["train"]["tokens"] < m["train"]["tokens"]
 
 
@@ -321,7 +322,7 @@ def test_prepare_bad_input_one_line_nothing_usable(case, tok_dir, tmp_path, caps
         def no_space(self, data):
             raise OSError(errno.ENOSPC, f"writing {self.tmp}: No space left on device")
 
-        monkeypatch.setattr(shards._Writer, "_write", no_space)
+        monkeypatch.setattr(prep._Writer, "_write", no_space)
     out = tmp_path / "out"
     code = main(["prepare", "--data", str(src), "--tokenizer", str(tok_dir), "--out", str(out), "--workers", "1",
                  "--quiet"])
@@ -344,5 +345,5 @@ def test_bad_line_number_in_a_later_chunk(tok_dir, tmp_path):
     lines[250] = '{"text": 5}'
     (tmp_path / "big.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=r"big\.jsonl:251: expected a JSON object"):
-        shards.prepare([tmp_path / "big.jsonl"], str(tok_dir), tmp_path / "o", workers=1, chunk_bytes=20_000,
+        prep.prepare([tmp_path / "big.jsonl"], str(tok_dir), tmp_path / "o", workers=1, chunk_bytes=20_000,
                        progress=False)

@@ -34,7 +34,14 @@ from meqmuon.optim.registry import REGISTRY
 from meqmuon.train import compare as compare_mod
 from meqmuon.train import loop as loop_mod
 from meqmuon.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
-from meqmuon.train.config import TrainConfig, model_run_defaults, resolve_config, resolve_numerics
+from meqmuon.train.config import (
+    ResolvedConfig,
+    TrainConfig,
+    model_run_defaults,
+    resolve,
+    resolve_config,
+    resolve_numerics,
+)
 from meqmuon.train.loop import TrainingDiverged, WarmupCosine, train
 from meqmuon.train.metrics import read_metrics
 
@@ -86,6 +93,24 @@ def test_resolve_config_derives_budget_and_rejects_indivisible_batch():
         resolve_config(TrainConfig(global_batch=8, micro_batch=3), unique_params=1, world_size=1)
     with pytest.raises(ValueError, match="not divisible"):
         resolve_config(TrainConfig(global_batch=9), unique_params=1, world_size=2)
+
+
+def test_resolved_config_is_frozen_and_stores_what_resolve_config_stores():
+    """config.json keeps TrainConfig's keys in its order; both stages give resolve_config's values."""
+    import dataclasses
+
+    assert [f.name for f in dataclasses.fields(ResolvedConfig)] == [f.name for f in dataclasses.fields(TrainConfig)]
+    cfg = TrainConfig(optimizer="MeqMuon", steps=3, out="x", capture_steps=[2])
+    plan = resolve(cfg, device="cpu", world_size=2)
+    assert plan.optimizer == "meqmuon" and plan.micro_batch == 16 and plan.steps == 3 and plan.tokens is None
+    final = plan.for_model(unique_params=10, data_source="builtin")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        final.steps = 4  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        final.optimizer_args["ns_dtype"] = "bfloat16"  # type: ignore[index]
+    old = resolve_config(resolve_numerics(dataclasses.replace(cfg, optimizer="meqmuon", data_source="builtin"), "cpu"),
+                         unique_params=10, world_size=2)
+    assert final.to_dict() == dataclasses.asdict(old) and final.accumulation(2) == 1
 
 
 @pytest.mark.parametrize("model", ["llama-tiny", "llama-tiny-tied", "smollm2-tiny", "qwen2-tiny"])
@@ -293,9 +318,9 @@ class _Recorder:
 def test_capture_recorder_contract(cache, tmp_path, monkeypatch):
     import types
 
-    fake = types.ModuleType("meqmuon.diagnostics.capture")
+    fake = types.ModuleType("meqmuon.train.capture")
     fake.CaptureRecorder = _Recorder
-    monkeypatch.setitem(sys.modules, "meqmuon.diagnostics.capture", fake)
+    monkeypatch.setitem(sys.modules, "meqmuon.train.capture", fake)
     _Recorder.calls = []
     train(tiny(cache, tmp_path / "cap", steps=3, capture_steps=[2], capture_layers=[0]))
     assert _Recorder.calls[:2] == [("init", "cap", [2], [0]), ("attach", "MeqMuon")]

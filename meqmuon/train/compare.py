@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from meqmuon.optim.registry import spec
-from meqmuon.train.config import TrainConfig, fill_model_defaults, resolve_numerics
-from meqmuon.train.loop import train, write_json
+from meqmuon.train.config import TrainConfig, fill_model_defaults, resolve_numerics, run_name
+from meqmuon.train.loop import train
+from meqmuon.train.metrics import write_json
 from meqmuon.train.plot import plot_runs, plot_seed_bands
 from meqmuon.train.stats import mean_interval, paired_difference
 
@@ -136,10 +137,10 @@ def _finished_summary(run_dir: Path, cfg: TrainConfig) -> dict[str, Any] | None:
 def _resolved(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with the model defaults and this machine's numerics filled in, as the run would store it
     (so that a finished run is reused only if "auto" resolves the same way here)."""
-    from meqmuon.train.loop import _device
+    from meqmuon.train.run import device_of
 
     c = fill_model_defaults(cfg)
-    return resolve_numerics(c, _device(c, int(os.environ.get("LOCAL_RANK", "0"))))
+    return resolve_numerics(c, device_of(c, int(os.environ.get("LOCAL_RANK", "0"))))
 
 
 def _train_or_reuse(cfg: TrainConfig) -> dict[str, Any]:
@@ -182,10 +183,10 @@ def run_compare(optimizers: list[str], lrs: dict[str, float], base: TrainConfig,
     for name in optimizers:
         lr = lrs.get(name, base.lr if base.lr is not None else spec(name).demo_lr)
         for seed in ([None] if seeds is None else seeds):
-            cfg = dataclasses.replace(base, optimizer=name, lr=lr, out=str(out_dir / name), resume=None,
-                                      stop_at_step=None)
+            cfg = dataclasses.replace(base, optimizer=name, lr=lr, out=str(out_dir / run_name(name, seed=seed)),
+                                      resume=None, stop_at_step=None)
             if seed is not None:
-                cfg = dataclasses.replace(cfg, seed=seed, out=str(out_dir / f"{name}-s{seed}"))
+                cfg = dataclasses.replace(cfg, seed=seed)
             rows.append(_row(_train_or_reuse(cfg)))
     out_dir.mkdir(parents=True, exist_ok=True)
     title = f"{base.model}: validation perplexity"
@@ -264,7 +265,7 @@ def run_sweep(optimizers: list[str], lrs: list[float], seeds: list[int], base: T
         for lr in lrs:
             for seed in seeds:
                 cfg = dataclasses.replace(base, optimizer=name, lr=lr, seed=seed, resume=None, stop_at_step=None,
-                                          out=str(out_dir / f"{name}-lr{lr:g}-s{seed}"))
+                                          out=str(out_dir / run_name(name, lr=lr, seed=seed)))
                 rows.append(_row(_train_or_reuse(cfg)))
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize_seeds(rows)

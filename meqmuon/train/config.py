@@ -1,8 +1,10 @@
 """Typed run configuration of the training harness (``TrainConfig``) and its resolution rules.
 
-Every field has a default; ``resolve_config`` fills the derived ones (lr from the optimizer, run
-length from the token budget, evaluation interval, output directory) so that the JSON written into
-each run directory states every value the run used (design notes, convention 6).
+Every field has a default; :func:`resolve` turns the user's ``TrainConfig`` into a frozen
+:class:`ResolvedConfig` with the derived ones filled in (lr from the optimizer, run length from the
+token budget, evaluation interval, run directory, numerics, data source) so that the JSON written
+into each run directory states every value the run used (design notes, convention 6). Nothing
+mutates a config: every step returns a new value.
 
 Defaults follow the paper's setup (section 4): global batch 512 x 1024 tokens, 1M validation tokens,
 20 tokens per unique parameter, 5 % linear warmup then cosine decay to zero, weight decay 0.1, no
@@ -20,11 +22,14 @@ hardware or the model rather than the paper:
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -34,6 +39,10 @@ from meqmuon.precision import PRECISIONS, resolve_ns_dtype, resolve_precision
 
 __all__ = [
     "TrainConfig",
+    "ResolvedConfig",
+    "resolve",
+    "run_name",
+    "run_dir_of",
     "IDENTITY_KEYS",
     "PAPER_RUN_DEFAULTS",
     "CPU_PRESET_DEFAULTS",
@@ -122,9 +131,9 @@ class TrainConfig:
     data_source: str | None = None
 
 
-def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
+def config_to_dict(cfg: TrainConfig | ResolvedConfig) -> dict[str, Any]:
     """JSON-ready dict of every field."""
-    return dataclasses.asdict(cfg)
+    return cfg.to_dict() if isinstance(cfg, ResolvedConfig) else dataclasses.asdict(cfg)
 
 
 def config_from_dict(d: dict[str, Any]) -> TrainConfig:
@@ -214,11 +223,11 @@ def validate_config(cfg: TrainConfig) -> None:
 
     if cfg.model not in MODELS:
         raise ValueError(f"unknown model {cfg.model!r}; valid models: {', '.join(MODELS)}")
-    cfg.optimizer = spec(cfg.optimizer).name  # ValueError listing the valid names
-    valid = valid_hyperparameters(cfg.optimizer)
+    optimizer = spec(cfg.optimizer).name  # ValueError listing the valid names
+    valid = valid_hyperparameters(optimizer)
     unknown = sorted(set(cfg.optimizer_args) - set(valid))
     if unknown:
-        raise ValueError(f"unknown optimizer argument(s) {unknown} for {cfg.optimizer}; valid: {', '.join(valid)}")
+        raise ValueError(f"unknown optimizer argument(s) {unknown} for {optimizer}; valid: {', '.join(valid)}")
     for key in ("lr", "weight_decay"):
         if key in cfg.optimizer_args:
             raise ValueError(f"set {key} with --{key.replace('_', '-')}, not --optimizer-arg")
@@ -259,34 +268,41 @@ def resolve_config(cfg: TrainConfig, *, unique_params: int, world_size: int) -> 
     ``world_size x micro_batch x accumulation`` for a whole number of accumulation steps.
     """
     from meqmuon.optim.registry import spec
-    from meqmuon.train.models import TOKENS_PER_PARAM
 
     c = fill_model_defaults(cfg)
-    if c.lr is None:
-        c.lr = spec(c.optimizer).default_lr
-    if c.global_batch % world_size:
-        raise ValueError(f"global batch {c.global_batch} is not divisible by the world size {world_size}")
-    per_rank = c.global_batch // world_size
-    if c.micro_batch is None:
+    lr = c.lr if c.lr is not None else spec(c.optimizer).default_lr
+    c = dataclasses.replace(c, lr=lr, micro_batch=_micro_batch(c.global_batch, c.micro_batch, world_size))
+    c = dataclasses.replace(c, **_budget(c, unique_params))
+    return c if c.out is not None else dataclasses.replace(c, out=str(default_run_dir(c)))
+
+
+def _micro_batch(global_batch: int, micro_batch: int | None, world_size: int) -> int:
+    """The given or automatic micro-batch; ``ValueError`` when the batch does not divide evenly."""
+    if global_batch % world_size:
+        raise ValueError(f"global batch {global_batch} is not divisible by the world size {world_size}")
+    per_rank = global_batch // world_size
+    if micro_batch is None:
         # Largest divisor of the per-rank batch up to MAX_AUTO_MICRO_BATCH: the paper's 512 x 1024 on one
         # GPU would otherwise be a single 512-sequence forward pass (hundreds of GB of logits).
-        c.micro_batch = max(d for d in range(1, min(per_rank, MAX_AUTO_MICRO_BATCH) + 1) if per_rank % d == 0)
-    if per_rank % c.micro_batch:
-        raise ValueError(f"global batch {c.global_batch} is not divisible by world size {world_size} x micro "
-                         f"batch {c.micro_batch}")
+        micro_batch = max(d for d in range(1, min(per_rank, MAX_AUTO_MICRO_BATCH) + 1) if per_rank % d == 0)
+    if per_rank % micro_batch:
+        raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size} x micro "
+                         f"batch {micro_batch}")
+    return micro_batch
+
+
+def _budget(c: TrainConfig | ResolvedConfig, unique_params: int) -> dict[str, int]:
+    """``steps``, ``tokens`` (the budget actually trained), ``eval_every`` and ``save_every``."""
+    from meqmuon.train.models import TOKENS_PER_PARAM
+
     tokens_per_step = c.global_batch * c.seq_len
-    if c.steps is None:
-        if c.tokens is None:
-            c.tokens = TOKENS_PER_PARAM * unique_params
-        c.steps = max(1, math.ceil(c.tokens / tokens_per_step))
-    c.tokens = c.steps * tokens_per_step  # the budget actually trained
-    if c.eval_every is None:
-        c.eval_every = max(1, c.steps // 20)
-    if c.save_every is None:
-        c.save_every = max(1, c.steps // 10)
-    if c.out is None:
-        c.out = f"runs/{c.model}-{c.optimizer}-lr{c.lr:g}-s{c.seed}"
-    return c
+    steps = c.steps
+    if steps is None:
+        tokens = c.tokens if c.tokens is not None else TOKENS_PER_PARAM * unique_params
+        steps = max(1, math.ceil(tokens / tokens_per_step))
+    return {"steps": steps, "tokens": steps * tokens_per_step,
+            "eval_every": c.eval_every if c.eval_every is not None else max(1, steps // 20),
+            "save_every": c.save_every if c.save_every is not None else max(1, steps // 10)}
 
 
 def model_run_defaults(model: str) -> dict[str, int]:
@@ -298,11 +314,8 @@ def model_run_defaults(model: str) -> dict[str, int]:
 def fill_model_defaults(cfg: TrainConfig) -> TrainConfig:
     """A copy of ``cfg`` with ``global_batch``, ``seq_len`` and ``val_tokens`` filled from
     :func:`model_run_defaults` where they are ``None``; needs only the model's name."""
-    c = dataclasses.replace(cfg, optimizer_args=dict(cfg.optimizer_args))
-    for key, value in model_run_defaults(c.model).items():
-        if getattr(c, key) is None:
-            setattr(c, key, value)
-    return c
+    filled = {k: v for k, v in model_run_defaults(cfg.model).items() if getattr(cfg, k) is None}
+    return dataclasses.replace(cfg, optimizer_args=dict(cfg.optimizer_args), **filled)
 
 
 def resolve_numerics(cfg: TrainConfig, device: torch.device | str, *, cpu_capability: str | None = None,
@@ -321,23 +334,152 @@ def resolve_numerics(cfg: TrainConfig, device: torch.device | str, *, cpu_capabi
     """
     from meqmuon import valid_hyperparameters
 
-    c = dataclasses.replace(cfg, optimizer_args=dict(cfg.optimizer_args))
     dev = torch.device(device)
     hw = dict(cpu_capability=cpu_capability, cuda_bf16=cuda_bf16)
-    record = dict(c.numerics or {})
-    record.setdefault("requested_precision", c.precision)
-    c.precision = resolve_precision(c.precision, dev, **hw)
-    if "ns_dtype" in valid_hyperparameters(c.optimizer.lower()):
-        asked = c.optimizer_args.get("ns_dtype")
+    record = dict(cfg.numerics or {})
+    record.setdefault("requested_precision", cfg.precision)
+    precision = resolve_precision(cfg.precision, dev, **hw)
+    args = dict(cfg.optimizer_args)
+    if "ns_dtype" in valid_hyperparameters(cfg.optimizer.lower()):
+        asked = args.get("ns_dtype")
         record.setdefault("requested_ns_dtype", "auto" if asked is None else str(asked).removeprefix("torch."))
         ns = resolve_ns_dtype(_dtype(asked) if asked is not None else None, dev, **hw)
-        c.optimizer_args["ns_dtype"] = str(ns).removeprefix("torch.")
+        args["ns_dtype"] = str(ns).removeprefix("torch.")
     record.update(
         device=str(dev),
         cpu_capability=_precision.detect_cpu_capability() if cpu_capability is None else cpu_capability,
-        precision=c.precision,
-        ns_dtype=c.optimizer_args.get("ns_dtype"),
-        tf32=bool(c.tf32 and dev.type == "cuda"),
+        precision=precision,
+        ns_dtype=args.get("ns_dtype"),
+        tf32=bool(cfg.tf32 and dev.type == "cuda"),
     )
-    c.numerics = record
-    return c
+    return dataclasses.replace(cfg, precision=precision, optimizer_args=args, numerics=record)
+
+
+# ---- run directory: named here and nowhere else -------------------------------------------------
+
+
+def run_name(optimizer: str, *, model: str | None = None, lr: float | None = None, seed: int | None = None) -> str:
+    """A run directory's name, ``[<model>-]<optimizer>[-lr<lr>][-s<seed>]``: the parts that tell the
+    runs of one directory apart (``compare``: optimizer, seed; ``sweep``: optimizer, lr, seed)."""
+    parts = [model, optimizer, None if lr is None else f"lr{lr:g}", None if seed is None else f"s{seed}"]
+    return "-".join(p for p in parts if p is not None)
+
+
+def default_run_dir(cfg: TrainConfig) -> Path:
+    """``runs/<model>-<optimizer>-lr<lr>-s<seed>``; an unset lr is the optimizer's default (0 if unknown)."""
+    from meqmuon.optim.registry import REGISTRY
+
+    known = REGISTRY.get(str(cfg.optimizer).lower())  # not validated yet: an unknown name fails later
+    lr = cfg.lr if cfg.lr is not None else known.default_lr if known else 0.0
+    return Path("runs") / run_name(cfg.optimizer, model=cfg.model, lr=lr, seed=cfg.seed)
+
+
+def run_dir_of(cfg: TrainConfig) -> Path:
+    """The run directory: ``cfg.out``, else the run a ``--resume PATH`` points into, else the default name."""
+    if cfg.out is not None:
+        return Path(cfg.out)
+    if cfg.resume not in (None, "auto"):
+        p = Path(cfg.resume)
+        return p if p.is_dir() else p.parent.parent
+    return default_run_dir(cfg)
+
+
+# ---- the resolved, frozen config ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """Every setting of one run, concrete; what ``config.json`` and checkpoints store (:meth:`to_dict`).
+
+    Built by :func:`resolve` and :meth:`for_model`, never changed. The fields are :class:`TrainConfig`'s,
+    in its order (so ``config.json`` keeps its keys); containers are read-only (mappings, tuples).
+    ``steps``, ``tokens``, ``eval_every``, ``save_every`` and ``data_source`` are ``None`` until
+    :meth:`for_model` (they need the model's size and the data); everything else is set by :func:`resolve`.
+    """
+
+    model: str
+    optimizer: str  # the registry's canonical name
+    lr: float
+    weight_decay: float
+    optimizer_args: Mapping[str, Any]  # with the resolved ns_dtype of Muon-family optimizers
+    data: str
+    tokenizer: str | None
+    vocab_size: int
+    val_fraction: float
+    val_tokens: int
+    cache_dir: str | None
+    tokens: int | None
+    steps: int | None
+    seq_len: int
+    global_batch: int
+    micro_batch: int
+    warmup_ratio: float
+    min_lr_ratio: float
+    clip: float | None
+    seed: int
+    precision: str  # "bf16" or "fp32"
+    tf32: bool
+    device: str
+    compile: bool
+    threads: int | None
+    out: str  # the run directory
+    eval_every: int | None
+    save_every: int | None
+    keep_checkpoints: int
+    stop_at_step: int | None
+    resume: str | None
+    capture_steps: tuple[int, ...] | None
+    capture_layers: tuple[int, ...] | None
+    quiet: bool
+    tensorboard: bool
+    numerics: Mapping[str, Any]
+    data_source: str | None
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> ResolvedConfig:
+        """Freeze a config whose fields are already resolved (containers become read-only)."""
+        values = config_to_dict(cfg)
+        for key in ("optimizer_args", "numerics"):
+            values[key] = MappingProxyType(values[key] or {})
+        for key in ("capture_steps", "capture_layers"):
+            values[key] = None if values[key] is None else tuple(values[key])
+        return cls(**values)
+
+    def for_model(self, *, unique_params: int, data_source: str) -> ResolvedConfig:
+        """Second stage: the run length (from the model's size) and the data source, once both exist."""
+        return dataclasses.replace(self, data_source=data_source, **_budget(self, unique_params))
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def accumulation(self, world_size: int) -> int:
+        """Micro-batches per update and rank: ``global_batch / (world_size x micro_batch)``."""
+        return self.global_batch // (world_size * self.micro_batch)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready dict of ``config.json`` and checkpoints: plain dicts and lists, TrainConfig's keys."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for key in ("optimizer_args", "numerics"):
+            out[key] = copy.deepcopy(dict(out[key]))
+        for key in ("capture_steps", "capture_layers"):
+            out[key] = None if out[key] is None else list(out[key])
+        return out
+
+
+def resolve(cfg: TrainConfig, *, device: torch.device | str, world_size: int) -> ResolvedConfig:
+    """First stage: ``cfg`` (already checked by :func:`validate_config`) with everything that needs
+    neither data nor model resolved: canonical optimizer name, lr, model defaults, micro-batch,
+    numerics for ``device`` and the run directory. :meth:`ResolvedConfig.for_model` does the rest."""
+    from meqmuon.optim.registry import spec
+
+    c = fill_model_defaults(dataclasses.replace(cfg, optimizer=spec(cfg.optimizer).name))
+    c = resolve_numerics(c, device)
+    c = dataclasses.replace(c, lr=c.lr if c.lr is not None else spec(c.optimizer).default_lr,
+                            micro_batch=_micro_batch(c.global_batch, c.micro_batch, world_size),
+                            out=str(run_dir_of(c)))
+    return ResolvedConfig.of(c)

@@ -9,8 +9,9 @@ name as ``data_source`` in ``config.json`` and ``summary.json``)
     (documents separated by blank lines) files, any of them gzipped; directories are expanded.
     Validation documents are held out by a stable hash of their text (5 %); without
     ``tokenizer_name`` a BPE is trained on the train split.
-    ``prepared``: a directory written by ``meqmuon prepare`` (:mod:`meqmuon.train.shards`); its
-    tokenizer comes with it, and a ``tokenizer_name`` whose fingerprint differs is an error.
+    ``prepared``: a directory written by ``meqmuon prepare`` (:mod:`meqmuon.train.prepare`; format and
+    reader in :mod:`meqmuon.train.shards`); its tokenizer comes with it, and a ``tokenizer_name``
+    whose fingerprint differs is an error.
     ``c4-hub`` (``"c4"``): English C4 streamed from the hub; ``c4-local``: a directory (or files)
     with C4's file names (``c4-train.NNNNN-of-01024.json.gz``, ``c4-validation.*``). Both need
     ``tokenizer_name`` (T5-base for Llama, SmolLM2's or Qwen2's own) and run through the same code,
@@ -82,6 +83,7 @@ import numpy as np
 import torch
 
 from meqmuon.train import corpus as _corpus
+from meqmuon.train import prepare as _prepare
 from meqmuon.train import shards as _shards
 from meqmuon.train.shards import TokenStore
 from meqmuon.train.tokenizer import TextTokenizer, load_or_train_bpe, load_tokenizer
@@ -490,12 +492,12 @@ def build_data(
         prepared = _shards.PreparedData(out)
     except ValueError:
         if source == "builtin":
-            _shards.prepare_documents(out, tokenizer, train_docs, val_docs, kind="builtin",
+            _prepare.prepare_documents(out, tokenizer, train_docs, val_docs, kind="builtin",
                                       sources=[{"path": key, "documents": len(docs)}])
         else:
             import sys
 
-            _shards.prepare(files, tokenizer, out, val_fraction=val_fraction, val_tokens=None,
+            _prepare.prepare(files, tokenizer, out, val_fraction=val_fraction, val_tokens=None,
                             progress=sys.stderr.isatty())
         prepared = _shards.PreparedData(out)
     return _bundle(prepared, tokenizer, what, source, **common)

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLogger", "read_metrics", "truncate_metrics"]
+__all__ = ["MetricsLogger", "read_metrics", "truncate_metrics", "write_json"]
 
 
 def _clean(value: Any) -> Any:
@@ -25,6 +25,13 @@ def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Atomic JSON write (temporary file, then rename)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -1,0 +1,225 @@
+"""Building one run: resolved config, data, model, optimizer, scheduler, and the state of a resumed run.
+
+:func:`build_run` does, in this order, what used to open the training loop: resolve the config's
+first stage (:func:`meqmuon.train.config.resolve`), find the checkpoint to resume from (refusing an
+existing run without ``--resume``, before any file is written), seed, build the data (rank 0 first,
+so that it alone tokenises into the cache), the model, the config's second stage (run length from
+the model's size), the optimizer and the :class:`WarmupCosine` schedule, and finally load the
+checkpoint's model, optimizer, scheduler, data-order and RNG state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from meqmuon.train.checkpoint import (
+    CheckpointError,
+    find_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    set_rng_state,
+)
+from meqmuon.train.config import IDENTITY_KEYS, ResolvedConfig, TrainConfig, optimizer_kwargs, resolve
+
+__all__ = ["Run", "WarmupCosine", "build_run", "device_of", "seed_all"]
+
+
+class WarmupCosine:
+    """LR multiplier for update index ``s`` (0-based): ``(s + 1) / warmup`` during warmup, then
+    ``min + (1 - min) * (1 + cos(pi * p)) / 2`` with ``p = (s - warmup) / (steps - warmup)``.
+
+    A plain object (not a lambda) so that ``LambdaLR.state_dict`` stores its fields.
+    """
+
+    def __init__(self, steps: int, warmup_ratio: float = 0.05, min_lr_ratio: float = 0.0):
+        self.steps = int(steps)
+        self.warmup = int(round(warmup_ratio * steps))
+        self.min_lr_ratio = float(min_lr_ratio)
+
+    def __call__(self, s: int) -> float:
+        if s < self.warmup:
+            return (s + 1) / self.warmup
+        p = min(1.0, (s - self.warmup) / max(1, self.steps - self.warmup))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+@dataclass
+class Run:
+    """Everything one training run works on; ``step`` and ``tokens`` are where it starts (or resumed)."""
+
+    cfg: ResolvedConfig
+    rank: int
+    world: int
+    device: torch.device
+    data: Any  # meqmuon.train.data.DataBundle
+    model: torch.nn.Module
+    train_model: torch.nn.Module  # ``model``, DDP-wrapped when world > 1
+    forward: torch.nn.Module  # ``train_model``, compiled with --compile
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    n_params: int
+    step: int
+    tokens: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def run_dir(self) -> Path:
+        return self.cfg.run_dir
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast when the run's precision is bf16, else nothing (fp32)."""
+        if self.cfg.precision == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+def device_of(cfg: TrainConfig, local_rank: int) -> torch.device:
+    """``cfg.device``, or for ``"auto"`` ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
+    if cfg.device != "auto":
+        return torch.device(cfg.device)
+    return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (the model's init and the data order follow)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_run(cfg: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
+    """The run ``cfg`` describes, ready to train (see the module docstring for the order)."""
+    from meqmuon import build_optimizer
+    from meqmuon.train.models import build_model, count_unique_params
+
+    device = device_of(cfg, local_rank)
+    plan = resolve(cfg, device=device, world_size=world)
+    ckpt_path, ckpt = _checkpoint_to_resume(plan)
+    seed_all(plan.seed)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if plan.tf32 else "highest")
+    if rank == 0:
+        _warn_bf16(plan, device)
+    data = _build_data(plan, rank, world)
+    model = build_model(plan.model, vocab_size=_model_vocab(plan, data.tokenizer), seed=plan.seed, device=device)
+    n_params = count_unique_params(model)
+    final = plan.for_model(unique_params=n_params, data_source=data.source)
+    if ckpt is not None and final.resume:
+        _check_resume_config(ckpt["config"], final, ckpt_path)
+    opt = build_optimizer(final.optimizer, model, **optimizer_kwargs(final))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(final.steps, final.warmup_ratio, final.min_lr_ratio))
+    train_model = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    run = Run(final, rank, world, device, data, model, train_model,
+              torch.compile(train_model) if final.compile else train_model, opt, sched, n_params, 0, 0)
+    if ckpt is not None:
+        _restore(run, ckpt, ckpt_path)
+    else:
+        # Same weights and data order on every rank; per-rank training RNG (nothing random is drawn in
+        # the loop today, but future dropout/sampling must differ across ranks).
+        seed_all(final.seed + rank)
+    return run
+
+
+def _checkpoint_to_resume(cfg: ResolvedConfig) -> tuple[Path | None, dict[str, Any] | None]:
+    """The checkpoint ``--resume`` names (``None`` without it); refuses an existing run without it."""
+    run_dir = cfg.run_dir
+    path = find_checkpoint(cfg.resume, run_dir) if cfg.resume else None
+    if path is None and (latest_checkpoint(run_dir) is not None or (run_dir / "summary.json").exists()):
+        raise CheckpointError(f"run directory {run_dir} already holds a run; pass --resume auto to continue it "
+                              "or choose another --out")
+    return path, (load_checkpoint(path) if path is not None else None)
+
+
+def _build_data(cfg: ResolvedConfig, rank: int, world: int) -> Any:
+    from meqmuon.train.data import build_data
+
+    if world > 1 and rank != 0:
+        dist.barrier()  # rank 0 tokenises and caches first; the others then read the cache
+    data = build_data(None if cfg.data == "builtin" else cfg.data, tokenizer_name=_tokenizer_name(cfg),
+                      seq_len=cfg.seq_len, seed=cfg.seed, rank=rank, world_size=world, cache_dir=cfg.cache_dir,
+                      val_tokens=cfg.val_tokens, vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction)
+    if world > 1 and rank == 0:
+        dist.barrier()
+    return data
+
+
+def _restore(run: Run, ckpt: dict[str, Any], path: Path) -> None:
+    """Load a checkpoint's state into the freshly built run; any misfit is a :class:`CheckpointError`."""
+    try:
+        run.model.load_state_dict(ckpt["model"])
+        run.opt.load_state_dict(ckpt["optimizer"])
+        run.sched.load_state_dict(ckpt["scheduler"])
+        run.data.train.load_state_dict(ckpt["data"])
+        rngs = ckpt["rng"]
+        set_rng_state(rngs[run.rank] if len(rngs) == run.world else rngs[0])
+    except (KeyError, RuntimeError, ValueError, IndexError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path} does not fit this run: {msg}") from None
+    run.step, run.tokens = int(ckpt["step"]), int(ckpt["tokens"])
+
+
+def _tokenizer_name(cfg: ResolvedConfig) -> str | None:
+    from meqmuon.train.models import get_spec
+
+    if cfg.tokenizer is not None:
+        return None if cfg.tokenizer == "builtin" else cfg.tokenizer
+    return get_spec(cfg.model).tokenizer if str(cfg.data).lower() == "c4" else None
+
+
+def _model_vocab(cfg: ResolvedConfig, tokenizer: Any) -> int:
+    from meqmuon.train.models import get_spec
+
+    spec = get_spec(cfg.model)
+    # With the model's own hub tokenizer keep the paper's embedding rows (e.g. Qwen2's padded 151936),
+    # but never fewer rows than the tokenizer has ids (T5-base has 100 sentinel ids past 32000).
+    if spec.tokenizer is not None and tokenizer.name == spec.tokenizer:
+        return max(spec.vocab_size, tokenizer.vocab_size)
+    return tokenizer.vocab_size
+
+
+def _check_resume_config(saved: dict[str, Any], cfg: ResolvedConfig, path: Path) -> None:
+    mine = cfg.to_dict()
+    for key in IDENTITY_KEYS:
+        if saved.get(key) != mine.get(key):
+            hint = ""
+            if key == "precision" or (key == "optimizer_args" and (saved.get(key) or {}).get("ns_dtype")
+                                      != (mine.get(key) or {}).get("ns_dtype")):
+                # "auto" resolved differently here than where the run started (another kind of CPU/GPU)
+                hint = (f"; 'auto' precision/ns_dtype follow the hardware (here: CPU capability "
+                        f"{cfg.numerics.get('cpu_capability')}): pass the stored values explicitly, or resume "
+                        "with `meqmuon train --out DIR --resume auto`, which reuses them")
+            raise CheckpointError(
+                f"checkpoint {path} does not match this run: it has {key}={saved.get(key)!r}, this run "
+                f"{key}={mine.get(key)!r} (resume with the same settings or choose another --out){hint}")
+
+
+def _warn_bf16(cfg: ResolvedConfig, device: torch.device) -> None:
+    """One line on stderr when bf16 was asked for explicitly on a CPU without native bf16."""
+    from meqmuon.precision import bf16_warning
+
+    forced = []
+    if cfg.precision == "bf16":
+        forced.append("bf16 autocast")
+    if cfg.optimizer_args.get("ns_dtype") == "bfloat16":
+        forced.append("bf16 Newton-Schulz")
+    msg = bf16_warning(device, what=" and ".join(forced)) if forced else None
+    if msg:
+        print(f"meqmuon: warning: {msg}; --precision auto or fp32 and the default ns_dtype avoid it",
+              file=sys.stderr)
