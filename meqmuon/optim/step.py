@@ -44,7 +44,6 @@ def shape_scale(shape: torch.Size | tuple[int, ...]) -> float:
     return math.sqrt(max(m, n))
 
 
-
 class StepContext:
     """Per-step extras the engine hands to rules. ``capture`` is an opt-in diagnostics hook.
 
@@ -105,7 +104,6 @@ class Item:
         self.kind = kind
 
 
-
 def apply_update(
     items: Sequence[Item],
     directions: Sequence[Tensor],
@@ -142,7 +140,6 @@ def buffer(
 def state_dtype(p: Tensor, group: dict) -> torch.dtype:
     """The dtype of a parameter's state tensors: the group's ``state_dtype``, else the parameter's."""
     return group.get("state_dtype") or p.dtype
-
 
 
 def _update_momentum(items: Sequence[Item], group: dict) -> None:
@@ -271,15 +268,13 @@ class Rule:
         raise NotImplementedError
 
 
-
 #: Cost of an elementwise update, in matmul-FLOP equivalents per element, for balancing DDP owners
-#: (``_MomentumRule.cost``). Measured on this package's CPU (2-core EPYC, 1 thread per rank): the
-#: row-blocked equilibration of a 32000 x 512 matrix took about as long as 1000 FLOPs per element
-#: of Newton-Schulz at the bf16 matmul rate. A balance heuristic only; results never depend on it.
+#: (``MomentumRule.cost``): on CPU, the row-blocked equilibration of a 32000 x 512 matrix took as long
+#: as 1000 Newton-Schulz FLOPs per element at the bf16 matmul rate. A heuristic: results never depend on it.
 ELEMENTWISE_COST = 1000.0
 
 
-class _MomentumRule(Rule):
+class MomentumRule(Rule):
     """Momentum ``B <- mu B + G`` (every rank, every parameter), then ``update`` on the owned ones.
 
     Under DDP (``ReplicatedSplit``) each parameter's ``update`` runs on one owner rank, which then
@@ -426,7 +421,7 @@ def step_foreach_calls(calls: Sequence[tuple[Rule, Sequence[Item], dict, StepCon
 
     The calls of momentum rules share kernels: every momentum buffer of every call is updated in two
     ``torch._foreach_*`` kernels per distinct ``mu`` (MeqMuon's hidden, embedding and vector rules
-    make one), then each call computes its directions (:meth:`_MomentumRule.pending_foreach`), and
+    make one), then each call computes its directions (:meth:`MomentumRule.pending_foreach`), and
     all updates are applied together: one decay kernel per distinct ``1 - lr wd`` and one add per
     distinct ``lr * scale``. Directions depend on gradients and momentum only, so computing them all
     before any parameter changes gives the bits of stepping the calls one by one. Other rules
@@ -434,7 +429,7 @@ def step_foreach_calls(calls: Sequence[tuple[Rule, Sequence[Item], dict, StepCon
     """
     shared = []
     for rule, items, group, ctx in calls:
-        if isinstance(rule, _MomentumRule) and not ctx.compile:
+        if isinstance(rule, MomentumRule) and not ctx.compile:
             shared.append((rule, items, group, ctx))
         else:
             rule.step_foreach(items, group, ctx)
@@ -446,7 +441,7 @@ def step_foreach_calls(calls: Sequence[tuple[Rule, Sequence[Item], dict, StepCon
     _foreach_apply([rule.pending_foreach(items, group, ctx) for rule, items, group, ctx in shared])
 
 
-class _HiddenRule(_MomentumRule):
+class HiddenRule(MomentumRule):
     """A rule that orthogonalises (Newton-Schulz, paper eq. 3) each hidden matrix's direction input."""
 
     needs_matrix = True
@@ -487,7 +482,7 @@ class _HiddenRule(_MomentumRule):
         for b, (lo, hi) in zip(buckets, ranges, strict=True):
             p = b.items[0].param
             dtype = NS.ns_dtype_of(group, p)
-            if type(self).pre_ns is _HiddenRule.pre_ns:
+            if type(self).pre_ns is HiddenRule.pre_ns:
                 X = stack_inputs(ctx, self.name, b, lo, hi, group, dtype)
             else:
                 X = self.pre_ns(stack_inputs(ctx, self.name, b, lo, hi, group, F._stat_dtype(p)), b.items[lo:hi],

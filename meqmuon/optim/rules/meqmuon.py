@@ -22,9 +22,9 @@ from ..buckets import Bucket
 from ..compiled import compile_once, scalar
 from ..distributed import state_like
 from ..step import (
+    HiddenRule,
+    MomentumRule,
     StepContext,
-    _HiddenRule,
-    _MomentumRule,
     apply_update,
     buffer,
     direction_input,
@@ -134,7 +134,7 @@ def _meq_hidden_bucket(params, grads, bufs, counters, lr, wd, mu, rho, *, plain,
     F.decay_and_update_(params, [d.reshape(p.shape) for d, p in zip(directions, params, strict=True)], lr, wd, rho)
 
 
-class MeqHidden(_HiddenRule):
+class MeqHidden(HiddenRule):
     """MeqMuon for hidden matrices (paper Algorithm 1, eq. 8): ``U = Orth(B)``, then row- or
     column-normalise ``U``, whichever side has the larger CV (ties: rows). Scale ``rho``.
 
@@ -143,7 +143,7 @@ class MeqHidden(_HiddenRule):
     name = "meq_hidden"
     hyperparameters = ("momentum", "nesterov", "rho", "ns_steps", "ns_coefficients", "ns_dtype")
     owner_state = ("rows_chosen",)
-    state_views = {**_MomentumRule.state_views, "rows_chosen": "counter"}
+    state_views = {**MomentumRule.state_views, "rows_chosen": "counter"}
 
     def init_state(self, p, state, group, layout):
         super().init_state(p, state, group, layout)
@@ -285,7 +285,7 @@ def _rms_bucket(params, grads, bufs, lr, wd, mu, rho, *, nesterov):
                         lr, wd, rho)
 
 
-class Equilibrate(_MomentumRule):
+class Equilibrate(MomentumRule):
     """MeqMuon for embeddings and LM heads (paper eq. 9): ``N_c(N_r(B))``, scale ``rho``.
 
     Row-blocked (``blockwise.equilibrate_step_``), so the 32000 x d direction is never
@@ -338,7 +338,7 @@ class Equilibrate(_MomentumRule):
     compiled_bucket = staticmethod(_equilibrate_bucket)
 
 
-class RmsNormalize(_MomentumRule):
+class RmsNormalize(MomentumRule):
     """MeqMuon for 1-D parameters (paper eq. 10): ``B / (||B||_2 / sqrt(d))``, scale ``rho``.
 
     Not split over DDP ranks: 1-D parameters are small, so repeating the update on every rank is

@@ -13,10 +13,10 @@ import torch
 from torch import Tensor
 
 from ... import functional as F
-from ..step import _HiddenRule, apply_update, shape_scale
+from ..step import HiddenRule, apply_update, shape_scale
 
 
-class MoonlightHidden(_HiddenRule):
+class MoonlightHidden(HiddenRule):
     """Muon in Moonlight's form (paper eq. 2; MoonshotAI/Moonlight c2ad5b2 examples/toy_train.py):
     ``W <- (1 - lr wd) W - lr * rho * sqrt(max(m, n)) * Orth(B)``."""
 

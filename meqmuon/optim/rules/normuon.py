@@ -8,14 +8,14 @@ import torch
 from torch import Tensor
 
 from ..distributed import local, state_like
-from ..step import _HiddenRule, _MomentumRule, apply_update, buffer, shape_scale
+from ..step import HiddenRule, MomentumRule, apply_update, buffer, shape_scale
 
 # NorMuon's epsilons (zichongli5/NorMuon d45c9a4, normuon.py): 1e-10 in the row scaling and in the
 # Frobenius-norm restore.
 NORMUON_EPS = 1e-10
 
 
-class NorMuonHidden(_HiddenRule):
+class NorMuonHidden(HiddenRule):
     """NorMuon for hidden matrices (zichongli5/NorMuon d45c9a4 ``normuon_update``; Li et al. 2025).
 
     ``O = Orth(B)``; per-row second moment ``v <- lerp(v, mean_j O_ij^2, 1 - beta2)`` (no bias
@@ -31,7 +31,7 @@ class NorMuonHidden(_HiddenRule):
     name = "normuon_hidden"
     hyperparameters = ("momentum", "nesterov", "rho", "beta2", "ns_steps", "ns_coefficients", "ns_dtype")
     owner_state = ("second_moment",)
-    state_views = {**_MomentumRule.state_views, "second_moment": "rows"}
+    state_views = {**MomentumRule.state_views, "second_moment": "rows"}
 
     def state_elements(self, layout):
         return super().state_elements(layout) + math.prod(layout.rows_shape)
