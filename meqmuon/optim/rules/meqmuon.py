@@ -288,10 +288,9 @@ def _rms_bucket(params, grads, bufs, lr, wd, mu, rho, *, nesterov):
 class Equilibrate(MomentumRule):
     """MeqMuon for embeddings and LM heads (paper eq. 9): ``N_c(N_r(B))``, scale ``rho``.
 
-    Row-blocked (``blockwise.equilibrate_step_``), so the 32000 x d direction is never
-    materialised. ``compile=True`` changes nothing here: the two blocked passes already run at
-    memory bandwidth. The compiled whole-matrix kernel used before could not take FSDP2's
-    cross-shard sums and gained the step nothing beyond noise (docs/benchmarks.md)."""
+    Per tensor row-blocked (``blockwise.equilibrate_step_``), so the 32000 x d direction is never
+    materialised; ``compile=True`` leaves that form eager, as its two blocked passes already run at
+    memory bandwidth (docs/benchmarks.md), and compiles the batched one (:func:`_equilibrate_bucket`)."""
 
     name = "equilibrate"
     needs_matrix = True

@@ -1,4 +1,5 @@
-"""NorMuon for hidden matrices (zichongli5/NorMuon d45c9a4; Li et al. 2025): per-tensor and batched forms."""
+"""NorMuon for hidden matrices (zichongli5/NorMuon d45c9a4; Li et al. 2025): per-tensor and batched forms,
+both through :func:`normuon_normalize`."""
 
 from __future__ import annotations
 
@@ -7,12 +8,28 @@ import math
 import torch
 from torch import Tensor
 
+from ... import functional as F
 from ..distributed import local, state_like
 from ..step import HiddenRule, MomentumRule, apply_update, buffer, shape_scale
 
 # NorMuon's epsilons (zichongli5/NorMuon d45c9a4, normuon.py): 1e-10 in the row scaling and in the
 # Frobenius-norm restore.
 NORMUON_EPS = 1e-10
+
+
+def normuon_normalize(O: Tensor, v: Tensor, beta2: float, psum: F.PSum = None, work: Tensor | None = None) -> Tensor:
+    """NorMuon's normalisation of ``O = Orth(B)``, a matrix ``(m, n)`` or a stack ``(k, m, n)``: ``v``
+    (``(m,)`` or ``(k, m)``, O's dtype) takes the row second moments in place; returns ``O'``
+    (into ``work`` if given). With ``psum`` (row shards) the Frobenius norms sum over shards."""
+    v.lerp_(torch.mul(O, O, out=work).mean(dim=-1), 1.0 - beta2)
+    scaled = torch.div(O, v.sqrt().unsqueeze(-1) + NORMUON_EPS, out=work)
+    dims = (-2, -1)
+    if psum is None:
+        fro_o, fro_s = torch.linalg.vector_norm(O, dim=dims), torch.linalg.vector_norm(scaled, dim=dims)
+    else:  # Frobenius norms of whole matrices: sum the shards' sums of squares
+        sq = psum(torch.stack([O.square().sum(dim=dims), scaled.square().sum(dim=dims)]))
+        fro_o, fro_s = sq[0].sqrt(), sq[1].sqrt()
+    return scaled.mul_((fro_o / (fro_s + NORMUON_EPS))[..., None, None])
 
 
 class NorMuonHidden(HiddenRule):
@@ -53,15 +70,7 @@ class NorMuonHidden(HiddenRule):
             # Rows are whole on every shard, so the per-row second moment is local under FSDP2.
             state_v = local(it.state["second_moment"])
             v = state_v.to(O.dtype)
-            v.lerp_(torch.mul(O, O, out=work).mean(dim=-1), 1.0 - beta2)
-            scaled = torch.div(O, v.sqrt().unsqueeze(-1) + NORMUON_EPS, out=work)
-            if psum is None:
-                fro_o = torch.linalg.vector_norm(O)
-                fro_s = torch.linalg.vector_norm(scaled)
-            else:  # Frobenius norms of the whole matrix: sum the shards' sums of squares
-                sq = psum(torch.stack([O.square().sum(), scaled.square().sum()]))
-                fro_o, fro_s = sq[0].sqrt(), sq[1].sqrt()
-            scaled.mul_(fro_o / (fro_s + NORMUON_EPS))
+            scaled = normuon_normalize(O, v, beta2, psum, work)
             state_v.copy_(v)
             apply_update([it], [scaled], [group["rho"] * shape_scale(it.shape)], group)
 
@@ -74,15 +83,7 @@ class NorMuonHidden(HiddenRule):
                                   strict=True):
             O = O.to(torch.promote_types(O.dtype, torch.float32))
             v = torch.stack([local(it.state["second_moment"]) for it in b.items[lo:hi]]).to(O.dtype)
-            v.lerp_(O.square().mean(dim=-1), 1.0 - beta2)
-            scaled = O / (v.sqrt().unsqueeze(-1) + NORMUON_EPS)
-            if psum is None:
-                fro_o = torch.linalg.vector_norm(O, dim=(-2, -1))
-                fro_s = torch.linalg.vector_norm(scaled, dim=(-2, -1))
-            else:  # Frobenius norms of the whole matrices: sum the shards' sums of squares
-                sq = psum(torch.stack([O.square().sum(dim=(-2, -1)), scaled.square().sum(dim=(-2, -1))]))
-                fro_o, fro_s = sq[0].sqrt(), sq[1].sqrt()
-            scaled.mul_((fro_o / (fro_s + NORMUON_EPS))[:, None, None])
+            scaled = normuon_normalize(O, v, beta2, psum)
             out.append((scaled, [v]))
         return out
 
