@@ -128,7 +128,8 @@ def apply_update(
 
 
 def buffer(
-    scratch: dict[tuple, Tensor], role: str, shape: torch.Size, dtype: torch.dtype = torch.float32, device=None
+    scratch: dict[tuple, Tensor], role: str, shape: torch.Size, dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
 ) -> Tensor:
     """A buffer for ``role`` kept in ``scratch`` and reused by same-shape matrices within a step."""
     key = (role, tuple(shape), dtype, device)
@@ -164,7 +165,7 @@ def direction_input(it: Item, group: dict, rows: slice = slice(None), out: Tenso
 # --------------------------------------------------------------------------------------------
 
 
-def workspace(ctx: StepContext, key: tuple, shape: tuple[int, ...], dtype: torch.dtype, device,
+def workspace(ctx: StepContext, key: tuple, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
               zero: bool = False) -> Tensor:
     """A tensor kept between steps in the optimizer's workspace (made on first use, zeroed if ``zero``)."""
     full = (key, tuple(shape), dtype, device)
