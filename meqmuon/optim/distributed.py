@@ -30,11 +30,8 @@ step. Three splitters, chosen by the engine (:func:`splitter_for`):
 Why DDP broadcasts parameters (whole updates) rather than all-gathering Newton-Schulz outputs, as
 Muon implementations usually do: the normalisations of MeqMuon (two-sided on the 32000 x d
 embedding and head, one-sided with CV statistics on hidden matrices) are memory-bound passes that
-a gather of NS outputs would leave repeated on every rank, and on gloo a broadcast per tensor
-moves the same bytes 3.6-8.5x faster than ``all_gather_into_tensor``. Sending compact factors instead
-(the bf16 NS output and scale vectors; only ``1/r`` and ``1/c`` for the embedding and head, whose
-momentum every rank has) cuts the bytes about 4x, but then every rank applies every update, which
-cost more than it saved (docs/benchmarks.md, "Distributed scaling").
+a gather of NS outputs would leave repeated on every rank (the measurements, and those of sending
+compact factors instead: docs/benchmarks.md, "Distributed scaling").
 
 Bit-exactness with one process: an owner runs exactly the per-parameter code a single process
 runs (``functional.orthogonalize`` iterates matrix by matrix, so a matrix's bits never depend on

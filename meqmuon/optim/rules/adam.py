@@ -43,9 +43,8 @@ class AdamW(Rule):
         """In place, in ``torch.optim.AdamW``'s single-tensor order (its CPU default):
         ``W *= 1 - lr wd``; ``m = lerp(m, g, 1 - beta1)``; ``v = beta2 v + (1 - beta2) g^2``;
         ``W -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)`` as one ``addcdiv_``. The denominator goes
-        into one buffer per shape, reused across the group's parameters: the old form made four
-        parameter-sized temporaries per tensor, which made our Muon slower than torch's
-        (docs/benchmarks.md)."""
+        into one buffer per shape, reused across the group's parameters: no parameter-sized
+        temporaries (docs/benchmarks.md)."""
         ctx.emit(items, [it.grad for it in items], "gradient")
         beta1, beta2 = group["betas"]
         eps, lr, wd = group["eps"], group["lr"], group["weight_decay"]
