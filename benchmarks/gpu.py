@@ -95,9 +95,9 @@ def main(argv=None):
     if args.optimizer != "adamw" or args.foreach != "auto":
         kw["foreach"] = {"auto": None, "on": True, "off": False}[args.foreach]
     if args.ns_per_matrix:
-        from meqmuon.optim import distributed
+        from meqmuon.optim import newton_schulz
 
-        distributed.BATCHED_NS_DEVICES = frozenset()
+        newton_schulz.BATCHED_NS_DEVICES = frozenset()
     opt = meqmuon.build_optimizer(args.optimizer, model, lr=args.lr, **kw)
     fwd = model if args.no_compile else torch.compile(model)
     # bf16 autocast where the device runs bf16 natively (any GPU this is meant for), else fp32: the

@@ -36,7 +36,7 @@ from shapes import MODELS, model_shapes  # noqa: E402
 
 import meqmuon  # noqa: E402
 from meqmuon.functional import NS_STEPS  # noqa: E402
-from meqmuon.optim.distributed import ns_flops  # noqa: E402
+from meqmuon.optim.newton_schulz import ns_flops  # noqa: E402
 from meqmuon.precision import detect_cpu_capability, resolve_ns_dtype  # noqa: E402
 
 

@@ -26,39 +26,19 @@ sums. Sums within a row are local, so row statistics never communicate. With ``p
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 __all__ = [
-    "DELTA",
-    "NS_COEFFICIENTS",
-    "NS_SCHEDULES",
-    "NS_STEPS",
-    "POLAR_EXPRESS",
-    "POLAR_EXPRESS_SPEEDRUN",
-    "canonical_coefficients",
-    "ns_schedule",
-    "orthogonalize",
-    "orthogonalize_stack",
-    "ns_step",
-    "row_rms",
-    "col_rms",
-    "cv",
-    "cv_of_norms",
-    "MUONEQ_MODES",
-    "muoneq_equilibrate",
-    "row_col_cv",
-    "row_normalize",
-    "col_normalize",
-    "equilibrate",
-    "rms_normalize",
-    "adaptive_normalize",
-    "adaptive_scales",
-    "scale_matrix",
-    "as_matrix",
+    "DELTA", "NS_COEFFICIENTS", "NS_SCHEDULES", "NS_STEPS", "POLAR_EXPRESS", "POLAR_EXPRESS_SPEEDRUN",
+    "canonical_coefficients", "ns_schedule", "orthogonalize", "orthogonalize_stack", "ns_step", "row_rms",
+    "col_rms", "cv", "cv_of_norms", "MUONEQ_MODES", "muoneq_equilibrate", "row_col_cv", "row_normalize",
+    "col_normalize", "equilibrate", "rms_normalize", "adaptive_normalize", "adaptive_scales", "scale_matrix",
+    "as_matrix", "choose_rows", "rms_of_sumsq", "inverse_rms", "row_factors", "col_factors",
+    "divisor_of_norms", "momentum_", "direction_input", "decay_", "decay_and_update_",
 ]
 
 #: RMS values at or below this are treated as zero (paper, text below eq. 5).
@@ -411,10 +391,13 @@ def col_rms(x: Tensor, psum: PSum = None, rows: int | None = None) -> Tensor:
     """
     x = x.to(_stat_dtype(x))
     # Not vector_norm(dim=-2): its strided column reduction is ~2x slower on CPU (docs/benchmarks.md).
-    sumsq = (x * x).sum(dim=-2)
-    if psum is None:
-        return (sumsq / x.shape[-2]).sqrt()
-    return (psum(sumsq) / rows).sqrt()
+    return rms_of_sumsq((x * x).sum(dim=-2), x.shape[-2] if psum is None else rows, psum)
+
+
+def rms_of_sumsq(sumsq: Tensor, count: int, psum: PSum = None) -> Tensor:
+    r"""RMS magnitudes ``\sqrt{s / count}`` from sums of squares ``s`` (paper eq. 4); with ``psum`` the
+    sums are partial (one row shard's) and are summed over shards first (``count``: global)."""
+    return ((sumsq if psum is None else psum(sumsq)) / count).sqrt()
 
 
 def cv(v: Tensor, delta: float = DELTA, psum: PSum = None) -> Tensor:
@@ -504,21 +487,38 @@ def row_col_cv(x: Tensor, delta: float = DELTA) -> tuple[Tensor, Tensor]:
     return cv(row_rms(x), delta), cv(col_rms(x), delta)
 
 
-def _inverse(v: Tensor, delta: float) -> Tensor:
-    """``1/v`` where ``v > delta``, else 0: rows/columns treated as zero are mapped to zero."""
+def inverse_rms(v: Tensor, delta: float = DELTA) -> Tensor:
+    """``1/v`` where ``v > delta``, else 0: rows/columns treated as zero are mapped to zero (eq. 5, 7)."""
     return torch.where(v > delta, 1.0 / v.clamp(min=delta), 0.0)
+
+
+def row_factors(x: Tensor, delta: float = DELTA) -> Tensor:
+    r"""The factors ``r^{-1}`` of ``N_r`` (paper eq. 7): one per row, 0 for zero rows; shape ``(..., m)``."""
+    return inverse_rms(row_rms(x), delta)
+
+
+def col_factors(x: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None) -> Tensor:
+    r"""The factors ``c^{-1}`` of ``N_c`` (paper eq. 7): one per column, 0 for zero columns; ``(..., n)``."""
+    return inverse_rms(col_rms(x, psum, rows), delta)
+
+
+def divisor_of_norms(norms: Tensor, threshold: float) -> Tensor:
+    """``norms`` as divisors that zero what they divide where ``norms <= threshold`` (x / inf = 0): the
+    zero rule of eq. 5 for the batched forms, which divide by norms (``r_i <= delta`` is
+    ``||X_i,:|| <= delta sqrt(n)``) instead of multiplying by :func:`inverse_rms` factors."""
+    return norms.masked_fill(norms <= threshold, math.inf)
 
 
 def row_normalize(x: Tensor, delta: float = DELTA) -> Tensor:
     r"""``N_r(X) = diag(r^{-1}) X`` (paper eq. 7): every nonzero row rescaled to unit RMS."""
     x = x.to(_stat_dtype(x))
-    return x * _inverse(row_rms(x), delta).unsqueeze(-1)
+    return x * row_factors(x, delta).unsqueeze(-1)
 
 
 def col_normalize(x: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None) -> Tensor:
     r"""``N_c(X) = X diag(c^{-1})`` (paper eq. 7): every nonzero column rescaled to unit RMS."""
     x = x.to(_stat_dtype(x))
-    return x * _inverse(col_rms(x, psum, rows), delta).unsqueeze(-2)
+    return x * col_factors(x, delta, psum, rows).unsqueeze(-2)
 
 
 def equilibrate(x: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None) -> Tensor:
@@ -530,18 +530,24 @@ def equilibrate(x: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | 
     return col_normalize(row_normalize(x, delta), delta, psum, rows)
 
 
-def rms_normalize(x: Tensor, delta: float = DELTA, psum: PSum = None, numel: int | None = None) -> Tensor:
+def rms_normalize(
+    x: Tensor, delta: float = DELTA, psum: PSum = None, numel: int | None = None, dim: int | None = None
+) -> Tensor:
     r"""Global-RMS normalisation ``N(B) = B / (\|B\|_2 / \sqrt{d})`` (paper eq. 10), for 1-D parameters.
 
-    Normalises over the whole tensor (all dimensions); a tensor whose RMS is at or below ``delta``
-    maps to zero. With ``psum`` (sharded), ``numel`` is the global element count.
+    Normalises over the whole tensor (all dimensions), or with ``dim`` each slice along ``dim`` (a
+    stack of flattened vectors); a tensor whose RMS is at or below ``delta`` maps to zero. With
+    ``psum`` (sharded, whole tensor only), ``numel`` is the global element count.
     """
     x = x.to(_stat_dtype(x))
+    if dim is not None:
+        rms = torch.linalg.vector_norm(x, dim=dim) / x.shape[dim] ** 0.5
+        return x * inverse_rms(rms, delta).unsqueeze(dim)
     if psum is None:
         rms = torch.linalg.vector_norm(x) / math.sqrt(x.numel())
     else:
-        rms = (psum(x.square().sum()) / numel).sqrt()
-    return x * _inverse(rms, delta)
+        rms = rms_of_sumsq(x.square().sum(), numel, psum)
+    return x * inverse_rms(rms, delta)
 
 
 def adaptive_scales(
@@ -568,14 +574,20 @@ def adaptive_scales(
         c = col_rms(x, psum, rows)
     else:  # one squaring pass, then both sums of squares from it (eq. 4)
         sq = scratch.copy_(u).square_()
-        r = (sq.sum(dim=-1) / u.shape[-1]).sqrt()
-        c_sumsq = sq.sum(dim=-2)
-        c = ((c_sumsq if psum is None else psum(c_sumsq)) / (u.shape[-2] if psum is None else rows)).sqrt()
-    chose_rows = cv(r, delta, psum) >= cv(c, delta)
+        r = rms_of_sumsq(sq.sum(dim=-1), u.shape[-1])
+        c = rms_of_sumsq(sq.sum(dim=-2), u.shape[-2] if psum is None else rows, psum)
+    chose_rows = choose_rows(cv(r, delta, psum), cv(c, delta))
     chosen = chose_rows[..., None, None]
-    row_scale = torch.where(chosen, _inverse(r, delta).unsqueeze(-1), 1.0)
-    col_scale = torch.where(chosen, 1.0, _inverse(c, delta).unsqueeze(-2))
+    row_scale = torch.where(chosen, inverse_rms(r, delta).unsqueeze(-1), 1.0)
+    col_scale = torch.where(chosen, 1.0, inverse_rms(c, delta).unsqueeze(-2))
     return row_scale, col_scale, chose_rows
+
+
+def choose_rows(gamma_r: Tensor, gamma_c: Tensor, out: Tensor | None = None) -> Tensor:
+    """MeqMuon's side choice (paper eq. 8): normalise rows where ``gamma_r >= gamma_c`` (ties: rows).
+
+    A tensor, never a Python branch: no host-device synchronisation. ``out`` (e.g. int64) receives it."""
+    return torch.ge(gamma_r, gamma_c, out=out)
 
 
 def adaptive_normalize(
@@ -603,3 +615,84 @@ def scale_matrix(u: Tensor, row_scale: Tensor, col_scale: Tensor) -> Tensor:
     # In place on the float32 copy when the cast made one (bf16 Newton-Schulz output), never on u.
     scaled = x.mul(row_scale) if x is u else x.mul_(row_scale)
     return scaled.mul_(col_scale)
+
+
+# ---- the step every momentum rule shares: momentum, direction input, decoupled decay and update ----
+#
+# Each takes lists, so that the per-tensor forms (lists of one), the batched forms (whole buckets)
+# and the compiled graphs (0-D tensor hyperparameters) run the one definition.
+
+
+def momentum_(bufs: Sequence[Tensor], grads: Sequence[Tensor], mu: float | Tensor, fused: bool = False) -> None:
+    """``B <- mu B + G`` in place for every buffer (paper eq. 6; Moonlight's convention).
+
+    ``fused``: one pass per tensor (``torch.add(G, B, alpha=mu, out=B)``), the per-tensor step's form;
+    else two ``torch._foreach_*`` kernels for all buffers (the batched form; other rounding of the FMA).
+    """
+    if fused:
+        for b, g in zip(bufs, grads, strict=True):
+            torch.add(g, b, alpha=mu, out=b)
+        return
+    torch._foreach_mul_(list(bufs), mu)
+    torch._foreach_add_(list(bufs), list(grads))
+
+
+def direction_input(
+    grads: Sequence[Tensor], bufs: Sequence[Tensor], mu: float | Tensor, nesterov: bool,
+    out: Sequence[Tensor] | None = None,
+) -> list[Tensor]:
+    """The momentum rules' direction inputs: ``G + mu B`` with Nesterov, else ``B`` itself (eq. 6).
+
+    ``out``: buffers that receive ``G + mu B`` (one per tensor; no fresh temporaries), else new tensors.
+    """
+    if not nesterov:
+        return list(bufs)
+    if isinstance(mu, Tensor):  # compiled graphs: a 0-D tensor mu, which ``alpha`` cannot take
+        return torch._foreach_add(torch._foreach_mul(list(bufs), mu), list(grads))
+    if out is not None:
+        return [torch.add(g, b, alpha=mu, out=o) for g, b, o in zip(grads, bufs, out, strict=True)]
+    return torch._foreach_add(list(grads), list(bufs), alpha=mu)
+
+
+def decay_(params: Sequence[Tensor], factor: float | Tensor) -> None:
+    """Decoupled weight decay ``W <- factor W`` with ``factor = 1 - lr wd``, for every parameter."""
+    if isinstance(factor, Tensor) or all(p.dtype in (torch.float32, torch.float64) for p in params):
+        torch._foreach_mul_(list(params), factor)
+    else:  # one tensor at a time: torch._foreach_mul_ rounds the factor to bf16 (1 - 1e-3 became 1)
+        for p in params:
+            p.mul_(factor)
+
+
+def decay_and_update_(
+    params: Sequence[Tensor], directions: Sequence[Tensor], lr: float | Sequence[float] | Tensor,
+    weight_decay: float | Sequence[float] | Tensor, scales: Sequence[float] | Tensor, col: Tensor | None = None,
+) -> None:
+    r"""``W <- (1 - lr wd) W - lr s D`` for every parameter (decoupled weight decay, unadjusted lr).
+
+    ``lr``, ``weight_decay``: one value for all, or one per parameter; ``scales``: one ``s`` per
+    parameter. One decay kernel per distinct ``1 - lr wd``, then one add per distinct ``lr s``.
+    Compiled graphs pass 0-D tensors (values unknown while tracing): ``lr``, ``weight_decay`` and
+    one ``scales`` for all. ``col``: a factor that multiplies every direction inside the add
+    (``addcmul``), sparing a pass over the matrix.
+    """
+    if isinstance(lr, Tensor):
+        decay_(params, 1 - lr * weight_decay)
+        torch._foreach_add_(list(params), torch._foreach_mul(list(directions), -(lr * scales)))
+        return
+    lrs = lr if isinstance(lr, Sequence) else [lr] * len(params)
+    wds = weight_decay if isinstance(weight_decay, Sequence) else [weight_decay] * len(params)
+    decays: dict[float, list[Tensor]] = {}
+    adds: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
+    for p, d, lr_p, wd_p, s in zip(params, directions, lrs, wds, scales, strict=True):
+        if wd_p != 0:
+            decays.setdefault(1.0 - lr_p * wd_p, []).append(p)
+        ps, ds = adds.setdefault(-lr_p * s, ([], []))
+        ps.append(p)
+        ds.append(d)
+    for factor, ps in decays.items():
+        decay_(ps, factor)
+    for alpha, (ps, ds) in adds.items():
+        if col is None:
+            torch._foreach_add_(ps, ds, alpha=alpha)
+        else:
+            torch._foreach_addcmul_(ps, ds, [col] * len(ds), value=alpha)

@@ -82,9 +82,9 @@ def test_scaling_pairs_one_rank_with_two_ranks(capsys):
 def test_gpu_benchmark_smoke_runs_on_cpu(capsys, per_matrix, foreach, monkeypatch):
     """The GPU benchmark has never had a GPU here; its --tiny mode at least proves the script runs,
     on the per-tensor step and on the batched one (--foreach on)."""
-    from meqmuon.optim import distributed
+    from meqmuon.optim import newton_schulz
 
-    monkeypatch.setattr(distributed, "BATCHED_NS_DEVICES", distributed.BATCHED_NS_DEVICES)  # restored after
+    monkeypatch.setattr(newton_schulz, "BATCHED_NS_DEVICES", newton_schulz.BATCHED_NS_DEVICES)  # restored after
     args = ["--tiny", "--no-compile", "--steps", "2", "--warmup", "1", "--device", "cpu", "--foreach", foreach]
     gpu.main(args + (["--ns-per-matrix"] if per_matrix else []))
     out = capsys.readouterr().out

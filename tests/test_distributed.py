@@ -50,8 +50,9 @@ from torch import nn
 import meqmuon
 from meqmuon import functional as F
 from meqmuon.optim import blockwise as B
+from meqmuon.optim import compiled
 from meqmuon.optim import distributed as D
-from meqmuon.optim import fused
+from meqmuon.optim import newton_schulz as NS
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 
@@ -183,8 +184,8 @@ def test_assign_counts_is_balanced_and_covers_every_matrix():
 
 def test_ns_flops_formula():
     # square m=n: 5 * (4 m^3 + 2 m^3); tall and wide give the same count (wide orientation)
-    assert D.ns_flops(4, 4, 5) == 5 * 6 * 64
-    assert D.ns_flops(3, 8, 1) == D.ns_flops(8, 3, 1) == 4 * 9 * 8 + 2 * 27
+    assert NS.ns_flops(4, 4, 5) == 5 * 6 * 64
+    assert NS.ns_flops(3, 8, 1) == NS.ns_flops(8, 3, 1) == 4 * 9 * 8 + 2 * 27
 
 
 def test_process_group_none_without_distributed_is_single_process():
@@ -200,13 +201,13 @@ def test_process_group_none_without_distributed_is_single_process():
 
 def _ddp_worker(rank, name):
     ns_count = [0]
-    real_ns = D._ns
+    real_ns = NS._ns
 
     def counting_ns(x, *args, **kw):  # a matrix (m, n) or a stack (k, m, n) of them
         ns_count[0] += x.shape[0] if x.ndim == 3 else 1
         return real_ns(x, *args, **kw)
 
-    D._ns = counting_ns
+    NS._ns = counting_ns
     equilibrated = []
     real_eq = B.equilibrate_step_
 
@@ -363,7 +364,7 @@ def _fsdp_worker(rank, names, mesh_shape=(WORLD,)):
             "params": full,
             "counts": counts,
             "local_rows": local_rows,
-            "compiled": sorted(fused._compiled),
+            "compiled": sorted(compiled._compiled),
             "split": (type(split).__name__, split.world_size),
         }
     if len(mesh_shape) == 1:  # an unsupported layout raises instead of silently doing something else
@@ -399,18 +400,18 @@ def test_fsdp2_equals_unsharded(tmp_path):
 
 
 def test_ns_stack_batches_on_batching_devices(monkeypatch):
-    """FSDP2 owners orthogonalise their gathered stack with ``_ns_stack``: one batched call on a
+    """FSDP2 owners orthogonalise their gathered stack with ``orthogonalize_matrices``: one batched call on a
     batching device (the GPU path, forced on CPU here), matrix by matrix otherwise; same result."""
     group = {"ns_steps": 5, "ns_coefficients": F.NS_COEFFICIENTS, "ns_dtype": torch.float64}
     stack = torch.randn(3, 7, 12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     calls = []
-    real = D._ns
-    monkeypatch.setattr(D, "_ns", lambda x, *a, **k: calls.append(x.ndim) or real(x, *a, **k))
-    per_matrix = D._ns_stack(stack, group)
+    real = NS._ns
+    monkeypatch.setattr(NS, "_ns", lambda x, *a, **k: calls.append(x.ndim) or real(x, *a, **k))
+    per_matrix = NS.orthogonalize_matrices(stack, group)
     assert calls == [2, 2, 2]
-    monkeypatch.setattr(D, "BATCHED_NS_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(NS, "BATCHED_NS_DEVICES", frozenset({"cpu"}))
     calls.clear()
-    batched = D._ns_stack(stack, group)
+    batched = NS.orthogonalize_matrices(stack, group)
     assert calls == [3]
     assert torch.allclose(batched, per_matrix, rtol=0, atol=1e-12)
 

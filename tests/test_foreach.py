@@ -33,7 +33,7 @@ from tinynet import batches, loss_fn, make_model
 import meqmuon
 from meqmuon.optim.buckets import make_buckets
 from meqmuon.optim.engine import RoleOptimizer
-from meqmuon.optim.rules import Item
+from meqmuon.optim.step import Item
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import op_count  # noqa: E402
@@ -74,7 +74,7 @@ def test_batched_equals_per_tensor(name):
 def test_same_rule_calls_with_different_hyperparameters_keep_their_own_stacks(name):
     """The embedding and the head (same shape, same rule) with different learning rates and the
     vectors split over two groups are separate batched calls whose updates are applied together
-    (rules.step_foreach_calls): each must step with its own directions, as in the per-tensor step."""
+    (step.step_foreach_calls): each must step with its own directions, as in the per-tensor step."""
     results = []
     for foreach in (False, True):
         model = make_model(dtype=torch.float32)

@@ -1,4 +1,5 @@
-"""``compile=True`` (``optim/fused.py``): same maths as eager; no recompilation when lr / weight decay change.
+"""``compile=True`` (rules' compiled forms, ``optim/compiled.py``): same maths as eager; no recompiles
+when lr / weight decay change.
 
 Equality: the compiled kernels fuse the same expressions; in float64 (model and Newton-Schulz, so
 that bf16 NS rounding does not amplify last-bit differences of the fused arithmetic through the
@@ -15,12 +16,13 @@ import meqmuon
 
 
 def _fresh_compile():
-    """Forget every compiled graph: dynamo's caches and fused.py's own."""
-    from meqmuon.optim import fused
+    """Forget every compiled graph: dynamo's caches and compiled.py's and the rules' own."""
+    from meqmuon.optim import compiled as C
+    from meqmuon.optim.rules import meqmuon as meq
 
     torch._dynamo.reset()
-    fused._compiled.clear()
-    fused._generic.clear()
+    C._compiled.clear()
+    meq._generic.clear()
 
 
 def _run(model, opt, sched, n):
@@ -44,7 +46,8 @@ def _sched(opt):
 def test_compiled_matches_eager_and_does_not_recompile():
     from torch._dynamo.utils import counters
 
-    from meqmuon.optim import fused
+    from meqmuon.optim import compiled as C
+    from meqmuon.optim.rules import meqmuon as meq
 
     _fresh_compile()
     eager_model = make_model()
@@ -56,7 +59,7 @@ def test_compiled_matches_eager_and_does_not_recompile():
     _run(comp_model, comp, c_sched, 2)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0  # the fused kernels really were compiled
-    assert sorted(fused._compiled) == ["adaptive_update"]  # whole matrices: statistics and step in one graph
+    assert sorted(C._compiled) == ["adaptive_update"]  # whole matrices: statistics and step in one graph
     lrs = {g["lr"] for g in comp.param_groups}
     _run(eager_model, eager, e_sched, 3)
     _run(comp_model, comp, c_sched, 3)
@@ -68,10 +71,10 @@ def test_compiled_matches_eager_and_does_not_recompile():
     # the graphs are shape-generic (dynamic=True): another matrix shape reuses them, while the counter
     # does see a recompile, here for a new dtype
     with torch.no_grad():  # as in step(); grad mode is part of dynamo's guards
-        fused.adaptive_update(torch.zeros(3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64),
+        meq.adaptive_update(torch.zeros(3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64),
                               {"lr": 0.1, "weight_decay": 0.0}, 0.2)
         assert counters["stats"]["unique_graphs"] == graphs
-        fused.adaptive_update(torch.zeros(3, 5), torch.randn(3, 5), {"lr": 0.1, "weight_decay": 0.0}, 0.2)
+        meq.adaptive_update(torch.zeros(3, 5), torch.randn(3, 5), {"lr": 0.1, "weight_decay": 0.0}, 0.2)
     assert counters["stats"]["unique_graphs"] > graphs
     moved = (eager_model.q.weight - make_model().q.weight).abs().max().item()
     assert moved > 1e-3
@@ -83,7 +86,7 @@ def test_one_graph_serves_every_matrix_shape_whatever_comes_first():
     and DDP ranks meet them in different orders."""
     from torch._dynamo.utils import counters
 
-    from meqmuon.optim import fused
+    from meqmuon.optim.rules import meqmuon as meq
 
     g = torch.Generator().manual_seed(0)
     shapes = [(12, 12), (36, 12), (12, 36), (24, 24)]
@@ -97,7 +100,7 @@ def test_one_graph_serves_every_matrix_shape_whatever_comes_first():
         for i in order:
             w = torch.nn.Parameter(torch.ones(shapes[i]))
             with torch.no_grad():
-                chose = fused.adaptive_update(w, us[i], group, 0.2)
+                chose = meq.adaptive_update(w, us[i], group, 0.2)
             out[i] = (w, chose)
         return out, counters["stats"]["unique_graphs"] - before
 
@@ -114,7 +117,7 @@ def test_many_parameter_shapes_share_one_graph():
     would otherwise raise on the ninth (nn.Parameters get static shapes unless detached)."""
     from torch._dynamo.utils import counters
 
-    from meqmuon.optim import fused
+    from meqmuon.optim.rules import meqmuon as meq
 
     _fresh_compile()
     before = counters["stats"]["unique_graphs"]
@@ -122,8 +125,8 @@ def test_many_parameter_shapes_share_one_graph():
     with torch.no_grad():
         for n in range(3, 15):
             w = torch.nn.Parameter(torch.zeros(5, n))
-            fused.adaptive_update(w, torch.randn(5, n), group, 0.2)
-            fused.scaled_update(w, torch.randn(5, n), torch.ones(5, 1), torch.ones(1, n), group, 0.2)
+            meq.adaptive_update(w, torch.randn(5, n), group, 0.2)
+            meq.scaled_update(w, torch.randn(5, n), torch.ones(5, 1), torch.ones(1, n), group, 0.2)
             assert w.abs().sum() > 0  # the update reached the parameter through detach()
     assert counters["stats"]["unique_graphs"] - before <= 3  # adaptive: 1; scaled: at most 2 (duck sizing)
 
@@ -141,10 +144,10 @@ def test_batched_compile_is_one_graph_per_bucket_and_never_recompiles():
     result equals the eager batched step to 1e-5 (float32; inductor fuses the same expressions)."""
     from torch._dynamo.utils import counters
 
-    from meqmuon.optim import fused
+    from meqmuon.optim import compiled as C
 
     _fresh_compile()
-    fused._bucket_graphs.clear()
+    C._bucket_graphs.clear()
     counters.clear()
     models = [make_model(dtype=torch.float32) for _ in range(2)]
     opts = [meqmuon.MeqMuon(meqmuon.param_groups(m), lr=0.02, ns_dtype=torch.float32, foreach=True, compile=c)
@@ -152,7 +155,7 @@ def test_batched_compile_is_one_graph_per_bucket_and_never_recompiles():
     scheds = [_sched(o) for o in opts]
     for model, opt, sched in zip(models, opts, scheds, strict=True):
         _run(model, opt, sched, 3)
-    assert counters["stats"]["unique_graphs"] == len(fused._bucket_graphs) == 5
+    assert counters["stats"]["unique_graphs"] == len(C._bucket_graphs) == 5
     for (n, p), q in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-5 * p.abs().max().item()), (n, (p - q).abs().max().item())
     assert opts[0].selection_counts() == opts[1].selection_counts()
@@ -237,7 +240,7 @@ def _compare_many_buckets(monkeypatch, build, min_hidden_buckets):
     the deep models below amplify that rounding past 1e-5 within 3 steps."""
     from torch._dynamo.utils import counters
 
-    from meqmuon.optim import fused
+    from meqmuon.optim import compiled as C
 
     compiled = []
 
@@ -246,24 +249,24 @@ def _compare_many_buckets(monkeypatch, build, min_hidden_buckets):
         return gm.forward
 
     _fresh_compile()
-    fused._bucket_graphs.clear()
+    C._bucket_graphs.clear()
     counters.clear()
-    monkeypatch.setattr(fused, "BACKEND", backend)
+    monkeypatch.setattr(C, "BACKEND", backend)
     models = [build() for _ in range(2)]
     opts = [meqmuon.MeqMuon(meqmuon.param_groups(m), lr=0.02, ns_dtype=torch.float64, foreach=True, compile=c)
             for m, c in zip(models, (False, True), strict=True)]
     scheds = [_sched(o) for o in opts]
     for model, opt, sched in zip(models, opts, scheds, strict=True):
         _run(model, opt, sched, 3)
-    hidden = [k for k in fused._bucket_graphs if k[0] == "meq_hidden"]
+    hidden = [k for k in C._bucket_graphs if k[0] == "meq_hidden"]
     assert len(hidden) >= min_hidden_buckets > 8  # past the recompile limit of one code object
-    assert len(compiled) == counters["stats"]["unique_graphs"] == len(fused._bucket_graphs)
+    assert len(compiled) == counters["stats"]["unique_graphs"] == len(C._bucket_graphs)
     for (n, p), q in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
         assert torch.allclose(p, q, rtol=0, atol=1e-10), (n, (p - q).abs().max().item())
     assert opts[0].selection_counts() == opts[1].selection_counts()
     graphs = len(compiled)
     _run(models[1], opts[1], scheds[1], 5)
-    assert len(compiled) == counters["stats"]["unique_graphs"] == len(fused._bucket_graphs) == graphs
+    assert len(compiled) == counters["stats"]["unique_graphs"] == len(C._bucket_graphs) == graphs
     assert opts[1].param_groups[0]["weight_decay"] > 0.17  # 0.1 + 8 * 0.01: the values really changed
     assert all(torch.isfinite(p).all() for p in models[1].parameters())
     return graphs

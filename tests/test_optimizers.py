@@ -178,14 +178,14 @@ def test_batched_newton_schulz_path_equals_per_matrix(name, monkeypatch):
     """The GPU path (same-shape hidden matrices stacked and orthogonalised in one batched call) gives
     the per-matrix CPU path's parameters, forced on here by treating CPU as a batching device. TinyNet
     has two 12 x 12 matrices (one bucket of 2), a 36 x 12, a 12 x 36 and a conv kernel."""
-    from meqmuon.optim import distributed as D
+    from meqmuon.optim import newton_schulz as NS
 
-    real = D._ns
+    real = NS._ns
 
     def run(batched):
-        monkeypatch.setattr(D, "BATCHED_NS_DEVICES", frozenset({"cpu"} if batched else ()))
+        monkeypatch.setattr(NS, "BATCHED_NS_DEVICES", frozenset({"cpu"} if batched else ()))
         calls = []
-        monkeypatch.setattr(D, "_ns", lambda x, *a, **k: calls.append(x.ndim) or real(x, *a, **k))
+        monkeypatch.setattr(NS, "_ns", lambda x, *a, **k: calls.append(x.ndim) or real(x, *a, **k))
         model = make_model()
         opt = meqmuon.build_optimizer(name, meqmuon.param_groups(model), lr=0.02, ns_dtype=torch.float64)
         for ids in batches(3):
@@ -402,7 +402,7 @@ def test_apply_update_with_mixed_dtypes_equals_torch_promotion(param_dtype, dire
     """A bf16 direction is cast into a float32 buffer before the add (no fresh temporary); the
     result must be ``p.add_(d)``'s type promotion bit for bit, also when the parameter is the
     narrower one (then nothing may be cast down before the add)."""
-    from meqmuon.optim.rules import Item, apply_update
+    from meqmuon.optim.step import Item, apply_update
 
     g = torch.Generator().manual_seed(4)
     p = torch.randn(48, 40, generator=g).to(param_dtype)

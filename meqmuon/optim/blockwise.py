@@ -67,17 +67,12 @@ def equilibrate_step_(
     col_sumsq = torch.zeros(n, dtype=stat, device=param.device)
     for b in blocks:
         x = F.as_matrix(input_rows(b).reshape(b.stop - b.start, n)).to(stat)
-        inv_r[b] = F._inverse(F.row_rms(x), delta)
+        inv_r[b] = F.row_factors(x, delta)
         y = x * inv_r[b].unsqueeze(-1)
         col_sumsq += (y * y).sum(dim=0)
-    if psum is not None:
-        col_sumsq = psum(col_sumsq)
-    inv_c = F._inverse((col_sumsq / (rows if psum is not None else m)).sqrt(), delta)
-    decay = 1.0 - lr * weight_decay
+    inv_c = F.inverse_rms(F.rms_of_sumsq(col_sumsq, rows if psum is not None else m, psum), delta)
     for b in blocks:
         x = input_rows(b).reshape(b.stop - b.start, n).to(stat)
         direction = (x * inv_r[b].unsqueeze(-1)).mul_(inv_c)
         w = param[b]
-        if weight_decay != 0:
-            w.mul_(decay)
-        w.add_(direction.reshape(w.shape).to(w.dtype), alpha=-lr * rho)
+        F.decay_and_update_([w], [direction.reshape(w.shape).to(w.dtype)], lr, weight_decay, [rho])

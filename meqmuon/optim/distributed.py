@@ -1,9 +1,10 @@
 """Distributed execution of the momentum rules, kept out of the maths: who updates what.
 
-Rules ask a *work splitter* which parameters this rank updates (``owners``), for the Newton-Schulz
-outputs of their matrices (``orthogonalize``) and, when rows are sharded, for a sum over shards
-(``psum``); after updating they hand the results to ``publish``, and the engine calls ``finish``
-once per step. Three splitters, chosen by the engine (:func:`splitter_for`):
+Rules ask a *work splitter* which parameters this rank updates (``owners``), under FSDP2 for the
+Newton-Schulz outputs of their row-sharded matrices (``orthogonalize``) and for a sum over shards
+(``psum``); the Newton-Schulz of whole local matrices is ``newton_schulz.py``'s. After updating
+they hand the results to ``publish``, and the engine calls ``finish`` once per
+step. Three splitters, chosen by the engine (:func:`splitter_for`):
 
 ``LocalSplit``       one process: this rank owns everything; publishing is a no-op.
 ``ReplicatedSplit``  DDP (gradients already all-reduced, every rank holds every full tensor): every
@@ -29,11 +30,8 @@ once per step. Three splitters, chosen by the engine (:func:`splitter_for`):
 Why DDP broadcasts parameters (whole updates) rather than all-gathering Newton-Schulz outputs, as
 Muon implementations usually do: the normalisations of MeqMuon (two-sided on the 32000 x d
 embedding and head, one-sided with CV statistics on hidden matrices) are memory-bound passes that
-a gather of NS outputs would leave repeated on every rank, and on gloo a broadcast per tensor
-moves the same bytes 3.6-8.5x faster than ``all_gather_into_tensor``. Sending compact factors instead
-(the bf16 NS output and scale vectors; only ``1/r`` and ``1/c`` for the embedding and head, whose
-momentum every rank has) cuts the bytes about 4x, but then every rank applies every update, which
-cost more than it saved (docs/benchmarks.md, "Distributed scaling").
+a gather of NS outputs would leave repeated on every rank (the measurements, and those of sending
+compact factors instead: docs/benchmarks.md, "Distributed scaling").
 
 Bit-exactness with one process: an owner runs exactly the per-parameter code a single process
 runs (``functional.orthogonalize`` iterates matrix by matrix, so a matrix's bits never depend on
@@ -54,7 +52,7 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
-from ..precision import resolve_ns_dtype
+from .newton_schulz import ns_dtype_of, ns_flops, orthogonalize_matrices
 
 try:  # torch builds without distributed support have no DTensor
     import torch.distributed as dist
@@ -73,8 +71,6 @@ __all__ = [
     "assign_owners",
     "is_dtensor",
     "local",
-    "ns_dtype_of",
-    "ns_flops",
     "resolve_process_group",
     "replicated_splitter",
     "splitter_for",
@@ -109,16 +105,6 @@ def resolve_process_group(process_group: Any) -> Any:
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
     return None
-
-
-def ns_flops(m: int, n: int, steps: int) -> int:
-    """Matmul FLOPs of ``steps`` quintic Newton-Schulz iterations on an ``m x n`` matrix (wide orientation).
-
-    Per iteration with ``a = min(m, n)``, ``b = max(m, n)``: ``A = X X^T`` (``2 a^2 b``),
-    ``A A`` (``2 a^3``) and ``B X`` (``2 a^2 b``).
-    """
-    a, b = min(m, n), max(m, n)
-    return steps * (4 * a * a * b + 2 * a**3)
 
 
 def assign_counts(
@@ -171,43 +157,8 @@ def _buckets(shapes: Sequence[tuple[int, int]], inputs: Sequence[Tensor]) -> lis
     return list(buckets.values())
 
 
-#: Device types on which same-shape matrices are orthogonalised as one batched call (a stack per
-#: shape bucket; ``functional.orthogonalize(batched=True)``). GPUs: one matmul kernel per matrix is
-#: launch-bound for small models (Llama-60M has 56 hidden matrices, so 840 matmul launches per
-#: step), and every GPU Muon implementation we surveyed batches by shape (landscape.md); not yet
-#: timed on a GPU. CPU: one ``addmm`` per matrix is faster (docs/benchmarks.md), and it makes a
-#: matrix's bits independent of the batch it travels in, which the bit-exact DDP split relies on.
-BATCHED_NS_DEVICES: frozenset[str] = frozenset({"cuda"})
-
-
-def batched_ns(device: torch.device) -> bool:
-    """Whether Newton-Schulz runs a shape bucket as one batched call on ``device``."""
-    return device.type in BATCHED_NS_DEVICES
-
-
-def ns_dtype_of(group: dict, x: Tensor) -> torch.dtype:
-    """The dtype Newton-Schulz runs in for ``x`` under ``group``'s ``ns_dtype``: an explicit dtype as
-    given; ``None`` resolved from what ``x``'s device reports (:func:`meqmuon.precision.resolve_ns_dtype`)."""
-    return resolve_ns_dtype(group["ns_dtype"], x.device)
-
-
-def _ns(x: Tensor, group: dict, workspace: dict | None = None, out: Tensor | None = None) -> Tensor:
-    steps, coefficients, dtype = group["ns_steps"], group["ns_coefficients"], ns_dtype_of(group, x)
-    batched = x.ndim > 2 and batched_ns(x.device)
-    return F.orthogonalize(x, steps, coefficients, dtype, workspace=workspace, out=out, batched=batched)
-
-
-def _ns_stack(mats: Tensor, group: dict, workspace: dict | None = None) -> Tensor:
-    """NS of a stack ``(k, m, n)`` of same-shape matrices: one batched call where :func:`batched_ns`,
-    else matrix by matrix, stacking the (bf16) outputs rather than the (fp32) inputs."""
-    if batched_ns(mats.device):
-        return _ns(mats, group)
-    return torch.stack([_ns(x, group, workspace) for x in mats])
-
-
 class LocalSplit:
-    """Single process: this rank owns and orthogonalises every matrix, one at a time (or one batched
-    call per shape bucket on the devices of :data:`BATCHED_NS_DEVICES`)."""
+    """Single process: this rank owns every matrix (and orthogonalises it locally, ``newton_schulz.py``)."""
 
     world_size = 1
     rank = 0
@@ -239,57 +190,6 @@ class LocalSplit:
         """Every rank's slice of each stack (``counts`` from :meth:`bucket_plan`), concatenated in
         rank order on every rank; one collective for all of ``stacks``. Here: ``stacks`` itself."""
         return list(stacks)
-
-    def orthogonalize_stack(self, X: Tensor, group: dict, shape: tuple[int, int]) -> Tensor:
-        """Newton-Schulz of a stack ``(k, m, n)`` of matrices of global ``shape`` (this rank's slice
-        of a bucket, in the NS dtype), in one batched call; ``X`` is scratch and is consumed."""
-        return F.orthogonalize_stack(X, group["ns_steps"], group["ns_coefficients"], inplace=True)
-
-    def orthogonalize(
-        self, input_of: Callable[[int], Tensor], shapes: Sequence[tuple[int, int]], group: dict
-    ) -> Iterator[tuple[int, Tensor]]:
-        """Newton-Schulz of every input matrix, yielded one by one as ``(i, Orth(X_i))``.
-
-        Each output is valid until the next one is yielded: same-shape outputs share one buffer
-        (a fresh matrix per output costs page faults on CPU), so a caller that keeps one must copy it.
-        Where :func:`batched_ns` holds, all inputs are made first, each shape bucket is stacked
-        (in the NS dtype) and orthogonalised in one call, and the outputs are yielded by bucket.
-
-        Args:
-            input_of: ``input_of(i)`` makes the ``i``-th input (a full matrix, or this rank's row
-                shard when ``sharded``; any shape whose matrix view is ``(rows, shapes[i][1])``).
-                Called lazily, so only one input need exist at a time.
-            shapes: global matrix shapes ``(m, n)``.
-            group: the param group (``ns_steps``, ``ns_coefficients``, ``ns_dtype``).
-        """
-        outputs: dict[tuple, Tensor] = {}
-        for i in range(len(shapes)):
-            x = F.as_matrix(input_of(i))
-            if batched_ns(x.device):
-                yield from self._orthogonalize_buckets(x, input_of, shapes, group)
-                return
-            dtype = ns_dtype_of(group, x)
-            key = (tuple(x.shape), dtype, x.device)
-            if key not in outputs:
-                outputs[key] = torch.empty(x.shape, dtype=dtype, device=x.device)
-            yield i, _ns(x, group, self.workspace, out=outputs[key])
-
-    def _orthogonalize_buckets(
-        self, first: Tensor, input_of: Callable[[int], Tensor], shapes: Sequence[tuple[int, int]], group: dict
-    ) -> Iterator[tuple[int, Tensor]]:
-        """Batched NS, one shape bucket at a time: the bucket's inputs are copied into one stack in
-        the NS dtype and orthogonalised in one call. ``first`` is input 0, already made."""
-        dtype = ns_dtype_of(group, first)
-        buckets: dict[tuple[int, int], list[int]] = defaultdict(list)
-        for i, shape in enumerate(shapes):
-            buckets[tuple(shape)].append(i)
-        # Input 0 opens the first bucket and is copied before any other input is made, so an
-        # input_of that reuses one buffer per shape cannot overwrite it first.
-        for shape, idx in buckets.items():
-            stack = torch.empty((len(idx), *shape), dtype=dtype, device=first.device)
-            for j, i in enumerate(idx):
-                stack[j].copy_(first if i == 0 else F.as_matrix(input_of(i)))
-            yield from zip(idx, _ns(stack, group), strict=True)
 
 
 class _CollectiveSplit(LocalSplit):
@@ -382,7 +282,11 @@ class ShardedSplit(_CollectiveSplit):
         s = math.ceil(m / self.world_size)
         return s, [max(0, min(s, m - r * s)) for r in range(self.world_size)]
 
-    def orthogonalize(self, input_of, shapes, group):
+    def orthogonalize(
+        self, input_of: Callable[[int], Tensor], shapes: Sequence[tuple[int, int]], group: dict
+    ) -> Iterator[tuple[int, Tensor]]:
+        """Newton-Schulz of every matrix, ``(i, Orth(X_i))`` per input: ``input_of(i)`` makes this rank's
+        row shard of matrix ``i`` (global shape ``shapes[i]``); whole matrices meet at their owners."""
         inputs = [F.as_matrix(input_of(i)) for i in range(len(shapes))]
         buckets = _buckets(shapes, inputs)
         costs = [ns_flops(*shapes[idx[0]], group["ns_steps"]) for idx in buckets]
@@ -391,7 +295,7 @@ class ShardedSplit(_CollectiveSplit):
             stack = self._orthogonalize_bucket([inputs[i] for i in idx], shapes[idx[0]], counts, group)
             yield from zip(idx, stack, strict=True)
 
-    def orthogonalize_stack(self, X, group, shape):
+    def orthogonalize_stack(self, X: Tensor, group: dict, shape: tuple[int, int]) -> Tensor:
         """Row shards ``(k, rows, n)`` of ``k`` matrices of global ``shape`` -> owners -> NS -> row
         shards: the batched path's form of :meth:`orthogonalize` (one all-to-all each way)."""
         counts = assign_counts([X.shape[0]], [ns_flops(*shape, group["ns_steps"])], self.world_size)[0]
@@ -425,7 +329,7 @@ class ShardedSplit(_CollectiveSplit):
         whole = recv.permute(1, 0, 2, 3).reshape(slots, W * s, n)[: counts[rank], :m]
         back = torch.zeros((slots, W * s, n), dtype=dtype, device=send.device)
         if counts[rank]:
-            back[: counts[rank], :m] = _ns_stack(whole, group, self.workspace)
+            back[: counts[rank], :m] = orthogonalize_matrices(whole, group, self.workspace)
         send2 = back.reshape(slots, W, s, n).permute(1, 0, 2, 3).contiguous()
         recv2 = torch.empty_like(send2)
         dist.all_to_all_single(recv2, send2, group=self.pg)

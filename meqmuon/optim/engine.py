@@ -19,7 +19,8 @@ from torch.optim import Optimizer
 from .distributed import LocalSplit, is_dtensor, local, replicated_splitter, resolve_process_group, splitter_for
 from .groups import KINDS, infer_kind
 from .inputs import check_unique_params, listed_params, validate_group, with_floats, wrong_params
-from .rules import RULES, Item, Rule, StepContext, step_foreach_calls
+from .rules import RULES
+from .step import Item, Rule, StepContext, step_foreach_calls
 from .views import Layout, group_layout, normalise_group_views
 
 
@@ -80,7 +81,7 @@ class RoleOptimizer(Optimizer):
         self._warned_traced = False
         self._capture_hook: Callable[[str, str, str, torch.Tensor], None] | None = None
         self._process_group = resolve_process_group(process_group)
-        #: The batched step's persistent buffers (see ``rules._workspace``); not optimizer state.
+        #: The batched step's persistent buffers (see ``step.workspace``); not optimizer state.
         self._workspace: dict = {}
         super().__init__(params, defaults)
 
