@@ -1,13 +1,16 @@
 """A transformers zoo: tiny random-init models of the kinds users train (issue 20, item 8).
 
-Dense (Llama, Qwen2, Gemma2 tied), fused (Phi3, GPT-2), MoE (Mixtral, Qwen2-MoE, Qwen3-MoE), encoder
-(BERT), encoder-decoder (T5), vision (ViT), state-space (Mamba); the factories are in ``tests/zoo.py``.
-No downloads. An architecture the installed transformers lacks is skipped.
+Dense (Llama, Mistral, Qwen2, Gemma2 tied, OPT tied with learned positions), fused (Phi3, GPT-2 split;
+GPT-NeoX, Falcon kept whole), MoE (Mixtral, Qwen2-MoE, Qwen3-MoE), encoder (BERT), encoder-decoder (T5),
+vision (ViT), state-space (Mamba): 16 architectures; the factories are in ``tests/zoo.py``. No downloads.
+An architecture the installed transformers lacks is skipped.
 
 - Routing: every trainable tensor lands in exactly one group of :func:`meqmuon.param_groups`, with the
   kind, view and split of the per-architecture table below (regex on the HF parameter name ->
   ``(kind, view, split)``; every parameter must match exactly one regex and every regex some
   parameter, so a new or renamed parameter fails). A failure prints the whole actual routing.
+- Fused layouts not read: GPT-NeoX's and Falcon's ``query_key_value`` interleave q, k, v per head, so
+  each stays one unsplit hidden matrix, listed under "Fused tensors kept whole" by ``describe_groups``.
 - Training: meqmuon, muon, normuon and muoneq-r take 10 steps on a fixed batch, per-tensor and
   batched (``foreach=False/True``): losses finite and falling, no NaN in the parameters, and the two
   step implementations follow the same loss trajectory.
@@ -97,6 +100,45 @@ def gpt2_routes(c) -> dict:  # tied wte / lm_head
     }
 
 
+def mistral_routes(c) -> dict:
+    return llama_routes(c)
+
+
+# Fused query_key_value whose layout interleaves heads: never guessed, one whole hidden matrix.
+KEPT_WHOLE = r"query_key_value\.weight$"
+
+
+def gpt_neox_routes(c) -> dict:
+    return {
+        r"embed_in\.weight$": EMBEDDING,
+        r"^(lm_head|embed_out)\.weight$": HEAD,
+        KEPT_WHOLE: HIDDEN,
+        r"(attention\.dense|mlp\.dense_h_to_4h|mlp\.dense_4h_to_h)\.weight$": HIDDEN,
+        r"(query_key_value|dense|dense_h_to_4h|dense_4h_to_h)\.bias$": VECTOR,
+        r"(layernorm|layer_norm)\.(weight|bias)$": VECTOR,
+    }
+
+
+def falcon_routes(c) -> dict:  # tied word_embeddings / lm_head; no biases in the linears (config default)
+    return {
+        r"word_embeddings\.weight$": EMBEDDING,
+        KEPT_WHOLE: HIDDEN,
+        r"(self_attention\.dense|mlp\.dense_h_to_4h|mlp\.dense_4h_to_h)\.weight$": HIDDEN,
+        r"(layernorm|ln_f|ln_attn|ln_mlp)\.(weight|bias)$": VECTOR,
+    }
+
+
+def opt_routes(c) -> dict:  # tied embed_tokens / lm_head (OPTConfig default)
+    return {
+        r"embed_tokens\.weight$": EMBEDDING,
+        r"embed_positions\.weight$": EMBEDDING,  # OPTLearnedPositionalEmbedding, an nn.Embedding
+        r"self_attn\.(q|k|v|out)_proj\.weight$": HIDDEN,
+        r"\.fc(1|2)\.weight$": HIDDEN,
+        r"(self_attn\.(q|k|v|out)_proj|fc1|fc2)\.bias$": VECTOR,
+        r"layer_norm\.(weight|bias)$": VECTOR,
+    }
+
+
 def _moe_routes(c, expert_inter: int) -> dict:
     return {
         r"embed_tokens\.weight$": EMBEDDING,
@@ -175,10 +217,14 @@ def mamba_routes(c) -> dict:  # tied embeddings / lm_head (MambaConfig default)
 
 ROUTES = {
     "llama": llama_routes,
+    "mistral": mistral_routes,
     "qwen2": qwen2_routes,
     "gemma2": gemma2_routes,
     "phi3": phi3_routes,
     "gpt2": gpt2_routes,
+    "gpt_neox": gpt_neox_routes,
+    "falcon": falcon_routes,
+    "opt": opt_routes,
     "mixtral": mixtral_routes,
     "qwen2_moe": qwen2_moe_routes,
     "qwen3_moe": qwen3_moe_routes,
@@ -192,6 +238,8 @@ ROUTES = {
 TIED = {
     "gemma2": r"^model\.embed_tokens\.weight$",
     "gpt2": r"^transformer\.wte\.weight$",
+    "falcon": r"^transformer\.word_embeddings\.weight$",
+    "opt": r"^model\.decoder\.embed_tokens\.weight$",
     "bert": r"^bert\.embeddings\.word_embeddings\.weight$",
     "t5": r"^shared\.weight$",
     "mamba": r"^backbone\.embeddings\.weight$",
@@ -337,6 +385,26 @@ def test_every_tensor_routed_once_with_the_expected_view(arch):
         f"{arch}: {len(problems)} routing problem(s):\n  " + "\n  ".join(shown)
         + "\n\nactual routing:\n" + _format(rows, expected)
     )
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "falcon"])
+def test_interleaved_fused_qkv_is_kept_whole_and_described(arch):
+    """GPT-NeoX and Falcon interleave q, k, v per head in ``query_key_value``: the package does not
+    guess that layout, so the tensor stays one unsplit hidden matrix, and ``describe_groups`` says so."""
+    model, _ = _model(arch)
+    groups = meqmuon.param_groups(model)
+    (hidden,) = [g for g in groups if g["kind"] == "hidden"]
+    fused = [n for n in hidden["names"] if re.search(KEPT_WHOLE, n)]
+    assert len(fused) == model.config.num_hidden_layers, hidden["names"]
+    owner = type(model.get_submodule(fused[0].rsplit(".", 2)[0])).__name__  # GPTNeoXAttention, FalconAttention
+    assert sorted(hidden.get("notes", {})) == sorted(fused), hidden.get("notes")
+    text = meqmuon.describe_groups(groups)
+    assert "Fused tensors kept whole:" in text, text
+    for n in fused:
+        i = hidden["names"].index(n)
+        assert (hidden["views"][i], hidden["splits"][i]) == ("matrix", None)
+        assert f"- {n}: fused layout of {owner} not read: kept whole" in text, text
+        assert f"- {n} (" not in text, text  # not listed among the split / non-whole matrix views
 
 
 # ------------------------------------------------------------------------------------- training

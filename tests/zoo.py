@@ -1,8 +1,9 @@
 """Tiny random-init transformers models of the kinds users train, for ``tests/test_zoo.py``.
 
-No downloads: every model is built from a config with ``torch.manual_seed(0)``, in float32, eager
-attention. Each entry of :data:`ZOO` is a factory returning ``(model, batch)``, or raising
-:class:`Missing` when the installed transformers lacks the architecture.
+Sixteen architectures: Llama, Mistral, Qwen2, Gemma2, Phi3, GPT-2, GPT-NeoX, Falcon, OPT, Mixtral,
+Qwen2-MoE, Qwen3-MoE, BERT, T5, ViT, Mamba. No downloads: every model is built from a config with
+``torch.manual_seed(0)``, in float32, eager attention. Each entry of :data:`ZOO` is a factory returning
+``(model, batch)``, or raising :class:`Missing` when the installed transformers lacks the architecture.
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ def llama() -> tuple[nn.Module, dict]:
     return _build(model_cls, config_cls(**DENSE, tie_word_embeddings=False)), _lm_batch()
 
 
+def mistral() -> tuple[nn.Module, dict]:
+    config_cls, model_cls = _classes("MistralConfig", "MistralForCausalLM")
+    return _build(model_cls, config_cls(**DENSE, tie_word_embeddings=False)), _lm_batch()
+
+
 def qwen2() -> tuple[nn.Module, dict]:
     config_cls, model_cls = _classes("Qwen2Config", "Qwen2ForCausalLM")
     return _build(model_cls, config_cls(**DENSE, tie_word_embeddings=False)), _lm_batch()
@@ -88,6 +94,40 @@ def gpt2() -> tuple[nn.Module, dict]:
     config = config_cls(
         vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, attn_implementation="eager",
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    return _build(model_cls, config), _lm_batch()
+
+
+def gpt_neox() -> tuple[nn.Module, dict]:
+    config_cls, model_cls = _classes("GPTNeoXConfig", "GPTNeoXForCausalLM")
+    # Fused query_key_value (3d, d), interleaved per head; untied embed_in / head (the config default).
+    config = config_cls(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    return _build(model_cls, config), _lm_batch()
+
+
+def falcon() -> tuple[nn.Module, dict]:
+    config_cls, model_cls = _classes("FalconConfig", "FalconForCausalLM")
+    # Config defaults (Falcon-7B style): multi-query, parallel attention + MLP, no biases, tied head;
+    # the fused query_key_value is (4 heads + 1 k + 1 v) x 8 = 48 rows.
+    config = config_cls(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, hidden_dropout=0.0,
+        attention_dropout=0.0, attn_implementation="eager",
+    )
+    return _build(model_cls, config), _lm_batch()
+
+
+def opt() -> tuple[nn.Module, dict]:
+    config_cls, model_cls = _classes("OPTConfig", "OPTForCausalLM")
+    # word_embed_proj_dim = hidden_size: no project_in/out. Learned positions, tied head (defaults).
+    config = config_cls(
+        vocab_size=VOCAB, hidden_size=32, word_embed_proj_dim=32, ffn_dim=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, layerdrop=0.0, pad_token_id=1, bos_token_id=2, eos_token_id=2,
+        attn_implementation="eager",
     )
     return _build(model_cls, config), _lm_batch()
 
@@ -170,10 +210,14 @@ def mamba() -> tuple[nn.Module, dict]:
 
 ZOO: dict[str, Callable[[], tuple[nn.Module, dict]]] = {
     "llama": llama,
+    "mistral": mistral,
     "qwen2": qwen2,
     "gemma2": gemma2,
     "phi3": phi3,
     "gpt2": gpt2,
+    "gpt_neox": gpt_neox,
+    "falcon": falcon,
+    "opt": opt,
     "mixtral": mixtral,
     "qwen2_moe": qwen2_moe,
     "qwen3_moe": qwen3_moe,
