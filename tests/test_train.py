@@ -37,9 +37,10 @@ from meqmuon.train.checkpoint import CheckpointError, list_checkpoints, load_che
 from meqmuon.train.config import (
     ResolvedConfig,
     TrainConfig,
+    config_from_dict,
+    config_to_dict,
     model_run_defaults,
     resolve,
-    resolve_config,
     resolve_numerics,
 )
 from meqmuon.train.loop import TrainingDiverged, WarmupCosine, train
@@ -81,22 +82,28 @@ def test_warmup_cosine_schedule_multiplies_each_group_lr():
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([1.0, 0.01])
 
 
-def test_resolve_config_derives_budget_and_rejects_indivisible_batch():
-    cfg = resolve_config(TrainConfig(model="llama-60m", optimizer="adamw"), unique_params=1000, world_size=1)
+def _resolved(cfg: TrainConfig, *, unique_params: int, world_size: int) -> ResolvedConfig:
+    """Both stages of resolution, as ``build_run`` makes them (on the CPU, built-in data)."""
+    return resolve(cfg, device="cpu", world_size=world_size).for_model(unique_params=unique_params,
+                                                                       data_source="builtin")
+
+
+def test_resolve_derives_budget_and_rejects_indivisible_batch():
+    cfg = _resolved(TrainConfig(model="llama-60m", optimizer="adamw"), unique_params=1000, world_size=1)
     assert cfg.lr == 1e-3 and cfg.micro_batch == 32  # automatic: largest divisor of 512 up to 32
     assert (cfg.global_batch, cfg.seq_len, cfg.val_tokens) == (512, 1024, 1_000_000)  # the paper's
     assert cfg.steps == math.ceil(20_000 / (512 * 1024)) and cfg.tokens == cfg.steps * 512 * 1024
-    cfg = resolve_config(TrainConfig(global_batch=8, seq_len=4, tokens=100), unique_params=1, world_size=2)
+    cfg = _resolved(TrainConfig(global_batch=8, seq_len=4, tokens=100), unique_params=1, world_size=2)
     assert cfg.micro_batch == 4 and cfg.steps == 4  # ceil(100 / 32)
-    assert resolve_config(TrainConfig(global_batch=96), unique_params=1, world_size=2).micro_batch == 24
+    assert _resolved(TrainConfig(global_batch=96), unique_params=1, world_size=2).micro_batch == 24
     with pytest.raises(ValueError, match="not divisible"):
-        resolve_config(TrainConfig(global_batch=8, micro_batch=3), unique_params=1, world_size=1)
+        _resolved(TrainConfig(global_batch=8, micro_batch=3), unique_params=1, world_size=1)
     with pytest.raises(ValueError, match="not divisible"):
-        resolve_config(TrainConfig(global_batch=9), unique_params=1, world_size=2)
+        _resolved(TrainConfig(global_batch=9), unique_params=1, world_size=2)
 
 
-def test_resolved_config_is_frozen_and_stores_what_resolve_config_stores():
-    """config.json keeps TrainConfig's keys in its order; both stages give resolve_config's values."""
+def test_resolved_config_is_frozen_and_stores_train_config_keys():
+    """config.json keeps TrainConfig's keys in its order, with the derived values filled in."""
     import dataclasses
 
     assert [f.name for f in dataclasses.fields(ResolvedConfig)] == [f.name for f in dataclasses.fields(TrainConfig)]
@@ -108,19 +115,22 @@ def test_resolved_config_is_frozen_and_stores_what_resolve_config_stores():
         final.steps = 4  # type: ignore[misc]
     with pytest.raises(TypeError):
         final.optimizer_args["ns_dtype"] = "bfloat16"  # type: ignore[index]
-    old = resolve_config(resolve_numerics(dataclasses.replace(cfg, optimizer="meqmuon", data_source="builtin"), "cpu"),
-                         unique_params=10, world_size=2)
-    assert final.to_dict() == dataclasses.asdict(old) and final.accumulation(2) == 1
+    stored = final.to_dict()
+    assert list(stored) == [f.name for f in dataclasses.fields(TrainConfig)]
+    assert stored["capture_steps"] == [2] and isinstance(stored["optimizer_args"], dict)
+    assert (stored["steps"], stored["tokens"], stored["eval_every"], stored["save_every"]) == (3, 3 * 32 * 128, 1, 1)
+    assert stored["data_source"] == "builtin" and stored["lr"] == 2e-3 and final.accumulation(2) == 1
+    assert config_to_dict(config_from_dict(stored)) == stored  # config.json reads back as a TrainConfig
 
 
 @pytest.mark.parametrize("model", ["llama-tiny", "llama-tiny-tied", "smollm2-tiny", "qwen2-tiny"])
 def test_cpu_presets_get_cpu_sized_defaults_and_paper_models_keep_the_papers(model):
     """Issue #16: `meqmuon train --model llama-tiny --steps 2` used to inherit 512 x 1024 tokens per
     step and 1M validation tokens. Given values still win."""
-    cfg = resolve_config(TrainConfig(model=model, steps=2), unique_params=1000, world_size=1)
+    cfg = _resolved(TrainConfig(model=model, steps=2), unique_params=1000, world_size=1)
     assert (cfg.global_batch, cfg.seq_len, cfg.val_tokens) == (32, 128, 32_768)
     assert cfg.tokens == 2 * 32 * 128 and cfg.micro_batch == 32
-    cfg = resolve_config(TrainConfig(model=model, steps=2, global_batch=8, seq_len=64, val_tokens=100),
+    cfg = _resolved(TrainConfig(model=model, steps=2, global_batch=8, seq_len=64, val_tokens=100),
                          unique_params=1000, world_size=1)
     assert (cfg.global_batch, cfg.seq_len, cfg.val_tokens) == (8, 64, 100)
     for paper in ("llama-60m", "llama-130m", "llama-350m", "smollm2-135m", "smollm2-360m", "qwen2-0.5b"):

@@ -54,7 +54,6 @@ __all__ = [
     "load_config_file",
     "parse_optimizer_args",
     "parse_int_list",
-    "resolve_config",
     "validate_config",
     "optimizer_kwargs",
 ]
@@ -81,7 +80,7 @@ IDENTITY_KEYS = (
 
 @dataclass
 class TrainConfig:
-    """One training run. ``None`` means "derive it" (see :func:`resolve_config`)."""
+    """One training run. ``None`` means "derive it" (see :func:`resolve` and :meth:`ResolvedConfig.for_model`)."""
 
     # what to train
     model: str = "llama-tiny"
@@ -102,7 +101,7 @@ class TrainConfig:
     steps: int | None = None  # optimizer updates; derived from tokens when None
     seq_len: int | None = None  # None -> per model (model_run_defaults): 1024, CPU presets 128
     global_batch: int | None = None  # sequences per update over all ranks and micro-batches; None -> 512 / 32
-    micro_batch: int | None = None  # sequences per forward pass per rank; None -> see resolve_config
+    micro_batch: int | None = None  # sequences per forward pass per rank; None -> see _micro_batch
     # schedule and regularisation
     warmup_ratio: float = 0.05
     min_lr_ratio: float = 0.0
@@ -256,24 +255,6 @@ def validate_config(cfg: TrainConfig) -> None:
     for s in cfg.capture_steps or []:
         if s <= 0:
             raise ValueError(f"capture steps are 1-based update indices, got {s}")
-
-
-def resolve_config(cfg: TrainConfig, *, unique_params: int, world_size: int) -> TrainConfig:
-    """Fill the derived fields; returns a new config. Needs the model's unique parameter count.
-
-    ``micro_batch`` defaults to the largest divisor of ``global_batch / world_size`` that is at most
-    :data:`MAX_AUTO_MICRO_BATCH`; accumulation is ``global_batch / (world_size x micro_batch)``.
-
-    Raises ``ValueError`` for an indivisible batch: ``global_batch`` must equal
-    ``world_size x micro_batch x accumulation`` for a whole number of accumulation steps.
-    """
-    from meqmuon.optim.registry import spec
-
-    c = fill_model_defaults(cfg)
-    lr = c.lr if c.lr is not None else spec(c.optimizer).default_lr
-    c = dataclasses.replace(c, lr=lr, micro_batch=_micro_batch(c.global_batch, c.micro_batch, world_size))
-    c = dataclasses.replace(c, **_budget(c, unique_params))
-    return c if c.out is not None else dataclasses.replace(c, out=str(default_run_dir(c)))
 
 
 def _micro_batch(global_batch: int, micro_batch: int | None, world_size: int) -> int:
