@@ -184,9 +184,6 @@ class RoleOptimizer(Optimizer):
                 keys.add(optional)
         validate_group(group, sorted(keys))
 
-    def _check_tied(self) -> None:  # overridden by presets that cannot handle tied weights
-        pass
-
     # ---- stepping --------------------------------------------------------------------------
 
     def _group_items(self, group: dict[str, Any]) -> dict[tuple[Rule, bool], list[Item]]:

@@ -285,6 +285,11 @@ def _rms_bucket(params, grads, bufs, lr, wd, mu, rho, *, nesterov):
                         lr, wd, rho)
 
 
+def _norms_along(x: Tensor, dim: int, psum) -> Tensor:
+    """L2 norms of ``x`` along ``dim``; with ``psum`` (FSDP2 row shards) over all shards' sums of squares."""
+    return torch.linalg.vector_norm(x, dim=dim) if psum is None else psum(x.square().sum(dim=dim)).sqrt_()
+
+
 class Equilibrate(MomentumRule):
     """MeqMuon for embeddings and LM heads (paper eq. 9): ``N_c(N_r(B))``, scale ``rho``.
 
@@ -320,10 +325,7 @@ class Equilibrate(MomentumRule):
             X = stack_inputs(ctx, self.name, b, lo, hi, group, F._stat_dtype(p))
             m, n = b.global_shape
             X.div_(F.divisor_of_norms(torch.linalg.vector_norm(X, dim=-1), F.DELTA * math.sqrt(n)).unsqueeze(-1))
-            if ctx.split.psum is None:
-                col = torch.linalg.vector_norm(X, dim=-2)
-            else:  # column sums of squares over all row shards
-                col = ctx.split.psum(X.square().sum(dim=-2)).sqrt_()
+            col = _norms_along(X, -2, ctx.split.psum)  # under FSDP2: over all row shards
             # The step scale rho * sqrt(m) rides on the column divisor, so every MeqMuon rule steps
             # with scale 1 and their updates share one add (step_foreach_calls).
             col = F.divisor_of_norms(col, F.DELTA * math.sqrt(m / n)).div_(group["rho"] * math.sqrt(m))
@@ -360,10 +362,7 @@ class RmsNormalize(MomentumRule):
             X = stack_inputs(ctx, self.name, b, lo, hi, group, F._stat_dtype(b.items[0].param))
             flat = X.view(hi - lo, -1)
             d = math.prod(b.global_shape)
-            if ctx.split.psum is None:
-                norm = torch.linalg.vector_norm(flat, dim=-1)
-            else:
-                norm = ctx.split.psum(flat.square().sum(dim=-1)).sqrt_()
+            norm = _norms_along(flat, -1, ctx.split.psum)
             # The step scale rho * sqrt(d) rides on the divisor (scale 1, as the other MeqMuon rules).
             flat.div_(F.divisor_of_norms(norm, F.DELTA * math.sqrt(d)).div_(group["rho"] * math.sqrt(d)).unsqueeze(-1))
             out.append((X, []))
