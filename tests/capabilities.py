@@ -151,6 +151,21 @@ MEQ_RULES = frozenset({"meq_hidden", "equilibrate", "rms_normalize"})
 WITH_MEQ_RULES: list[str] = [n for n, c in CAPABILITIES.items() if MEQ_RULES & set(c.rules.values())]
 
 
+#: Keyword arguments of each step form (``FORMS``); torch's AdamW has one form of its own, ``"torch"``.
+FORM_KWARGS = {
+    "per-tensor": {"foreach": False},
+    "batched": {"foreach": True},
+    "compile": {"foreach": False, "compile": True},
+    "batched-compile": {"foreach": True, "compile": True},
+    "torch": {},
+}
+
+
+def every_form() -> list[tuple[str, str]]:
+    """Every ``(optimizer, form)`` pair of the table, in registry order; ``adamw`` as ``"torch"``."""
+    return [(n, f) for n, c in CAPABILITIES.items() for f in (c.forms or ("torch",))]
+
+
 def having(*forms: str, check: str | None = None) -> list[str]:
     """Names, in registry order, with every step form of ``forms`` and the check ``check`` (if given)."""
     return [n for n, c in CAPABILITIES.items()

@@ -154,8 +154,9 @@ def direction_input(it: Item, group: dict, rows: slice = slice(None), out: Tenso
     with Nesterov (into ``out`` if given, else a new tensor), else ``B`` itself. Made on demand, per
     parameter (or block of rows), so that no model-sized temporary exists at once and DDP ranks make
     only the inputs of what they own."""
-    b = local(it.state["momentum_buffer"])[rows]
-    g = it.grad[rows]
+    b, g = local(it.state["momentum_buffer"]), it.grad
+    if rows != slice(None):  # a 0-D parameter (a vector of one element) cannot be sliced
+        b, g = b[rows], g[rows]
     g = g if g.dtype == b.dtype else g.to(b.dtype)
     return F.direction_input([g], [b], group["momentum"], group["nesterov"], None if out is None else [out])[0]
 
