@@ -161,6 +161,92 @@ def test_learned_token_table_equals_2d_embedding(name, foreach):
     _close(stacked.detach()[0], flat.detach(), table[0])
 
 
+def _folded_and_twins(E=3, f=5, d=8):
+    """DBRX's experts ``w1``, ``v1``, ``w2`` folded into ``(E * f, d)`` tensors (``w2`` used per expert as
+    ``x @ w2[e]``: stored ``(in, out)``), and their per-expert ``nn.Linear`` weights ``(out, in)``."""
+    g = torch.Generator().manual_seed(4)
+    w1, v1, w2 = (torch.randn(E * f, d, generator=g) for _ in range(3))
+    folded = [nn.Parameter(t.clone()) for t in (w1, v1, w2)]
+    groups = [{"params": folded, "kind": "hidden", "names": ["w1", "v1", "w2"], "folds": E,
+               "views": ["stacked", "stacked", "stacked-transposed"]}]
+    rows = [slice(e * f, (e + 1) * f) for e in range(E)]
+    twins = ([nn.Parameter(w1[r].clone()) for r in rows] + [nn.Parameter(v1[r].clone()) for r in rows]
+             + [nn.Parameter(w2[r].T.clone()) for r in rows])
+
+    def as_twins(ts):  # the per-expert (out, in) matrices of the three folded tensors
+        return [ts[0][r] for r in rows] + [ts[1][r] for r in rows] + [ts[2][r].T for r in rows]
+    return folded, groups, twins, as_twins
+
+
+@pytest.mark.parametrize("foreach", FORMS)
+@pytest.mark.parametrize("name", MATRIX_OPTIMIZERS)
+def test_folded_experts_equal_per_expert_linears(name, foreach):
+    """DBRX-style ``(E * f, d)`` experts (``folds=E``, either orientation) equal separate per-expert
+    ``nn.Linear`` weights to 1e-5, and expert 0's update moves by < 1e-6 (relative) when only expert
+    1's gradient changes."""
+    folded, groups, twins, as_twins = _folded_and_twins()
+    shapes = [tuple(p.shape) for p in folded]
+    inits = [t.detach().clone() for t in as_twins([p.detach() for p in folded])]
+    opt = _run(name, foreach, folded, groups, lambda step: _grads(shapes, step))
+    _run(name, foreach, twins, [{"params": twins, "kind": "hidden"}],
+         lambda step: [g.contiguous() for g in as_twins(_grads(shapes, step))])
+    for a, b, init in zip(as_twins([p.detach() for p in folded]), twins, inits, strict=True):
+        _close(a, b.detach(), init)
+    if name.startswith("meqmuon"):
+        assert set(opt.selection_counts()) == {f"{n}[{e}]" for n in ("w1", "v1", "w2") for e in range(3)}
+
+    def expert0_update(bump):
+        ps, gs, _, _ = _folded_and_twins()
+        start = [p.detach().clone() for p in ps]
+
+        def grads(step):
+            out = _grads(shapes, step)
+            for t in out:
+                t[5:10] *= bump  # expert 1's rows only
+            return out
+        _run(name, foreach, ps, gs, grads)
+        return torch.cat([(p.detach() - s)[:5].reshape(-1) for p, s in zip(ps, start, strict=True)])
+    base, other = expert0_update(1.0), expert0_update(-3.0)
+    assert ((base - other).norm() / base.norm()).item() < 1e-6
+
+
+@pytest.mark.parametrize("foreach", FORMS)
+@pytest.mark.parametrize("name", [n for n in having("per-tensor", "batched")])
+def test_per_expert_bias_table_equals_separate_vectors(name, foreach):
+    """GPT-OSS's per-expert biases ``(E, k)`` (view ``"vectors"``) equal ``E`` separate 1-D parameters
+    under every optimizer's vector rule (MeqMuon: eq. 10's RMS per expert; AdamW: elementwise), and
+    expert 0's bias moves by < 1e-6 (relative) when only expert 1's gradient changes."""
+    E, k = 4, 6
+    table = torch.randn(E, k, generator=torch.Generator().manual_seed(5))
+
+    def run(bump=1.0):
+        stacked = nn.Parameter(table.clone())
+        rows = [nn.Parameter(r.clone()) for r in table]
+
+        def grads(step):
+            (gt,) = _grads([(E, k)], step)
+            gt[1] *= bump
+            return gt
+        _run(name, foreach, [stacked], [{"params": [stacked], "kind": "vector", "views": "vectors"}],
+             lambda step: [grads(step)])
+        _run(name, foreach, rows, [{"params": rows, "kind": "vector"}], lambda step: list(grads(step).unbind(0)))
+        return stacked.detach(), torch.stack([r.detach() for r in rows])
+    got, ref = run()
+    _close(got, ref, table)
+    other, _ = run(-3.0)
+    assert ((other[0] - got[0]).norm() / (got[0] - table[0]).norm()).item() < 1e-6
+
+
+def test_vectors_view_needs_a_vector_rule():
+    p = nn.Parameter(torch.randn(4, 6))
+    with pytest.raises(ValueError, match="view 'vectors' in a 'hidden' group"):
+        meqmuon.MeqMuon([{"params": [p], "kind": "hidden", "names": ["b"], "views": "vectors"}])
+    for extra, message in (({"views": "matrix", "folds": 2}, "folds=2 needs a 2-D"),
+                           ({"views": "stacked", "folds": 3}, "folds=3 needs a 2-D")):
+        with pytest.raises(ValueError, match=message):
+            meqmuon.MeqMuon([{"params": [p], "kind": "hidden", "names": ["w"], **extra}])
+
+
 class _Experts(nn.Module):
     """transformers 5's expert storage: ``gate_up_proj`` ``(E, 2I, d)``, ``down_proj`` ``(E, d, I)``."""
 

@@ -249,6 +249,9 @@ class Rule:
     needs_matrix: ClassVar[bool] = False
     #: Hyperparameter keys the rule reads from its group (validated by the engine).
     hyperparameters: ClassVar[tuple[str, ...]] = ()
+    #: Each element's update depends on that element alone (AdamW): the engine hands a vector rule
+    #: a stack of vectors (view ``"vectors"``) whole, where any other vector rule gets each vector.
+    elementwise: ClassVar[bool] = False
 
     #: How each state tensor divides among a parameter's matrices (``views.py``): ``"param"`` (shaped
     #: like the parameter), ``"rows"`` (one value per matrix row), ``"counter"`` (one per matrix).
