@@ -426,3 +426,49 @@ def test_layout_shapes_and_labels():
     assert all(m.data_ptr() >= t.data_ptr() for m in mats)  # views, not copies
     mats[3].zero_()
     assert t[1, 4:].abs().sum() == 0
+
+
+def test_fused_layouts_read_outside_the_zoo():
+    """MLA's ``kv_a_proj_with_mqa`` (DeepSeek V3: ``split([kv_lora_rank, qk_rope_head_dim])``), Jamba's
+    Mamba ``in_proj`` (halves) and ``x_proj`` (dt, B, C) with its ``A_log`` a vector, and
+    ``nn.MultiheadAttention``'s ``in_proj_weight`` (q, k, v) are split from the model's structure."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    deepseek = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        first_k_dense_replace=0, max_position_embeddings=64))
+    r = _routing(meqmuon.param_groups(deepseek))
+    assert r["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == ("hidden", "matrix", (16, 8))
+    jamba = transformers.JambaForCausalLM(transformers.JambaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=2, expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2,
+        attn_layer_offset=1, mamba_d_state=8, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False))
+    groups = meqmuon.param_groups(jamba)
+    r = _routing(groups)
+    assert r["model.layers.0.mamba.in_proj.weight"] == ("hidden", "matrix", (64, 64))
+    assert r["model.layers.0.mamba.x_proj.weight"] == ("hidden", "matrix", (4, 8, 8))
+    assert r["model.layers.0.mamba.A_log"] == ("vector", "matrix", None)  # (64, 8): decays, not a map
+    assert "Fused tensors kept whole" not in meqmuon.describe_groups(groups)
+    mha = nn.Module()
+    mha.attn = nn.MultiheadAttention(12, 3)
+    assert _routing(meqmuon.param_groups(mha))["attn.in_proj_weight"] == ("hidden", "matrix", (12, 12, 12))
+
+
+def test_kinds_override_and_split_fused_false_are_listed():
+    """``param_groups(kinds=...)`` routes a tensor to another kind (a bias table moved out of the
+    vector kind is one matrix again); ``split_fused=False`` keeps readable blocks whole and says so."""
+    model = _Model()
+    model.oss.gate_up_proj_bias = nn.Parameter(torch.zeros(4, 12))
+    r = _routing(meqmuon.param_groups(model))
+    assert r["oss.gate_up_proj_bias"] == ("vector", "vectors", None)
+    r = _routing(meqmuon.param_groups(model, kinds={r"_bias$": "hidden", r"^conv\.weight$": "embedding"}))
+    assert r["oss.gate_up_proj_bias"] == ("hidden", "matrix", None)
+    assert r["conv.weight"] == ("embedding", "matrix", None)
+    with pytest.raises(ValueError, match="matches no trainable parameter"):
+        meqmuon.param_groups(model, kinds={"nothing": "hidden"})
+    with pytest.raises(ValueError, match="is not one of"):
+        meqmuon.param_groups(model, kinds={"conv": "matrix"})
+    text = meqmuon.describe_groups(meqmuon.param_groups(model, split_fused=False))
+    assert "- experts.gate_up_proj: blocks (6, 6) read from the model; kept whole (split_fused=False)" in text

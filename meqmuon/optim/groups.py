@@ -173,6 +173,7 @@ def param_groups(
     lr: float | Mapping[str, float] | None = None,
     weight_decay: float | Mapping[str, float] | None = None,
     split_fused: bool = True,
+    kinds: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Route every trainable parameter of ``model`` into one group per kind.
 
@@ -186,6 +187,10 @@ def param_groups(
             (:data:`meqmuon.optim.structure.FUSED_LAYOUTS`: Phi3, GPT-2, DBRX, ModernBERT, Mamba,
             Mamba2, MLA; experts' ``gate_up_proj`` halves) into their blocks, so that the model
             trains as its unfused twin (docs/algorithm.md, "Routing").
+        kinds: overrides of the routing, regex on the parameter name -> kind (``re.search``; the
+            first pattern that matches wins), e.g. ``{r"A_log$": "hidden"}`` to orthogonalise Mamba's
+            ``A_log`` after all, or ``{r"patch_embedding": "hidden"}``. A tensor moved out of the
+            ``vector`` kind loses a ``"vectors"`` view (it is one matrix again).
 
     Returns:
         Non-empty groups in the order hidden, embedding, head, vector. Each has ``params``,
@@ -206,6 +211,7 @@ def param_groups(
         raise TypeError(f"param_groups() takes an nn.Module (it needs parameter names and module types to route by "
                         f"role); got {'an' if what[:1].lower() in 'aeiou' else 'a'} {what}: pass the model itself")
     info = classify_parameters(model)
+    _override_kinds(info, kinds or {})
     groups: dict[str, dict[str, Any]] = {
         k: {"params": [], "names": [], "kind": k, "tied": False, "views": [], "splits": []} for k in KINDS
     }
@@ -256,6 +262,27 @@ def param_groups(
             g["weight_decay"] = group_wd
         out.append(g)
     return out
+
+
+def _override_kinds(info: dict[str, Any], kinds: Mapping[str, str]) -> None:
+    """Apply ``param_groups(kinds=...)`` to the classification ``info`` in place."""
+    for pattern, kind in kinds.items():
+        if kind not in KINDS:
+            raise ValueError(f"param_groups: kinds[{pattern!r}] = {kind!r} is not one of {KINDS}")
+        if not any(re.search(pattern, n) for n in info["kinds"]):
+            raise ValueError(f"param_groups: kinds pattern {pattern!r} matches no trainable parameter")
+    for name in info["kinds"]:
+        kind = next((k for rx, k in kinds.items() if re.search(rx, name)), None)
+        if kind is None:
+            continue
+        p = info["params"][name]
+        if kind != "vector" and p.ndim < 2:
+            raise ValueError(f"param_groups: {name} of shape {tuple(p.shape)} cannot be routed as {kind!r}")
+        info["kinds"][name] = kind
+        if kind != "vector" and info["views"][name] == "vectors":
+            info["views"][name] = "matrix"
+        if name in info["tied"] and kind != "embedding":
+            info["tied"].remove(name)
 
 
 def describe_groups(groups: Iterable[Mapping[str, Any]]) -> str:

@@ -152,6 +152,10 @@ def _three(parent: nn.Module, rows: int) -> tuple[int, ...]:
     return (rows // 3,) * 3
 
 
+def _mamba_x_proj(mixer: nn.Module, rows: int) -> tuple[int, ...]:
+    return (mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size)
+
+
 def _mamba2_in_proj(mixer: nn.Module, rows: int) -> tuple[int, ...]:
     inner, groups = mixer.intermediate_size, mixer.n_groups * mixer.ssm_state_size
     mlp = (rows - 2 * inner - 2 * groups - mixer.num_heads) // 2  # Mamba2's optional MLP part
@@ -167,10 +171,10 @@ def _mamba2_conv(mixer: nn.Module, rows: int) -> tuple[int, ...]:
 #: as a function of the parent and the rows. Each is contiguous row blocks in the model's forward:
 #: Phi3 ``qkv_proj`` (q, k, v by its head counts) and ``gate_up_proj`` (``chunk(2)``); GPT-2 ``c_attn``
 #: (q, k, v of ``split_size``); DBRX ``Wqkv`` (``split([d, kv, kv])``); ModernBERT ``Wqkv``
-#: (``view(..., 3, -1, head_dim)``) and ``Wi`` (``chunk(2)``); Mamba ``in_proj`` (``chunk(2)``: x, z) and
-#: ``x_proj`` (``split([rank, N, N])``: dt, B, C); Mamba2 ``in_proj`` (z, x, B, C, dt) and its depthwise
-#: ``conv1d`` channels (x, B, C); DeepSeek V2/V3 (MLA) ``kv_a_proj_with_mqa`` (``split([kv_lora_rank,
-#: qk_rope_head_dim])``).
+#: (``view(..., 3, -1, head_dim)``) and ``Wi`` (``chunk(2)``); Mamba, Falcon-Mamba and Jamba ``in_proj``
+#: (``chunk(2)``: x, z) and ``x_proj`` (``split([rank, N, N])``: dt, B, C); Mamba2 ``in_proj`` (z, x, B,
+#: C, dt) and its depthwise ``conv1d`` channels (x, B, C); DeepSeek V2/V3 (MLA) ``kv_a_proj_with_mqa``
+#: (``split([kv_lora_rank, qk_rope_head_dim])``).
 FUSED_LAYOUTS: dict[tuple[str, str], Callable[[nn.Module, int], tuple[int, ...]]] = {
     ("Phi3Attention", "qkv_proj"): _phi3_qkv,
     ("Phi3MLP", "gate_up_proj"): _halves,
@@ -179,7 +183,11 @@ FUSED_LAYOUTS: dict[tuple[str, str], Callable[[nn.Module, int], tuple[int, ...]]
     ("ModernBertAttention", "Wqkv"): _three,
     ("ModernBertMLP", "Wi"): _halves,
     ("MambaMixer", "in_proj"): _halves,
-    ("MambaMixer", "x_proj"): lambda m, rows: (m.time_step_rank, m.ssm_state_size, m.ssm_state_size),
+    ("MambaMixer", "x_proj"): _mamba_x_proj,
+    ("FalconMambaMixer", "in_proj"): _halves,
+    ("FalconMambaMixer", "x_proj"): _mamba_x_proj,
+    ("JambaMambaMixer", "in_proj"): _halves,
+    ("JambaMambaMixer", "x_proj"): _mamba_x_proj,
     ("Mamba2Mixer", "in_proj"): _mamba2_in_proj,
     ("Mamba2Mixer", "conv1d"): _mamba2_conv,
     ("DeepseekV2Attention", "kv_a_proj_with_mqa"): lambda a, rows: (a.kv_lora_rank, a.qk_rope_head_dim),
