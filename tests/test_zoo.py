@@ -1,16 +1,24 @@
-"""A transformers zoo: tiny random-init models of the kinds users train (issue 20, item 8).
+"""A transformers zoo: tiny random-init models of the kinds users train.
 
-Dense (Llama, Mistral, Qwen2, Gemma2 tied, OPT tied with learned positions), fused (Phi3, GPT-2 split;
-GPT-NeoX, Falcon kept whole), MoE (Mixtral, Qwen2-MoE, Qwen3-MoE), encoder (BERT), encoder-decoder (T5),
-vision (ViT), state-space (Mamba): 16 architectures; the factories are in ``tests/zoo.py``. No downloads.
-An architecture the installed transformers lacks is skipped.
+Dense (Llama, Mistral, Qwen2, Gemma2 tied, OPT tied with learned positions), fused (Phi3, GPT-2,
+ModernBERT, DBRX split; GPT-NeoX, Falcon kept whole), MoE (Mixtral, Qwen2-MoE, Qwen3-MoE; DBRX with
+experts folded into 2-D tensors, GPT-OSS with per-expert biases, Llama 4 with (in, out) experts),
+encoder (BERT, ModernBERT), encoder-decoder (T5), vision (ViT), vision-language (CLIP, 0-D
+``logit_scale``), state-space (Mamba, Mamba2): 22 architectures; the factories are in
+``tests/zoo.py``. No downloads. An architecture the installed transformers lacks is skipped.
 
 - Routing: every trainable tensor lands in exactly one group of :func:`meqmuon.param_groups`, with the
-  kind, view and split of the per-architecture table below (regex on the HF parameter name ->
-  ``(kind, view, split)``; every parameter must match exactly one regex and every regex some
-  parameter, so a new or renamed parameter fails). A failure prints the whole actual routing.
-- Fused layouts not read: GPT-NeoX's and Falcon's ``query_key_value`` interleave q, k, v per head, so
-  each stays one unsplit hidden matrix, listed under "Fused tensors kept whole" by ``describe_groups``.
+  kind, view, split (and folds) of the per-architecture table below (regex on the HF parameter name
+  -> ``(kind, view, split[, folds])``; every parameter must match exactly one regex and every regex
+  some parameter, so a new or renamed parameter fails). A failure prints the whole actual routing.
+- Fused tensors: every tensor a model uses as several blocks (``FUSED``) is split, or kept whole and
+  listed with its reason under "Fused tensors kept whole" by ``describe_groups`` (GPT-NeoX's and
+  Falcon's ``query_key_value`` interleave q, k, v per head; GPT-OSS interleaves gate and up); nothing
+  else is listed, and no model that declares no head (CLIP) is warned about a missing one.
+- View exactness: the views read from DBRX (folded experts, both orientations), GPT-OSS (per-expert
+  bias vectors, (in, out) experts), Llama 4 (gate | up halves) and ModernBERT (q | k | v) equal the
+  blocks held as separate parameters to 1e-5 with float32 Newton-Schulz, per-tensor and batched, and
+  block 0's update moves by < 1e-6 when only block 1's gradient changes.
 - Training: meqmuon, muon, normuon and muoneq-r take 10 steps on a fixed batch, per-tensor and
   batched (``foreach=False/True``): losses finite and falling, no NaN in the parameters, and the two
   step implementations follow the same loss trajectory.

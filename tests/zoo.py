@@ -1,9 +1,10 @@
 """Tiny random-init transformers models of the kinds users train, for ``tests/test_zoo.py``.
 
-Sixteen architectures: Llama, Mistral, Qwen2, Gemma2, Phi3, GPT-2, GPT-NeoX, Falcon, OPT, Mixtral,
-Qwen2-MoE, Qwen3-MoE, BERT, T5, ViT, Mamba. No downloads: every model is built from a config with
-``torch.manual_seed(0)``, in float32, eager attention. Each entry of :data:`ZOO` is a factory returning
-``(model, batch)``, or raising :class:`Missing` when the installed transformers lacks the architecture.
+Twenty-two architectures: Llama, Mistral, Qwen2, Gemma2, Phi3, GPT-2, GPT-NeoX, Falcon, OPT, Mixtral,
+Qwen2-MoE, Qwen3-MoE, BERT, T5, ViT, Mamba, DBRX, GPT-OSS, Llama 4, ModernBERT, CLIP, Mamba2. No
+downloads: every model is built from a config with ``torch.manual_seed(0)``, in float32, eager
+attention. Each entry of :data:`ZOO` is a factory returning ``(model, batch)``, or raising
+:class:`Missing` when the installed transformers lacks the architecture.
 """
 
 from __future__ import annotations
