@@ -472,3 +472,36 @@ def test_kinds_override_and_split_fused_false_are_listed():
         meqmuon.param_groups(model, kinds={"conv": "matrix"})
     text = meqmuon.describe_groups(meqmuon.param_groups(model, split_fused=False))
     assert "- experts.gate_up_proj: blocks (6, 6) read from the model; kept whole (split_fused=False)" in text
+
+
+@pytest.mark.parametrize("foreach", FORMS)
+@pytest.mark.parametrize("name", MATRIX_OPTIMIZERS)
+def test_interleaved_split_equals_gate_and_up_twins(name, foreach):
+    """GPT-OSS's experts ``(E, d, 2I)`` stored ``(in, out)`` with gate and up in alternate output
+    features (``gate_up[..., ::2]``, ``gate_up[..., 1::2]``): an interleaved split equals separate
+    per-expert gate and up ``nn.Linear`` weights."""
+    E, d, inner = 3, 8, 5
+    w = torch.randn(E, d, 2 * inner, generator=torch.Generator().manual_seed(6))
+    p = nn.Parameter(w.clone())
+    group = {"params": [p], "kind": "hidden", "names": ["gate_up"], "views": "stacked-transposed",
+             "splits": [(inner, inner)], "interleaved": True}
+
+    def twins_of(t):
+        return [h for m in t.unbind(0) for h in (m.T[0::2], m.T[1::2])]
+    twins = [nn.Parameter(b.clone()) for b in twins_of(w)]
+    _run(name, foreach, [p], [group], lambda step: _grads([(E, d, 2 * inner)], step))
+    _run(name, foreach, twins, [{"params": twins, "kind": "hidden"}],
+         lambda step: [b.contiguous() for b in twins_of(_grads([(E, d, 2 * inner)], step)[0])])
+    for a, b, init in zip(twins_of(p.detach()), twins, twins_of(w), strict=True):
+        _close(a, b.detach(), init)
+
+
+def test_interleaved_layout_is_strided_views():
+    lay = layout_of((6, 4), "matrix", (3, 3), interleaved=True)
+    t = torch.arange(24.0).reshape(6, 4)
+    even, odd = lay.matrices(t)
+    assert torch.equal(even, t[0::2]) and torch.equal(odd, t[1::2])
+    odd.zero_()
+    assert t[1::2].abs().sum() == 0 and t[0::2].abs().sum() > 0
+    with pytest.raises(ValueError, match="interleaved split needs equal blocks"):
+        layout_of((6, 4), "matrix", (2, 4), interleaved=True)

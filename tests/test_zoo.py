@@ -13,12 +13,13 @@ encoder (BERT, ModernBERT), encoder-decoder (T5), vision (ViT), vision-language 
   some parameter, so a new or renamed parameter fails). A failure prints the whole actual routing.
 - Fused tensors: every tensor a model uses as several blocks (``FUSED``) is split, or kept whole and
   listed with its reason under "Fused tensors kept whole" by ``describe_groups`` (GPT-NeoX's and
-  Falcon's ``query_key_value`` interleave q, k, v per head; GPT-OSS interleaves gate and up); nothing
+  Falcon's ``query_key_value`` interleave q, k, v per head); nothing
   else is listed, and no model that declares no head (CLIP) is warned about a missing one.
 - View exactness: the views read from DBRX (folded experts, both orientations), GPT-OSS (per-expert
-  bias vectors, (in, out) experts), Llama 4 (gate | up halves) and ModernBERT (q | k | v) equal the
-  blocks held as separate parameters to 1e-5 with float32 Newton-Schulz, per-tensor and batched, and
-  block 0's update moves by < 1e-6 when only block 1's gradient changes.
+  bias vectors, (in, out) experts, gate / up in alternate rows), Llama 4 (gate | up halves) and
+  ModernBERT (q | k | v) equal the blocks held as separate parameters to 1e-5 with float32
+  Newton-Schulz, per-tensor and batched, and block 0's update moves by < 1e-6 when only block 1's
+  gradient changes.
 - Training: meqmuon, muon, normuon and muoneq-r take 10 steps on a fixed batch, per-tensor and
   batched (``foreach=False/True``): losses finite and falling, no NaN in the parameters, and the two
   step implementations follow the same loss trajectory.
@@ -250,7 +251,8 @@ def gpt_oss_routes(c) -> dict:
         r"self_attn\.sinks$": VECTOR,
         r"mlp\.router\.weight$": HIDDEN,
         r"mlp\.router\.bias$": VECTOR,
-        r"experts\.(gate_up|down)_proj$": ("hidden", "stacked-transposed", None),  # gate/up interleaved: whole
+        r"experts\.gate_up_proj$": ("hidden", "stacked-transposed", (c.intermediate_size,) * 2, None, True),  # ::2
+        r"experts\.down_proj$": ("hidden", "stacked-transposed", None),
         r"experts\.(gate_up|down)_proj_bias$": ("vector", "vectors", None),  # (E, k): one bias per expert
         NORM: VECTOR,
     }
@@ -404,6 +406,7 @@ def _actual_routing(groups: list[dict]) -> list[dict]:
         n = len(g["params"])
         views, splits = g.get("views", [MISSING] * n), g.get("splits", [MISSING] * n)
         folds = g.get("folds", [None] * n)
+        interleaved = g.get("interleaved", [False] * n)
         for i, (name, p) in enumerate(zip(g["names"], g["params"], strict=True)):
             split = splits[i] if i < len(splits) else MISSING
             rows.append({
@@ -413,19 +416,21 @@ def _actual_routing(groups: list[dict]) -> list[dict]:
                 "view": views[i] if i < len(views) else MISSING,
                 "split": tuple(split) if isinstance(split, list | tuple) else split,
                 "folds": folds[i] if i < len(folds) else MISSING,
+                "interleaved": interleaved[i] if i < len(interleaved) else MISSING,
                 "tied": bool(g.get("tied")),
             })
     return rows
 
 
 def _entry(route: tuple) -> tuple:
-    """A table entry as ``(kind, view, split, folds)``; ``folds`` (experts folded into a 2-D tensor's
-    rows, DBRX) is left out of most entries."""
-    return route if len(route) == 4 else (*route, None)
+    """A table entry as ``(kind, view, split, folds, interleaved)``; ``folds`` (experts folded into a
+    2-D tensor's rows, DBRX) and ``interleaved`` (the split's blocks alternate rows, GPT-OSS) are left
+    out of most entries."""
+    return (*route, *(None, False)[len(route) - 3:])
 
 
 def _got(r: dict) -> tuple:
-    return (r["kind"], r["view"], r["split"], r["folds"])
+    return (r["kind"], r["view"], r["split"], r["folds"], r["interleaved"])
 
 
 def _format(rows: list[dict], expected: dict[str, tuple | None]) -> str:
@@ -478,7 +483,7 @@ def test_every_tensor_routed_once_with_the_expected_view(arch):
             continue
         used[hits[0]] += 1
         exp = expected[r["name"]] = _entry(routes[hits[0]])
-        kind, view, split, _ = exp
+        kind, view, split, _, _ = exp
         if split is not None and sum(split) != _matrix_rows(r["param"], view):  # a wrong table entry
             problems.append(f"table: split {split} of {r['name']} {tuple(r['param'].shape)} does not fit view {view}")
         if _got(r) != exp:
@@ -572,7 +577,10 @@ def _blocks_of(arch: str, name: str, t: torch.Tensor, c) -> list[torch.Tensor]:
     if arch == "gpt_oss":
         if name.endswith("_bias"):  # gate_up @ W[e] + b[e]: one bias vector per expert
             return list(t.unbind(0))
-        return [m.T for m in t.unbind(0)]  # x @ W[e]: stored (in, out), gate/up interleaved: whole
+        experts = [m.T for m in t.unbind(0)]  # x @ W[e]: stored (in, out)
+        if name.endswith("gate_up_proj"):  # gate_up[..., ::2], gate_up[..., 1::2]
+            return [h for m in experts for h in (m[0::2], m[1::2])]
+        return experts
     if arch == "llama4":  # bmm(x, W) then chunk(2, dim=-1): gate | up halves of each (in, out) expert
         inter = c.intermediate_size
         return [h for m in t.unbind(0) for h in (m.T[:inter], m.T[inter:])]
@@ -585,6 +593,7 @@ VIEW_CASES = [("dbrx", r"blocks\.0\.ffn\.experts\.mlp\.w1$"), ("dbrx", r"blocks\
               ("gpt_oss", r"layers\.0\.mlp\.experts\.gate_up_proj_bias$"),
               ("gpt_oss", r"layers\.0\.mlp\.experts\.down_proj_bias$"),
               ("gpt_oss", r"layers\.0\.mlp\.experts\.down_proj$"),
+              ("gpt_oss", r"layers\.0\.mlp\.experts\.gate_up_proj$"),
               ("llama4", r"layers\.0\.feed_forward\.experts\.gate_up_proj$"),
               ("modernbert", r"layers\.0\.attn\.Wqkv\.weight$")]
 
@@ -619,7 +628,7 @@ def test_detected_views_equal_separate_twins(arch, pattern, foreach):
     def run(name, bump=1.0):
         t = torch.nn.Parameter(start.clone())
         group = {"params": [t], "kind": kind, "names": [r["name"]], "views": [r["view"]],
-                 "splits": [r["split"]], "folds": [r["folds"]]}
+                 "splits": [r["split"]], "folds": [r["folds"]], "interleaved": [r["interleaved"]]}
         _step_views(name, group, [t], lambda step: [grads(step, bump)], foreach)
         return t.detach()
 

@@ -103,6 +103,7 @@ def classify_parameters(model: nn.Module) -> dict[str, Any]:
     views: dict[str, str] = {}
     splits: dict[str, tuple[int, ...] | None] = {}
     folds: dict[str, int | None] = {}
+    interleaved: dict[str, bool] = {}
     notes: dict[str, str] = {}
     tied: list[str] = []
     for name, p in named.items():
@@ -136,12 +137,13 @@ def classify_parameters(model: nn.Module) -> dict[str, Any]:
         if kind in ("embedding", "head") and view == "vectors":
             view = "matrix"
         kinds[name], views[name], splits[name], folds[name] = kind, view, split, fold
+        interleaved[name] = route.interleaved and split is not None
         if route.note:
             notes[name] = route.note
     assert len(by_id) == len(named)  # each unique tensor has exactly one name here
     headless = out_module is None and not head_ids and _declares_no_head(model)
     return {"kinds": kinds, "params": named, "tied": tied, "views": views, "splits": splits, "folds": folds,
-            "notes": notes, "headless": headless}
+            "interleaved": interleaved, "notes": notes, "headless": headless}
 
 
 def _declares_no_head(model: nn.Module) -> bool:
@@ -227,10 +229,12 @@ def param_groups(
             note = f"blocks {split} read from the model; kept whole (split_fused=False)"
         if note:
             g.setdefault("notes", {})[name] = note
-    for name, fold in info["folds"].items():
-        if fold is not None:  # a key only where some tensor folds experts: other models' groups are as before
-            g = groups[info["kinds"][name]]
-            g.setdefault("folds", [None] * len(g["params"]))[g["names"].index(name)] = fold
+    # Keys only where some tensor folds experts or interleaves its blocks: other models' groups are as before.
+    for key, absent in (("folds", None), ("interleaved", False)):
+        for name, value in info[key].items():
+            if value != absent and (key == "folds" or split_fused):
+                g = groups[info["kinds"][name]]
+                g.setdefault(key, [absent] * len(g["params"]))[g["names"].index(name)] = value
     if info["headless"]:
         groups["embedding"]["headless"] = True
     if info["tied"]:
@@ -334,6 +338,7 @@ def describe_view(layout: Layout) -> str:
     text = f"{source}-> {batch + ' x ' if batch else ''}{layout.rows}x{layout.cols}"
     if layout.split:
         text += f", split {len(layout.blocks)} {tuple(layout.blocks)}"
+        text += " interleaved" if layout.interleaved else ""
     return text
 
 

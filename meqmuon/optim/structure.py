@@ -27,6 +27,7 @@ class Route(NamedTuple):
     folds: int | None = None
     note: str = ""
     kind: str | None = None
+    interleaved: bool = False
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -63,7 +64,8 @@ def _experts_route(module: nn.Module, pname: str, p: torch.Tensor) -> Route:
     4, Aria) is read from the module's ``is_transposed`` (``@use_experts_implementation``) where it
     has one, else from the shapes of ``gate_up_proj`` ``(E, 2I, d)`` and ``down_proj`` ``(E, d, I)``.
     ``gate_up_proj`` is split in halves where gate and up are contiguous (``is_concatenated``, or
-    :data:`CONCATENATED_GATE_UP`), kept whole where they interleave (GPT-OSS). A 2-D ``(E, k)``
+    :data:`CONCATENATED_GATE_UP`), in alternate rows where they interleave (GPT-OSS's
+    ``is_concatenated=False``: ``gate_up[..., ::2]``, ``gate_up[..., 1::2]``). A 2-D ``(E, k)``
     tensor is one bias vector per expert (GPT-OSS's ``gate_up_proj_bias``, ``down_proj_bias``).
     """
     experts = _experts_count(module)
@@ -94,8 +96,8 @@ def _experts_route(module: nn.Module, pname: str, p: torch.Tensor) -> Route:
         concatenated = True  # (E, 2I, d) halves: transformers 5's default layout (``.chunk(2, dim=-1)``)
     if concatenated and rows % 2 == 0:
         return Route(view, (rows // 2, rows // 2))
-    if concatenated is False:
-        return Route(view, note=f"gate and up interleaved ({owner}.is_concatenated=False): kept whole")
+    if concatenated is False and rows % 2 == 0:
+        return Route(view, (rows // 2, rows // 2), interleaved=True)
     return Route(view, note=f"gate/up layout of {owner} not read: kept whole")
 
 

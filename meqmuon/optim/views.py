@@ -19,15 +19,17 @@ matrices themselves (``"stacked"`` for ``(out, in)`` blocks, ``"stacked-transpos
 blocks), without a copy.
 
 A *split* cuts each matrix along its rows into blocks (a fused projection's q/k/v sizes, gate/up
-halves), each then handled as its own matrix, so a fused model trains as its unfused twin would.
+halves), each then handled as its own matrix, so a fused model trains as its unfused twin would. An
+*interleaved* split takes its ``k`` equal blocks row by row instead (block ``j`` holds rows ``j, j + k,
+...``: GPT-OSS's gate and up, ``gate_up[..., ::2]`` and ``gate_up[..., 1::2]``), as strided views.
 
-Views, splits and folds live in param groups as lists parallel to ``params`` (``views``, ``splits``,
-``folds``; plain strings, tuples and ints, so ``state_dict()`` loads with ``torch.load(weights_only=True)``);
-:func:`meqmuon.param_groups` writes them from the model's module types, and a group may override
-them (``docs/algorithm.md``, "Routing"). A parameter whose view is one whole matrix is updated as it
-always was; any other is handed to the rules as its matrices, each a view sharing the parameter's
-storage, so the rules need no knowledge of views and each matrix's update is exactly that of a 2-D
-parameter holding it.
+Views, splits, folds and interleaving live in param groups as lists parallel to ``params`` (``views``,
+``splits``, ``folds``, ``interleaved``; plain strings, tuples, ints and bools, so ``state_dict()``
+loads with ``torch.load(weights_only=True)``); :func:`meqmuon.param_groups` writes them from the
+model's module types, and a group may override them (``docs/algorithm.md``, "Routing"). A parameter
+whose view is one whole matrix is updated as it always was; any other is handed to the rules as its
+matrices, each a view sharing the parameter's storage, so the rules need no knowledge of views and
+each matrix's update is exactly that of a 2-D parameter holding it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Layout:
         blocks: row-block sizes (``(rows,)`` when not split).
         split: whether the parameter was split (``blocks`` came from a split).
         folded: a 2-D parameter whose rows hold the ``batch[0]`` matrices one after another.
+        interleaved: the split's (equal) blocks take the rows in turn rather than in runs.
     """
 
     view: str
@@ -66,6 +69,7 @@ class Layout:
     blocks: tuple[int, ...]
     split: bool
     folded: bool = False
+    interleaved: bool = False
 
     @property
     def whole(self) -> bool:
@@ -127,6 +131,9 @@ class Layout:
     def _cut(self, m: Tensor) -> list[Tensor]:
         if not self.split:
             return [m]
+        if self.interleaved:
+            k = len(self.blocks)
+            return [m[j::k] for j in range(k)]
         out, start = [], 0
         for b in self.blocks:
             out.append(m[start : start + b])
@@ -144,8 +151,9 @@ def _unbind(t: Tensor, depth: int) -> list[Tensor]:
 
 
 def layout_of(shape: Sequence[int], view: str = "matrix", split: Sequence[int] | None = None,
-              name: str = "parameter", folds: int | None = None) -> Layout:
-    """The :class:`Layout` of a parameter of ``shape`` under ``view``, ``split`` and ``folds``.
+              name: str = "parameter", folds: int | None = None, interleaved: bool = False) -> Layout:
+    """The :class:`Layout` of a parameter of ``shape`` under ``view``, ``split``, ``folds`` and
+    ``interleaved``.
 
     Raises:
         ValueError: naming the parameter, for a view its shape cannot have, a split whose blocks
@@ -181,13 +189,17 @@ def layout_of(shape: Sequence[int], view: str = "matrix", split: Sequence[int] |
         batch = shape[:-2]
         rows, cols = (shape[-1], shape[-2]) if view == "stacked-transposed" else (shape[-2], shape[-1])
     if split is None:
+        if interleaved:
+            raise ValueError(f"{name}: interleaved=True needs a split into equal blocks")
         return Layout(view, batch, rows, cols, (rows,), False, folded)
     blocks = tuple(split)
     if not blocks or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in blocks) \
             or sum(blocks) != rows:
         raise ValueError(f"{name}: split {blocks} must be positive integers adding up to the matrix's "
                          f"{rows} rows (view {view!r} of shape {shape})")
-    return Layout(view, batch, rows, cols, blocks, True, folded)
+    if interleaved and len(set(blocks)) != 1:
+        raise ValueError(f"{name}: an interleaved split needs equal blocks, got {blocks}")
+    return Layout(view, batch, rows, cols, blocks, True, folded, bool(interleaved))
 
 
 def normalise_group_views(group: dict[str, Any], names: Sequence[str]) -> None:
@@ -199,7 +211,8 @@ def normalise_group_views(group: dict[str, Any], names: Sequence[str]) -> None:
     """
     n = len(group["params"])
     for key, single in (("views", lambda v: isinstance(v, str)), ("splits", lambda v: v is None),
-                        ("folds", lambda v: v is None or isinstance(v, int))):
+                        ("folds", lambda v: v is None or isinstance(v, int)),
+                        ("interleaved", lambda v: isinstance(v, bool))):
         if key not in group:
             continue
         value = group[key]
@@ -213,12 +226,13 @@ def normalise_group_views(group: dict[str, Any], names: Sequence[str]) -> None:
     views = group.get("views", ["matrix"] * n)
     splits = group.get("splits", [None] * n)
     folds = group.get("folds", [None] * n)
-    for p, name, view, split, fold in zip(group["params"], names, views, splits, folds, strict=True):
-        layout_of(p.shape, view, split, name, fold)  # raises naming the parameter
+    inter = group.get("interleaved", [False] * n)
+    for p, name, view, split, fold, il in zip(group["params"], names, views, splits, folds, inter, strict=True):
+        layout_of(p.shape, view, split, name, fold, il)  # raises naming the parameter
 
 
 def group_layout(group: dict[str, Any], i: int, shape: Sequence[int], name: str = "parameter") -> Layout:
     """The layout of parameter ``i`` of ``group`` (global ``shape``)."""
-    views, splits, folds = group.get("views"), group.get("splits"), group.get("folds")
+    views, splits, folds, inter = (group.get(k) for k in ("views", "splits", "folds", "interleaved"))
     return layout_of(shape, views[i] if views else "matrix", splits[i] if splits else None, name,
-                     folds[i] if folds else None)
+                     folds[i] if folds else None, inter[i] if inter else False)
