@@ -6,6 +6,8 @@ read from it: the class (a meqmuon ``RoleOptimizer``, or torch's AdamW), the key
 in ``STATED``: whether its batched buckets take a matrix transposed, which distributed layouts
 (``LAYOUTS``) and which other checks (``CHECKS``, the matrix views among them) run it. test_capabilities.py fails when a
 registered optimizer has no row, so a new optimizer cannot be left out of the parametrised tests.
+:func:`every_form` lists every (optimizer, step form) pair, which test_param_shapes.py steps on
+parameters of every rank (0-D to 4-D).
 """
 
 from __future__ import annotations

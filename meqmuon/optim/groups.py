@@ -58,23 +58,8 @@ def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module, nn.Module | Non
     return owners
 
 
-def classify_parameters(model: nn.Module) -> dict[str, Any]:
-    """Assign every trainable parameter of ``model`` a kind and a matrix view (``views.py``).
-
-    Returns a dict with ``kinds`` (param name -> kind, first name of each unique tensor, in
-    ``named_parameters`` order), ``params`` (name -> tensor), ``tied`` (names of embedding
-    tensors that are also the output head), ``views`` and ``splits`` (name -> view, split) and
-    ``notes`` (name -> why a fused projection is kept whole).
-
-    Beyond role: a >=2-D tensor whose matrices have one row or one column is a vector in disguise
-    (Qwen2-MoE's ``shared_expert_gate`` ``(1, d)``, ViT's ``cls_token`` ``(1, 1, d)``): row or column
-    normalising it would be a sign update, so it is a ``vector``. A learned table stored with leading
-    singleton dims (ViT's ``position_embeddings`` ``(1, N, d)``) is an ``embedding``, viewed stacked.
-    """
-    named = dict(model.named_parameters())  # de-duplicates tied tensors, keeps the first name
-    by_id = {id(p): n for n, p in named.items()}
-    owners = _owners(model)
-
+def _roles(model: nn.Module, owners: dict) -> tuple[set[int], set[int], nn.Module | None]:
+    """Ids of the embedding and head tensors, and the HF output-embedding module if any."""
     embedding_ids: set[int] = set()
     head_ids: set[int] = set()
     emb_module = _hf_module(model, "get_input_embeddings")
@@ -99,6 +84,29 @@ def classify_parameters(model: nn.Module) -> dict[str, Any]:
             if mname and HEAD_NAME_PATTERN.search(mname):
                 head_ids.update(id(p) for p in module.parameters(recurse=False) if p.ndim >= 2)
 
+    return embedding_ids, head_ids, out_module
+
+
+def classify_parameters(model: nn.Module) -> dict[str, Any]:
+    """Assign every trainable parameter of ``model`` a kind and a matrix view (``views.py``).
+
+    Returns a dict with ``kinds`` (param name -> kind, first name of each unique tensor, in
+    ``named_parameters`` order), ``params`` (name -> tensor), ``tied`` (names of embedding
+    tensors that are also the output head), ``views``, ``splits``, ``folds`` and ``interleaved`` (name
+    -> the matrix view read from the model's structure, :mod:`meqmuon.optim.structure`), ``notes``
+    (name -> why a tensor the model uses as several blocks is kept whole) and ``headless`` (the model
+    declares no output head).
+
+    Beyond role: a >=2-D tensor whose matrices have one row or one column is a vector in disguise
+    (Qwen2-MoE's ``shared_expert_gate`` ``(1, d)``, ViT's ``cls_token`` ``(1, 1, d)``): row or column
+    normalising it would be a sign update, so it is a ``vector``. A learned table stored with leading
+    singleton dims (ViT's ``position_embeddings`` ``(1, N, d)``) is an ``embedding``, viewed stacked.
+    """
+    named = dict(model.named_parameters())  # de-duplicates tied tensors, keeps the first name
+    by_id = {id(p): n for n, p in named.items()}
+    owners = _owners(model)
+
+    embedding_ids, head_ids, out_module = _roles(model, owners)
     kinds: dict[str, str] = {}
     views: dict[str, str] = {}
     splits: dict[str, tuple[int, ...] | None] = {}
@@ -214,32 +222,7 @@ def param_groups(
                         f"role); got {'an' if what[:1].lower() in 'aeiou' else 'a'} {what}: pass the model itself")
     info = classify_parameters(model)
     _override_kinds(info, kinds or {})
-    groups: dict[str, dict[str, Any]] = {
-        k: {"params": [], "names": [], "kind": k, "tied": False, "views": [], "splits": []} for k in KINDS
-    }
-    for name, kind in info["kinds"].items():
-        g = groups[kind]
-        g["params"].append(info["params"][name])
-        g["names"].append(name)
-        g["views"].append(info["views"][name])
-        split = info["splits"][name]
-        g["splits"].append(split if split_fused else None)
-        note = info["notes"].get(name)
-        if split is not None and not split_fused:
-            note = f"blocks {split} read from the model; kept whole (split_fused=False)"
-        if note:
-            g.setdefault("notes", {})[name] = note
-    # Keys only where some tensor folds experts or interleaves its blocks: other models' groups are as before.
-    for key, absent in (("folds", None), ("interleaved", False)):
-        for name, value in info[key].items():
-            if value != absent and (key == "folds" or split_fused):
-                g = groups[info["kinds"][name]]
-                g.setdefault(key, [absent] * len(g["params"]))[g["names"].index(name)] = value
-    if info["headless"]:
-        groups["embedding"]["headless"] = True
-    if info["tied"]:
-        groups["embedding"]["tied"] = True
-        groups["embedding"]["tied_names"] = list(info["tied"])
+    groups = _fill_groups(info, split_fused)
 
     # Coverage check: every unique trainable tensor exactly once.
     seen: dict[int, str] = {}
@@ -287,6 +270,37 @@ def _override_kinds(info: dict[str, Any], kinds: Mapping[str, str]) -> None:
             info["views"][name] = "matrix"
         if name in info["tied"] and kind != "embedding":
             info["tied"].remove(name)
+
+
+def _fill_groups(info: dict[str, Any], split_fused: bool) -> dict[str, dict[str, Any]]:
+    """One group per kind from the classification ``info``, with per-parameter views and splits."""
+    groups: dict[str, dict[str, Any]] = {
+        k: {"params": [], "names": [], "kind": k, "tied": False, "views": [], "splits": []} for k in KINDS
+    }
+    for name, kind in info["kinds"].items():
+        g = groups[kind]
+        g["params"].append(info["params"][name])
+        g["names"].append(name)
+        g["views"].append(info["views"][name])
+        split = info["splits"][name]
+        g["splits"].append(split if split_fused else None)
+        note = info["notes"].get(name)
+        if split is not None and not split_fused:
+            note = f"blocks {split} read from the model; kept whole (split_fused=False)"
+        if note:
+            g.setdefault("notes", {})[name] = note
+    # Keys only where some tensor folds experts or interleaves its blocks: other models' groups are as before.
+    for key, absent in (("folds", None), ("interleaved", False)):
+        for name, value in info[key].items():
+            if value != absent and (key == "folds" or split_fused):
+                g = groups[info["kinds"][name]]
+                g.setdefault(key, [absent] * len(g["params"]))[g["names"].index(name)] = value
+    if info["headless"]:
+        groups["embedding"]["headless"] = True
+    if info["tied"]:
+        groups["embedding"]["tied"] = True
+        groups["embedding"]["tied_names"] = list(info["tied"])
+    return groups
 
 
 def describe_groups(groups: Iterable[Mapping[str, Any]]) -> str:
