@@ -430,8 +430,9 @@ def test_layout_shapes_and_labels():
 
 def test_fused_layouts_read_outside_the_zoo():
     """MLA's ``kv_a_proj_with_mqa`` (DeepSeek V3: ``split([kv_lora_rank, qk_rope_head_dim])``), Jamba's
-    Mamba ``in_proj`` (halves) and ``x_proj`` (dt, B, C) with its ``A_log`` a vector, and
-    ``nn.MultiheadAttention``'s ``in_proj_weight`` (q, k, v) are split from the model's structure."""
+    Mamba ``in_proj`` (halves) and ``x_proj`` (dt, B, C) with its ``A_log`` a vector, JetMoE's GLU
+    experts' ``input_linear`` and ``kv_proj`` (halves; its attention experts' ``input_linear`` is one
+    block), and ``nn.MultiheadAttention``'s ``in_proj_weight`` (q, k, v) are read from the model."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     deepseek = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
@@ -450,6 +451,15 @@ def test_fused_layouts_read_outside_the_zoo():
     assert r["model.layers.0.mamba.in_proj.weight"] == ("hidden", "matrix", (64, 64))
     assert r["model.layers.0.mamba.x_proj.weight"] == ("hidden", "matrix", (4, 8, 8))
     assert r["model.layers.0.mamba.A_log"] == ("vector", "matrix", None)  # (64, 8): decays, not a map
+    assert "Fused tensors kept whole" not in meqmuon.describe_groups(groups)
+    jetmoe = transformers.JetMoeForCausalLM(transformers.JetMoeConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_key_value_heads=2, kv_channels=8,
+        intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
+    groups = meqmuon.param_groups(jetmoe)
+    r = _routing(groups)
+    assert r["model.layers.0.mlp.input_linear.weight"] == ("hidden", "stacked", (48, 48))  # GLU experts
+    assert r["model.layers.0.self_attention.experts.input_linear.weight"] == ("hidden", "stacked", None)  # MoA
+    assert r["model.layers.0.self_attention.kv_proj.weight"] == ("hidden", "matrix", (16, 16))
     assert "Fused tensors kept whole" not in meqmuon.describe_groups(groups)
     mha = nn.Module()
     mha.attn = nn.MultiheadAttention(12, 3)

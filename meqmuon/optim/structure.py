@@ -194,6 +194,12 @@ FUSED_LAYOUTS: dict[tuple[str, str], Callable[[nn.Module, int], tuple[int, ...]]
     ("Mamba2Mixer", "conv1d"): _mamba2_conv,
     ("DeepseekV2Attention", "kv_a_proj_with_mqa"): lambda a, rows: (a.kv_lora_rank, a.qk_rope_head_dim),
     ("DeepseekV3Attention", "kv_a_proj_with_mqa"): lambda a, rows: (a.kv_lora_rank, a.qk_rope_head_dim),
+    # Granite MoE's shared / dense GLU and JetMoE: ``input_linear(x).chunk(2, dim=-1)``; JetMoE's
+    # ``kv_proj(x).chunk(2, dim=-1)``; its attention experts' (MoA) input_linear is one block.
+    **{(c, "input_linear"): _halves for c in ("GraniteMoeSharedMLP", "GraniteMoeHybridMLP", "GraniteMoeSWAMLP",
+                                              "JetMoeMoE")},
+    ("JetMoeAttention", "kv_proj"): _halves,
+    ("JetMoeMoA", "input_linear"): lambda parent, rows: (rows,),
 }
 #: Names of projections known to be fused, for the modules whose layout is not in
 #: :data:`FUSED_LAYOUTS` (GPT-NeoX and Falcon interleave q, k, v per head; Baichuan's ``W_pack``,
@@ -208,8 +214,8 @@ def _fused_route(mname: str, parent: nn.Module | None, view: str, rows: int) -> 
     layout = FUSED_LAYOUTS.get((type(parent).__name__, leaf)) if parent is not None else None
     if layout is not None:
         blocks = tuple(layout(parent, rows))
-        if sum(blocks) == rows and len(blocks) > 1:
-            return Route(view, blocks)
+        if sum(blocks) == rows:  # one block: read, and not fused
+            return Route(view, blocks if len(blocks) > 1 else None)
     if FUSED_NAMES.search(mname):
         owner = type(parent).__name__ if parent is not None else "?"
         return Route(view, note=f"fused layout of {owner} not read: kept whole")
@@ -241,7 +247,11 @@ def declared_view(mname: str, module: nn.Module, parent: nn.Module | None, pname
     if isinstance(module, nn.MultiheadAttention):
         return _mha_route(module, pname, p)
     if _is_experts(module):
-        return _experts_route(module, pname, p)
+        route = _experts_route(module, pname, p)
+        if p.ndim >= 3 and route.split is None and not route.note:  # a fused stack (JetMoE's input_linear)
+            rows = p.shape[-1] if route.view == "stacked-transposed" else p.shape[-2]
+            route = _fused_route(mname, parent, route.view, rows)
+        return route
     folded = _folded_route(module, pname, p)
     if folded is not None:
         return folded
