@@ -76,9 +76,9 @@ def _experts_route(module: nn.Module, pname: str, p: torch.Tensor) -> Route:
     if p.ndim < 3:
         return Route()
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.ndim == down.ndim == 3):
-        return Route("stacked")
     transposed = getattr(module, "is_transposed", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.ndim == down.ndim == 3):
+        return Route("stacked-transposed" if transposed else "stacked")  # e.g. has_gate=False: up_proj, down_proj
     if transposed is None:
         if gate_up.shape[-1] == down.shape[-2]:  # (E, 2I, d) and (E, d, I): stored (out, in)
             transposed = False
