@@ -259,7 +259,7 @@ def _add_prepare_parser(sub: Any) -> None:
                                    "same command after an interruption. Example: meqmuon prepare --data c4/en "
                                    "--tokenizer t5-base --out data/c4-t5 --max-tokens 1.2B")
     p.add_argument("--data", nargs="+", required=True, metavar="PATH",
-                   help="files and directories, or pysrc (the Python-sources corpus, ~40M tokens)")
+                   help="files and directories, or pysrc (the Python-sources corpus, ~44M tokens)")
     p.add_argument("--tokenizer", default=None, metavar="NAME_OR_DIR",
                    help="HF hub id or save_pretrained directory (required but for pysrc: default the built-in BPE)")
     p.add_argument("--vocab-size", type=int, default=4096, help="built-in BPE vocabulary for pysrc (4096)")

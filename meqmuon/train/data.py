@@ -6,7 +6,7 @@ name as ``data_source`` in ``config.json`` and ``summary.json``)
     ``builtin`` (``None`` / ``"builtin"``): the offline built-in corpus (Python documentation text,
     see :mod:`meqmuon.train.corpus`) with a byte-level BPE trained on its train split.
     ``pysrc``: the Python-sources corpus (the standard library's and the harness's dependencies'
-    source and documentation files, ~40M tokens; :mod:`meqmuon.train.pysrc`) with the same BPE.
+    source and documentation files, ~44M tokens; :mod:`meqmuon.train.pysrc`) with the same BPE.
     ``local``: paths to ``.jsonl``/``.json`` (one ``{"text": ...}`` per line) or ``.txt``
     (documents separated by blank lines) files, any of them gzipped; directories are expanded.
     Validation documents are held out by a stable hash of their text (5 %); without

@@ -2,7 +2,7 @@
 
 Text every install of the training extras has: the source and documentation files of the standard
 library and of the packages the harness depends on (:data:`PACKAGES`: torch, the ``[train]``
-extras, and numpy, which torch and datasets need). About 150 MB of text, ~40M tokens with the
+extras, and numpy, which torch and datasets need). About 150 MB of text, ~44M tokens with the
 4096-token byte-level BPE; the built-in corpus (``--data builtin``, ~0.5M tokens) stays the demo's.
 
 Files
