@@ -3,8 +3,10 @@
 ``python -m meqmuon ...`` is the same command. Every run flag maps to a :class:`TrainConfig` field
 (``--global-batch`` -> ``global_batch``); flags that are not given keep the config's default, or,
 when resuming, the value stored in the run's ``config.json``. Errors are one line on stderr,
-``meqmuon: error: ...``, with exit status 1 (2 for command-line syntax, from argparse). Set
-``MEQMUON_DEBUG=1`` to get the traceback instead.
+``meqmuon: error: ...``, with exit status 1 (2 for command-line syntax: argparse's message on the
+same one line, pointing at ``--help``). Set ``MEQMUON_DEBUG=1`` to get the traceback instead.
+SIGINT/SIGTERM during a run save a checkpoint and end with one line saying how to resume, exit
+status ``128 + signal`` (:mod:`meqmuon.train.preempt`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +36,29 @@ def parse_count(text: str) -> int:
     if value != value:
         raise argparse.ArgumentTypeError(f"not a count: {text!r} (e.g. 1000, 2e6, 500M, 1.16B)")
     return int(round(value))
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with errors on one line, ``meqmuon: error: ...`` like every other error (exit status 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        msg = " ".join(message.split())
+        self.exit(2, f"meqmuon: error: {msg} (see `{self.prog} --help`)\n")
+
+
+_NEGATIVE = re.compile(r"-(\d|\.\d)[\d.]*([eE][-+]?\d+)?")
+
+
+def _join_negative_values(argv: Sequence[str]) -> list[str]:
+    """``--lr -1e-3`` -> ``--lr=-1e-3``: argparse takes ``-1e-3`` for an option (only ``-1`` and ``-.5``
+    count as numbers there) and would print its usage; joined, the value reaches the config's check."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _NEGATIVE.fullmatch(arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 def _csv(text: str) -> list[str]:
@@ -269,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``meqmuon`` (diagnostics subcommands added when that package is present)."""
     from meqmuon.optim.registry import DEMO_NAMES
 
-    parser = argparse.ArgumentParser(prog="meqmuon", description="MeqMuon pretraining harness")
+    parser = _Parser(prog="meqmuon", description="MeqMuon pretraining harness")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("train", help="train one model with one optimizer",
@@ -330,10 +356,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``meqmuon``; returns the exit status (argparse errors raise ``SystemExit(2)``)."""
     from meqmuon.train.checkpoint import CheckpointError
     from meqmuon.train.loop import TrainingDiverged
+    from meqmuon.train.preempt import RunInterrupted
 
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(_join_negative_values(argv))
     try:
         return int(args.func(args) or 0)
+    except RunInterrupted as e:
+        if int(os.environ.get("RANK", "0")) == 0:  # one line for the job, not one per rank
+            print(f"meqmuon: {e}; resume with: {_resume_command(args, argv, e)}", file=sys.stderr)
+        return e.exit_status
     except (ValueError, TypeError, CheckpointError, TrainingDiverged, RuntimeError, OSError) as e:
         if os.environ.get("MEQMUON_DEBUG"):
             raise
@@ -343,6 +375,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("meqmuon: interrupted", file=sys.stderr)
         return 130
+
+
+def _resume_command(args: argparse.Namespace, argv: list[str], stop: Any) -> str:
+    """How to continue a stopped run: ``train`` from the run's own config, ``compare``/``sweep`` by
+    running the same command again (finished runs are reused, the stopped one resumes with ``auto``)."""
+    launcher = "torchrun ... -m meqmuon" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "meqmuon"
+    if args.command == "train":
+        return f"{launcher} train --out {shlex.quote(str(stop.run_dir))} --resume auto"
+    return f"{launcher} {shlex.join(argv)}"
 
 
 def _entry() -> None:  # pragma: no cover - exercised through subprocesses
