@@ -107,7 +107,9 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
     g.add_argument("--threads", type=int, default=S,
                    help="CPU threads for the run (default: torch's, one per core); 1 on a CPU shared with other jobs")
     g.add_argument("--out", default=S, help="run directory" + (" for all runs" if compare else ""))
-    g.add_argument("--eval-every", type=int, default=S, help="evaluate every N updates (default ~20 per run)")
+    g.add_argument("--eval-every", type=int, default=S,
+                   help="evaluate every N updates (and at the end); default: ~20 evaluations per run, fewer "
+                   "where they would take over 10 %% of the training compute")
     g.add_argument("--save-every", type=int, default=S, help="checkpoint every N updates (default ~10 per run)")
     g.add_argument("--keep-checkpoints", type=int, default=S, help="checkpoints kept per run (2)")
     g.add_argument("--quiet", action="store_true", default=S, help="no progress bar or log lines")
@@ -239,9 +241,13 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from meqmuon.train.plot import plot_runs
+    from meqmuon.train.plot import METRICS, default_output, default_title, plot_runs
 
-    path = plot_runs(args.files, args.out, metric=args.metric, title=args.title)
+    if args.metric not in METRICS:
+        raise ValueError(f"unknown metric {args.metric!r}; valid: {', '.join(METRICS)}")
+    out = args.out if args.out is not None else default_output(args.files, args.metric)
+    title = args.title if args.title is not None else default_title(args.files, args.metric)
+    path = plot_runs(args.files, out, metric=args.metric, title=title)
     print(path)
     return 0
 
@@ -308,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Same model, initial weights, data order and validation set for every optimizer; "
                                    "prints and saves a markdown table and a perplexity plot. With --seeds N: "
                                    "every optimizer for seeds 0..N-1, then per optimizer the mean final "
-                                   "validation loss, its 95%% Student-t interval and the paired difference "
+                                   "validation loss, its 95 % Student-t interval and the paired difference "
                                    "against meqmuon on the same seeds; the plot shows mean curves with a "
                                    "min-max band.")
     p.add_argument("--optimizers", default=None, help=f"comma-separated (default {','.join(DEMO_NAMES)})")
@@ -323,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sweep", help="grid over optimizers x learning rates x seeds",
                        description="Trains every optimizer x lr x seed; sweep.md reports per optimizer at its best "
-                                   "lr (lowest mean final validation loss over seeds) the mean, its 95%% "
+                                   "lr (lowest mean final validation loss over seeds) the mean, its 95 % "
                                    "Student-t interval and the paired difference against meqmuon on the same "
                                    "seeds, then every optimizer x lr cell; val_ppl.png shows mean curves with "
                                    "a min-max band over seeds.")
@@ -333,11 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(p, compare=True)
     p.set_defaults(func=_cmd_sweep)
 
-    p = sub.add_parser("plot", help="plot metrics.jsonl files against tokens")
-    p.add_argument("files", nargs="+", help="metrics.jsonl files or run directories")
-    p.add_argument("--out", default="plot.png", help="PNG path (plot.png)")
+    p = sub.add_parser("plot", help="plot metrics.jsonl files against tokens",
+                       description="One curve per run against training tokens. Example, after the demo: "
+                                   "meqmuon plot runs/compare/*/metrics.jsonl (or: meqmuon plot runs/compare)")
+    p.add_argument("files", nargs="+", help="metrics.jsonl files, run directories, or directories of runs")
+    p.add_argument("--out", default=None, help="PNG path (default: <run>/<metric>.png for one run, else "
+                   "<common directory>/<metric>-<run names>.png)")
     p.add_argument("--metric", default="val_ppl", help="val_ppl (default), val_loss, val_bpb or loss (train)")
-    p.add_argument("--title", default=None)
+    p.add_argument("--title", default=None, help="default: the runs' model, the metric and their directory")
     p.set_defaults(func=_cmd_plot)
 
     _add_prepare_parser(sub)

@@ -234,4 +234,26 @@ def test_python_dash_m_and_argparse_errors():
         assert cmd in help_.stdout
     bad = subprocess.run([sys.executable, "-m", "meqmuon", "train", "--lr", "abc"], env=env, capture_output=True,
                          text=True)
-    assert bad.returncode == 2 and "meqmuon train: error: argument --lr: invalid float value: 'abc'" in bad.stderr
+    assert bad.returncode == 2 and bad.stderr == ("meqmuon: error: argument --lr: invalid float value: 'abc' (see "
+                                                  "`meqmuon train --help`)\n")
+    for cmd in ("compare", "sweep"):  # no literal "95%%" from a description argparse does not %-format
+        text = subprocess.run([sys.executable, "-m", "meqmuon", cmd, "--help"], env=env, capture_output=True,
+                              text=True).stdout
+        assert "%%" not in text and "95 %" in text, cmd
+
+
+def test_every_flag_of_every_command_has_help():
+    import argparse
+
+    from meqmuon.cli import build_parser
+
+    def walk(parser: argparse.ArgumentParser, name: str):
+        for action in parser._actions:  # argparse has no public accessor for these
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, p in action.choices.items():
+                    yield from walk(p, f"{name} {sub}")
+            elif action.option_strings and action.dest != "help":
+                yield name, action
+
+    missing = [f"{name} {a.option_strings[0]}" for name, a in walk(build_parser(), "meqmuon") if not a.help]
+    assert missing == []
