@@ -205,9 +205,12 @@ _MANTISSAS = ((1,), (1, 2, 5), (1, 1.5, 2, 3, 5, 7), (1, 1.2, 1.5, 2, 2.5, 3, 4,
 def log_ticks(lo: float, hi: float, at_least: int = 4) -> list[float]:
     """Ticks of a log axis over positive data in ``[lo, hi]``: the first series of :data:`_MANTISSAS`
     x powers of ten that has ``at_least`` values from the largest one ``<= lo`` to the smallest ``>= hi``
-    (those two included, so the ticks bracket the data), e.g. 128..142 -> 120, 130, 140, 150."""
+    (those two included, so the ticks bracket the data), e.g. 128..142 -> 120, 130, 140, 150. A single
+    value (``lo == hi``) is widened by 5 % each way first."""
     if not 0 < lo <= hi or not math.isfinite(hi):
         raise ValueError(f"log ticks need 0 < lo <= hi < inf, got {lo}, {hi}")
+    if lo == hi:
+        lo, hi = lo / 1.05, hi * 1.05
     e0, e1 = math.floor(math.log10(lo)) - 1, math.floor(math.log10(hi)) + 1
     ticks: list[float] = []
     for mantissas in _MANTISSAS:
