@@ -124,3 +124,27 @@ def test_a_second_signal_exits_at_once():
     done = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=60)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
     assert done.stdout == "" and done.stderr == "meqmuon: second SIGTERM: exiting at once without saving\n"
+
+
+def test_sigterm_stops_compare_and_the_same_command_resumes_it(cache, tmp_path):
+    out = tmp_path / "cmp"
+    cmd = ["compare", "--optimizers", "adamw,meqmuon", "--vocab-size", "512", "--seq-len", "32", "--global-batch",
+           "8", "--steps", "40", "--eval-every", "10", "--val-tokens", "256", "--cache-dir", cache, "--out", str(out),
+           "--quiet"]
+    k = random.randint(2, 20)
+    (proc,) = launch(cmd, 1)
+    while not (out / "adamw" / "metrics.jsonl").exists() or k not in train_steps(out / "adamw"):
+        assert proc.poll() is None, f"k={k}: compare ended before the signal"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    codes, (err,) = finish([proc])
+    assert codes == [128 + signal.SIGTERM], (k, err)
+    (line,) = err.strip().splitlines()
+    assert line.startswith("meqmuon: stopped by SIGTERM after step ") and line.endswith(
+        "resume with: meqmuon " + " ".join(cmd)), (k, line)
+    assert not (out / "meqmuon").exists() and not (out / "table.md").exists(), k  # compare stopped too
+    codes, errs = finish(launch(cmd, 1))  # the same command again
+    assert codes == [0], errs
+    for name in ("adamw", "meqmuon"):
+        assert train_steps(out / name) == list(range(1, 41)), (k, name)
+    assert "| adamw |" in (out / "table.md").read_text() and "| meqmuon |" in (out / "table.md").read_text()
