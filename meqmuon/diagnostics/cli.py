@@ -71,9 +71,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
     dtype = _DTYPES[args.state_dtype]
     nbytes = torch.empty((), dtype=dtype).element_size()
-    models = args.models or None
-    groups = meta_param_groups(models)
     optimizers = [spec(n).name for n in args.optimizers] if args.optimizers else list(MEMORY_NAMES)  # unknown: error
+    groups = meta_param_groups(args.models or None)
     values = memory_mib(groups, optimizers, nbytes)
     parts = [
         f"## Optimizer-state memory (MiB, {args.state_dtype} state; paper Table 5 and Table 7's memory)\n",
@@ -96,7 +95,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
 def _ns_dtype_name(args: argparse.Namespace) -> str:
     """``--ns-dtype auto``: the Newton-Schulz dtype the run itself used (``optimizer_args.ns_dtype`` of
-    its ``config.json``, concrete since issue #16), so the analysis sees what the optimizer computed;
+    its ``config.json``, concrete in every run since 2026-11-23), so the analysis sees what the optimizer computed;
     for a run that does not record one, what ``ns_dtype=None`` gives on this CPU (bf16 where native,
     else float32: bf16 is ~170x slower on an AVX2-only CPU). Explicit names are used as given."""
     if args.ns_dtype != "auto":

@@ -13,7 +13,7 @@ hardware or the model rather than the paper:
 
 * ``precision="auto"`` (default) means bf16 autocast where the device runs bf16 natively and fp32
   elsewhere (:mod:`meqmuon.precision`): on an AVX2-only CPU bf16 autocast trained the demo 13x
-  slower than fp32 (issue #16). The Newton-Schulz dtype of the Muon-family optimizers is resolved
+  slower than fp32 (docs/training.md). The Newton-Schulz dtype of the Muon-family optimizers is resolved
   the same way. Both are written into the run's config as concrete values (:func:`resolve_numerics`).
 * The CPU presets (``*-tiny``) default to CPU-sized batches (:data:`CPU_PRESET_DEFAULTS`): with the
   paper's 512 x 1024 batch and 1M validation tokens one step of a 1.8M-parameter model took minutes.
