@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from meqmuon.train.capture import layer_index
 from meqmuon.train.checkpoint import (
     CheckpointError,
     find_checkpoint,
@@ -179,8 +180,6 @@ def _restore(run: Run, ckpt: dict[str, Any], path: Path) -> None:
 def _check_capture(cfg: ResolvedConfig, model: torch.nn.Module) -> None:
     """``--capture-steps`` within the run and ``--capture-layers`` among the model's layers, or a
     ``ValueError``: a capture that can never happen would otherwise be skipped without a word."""
-    from meqmuon.train.capture import layer_index
-
     late = [s for s in cfg.capture_steps or () if s > cfg.steps]
     if late:
         raise ValueError(f"--capture-steps {','.join(map(str, late))} beyond the run's {cfg.steps} steps")
