@@ -306,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train one model with one optimizer",
                        description="Train one run. Example: meqmuon train --model llama-60m --optimizer meqmuon "
-                                   "--lr 2e-3 --data c4")
+                                   "--lr 2e-3 --data c4. Ctrl-C or SIGTERM finishes the current update, saves a "
+                                   "checkpoint and exits (status 130/143); --resume auto --out DIR continues it.")
     _add_run_args(p)
     p.set_defaults(func=_cmd_train)
 
