@@ -1,4 +1,4 @@
-"""Data pipeline of issue 22: ``meqmuon prepare`` throughput, training memory on prepared sets of size N
+"""Data pipeline: ``meqmuon prepare`` throughput, training memory on prepared sets of size N
 and 8N, and the data-loading share of a ``llama-tiny`` step.
 
 Data: C4-format files (``c4-train.NNNNN-of-NNNNN.json.gz`` with ``text``/``timestamp``/``url``) whose

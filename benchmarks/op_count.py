@@ -9,7 +9,7 @@ An optimizer step on a GPU is launch-bound for small and mid-sized models (each 
 ~5-10 us before any FLOP), so the number of kernels per step decides its speed there. A
 ``TorchDispatchMode`` sees every aten op a step dispatches; counting the non-view ones predicted the
 H100 launch counts of our step within 10 % (603 against 542 for Muon, 5,604 against 5,647 for
-MeqMuon, issue 14). The step runs on the ``meta`` device: shapes and dtypes are real (the paper
+MeqMuon). The step runs on the ``meta`` device: shapes and dtypes are real (the paper
 model's, from ``benchmarks/shapes.py``), no memory is allocated and nothing is computed, so
 Llama-350M's step is counted in a second on any machine. Counted: the second step (the first also
 creates state and workspaces), with bf16 Newton-Schulz as on a bf16 GPU. ``--depth 3`` repeats

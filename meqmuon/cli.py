@@ -3,8 +3,10 @@
 ``python -m meqmuon ...`` is the same command. Every run flag maps to a :class:`TrainConfig` field
 (``--global-batch`` -> ``global_batch``); flags that are not given keep the config's default, or,
 when resuming, the value stored in the run's ``config.json``. Errors are one line on stderr,
-``meqmuon: error: ...``, with exit status 1 (2 for command-line syntax, from argparse). Set
-``MEQMUON_DEBUG=1`` to get the traceback instead.
+``meqmuon: error: ...``, with exit status 1 (2 for command-line syntax: argparse's message on the
+same one line, pointing at ``--help``). Set ``MEQMUON_DEBUG=1`` to get the traceback instead.
+SIGINT/SIGTERM during a run save a checkpoint and end with one line saying how to resume, exit
+status ``128 + signal`` (:mod:`meqmuon.train.preempt`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +36,29 @@ def parse_count(text: str) -> int:
     if value != value:
         raise argparse.ArgumentTypeError(f"not a count: {text!r} (e.g. 1000, 2e6, 500M, 1.16B)")
     return int(round(value))
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with errors on one line, ``meqmuon: error: ...`` like every other error (exit status 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        msg = " ".join(message.split())
+        self.exit(2, f"meqmuon: error: {msg} (see `{self.prog} --help`)\n")
+
+
+_NEGATIVE = re.compile(r"-(\d|\.\d)[\d.]*([eE][-+]?\d+)?")
+
+
+def _join_negative_values(argv: Sequence[str]) -> list[str]:
+    """``--lr -1e-3`` -> ``--lr=-1e-3``: argparse takes ``-1e-3`` for an option (only ``-1`` and ``-.5``
+    count as numbers there) and would print its usage; joined, the value reaches the config's check."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _NEGATIVE.fullmatch(arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 def _csv(text: str) -> list[str]:
@@ -81,7 +107,9 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
     g.add_argument("--threads", type=int, default=S,
                    help="CPU threads for the run (default: torch's, one per core); 1 on a CPU shared with other jobs")
     g.add_argument("--out", default=S, help="run directory" + (" for all runs" if compare else ""))
-    g.add_argument("--eval-every", type=int, default=S, help="evaluate every N updates (default ~20 per run)")
+    g.add_argument("--eval-every", type=int, default=S,
+                   help="evaluate every N updates (and at the end); default: ~20 evaluations per run, fewer "
+                   "where they would take over 10 %% of the training compute")
     g.add_argument("--save-every", type=int, default=S, help="checkpoint every N updates (default ~10 per run)")
     g.add_argument("--keep-checkpoints", type=int, default=S, help="checkpoints kept per run (2)")
     g.add_argument("--quiet", action="store_true", default=S, help="no progress bar or log lines")
@@ -214,9 +242,13 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from meqmuon.train.plot import plot_runs
+    from meqmuon.train.plot import METRICS, default_output, default_title, plot_runs
 
-    path = plot_runs(args.files, args.out, metric=args.metric, title=args.title)
+    if args.metric not in METRICS:
+        raise ValueError(f"unknown metric {args.metric!r}; valid: {', '.join(METRICS)}")
+    out = args.out if args.out is not None else default_output(args.files, args.metric)
+    title = args.title if args.title is not None else default_title(args.files, args.metric)
+    path = plot_runs(args.files, out, metric=args.metric, title=title)
     print(path)
     return 0
 
@@ -282,12 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``meqmuon`` (diagnostics subcommands added when that package is present)."""
     from meqmuon.optim.registry import DEMO_NAMES
 
-    parser = argparse.ArgumentParser(prog="meqmuon", description="MeqMuon pretraining harness")
+    parser = _Parser(prog="meqmuon", description="MeqMuon pretraining harness")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("train", help="train one model with one optimizer",
                        description="Train one run. Example: meqmuon train --model llama-60m --optimizer meqmuon "
-                                   "--lr 2e-3 --data c4")
+                                   "--lr 2e-3 --data c4. Ctrl-C or SIGTERM finishes the current update, saves a "
+                                   "checkpoint and exits (status 130/143); --resume auto --out DIR continues it.")
     _add_run_args(p)
     p.set_defaults(func=_cmd_train)
 
@@ -295,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Same model, initial weights, data order and validation set for every optimizer; "
                                    "prints and saves a markdown table and a perplexity plot. With --seeds N: "
                                    "every optimizer for seeds 0..N-1, then per optimizer the mean final "
-                                   "validation loss, its 95%% Student-t interval and the paired difference "
+                                   "validation loss, its 95 % Student-t interval and the paired difference "
                                    "against meqmuon on the same seeds; the plot shows mean curves with a "
                                    "min-max band.")
     p.add_argument("--optimizers", default=None, help=f"comma-separated (default {','.join(DEMO_NAMES)})")
@@ -310,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sweep", help="grid over optimizers x learning rates x seeds",
                        description="Trains every optimizer x lr x seed; sweep.md reports per optimizer at its best "
-                                   "lr (lowest mean final validation loss over seeds) the mean, its 95%% "
+                                   "lr (lowest mean final validation loss over seeds) the mean, its 95 % "
                                    "Student-t interval and the paired difference against meqmuon on the same "
                                    "seeds, then every optimizer x lr cell; val_ppl.png shows mean curves with "
                                    "a min-max band over seeds.")
@@ -322,11 +355,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(p, compare=True)
     p.set_defaults(func=_cmd_sweep)
 
-    p = sub.add_parser("plot", help="plot metrics.jsonl files against tokens")
-    p.add_argument("files", nargs="+", help="metrics.jsonl files or run directories")
-    p.add_argument("--out", default="plot.png", help="PNG path (plot.png)")
+    p = sub.add_parser("plot", help="plot metrics.jsonl files against tokens",
+                       description="One curve per run against training tokens. Example, after the demo: "
+                                   "meqmuon plot runs/compare/*/metrics.jsonl (or: meqmuon plot runs/compare)")
+    p.add_argument("files", nargs="+", help="metrics.jsonl files, run directories, or directories of runs")
+    p.add_argument("--out", default=None, help="PNG path (default: <run>/<metric>.png for one run, else "
+                   "<common directory>/<metric>-<run names>.png)")
     p.add_argument("--metric", default="val_ppl", help="val_ppl (default), val_loss, val_bpb or loss (train)")
-    p.add_argument("--title", default=None)
+    p.add_argument("--title", default=None, help="default: the runs' model, the metric and their directory")
     p.set_defaults(func=_cmd_plot)
 
     _add_prepare_parser(sub)
@@ -345,10 +381,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``meqmuon``; returns the exit status (argparse errors raise ``SystemExit(2)``)."""
     from meqmuon.train.checkpoint import CheckpointError
     from meqmuon.train.loop import TrainingDiverged
+    from meqmuon.train.preempt import RunInterrupted
 
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(_join_negative_values(argv))
     try:
         return int(args.func(args) or 0)
+    except RunInterrupted as e:
+        if int(os.environ.get("RANK", "0")) == 0:  # one line for the job, not one per rank
+            print(f"meqmuon: {e}; resume with: {_resume_command(args, argv, e)}", file=sys.stderr)
+        return e.exit_status
     except (ValueError, TypeError, CheckpointError, TrainingDiverged, RuntimeError, OSError) as e:
         if os.environ.get("MEQMUON_DEBUG"):
             raise
@@ -358,6 +400,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("meqmuon: interrupted", file=sys.stderr)
         return 130
+
+
+def _resume_command(args: argparse.Namespace, argv: list[str], stop: Any) -> str:
+    """How to continue a stopped run: ``train`` from the run's own config, ``compare``/``sweep`` by
+    running the same command again (finished runs are reused, the stopped one resumes with ``auto``)."""
+    launcher = "torchrun ... -m meqmuon" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "meqmuon"
+    if args.command == "train":
+        return f"{launcher} train --out {shlex.quote(str(stop.run_dir))} --resume auto"
+    return f"{launcher} {shlex.join(argv)}"
 
 
 def _entry() -> None:  # pragma: no cover - exercised through subprocesses

@@ -2,7 +2,7 @@
 
 bf16 is only a speed-up where the hardware multiplies bf16 natively. On an x86 CPU without
 AVX512-BF16/AMX (torch capability ``AVX2``) PyTorch falls back to a scalar bf16 GEMM, ~170x
-slower than float32 (issue #16; docs/benchmarks.md), whereas CPUs with AVX512-BF16 run it ~4x
+slower than float32 (docs/benchmarks.md), whereas CPUs with AVX512-BF16 run it ~4x
 faster. So the package's "auto" choices (``ns_dtype=None`` of the Muon-family optimizers,
 ``--precision auto`` of the harness) ask this module, which decides from what the hardware
 *reports*, never from a timing, so the decision is the same in every process on a machine and can

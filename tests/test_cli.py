@@ -3,7 +3,9 @@
 Each error case checks three things: the exit status is non-zero, stderr is exactly one line starting
 with ``meqmuon: error:`` that names the problem, and files already in the run directory are untouched.
 Also covered: ``--stop-at-step`` + a bare ``--resume auto`` (config read back from the run), ``plot``,
-``sweep`` and ``python -m meqmuon``.
+``sweep`` and ``python -m meqmuon``; and a table of bad inputs to every command (train, compare, sweep,
+prepare, plot, diagnose, memory, ablation), argparse's syntax errors included, each of which must
+print exactly one ``meqmuon: error:`` line.
 """
 
 from __future__ import annotations
@@ -234,4 +236,103 @@ def test_python_dash_m_and_argparse_errors():
         assert cmd in help_.stdout
     bad = subprocess.run([sys.executable, "-m", "meqmuon", "train", "--lr", "abc"], env=env, capture_output=True,
                          text=True)
-    assert bad.returncode == 2 and "meqmuon train: error: argument --lr: invalid float value: 'abc'" in bad.stderr
+    assert bad.returncode == 2 and bad.stderr == ("meqmuon: error: argument --lr: invalid float value: 'abc' (see "
+                                                  "`meqmuon train --help`)\n")
+    for cmd in ("compare", "sweep"):  # no literal "95%%" from a description argparse does not %-format
+        text = subprocess.run([sys.executable, "-m", "meqmuon", cmd, "--help"], env=env, capture_output=True,
+                              text=True).stdout
+        assert "%%" not in text and "95 %" in text, cmd
+
+
+def test_every_flag_of_every_command_has_help():
+    import argparse
+
+    from meqmuon.cli import build_parser
+
+    def walk(parser: argparse.ArgumentParser, name: str):
+        for action in parser._actions:  # argparse has no public accessor for these
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, p in action.choices.items():
+                    yield from walk(p, f"{name} {sub}")
+            elif action.option_strings and action.dest != "help":
+                yield name, action
+
+    missing = [f"{name} {a.option_strings[0]}" for name, a in walk(build_parser(), "meqmuon") if not a.help]
+    assert missing == []
+
+
+@pytest.fixture(scope="module")
+def captured(cache, tmp_path_factory) -> Path:
+    """A 2-update MeqMuon run with captures of layer 0 at update 1 (for the diagnose error paths)."""
+    run = tmp_path_factory.mktemp("captured") / "run"
+    assert main(small(cache, run, "--steps", "2", "--capture-steps", "1", "--capture-layers", "0")) == 0
+    return run
+
+
+# Every command's bad inputs: exit status 1 (or 2 for command-line syntax) and exactly one line on
+# stderr, `meqmuon: error: ...`, naming the problem. {run}: a captured run, {adamw}: a run without
+# selection counts, {tmp}: an empty directory, {data}: a one-document .jsonl file.
+ERROR_PATHS = [
+    (["train", "--lr", "-1e-3"], 1, "lr must be a positive number, got -0.001"),
+    (["train", "--weight-decay", "-1e-1"], 1, "weight_decay must be >= 0, got -0.1"),
+    (["train", "--lr", "abc"], 2, "argument --lr: invalid float value: 'abc' (see `meqmuon train --help`)"),
+    (["train", "--lr"], 2, "argument --lr: expected one argument"),
+    (["train", "--steps", "2", "--capture-steps", "5"], 1, "--capture-steps 5 beyond the run's 2 steps"),
+    (["train", "--steps", "2", "--capture-steps", "1", "--capture-layers", "0,4,7"], 1,
+     "--capture-layers 4,7 not in the model: llama-tiny has layers 0-3"),
+    (["train", "--resume", "auto", "--steps", "2", "--bogus"], 2, "unrecognized arguments: --bogus"),
+    (["compare", "--optimizers", "lion"], 1, "unknown optimizer(s) ['lion']"),
+    (["compare", "--steps", "0"], 1, "steps must be a positive number, got 0"),
+    (["compare", "--seeds", "0"], 2, "argument --seeds: expected a number of seeds >= 1"),
+    (["sweep", "--optimizers", "muon", "--lrs", "-1e-3"], 1, "lr must be a positive number, got -0.001"),
+    (["sweep", "--optimizers", "muon"], 2, "the following arguments are required: --lrs"),
+    (["prepare", "--data", "{data}", "--tokenizer", "builtin", "--out", "{tmp}/p"], 1,
+     "--tokenizer builtin: the built-in BPE is trained on a run's own training text"),
+    (["prepare", "--data", "{data}", "--tokenizer", "{tmp}/tok", "--out", "{tmp}/p"], 1,
+     "tokenizer directory does not exist"),
+    (["prepare", "--data", "{tmp}/none.jsonl", "--tokenizer", "gpt2", "--out", "{tmp}/p"], 1,
+     "data path does not exist"),
+    (["plot", "{tmp}/*/metrics.jsonl"], 1, "the pattern matched nothing"),
+    (["plot", "{tmp}/nope.jsonl"], 1, "metrics file does not exist"),
+    (["plot", "{run}", "--metric", "foo"], 1, "unknown metric 'foo'; valid: val_ppl"),
+    (["diagnose", "imbalance", "--run", "/nonexistent"], 1, "run directory does not exist: /nonexistent"),
+    (["diagnose", "imbalance", "--run", "{run}", "--layers", "3"], 1, "no captured matrix matches --layers 3"),
+    (["diagnose", "imbalance", "--run", "{adamw}"], 1, "no capture for step(s) any"),
+    (["diagnose", "ns-trajectory", "--run", "{run}", "--layer", "9"], 1,
+     "no hidden matrix of layer 9 captured at step 1"),
+    (["diagnose", "selection", "--run", "{adamw}"], 1, "only MeqMuon-type runs"),
+    (["diagnose", "selection", "--run", "/nonexistent"], 1, "run directory does not exist"),
+    (["diagnose"], 2, "the following arguments are required"),
+    (["memory", "--optimizers", "foo"], 1, "unknown optimizer 'foo'"),
+    (["memory", "--models", "foo"], 1, "unknown model 'foo'"),
+    (["memory", "--state-dtype", "fp8"], 2, "argument --state-dtype: invalid choice: 'fp8'"),
+    (["ablation", "--optimizers", "foo", "--steps", "2"], 1, "unknown optimizer 'foo'"),
+    (["ablation", "--set", "foo=1", "--steps", "2"], 1, "unknown TrainConfig field(s) ['foo']"),
+    (["ablation", "--steps", "-1"], 1, "steps must be a positive number, got -1"),
+]
+
+
+@pytest.mark.parametrize(("argv", "status", "needle"), ERROR_PATHS, ids=[" ".join(a[:3]) for a, *_ in ERROR_PATHS])
+def test_every_command_error_path_is_one_line(cache, captured, tmp_path, capsys, argv, status, needle):
+    adamw = captured.parent / "adamw"
+    if not adamw.exists():
+        assert main(small(cache, adamw, "--optimizer", "adamw", "--steps", "1")) == 0
+    capsys.readouterr()
+    data = tmp_path / "data" / "a.jsonl"
+    data.parent.mkdir()
+    data.write_text(json.dumps({"text": "one document"}) + "\n")
+    fill = {"{run}": str(captured), "{adamw}": str(adamw), "{tmp}": str(tmp_path), "{data}": str(data)}
+    argv = [next((a.replace(k, v) for k, v in fill.items() if k in a), a) for a in argv]
+    if argv[0] in ("train", "compare", "sweep"):
+        argv += ["--cache-dir", cache, "--vocab-size", "512", "--out", str(tmp_path / "out")]
+    before = snapshot(captured)
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse: command-line syntax
+        code = e.code
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == status, (code, err)
+    assert len(lines) == 1 and lines[0].startswith("meqmuon: error: "), err
+    assert needle in lines[0], lines[0]
+    assert out == "" and not (tmp_path / "out").exists() and snapshot(captured) == before

@@ -284,7 +284,7 @@ def test_cache_root_env(monkeypatch, tmp_path):
     assert cache_root().name == "meqmuon"
 
 
-# ---------------------------------------------------------------- the stream before the prepared shards (issue 22)
+# ---------------------------------------------------------------- the stream before the prepared shards
 
 
 def _digest_batches(bundle, global_batch, n):

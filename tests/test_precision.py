@@ -1,4 +1,4 @@
-"""meqmuon.precision: bf16 only where the hardware reports native bf16 (issue #16).
+"""meqmuon.precision: bf16 only where the hardware reports native bf16.
 
 The decision is a pure function of the reported capability, so every case is tested here by
 injecting the report (CUDA with and without bf16, an AVX512-BF16 CPU, an AVX2 CPU), whatever

@@ -1,4 +1,4 @@
-"""Prepared token shards (``meqmuon prepare``), local C4 copies and tokenizer directories (issue 22)."""
+"""Prepared token shards (``meqmuon prepare``), local C4 copies and tokenizer directories."""
 
 from __future__ import annotations
 

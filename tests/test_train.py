@@ -102,6 +102,19 @@ def test_resolve_derives_budget_and_rejects_indivisible_batch():
         _resolved(TrainConfig(global_batch=9), unique_params=1, world_size=2)
 
 
+@pytest.mark.parametrize(("model", "steps", "want"), [("llama-tiny", 20, 27), ("llama-tiny", 1000, 50),
+                                                        ("llama-60m", 2213, 110), ("llama-60m", 30, 7)])
+def test_default_evaluation_interval_keeps_evaluation_under_a_tenth_of_the_compute(model, steps, want):
+    d = model_run_defaults(model)
+    tokens_per_step, val = d["global_batch"] * d["seq_len"], d["val_tokens"]
+    every = resolve(TrainConfig(model=model, steps=steps), device="cpu", world_size=1).for_model(
+        unique_params=1, data_source="builtin").eval_every
+    assert every == want
+    evaluations = steps // every + (steps % every != 0)  # and one at the end
+    eval_cost = evaluations * val / 3  # training-token equivalents: a forward pass is 1/3 of a step's
+    assert every == max(1, steps // 20) or eval_cost <= 0.1 * steps * tokens_per_step + val / 3
+
+
 def test_resolved_config_is_frozen_and_stores_train_config_keys():
     """config.json keeps TrainConfig's keys in its order, with the derived values filled in."""
     import dataclasses
@@ -118,7 +131,9 @@ def test_resolved_config_is_frozen_and_stores_train_config_keys():
     stored = final.to_dict()
     assert list(stored) == [f.name for f in dataclasses.fields(TrainConfig)]
     assert stored["capture_steps"] == [2] and isinstance(stored["optimizer_args"], dict)
-    assert (stored["steps"], stored["tokens"], stored["eval_every"], stored["save_every"]) == (3, 3 * 32 * 128, 1, 1)
+    # eval_every: one evaluation of the 32,768 validation tokens costs 32768 / (3 x 4096) = 2.67 updates;
+    # at most 10 % of the compute -> every ceil(26.7) = 27 updates (here: only at the end)
+    assert (stored["steps"], stored["tokens"], stored["eval_every"], stored["save_every"]) == (3, 3 * 32 * 128, 27, 1)
     assert stored["data_source"] == "builtin" and stored["lr"] == 2e-3 and final.accumulation(2) == 1
     assert config_to_dict(config_from_dict(stored)) == stored  # config.json reads back as a TrainConfig
 

@@ -51,20 +51,28 @@ def _out_dir(args: argparse.Namespace) -> Path:
     return Path(args.out) if args.out else Path(args.run)
 
 
+def _run_dir(args: argparse.Namespace) -> Path:
+    """``--run``, which must be a directory (a ``ValueError`` for the command's one-line error otherwise)."""
+    run = Path(args.run)
+    if not run.is_dir():
+        raise ValueError(f"run directory does not exist: {run}" if not run.exists() else f"--run {run} is not a "
+                         "directory (give the run directory, e.g. runs/llama-tiny-meqmuon-lr0.002-s0)")
+    return run
+
+
 # ---- memory ----------------------------------------------------------------------------------
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
     """Table 5 / Table 7 memory from meta-device models; ``--measure`` adds a measured one-step check."""
-    from ..optim.registry import MEMORY_NAMES
+    from ..optim.registry import MEMORY_NAMES, spec
     from .ablation import meta_param_groups, tiny_lm_factory
     from .memory import measure_state_bytes, measure_table, memory_mib, memory_table
 
     dtype = _DTYPES[args.state_dtype]
     nbytes = torch.empty((), dtype=dtype).element_size()
-    models = args.models or None
-    groups = meta_param_groups(models)
-    optimizers = args.optimizers or list(MEMORY_NAMES)
+    optimizers = [spec(n).name for n in args.optimizers] if args.optimizers else list(MEMORY_NAMES)  # unknown: error
+    groups = meta_param_groups(args.models or None)
     values = memory_mib(groups, optimizers, nbytes)
     parts = [
         f"## Optimizer-state memory (MiB, {args.state_dtype} state; paper Table 5 and Table 7's memory)\n",
@@ -87,7 +95,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
 def _ns_dtype_name(args: argparse.Namespace) -> str:
     """``--ns-dtype auto``: the Newton-Schulz dtype the run itself used (``optimizer_args.ns_dtype`` of
-    its ``config.json``, concrete since issue #16), so the analysis sees what the optimizer computed;
+    its ``config.json``, concrete in every run since 2026-11-23), so the analysis sees what the optimizer computed;
     for a run that does not record one, what ``ns_dtype=None`` gives on this CPU (bf16 where native,
     else float32: bf16 is ~170x slower on an AVX2-only CPU). Explicit names are used as given."""
     if args.ns_dtype != "auto":
@@ -104,15 +112,20 @@ def _ns_dtype_name(args: argparse.Namespace) -> str:
 
 def cmd_imbalance(args: argparse.Namespace) -> int:
     """Tables 1, 8-10 (hidden U = Orth(pre-NS)), Table 3 (embedding/head momentum), Table 4 (before/after)."""
-    from .capture import load_captures
+    from .capture import layer_index, load_captures
     from .imbalance import hidden_cv_table, imbalance_records, momentum_cv_table, normalization_table
 
-    caps = load_captures(args.run, args.steps)
+    caps = load_captures(_run_dir(args), args.steps)
+    have = sorted({i for c in caps.values() for n, k in c["kinds"].items()
+                   if k == "hidden" and (i := layer_index(n)) is not None})
+    missing = sorted(set(args.layers or []) - set(have))
+    if missing:
+        raise ValueError(f"no captured matrix matches --layers {','.join(map(str, missing))} in {args.run}; "
+                         f"captured layers: {','.join(map(str, have)) or 'none'}")
     args.ns_dtype = _ns_dtype_name(args)
     records = imbalance_records(caps, args.layers, ns_steps=args.ns_steps, ns_dtype=_DTYPES[args.ns_dtype])
     if not records:
-        print(f"no captured matrix matches layers={args.layers} in {args.run}")
-        return 1
+        raise ValueError(f"no hidden, embedding or head matrix captured in {args.run}")
     steps = sorted(caps)
     parts = [
         f"## Row and column CVs of the orthogonalised updates U = Orth(pre-NS), {args.ns_steps} NS steps "
@@ -143,7 +156,7 @@ def cmd_ns_trajectory(args: argparse.Namespace) -> int:
     from .imbalance import module_sort_key
     from .trajectory import plot_trajectories, trajectories, trajectory_table
 
-    steps = captured_steps(args.run)
+    steps = captured_steps(_run_dir(args))
     step = args.step if args.step is not None else (steps[0] if steps else 0)
     cap = load_captures(args.run, [step])[step]
     hidden = {n: t for n, t in cap["tensors"].items() if cap["kinds"][n] == "hidden"}
@@ -151,8 +164,8 @@ def cmd_ns_trajectory(args: argparse.Namespace) -> int:
     layer = args.layer if args.layer is not None else (layers[0] if layers else None)
     chosen = {n: hidden[n] for n in sorted(hidden, key=module_sort_key) if layer_index(n) == layer}
     if not chosen:
-        print(f"no hidden matrix of layer {layer} captured at step {step}; captured layers: {layers}")
-        return 1
+        raise ValueError(f"no hidden matrix of layer {layer} captured at step {step} in {args.run}; captured "
+                         f"layers: {','.join(map(str, layers)) or 'none'}")
     args.ns_dtype = _ns_dtype_name(args)
     results = trajectories(chosen, args.max_k, dtype=_DTYPES[args.ns_dtype])
     ks = sorted({k for k in (0, 5, args.max_k) if k <= args.max_k})
@@ -197,11 +210,11 @@ def cmd_selection(args: argparse.Namespace) -> int:
     """Table 6: share of steps choosing row vs column normalisation per module type."""
     from .selection import read_selection_counts, selection_shares, selection_table
 
-    run = Path(args.run)
+    run = _run_dir(args)
     path = run / "selection_counts.json"
     if not path.exists():
-        print(f"{path} not found: only MeqMuon-type runs (meqmuon, meqmuon-only-hidden) write selection counts")
-        return 1
+        raise ValueError(f"{path} not found: only MeqMuon-type runs (meqmuon, meqmuon-only-hidden) write "
+                         "selection counts")
     shares = selection_shares(read_selection_counts(path), _shapes_for_run(run))
     text = "\n".join(
         [
@@ -247,7 +260,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("memory", help="optimizer-state memory per optimizer and model (Tables 5, 7)")
     p.add_argument("--models", type=_names, default=None, help="comma list (default: the six paper models)")
     p.add_argument("--optimizers", type=_names, default=None, help=f"comma list (default: {','.join(MEMORY_NAMES)})")
-    p.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="dtype of the optimizer state (float32; bfloat16 halves all but NorMuon's row moments)")
     p.add_argument("--measure", action="store_true", help="also take one real step per optimizer on a small model")
     p.add_argument("--measure-model", default="llama-tiny", help="model for --measure (default llama-tiny)")
     p.add_argument("--out", default=None, help="directory for memory.md / memory.json (default: print only)")
@@ -260,37 +274,43 @@ def register(subparsers: Any) -> None:
     q.add_argument("--run", required=True, help="run directory with captures/step_*.pt")
     q.add_argument("--layers", type=_ints, default=None, help="comma list (default: every captured layer)")
     q.add_argument("--steps", type=_ints, default=None, help="comma list (default: every captured step)")
-    q.add_argument("--ns-steps", type=int, default=5)
+    q.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations of U = Orth(pre-NS) (5)")
     q.add_argument("--ns-dtype", choices=["auto", "bfloat16", "float32", "float64"], default="auto",
                    help="auto: the run's own NS dtype (config.json), else bf16 where native, float32 elsewhere")
     q.add_argument("--out", default=None, help="output directory (default: the run directory)")
     q.set_defaults(func=cmd_imbalance)
 
     t = dsub.add_parser("ns-trajectory", help="CVs along Newton-Schulz iterations k=0..20 (Figure 1)")
-    t.add_argument("--run", required=True)
+    t.add_argument("--run", required=True, help="run directory with captures/step_*.pt")
     t.add_argument("--layer", type=int, default=None, help="default: the lowest captured layer")
     t.add_argument("--step", type=int, default=None, help="default: the first captured step")
-    t.add_argument("--max-k", type=int, default=20)
+    t.add_argument("--max-k", type=int, default=20, help="last Newton-Schulz iteration to follow (20)")
     t.add_argument("--ns-dtype", choices=["auto", "bfloat16", "float32", "float64"], default="auto",
                    help="auto: the run's own NS dtype (config.json), else bf16 where native, float32 elsewhere")
-    t.add_argument("--out", default=None)
+    t.add_argument("--out", default=None, help="output directory (default: the run directory)")
     t.set_defaults(func=cmd_ns_trajectory)
 
     s = dsub.add_parser("selection", help="row vs column normalisation shares per module type (Table 6)")
     s.add_argument("--run", required=True, help="run directory with selection_counts.json")
-    s.add_argument("--out", default=None)
+    s.add_argument("--out", default=None, help="output directory (default: the run directory)")
     s.set_defaults(func=cmd_selection)
 
-    a = subparsers.add_parser("ablation", help="Muon vs single-component variants vs MeqMuon (Table 7)")
-    a.add_argument("--model", default="llama-tiny")
-    a.add_argument("--steps", type=int, default=150)
+    a = subparsers.add_parser("ablation", help="Muon vs single-component variants vs MeqMuon (Table 7)",
+                              description="Trains Muon, the three variants that give one parameter kind "
+                                          "MeqMuon's rule, and MeqMuon on the same model, data and seed "
+                                          "(built-in corpus), then prints final validation perplexity and "
+                                          "measured optimizer-state memory side by side (paper Table 7).")
+    a.add_argument("--model", default="llama-tiny", help="registry model (default llama-tiny)")
+    a.add_argument("--steps", type=int, default=150, help="optimizer updates per variant (150)")
     a.add_argument("--lr", type=float, default=None, help="one lr for every variant (default: each one's demo lr)")
-    a.add_argument("--optimizers", type=_names, default=list(ABLATION_NAMES))
-    a.add_argument("--seq-len", type=int, default=128)
-    a.add_argument("--batch", type=int, default=8, help="global batch in sequences")
-    a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--set", action="append", metavar="KEY=VALUE", help="extra TrainConfig field (repeatable)")
-    a.add_argument("--out", default="runs/ablation")
+    a.add_argument("--optimizers", type=_names, default=list(ABLATION_NAMES),
+                   help=f"comma list (default {','.join(ABLATION_NAMES)})")
+    a.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (128)")
+    a.add_argument("--batch", type=int, default=8, help="global batch in sequences (8)")
+    a.add_argument("--seed", type=int, default=0, help="initial weights and data order (0)")
+    a.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="any other TrainConfig field, e.g. --set vocab_size=512 (repeatable)")
+    a.add_argument("--out", default="runs/ablation", help="directory of the runs and ablation.md (runs/ablation)")
     a.set_defaults(func=cmd_ablation)
 
 

@@ -9,7 +9,7 @@ global batch 32, 100 updates (0.41M tokens, ~0.8 epoch of the ~0.5M-token corpus
 20 updates on the whole held-out split (~30k tokens), precision ``auto`` (bf16 where the CPU runs it
 natively, fp32 elsewhere), one CPU thread. 100 rather than the earlier 240 updates so that the
 four runs finish in well under 10 minutes on 2 cores of an AVX2-only CPU too, shared or not
-(issue #16; docs/training.md has the timings). Per-optimizer learning rates (``demo_lr`` of
+(docs/training.md has the timings). Per-optimizer learning rates (``demo_lr`` of
 :data:`meqmuon.optim.registry.REGISTRY`) are the best of a pre-check grid at exactly this setting
 (docs/training.md lists it).
 
@@ -73,7 +73,7 @@ def _row(summary: dict[str, Any]) -> dict[str, Any]:
         "bits/byte": summary["val_bpb"],
         "optimizer state (MiB)": summary["optimizer_state_mib"],
         "tokens/s": summary["tokens_per_s"],
-        # autocast precision and Newton-Schulz dtype actually used (runs from before issue #16: unknown)
+        # autocast precision and Newton-Schulz dtype actually used (older runs do not record it: unknown)
         "precision": _precision_cell(summary),
         "cpu_capability": summary.get("cpu_capability"),
         "seed": summary.get("seed"),

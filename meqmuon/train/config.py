@@ -13,7 +13,7 @@ hardware or the model rather than the paper:
 
 * ``precision="auto"`` (default) means bf16 autocast where the device runs bf16 natively and fp32
   elsewhere (:mod:`meqmuon.precision`): on an AVX2-only CPU bf16 autocast trained the demo 13x
-  slower than fp32 (issue #16). The Newton-Schulz dtype of the Muon-family optimizers is resolved
+  slower than fp32 (docs/training.md). The Newton-Schulz dtype of the Muon-family optimizers is resolved
   the same way. Both are written into the run's config as concrete values (:func:`resolve_numerics`).
 * The CPU presets (``*-tiny``) default to CPU-sized batches (:data:`CPU_PRESET_DEFAULTS`): with the
   paper's 512 x 1024 batch and 1M validation tokens one step of a 1.8M-parameter model took minutes.
@@ -47,6 +47,7 @@ __all__ = [
     "PAPER_RUN_DEFAULTS",
     "CPU_PRESET_DEFAULTS",
     "model_run_defaults",
+    "default_eval_every",
     "fill_model_defaults",
     "resolve_numerics",
     "config_from_dict",
@@ -65,6 +66,9 @@ PAPER_RUN_DEFAULTS: dict[str, int] = {"global_batch": 512, "seq_len": 1024, "val
 #: a step of a ~2M-parameter model take ~0.1-1 s on 2 CPU cores instead of minutes, and the whole
 #: held-out split of the built-in corpus (~30k tokens) for validation.
 CPU_PRESET_DEFAULTS: dict[str, int] = {"global_batch": 32, "seq_len": 128, "val_tokens": 32_768}
+
+#: Default evaluation interval: evaluation may take at most this share of the training compute.
+EVAL_COMPUTE_SHARE = 0.1
 
 #: Upper bound of the automatic micro-batch (sequences per forward pass per rank).
 MAX_AUTO_MICRO_BATCH = 32
@@ -115,7 +119,7 @@ class TrainConfig:
     threads: int | None = None  # CPU intra-op threads (torch.set_num_threads) during the run; None -> torch's default
     # evaluation, checkpoints, logging
     out: str | None = None  # None -> runs/<model>-<optimizer>-lr<lr>-s<seed>
-    eval_every: int | None = None  # None -> about 20 evaluations per run
+    eval_every: int | None = None  # None -> default_eval_every: ~20 evaluations, at most ~10 % of the compute
     save_every: int | None = None  # None -> about 10 checkpoints per run (also at the end and on stop)
     keep_checkpoints: int = 2
     stop_at_step: int | None = None  # save and exit cleanly after this step
@@ -282,8 +286,23 @@ def _budget(c: TrainConfig | ResolvedConfig, unique_params: int) -> dict[str, in
         tokens = c.tokens if c.tokens is not None else TOKENS_PER_PARAM * unique_params
         steps = max(1, math.ceil(tokens / tokens_per_step))
     return {"steps": steps, "tokens": steps * tokens_per_step,
-            "eval_every": c.eval_every if c.eval_every is not None else max(1, steps // 20),
+            "eval_every": c.eval_every if c.eval_every is not None else default_eval_every(
+                steps, c.val_tokens, tokens_per_step),
             "save_every": c.save_every if c.save_every is not None else max(1, steps // 10)}
+
+
+def default_eval_every(steps: int, val_tokens: int, tokens_per_step: int) -> int:
+    """About 20 evaluations per run, but never more than :data:`EVAL_COMPUTE_SHARE` of the training compute.
+
+    A validation token costs one forward pass, a training token a forward and a backward pass, about
+    1/3 and 1 of ``6 N`` FLOPs (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", sec.
+    2.1), so one evaluation costs ``val_tokens / (3 tokens_per_step)`` updates and the interval is at
+    least that divided by the share. The paper models' runs keep ~20 evaluations (Llama-60M: every
+    110 of 2,213 updates); a 20-update ``llama-tiny`` run (an evaluation ~ 2.7 updates) evaluates
+    once, at the end, instead of after every update.
+    """
+    cost = val_tokens / (3 * tokens_per_step)
+    return max(1, steps // 20, math.ceil(cost / EVAL_COMPUTE_SHARE))
 
 
 def model_run_defaults(model: str) -> dict[str, int]:

@@ -23,6 +23,11 @@ Logits are upcast to fp32 for the loss. Attention is PyTorch SDPA
 Distributed: launched by ``torchrun``; when ``WORLD_SIZE > 1`` the process group is initialised from
 the environment (NCCL on GPU, gloo on CPU). Rank 0 writes every file.
 
+Stopping: SIGINT or SIGTERM during the loop finishes the current update, saves a checkpoint, logs a
+``{"kind": "stop", "step", "signal", "checkpoint"}`` record and raises
+:class:`~meqmuon.train.preempt.RunInterrupted`; ``resume="auto"`` then continues bit for bit. Under
+DDP the ranks agree on the step through the loss's all-reduce (:mod:`meqmuon.train.preempt`).
+
 Divergence: a non-finite loss or gradient norm stops the run before the optimizer step and raises
 :class:`TrainingDiverged` naming the step; nothing is saved after the last good checkpoint.
 """
@@ -45,6 +50,7 @@ from meqmuon.train.checkpoint import latest_checkpoint, list_checkpoints, rng_st
 from meqmuon.train.config import ResolvedConfig, TrainConfig, run_dir_of, validate_config
 from meqmuon.train.evaluate import causal_lm_loss, evaluate
 from meqmuon.train.metrics import MetricsLogger, truncate_metrics, write_json
+from meqmuon.train.preempt import SIGNALS, RunInterrupted, StopSignals
 from meqmuon.train.run import Run, WarmupCosine, build_run
 
 __all__ = ["TrainingDiverged", "WarmupCosine", "train", "run_dir_of", "write_json"]
@@ -90,6 +96,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             missing data), also from :func:`meqmuon.build_optimizer` (e.g. SCALE on a tied model).
         CheckpointError: unreadable or mismatched checkpoint; an existing run without ``resume``.
         TrainingDiverged: the loss became NaN/Inf.
+        RunInterrupted: SIGINT/SIGTERM stopped the run after a checkpoint (``resume="auto"`` continues it).
     """
     validate_config(cfg)
     rank, world, local_rank, own_pg = _init_distributed()
@@ -117,32 +124,43 @@ def _train(cfg: TrainConfig, rank: int, world: int, local_rank: int) -> dict[str
     params = [p for p in run.model.parameters() if p.requires_grad]
     at = _Progress(run.step, run.tokens, started)
     bar = _progress_bar(c, at.step, quiet)
+    saved = at.step  # the step of the newest checkpoint of this start (the resumed one, or none at 0)
     try:
-        while at.step < c.steps:
-            t0 = time.perf_counter()
-            loss, grad_norm, lr = _train_step(run, params, recorder, at.step)
-            dt = at.advance(c.tokens_per_step, since=t0)
-            logger.log({"kind": "train", "step": at.step, "tokens": at.tokens, "loss": loss, "lr": lr,
-                        "grad_norm": grad_norm, "tokens_per_s": c.tokens_per_step / dt,
-                        "time_s": time.perf_counter() - at.started})
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{c.tokens_per_step / dt:,.0f}", refresh=False)
-            if at.step % c.eval_every == 0 or at.step == c.steps:
-                at.last_eval = _evaluate(run, logger, at, quiet)
-            if at.step == c.steps or at.step % c.save_every == 0 or at.step == c.stop_at_step:
-                _save(run, at)
-            if c.stop_at_step is not None and c.stop_at_step <= at.step < c.steps:
-                break
+        with StopSignals() as signals:
+            while at.step < c.steps:
+                t0 = time.perf_counter()
+                loss, grad_norm, lr, stop = _train_step(run, params, recorder, at.step, signals)
+                dt = at.advance(c.tokens_per_step, since=t0)
+                logger.log({"kind": "train", "step": at.step, "tokens": at.tokens, "loss": loss, "lr": lr,
+                            "grad_norm": grad_norm, "tokens_per_s": c.tokens_per_step / dt,
+                            "time_s": time.perf_counter() - at.started})
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{c.tokens_per_step / dt:,.0f}",
+                                refresh=False)
+                if at.step % c.eval_every == 0 or at.step == c.steps:
+                    at.last_eval = _evaluate(run, logger, at, quiet)
+                if at.step == c.steps or at.step % c.save_every == 0 or at.step == c.stop_at_step:
+                    _save(run, at)
+                    saved = at.step
+                if stop is None and run.world == 1:
+                    stop = signals.signum  # a signal during the evaluation or the save just made
+                if stop is not None and at.step < c.steps:
+                    _interrupted(run, logger, at, stop, saved, quiet)
+                if c.stop_at_step is not None and c.stop_at_step <= at.step < c.steps:
+                    break
     finally:
         bar.close()
     return _stopped(run, logger, at, quiet) if at.step < c.steps else _finish(run, logger, at, quiet)
 
 
-def _train_step(run: Run, params: list[torch.nn.Parameter], recorder: Any, step: int) -> tuple[float, float, float]:
+def _train_step(run: Run, params: list[torch.nn.Parameter], recorder: Any, step: int,
+                signals: StopSignals) -> tuple[float, float, float, int | None]:
     """One update (update ``step + 1``): accumulate the micro-batches' gradients, check them, step.
 
-    Returns ``(loss, grad_norm, lr)``: the global batch's mean loss, the gradient norm before
-    clipping and the lr of the first param group the update used.
+    Returns ``(loss, grad_norm, lr, stop)``: the global batch's mean loss, the gradient norm before
+    clipping, the lr of the first param group the update used, and the signal that asks every rank to
+    stop after this update (``None``: go on). Under DDP a rank's signal travels in the loss's
+    all-reduce (:mod:`meqmuon.train.preempt`), so all ranks return the same ``stop``.
     """
     c, opt = run.cfg, run.opt
     accum = c.accumulation(run.world)
@@ -156,12 +174,21 @@ def _train_step(run: Run, params: list[torch.nn.Parameter], recorder: Any, step:
                 loss = causal_lm_loss(run.forward, mb.to(run.device, non_blocking=True))
             (loss / accum).backward()
         loss_sum += loss.detach()
-    loss_t = loss_sum / accum
-    if run.world > 1:  # SUM then divide: gloo has no AVG
-        dist.all_reduce(loss_t)
-        loss_t /= run.world
+    if run.world > 1:
+        # SUM then divide (gloo has no AVG). The stop request rides in the same all-reduce: one count
+        # per stopping signal, so a signal on any rank stops every rank after this same update.
+        asked = [float(signals.signum == s) for s in SIGNALS]
+        both = torch.cat([(loss_sum / accum).reshape(1), torch.tensor(asked, device=run.device)])
+        dist.all_reduce(both)
+        loss_t = both[0] / run.world
+    else:
+        loss_t, both = loss_sum / accum, None
     grad_norm_t = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     loss_val, grad_norm = loss_t.item(), grad_norm_t.item()
+    stop = signals.signum
+    if both is not None:
+        counts = both[1:].tolist()  # host copy of two numbers, next to the loss's .item() above
+        stop = max(SIGNALS, key=lambda s: counts[SIGNALS.index(s)]) if max(counts) > 0 else None
     if not math.isfinite(loss_val) or not math.isfinite(grad_norm):
         _diverged(run, step, loss_val, grad_norm)
     if c.clip is not None:
@@ -174,7 +201,7 @@ def _train_step(run: Run, params: list[torch.nn.Parameter], recorder: Any, step:
         recorder.end_step()
     run.sched.step()
     opt.zero_grad(set_to_none=True)
-    return loss_val, grad_norm, lr
+    return loss_val, grad_norm, lr, stop
 
 
 def _diverged(run: Run, step: int, loss: float, grad_norm: float) -> NoReturn:
@@ -210,6 +237,17 @@ def _save(run: Run, at: _Progress) -> Path | None:
                "scheduler": run.sched.state_dict(), "data": run.data.train.state_dict(), "rng": rngs,
                "tokens": at.tokens, "world_size": run.world}
     return save_checkpoint(run.run_dir, at.step, payload, keep=run.cfg.keep_checkpoints)
+
+
+def _interrupted(run: Run, logger: MetricsLogger, at: _Progress, signum: int, saved: int, quiet: bool) -> NoReturn:
+    """Checkpoint after update ``at.step`` (unless the loop just did), log the stop, raise :class:`RunInterrupted`."""
+    name = SIGNALS[SIGNALS.index(signum)].name
+    _log(f"[meqmuon] {name}: saving a checkpoint after step {at.step} (a second signal exits at once)", quiet)
+    path = _save(run, at) if saved != at.step else (latest_checkpoint(run.run_dir) if run.is_main else None)
+    logger.log({"kind": "stop", "step": at.step, "tokens": at.tokens, "signal": name,
+                "checkpoint": str(path) if path is not None else None})
+    logger.close()
+    raise RunInterrupted(signum, at.step, run.cfg.steps, run.run_dir, path)
 
 
 def _stopped(run: Run, logger: MetricsLogger, at: _Progress, quiet: bool) -> dict[str, Any]:

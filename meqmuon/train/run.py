@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from meqmuon.train.capture import layer_index
 from meqmuon.train.checkpoint import (
     CheckpointError,
     find_checkpoint,
@@ -119,6 +120,7 @@ def build_run(cfg: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
     final = plan.for_model(unique_params=n_params, data_source=data.source)
     if ckpt is not None and final.resume:
         _check_resume_config(ckpt["config"], final, ckpt_path)
+    _check_capture(final, model)
     opt = build_optimizer(final.optimizer, model, **optimizer_kwargs(final))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(final.steps, final.warmup_ratio, final.min_lr_ratio))
     train_model = model
@@ -173,6 +175,21 @@ def _restore(run: Run, ckpt: dict[str, Any], path: Path) -> None:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path} does not fit this run: {msg}") from None
     run.step, run.tokens = int(ckpt["step"]), int(ckpt["tokens"])
+
+
+def _check_capture(cfg: ResolvedConfig, model: torch.nn.Module) -> None:
+    """``--capture-steps`` within the run and ``--capture-layers`` among the model's layers, or a
+    ``ValueError``: a capture that can never happen would otherwise be skipped without a word."""
+    late = [s for s in cfg.capture_steps or () if s > cfg.steps]
+    if late:
+        raise ValueError(f"--capture-steps {','.join(map(str, late))} beyond the run's {cfg.steps} steps")
+    if cfg.capture_layers is None:
+        return
+    layers = sorted({i for n, _ in model.named_parameters() if (i := layer_index(n)) is not None})
+    missing = [i for i in cfg.capture_layers if i not in layers]
+    if missing:
+        have = f"layers {layers[0]}-{layers[-1]}" if layers else "no numbered layers"
+        raise ValueError(f"--capture-layers {','.join(map(str, missing))} not in the model: {cfg.model} has {have}")
 
 
 def _tokenizer_name(cfg: ResolvedConfig) -> str | None:

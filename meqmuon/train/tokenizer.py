@@ -192,7 +192,15 @@ def load_tokenizer(name: str | Path) -> TextTokenizer:
     local directory (``save_pretrained`` or :meth:`TextTokenizer.save`). A hub id needs network
     access unless it is already in the Hugging Face cache."""
     name = str(name)
+    if name == "builtin":
+        # Asking the hub for a model called "builtin" would retry for a minute and then fail.
+        raise ValueError("--tokenizer builtin: the built-in BPE is trained on a run's own training text, so there "
+                         "is no saved tokenizer to load; `meqmuon train --data PATHS` without --tokenizer trains it "
+                         "and prepares the files into the data cache itself; `meqmuon prepare` needs a hub id or a "
+                         "tokenizer directory (e.g. the tokenizer/ folder of a prepared directory)")
     path = Path(name).expanduser()
+    if not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+        raise ValueError(f"tokenizer directory does not exist: {name} (a hub id has the form NAME or ORG/NAME)")
     marker = path / MARKER if path.is_dir() else None
     meta = json.loads(marker.read_text()) if marker is not None and marker.is_file() else {}
     if meta.get("kind") == "bpe":
