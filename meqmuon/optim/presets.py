@@ -103,6 +103,7 @@ class MeqMuon(RoleOptimizer):
         foreach: bool | None = None,
         process_group: Any = None,
         compile: bool = False,
+        rules: dict[str, Any] | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -116,7 +117,7 @@ class MeqMuon(RoleOptimizer):
             state_dtype=state_dtype,
             foreach=foreach,
         )
-        super().__init__(params, defaults, process_group=process_group, compile=compile)
+        super().__init__(params, defaults, process_group=process_group, compile=compile, rules=rules)
 
 
 class Muon(RoleOptimizer):
@@ -156,6 +157,8 @@ class Muon(RoleOptimizer):
         state_dtype: torch.dtype | None = None,
         foreach: bool | None = None,
         process_group: Any = None,
+        compile: bool = False,
+        rules: dict[str, Any] | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -171,7 +174,7 @@ class Muon(RoleOptimizer):
             state_dtype=state_dtype,
             foreach=foreach,
         )
-        super().__init__(params, defaults, process_group=process_group)
+        super().__init__(params, defaults, process_group=process_group, compile=compile, rules=rules)
 
 
 class NorMuon(RoleOptimizer):
@@ -204,6 +207,8 @@ class NorMuon(RoleOptimizer):
         state_dtype: torch.dtype | None = None,
         foreach: bool | None = None,
         process_group: Any = None,
+        compile: bool = False,
+        rules: dict[str, Any] | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -220,7 +225,7 @@ class NorMuon(RoleOptimizer):
             state_dtype=state_dtype,
             foreach=foreach,
         )
-        super().__init__(params, defaults, process_group=process_group)
+        super().__init__(params, defaults, process_group=process_group, compile=compile, rules=rules)
 
 
 class Scale(RoleOptimizer):
@@ -252,12 +257,14 @@ class Scale(RoleOptimizer):
         state_dtype: torch.dtype | None = None,
         foreach: bool | None = None,
         process_group: Any = None,
+        compile: bool = False,
+        rules: dict[str, Any] | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, betas=tuple(betas), eps=eps, state_dtype=state_dtype,
             foreach=foreach,
         )
-        super().__init__(params, defaults, process_group=process_group)
+        super().__init__(params, defaults, process_group=process_group, compile=compile, rules=rules)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if param_group.get("tied"):

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from ..step import Rule
 from .adam import AdamScale, AdamW
-from .meqmuon import Equilibrate, MeqHidden, RmsNormalize
+from .meqmuon import MeqHidden
 from .muon import MoonlightHidden, MuonEqHidden
+from .normalize import Equilibrate, RmsNormalize
 from .normuon import NorMuonHidden
 from .scale import ScaleCol, ScaleHead, ScaleRow
 
