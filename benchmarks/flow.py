@@ -1,0 +1,126 @@
+"""How long is the path of one optimizer step through the code: functions, files and moves.
+
+Usage::
+
+    python benchmarks/flow.py                      # the table for MeqMuon, Muon and torch's Muon
+    python benchmarks/flow.py --list meqmuon       # + the functions one row enters, in call order
+
+A reader follows an update by reading the functions it enters; each move from one file to another is a
+page turned. ``sys.setprofile`` sees every Python call and return of the second ``opt.step()`` (the first
+also creates state) on a model of two hidden matrices, ``(128, 64)`` and ``(64, 128)`` (the batched step
+puts them in one Newton-Schulz bucket, one of them transposed). Counted are the functions whose code
+lives in the package (``meqmuon/``; for ``torch.optim.Muon``, ``torch/optim/``), not
+comprehensions, generator expressions or lambdas:
+
+- functions: distinct functions entered;
+- files: distinct files they live in;
+- moves: along the stream of counted calls (the callee's file) and returns (the caller's file, when
+  the caller is counted too), the number of times the file changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import meqmuon
+
+#: Code names that are not functions a reader reads as such.
+ANONYMOUS = {"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>", "<lambda>"}
+SHAPES = [(128, 64), (64, 128)]
+
+
+def _root(module) -> str:
+    return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+
+
+class Flow:
+    """A ``sys.setprofile`` recorder of the functions, files and file-to-file moves under ``root``."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.functions: dict[tuple[str, int, str], None] = {}
+        self.stream: list[str] = []
+
+    def _counted(self, frame) -> bool:
+        code = frame.f_code
+        return code.co_filename.startswith(self.root) and code.co_name not in ANONYMOUS
+
+    def __call__(self, frame, event, arg) -> None:
+        if event == "call" and self._counted(frame):
+            code = frame.f_code
+            self.functions[(code.co_filename, code.co_firstlineno, code.co_qualname)] = None
+            self.stream.append(code.co_filename)
+        elif event == "return" and self._counted(frame) and frame.f_back is not None \
+                and self._counted(frame.f_back):
+            self.stream.append(frame.f_back.f_code.co_filename)
+
+    @property
+    def files(self) -> set[str]:
+        return {f for f, _, _ in self.functions}
+
+    @property
+    def moves(self) -> int:
+        return sum(a != b for a, b in zip(self.stream, self.stream[1:], strict=False))
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(i, o, bias=False) for o, i in SHAPES])
+
+
+def profile(make_opt: Callable[[nn.Module], torch.optim.Optimizer], root: str) -> Flow:
+    """The flow of the second ``step()`` of ``make_opt(model)``."""
+    m = model()
+    opt = make_opt(m)
+    x = torch.randn(8, SHAPES[0][1])
+    for i in range(2):
+        opt.zero_grad()
+        m(x).square().mean().backward()
+        flow = Flow(root)
+        if i == 1:
+            sys.setprofile(flow)
+        try:
+            opt.step()
+        finally:
+            sys.setprofile(None)
+    return flow
+
+
+def rows() -> dict[str, tuple[Callable[[nn.Module], torch.optim.Optimizer], str]]:
+    """Row label -> (optimizer factory, package root)."""
+    ours = _root(meqmuon)
+    out = {}
+    for name, cls in (("MeqMuon", meqmuon.MeqMuon), ("Muon", meqmuon.Muon)):
+        for form, foreach in (("per-tensor", False), ("batched", True)):
+            out[f"{name}, {form}"] = (
+                lambda m, c=cls, f=foreach: c(meqmuon.param_groups(m), lr=1e-2, foreach=f, ns_dtype=torch.float32),
+                ours)
+    if hasattr(torch.optim, "Muon"):
+        out["torch.optim.Muon"] = (lambda m: torch.optim.Muon(m.parameters(), lr=1e-2), _root(torch.optim))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--list", metavar="ROW", help="also list the functions of rows whose label contains ROW")
+    args = ap.parse_args(argv)
+    print("| step | functions | files | moves |\n|---|---:|---:|---:|")
+    flows = {label: profile(make, root) for label, (make, root) in rows().items()}
+    for label, flow in flows.items():
+        print(f"| `{label}` | {len(flow.functions)} | {len(flow.files)} | {flow.moves} |")
+    for label, flow in flows.items():
+        if args.list and args.list.lower() in label.lower():
+            print(f"\n{label}:")
+            for file, line, qualname in flow.functions:
+                print(f"  {os.path.relpath(file)}:{line} {qualname}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
