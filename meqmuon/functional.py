@@ -562,33 +562,56 @@ def adaptive_normalize(u: Tensor, delta: float = DELTA, rho: float = 1.0) -> tup
     .. math::
         \tilde U = N_r(U)\ \text{if}\ \gamma_r(U) \ge \gamma_c(U)\ \text{else}\ N_c(U)
 
-    Ties choose rows. Batched over leading dimensions (a stack ``(K, m, n)``): each matrix chooses
-    independently, and the statistics of all of them are a fixed number of kernels. The row and
-    column norms go into one zero-padded ``(..., 2, max(m, n))`` buffer (slot 0: the ``m`` row norms,
-    of ``n`` entries each; slot 1: the ``n`` column norms), so one :func:`cv_of_norms` gives both CVs
-    (eq. 5; norms at or below ``delta sqrt(length)``, i.e. RMS <= delta, and the padding count as zero).
-    The factors ``rho / RMS`` (0 for zero rows or columns) multiply the chosen side, 1 the other.
+    Ties choose rows. Batched over leading dimensions: each matrix chooses independently
+    (:func:`adaptive_normalize_stacks`, of which this is the one-stack form).
 
     Returns:
         ``(u_tilde, chose_rows)``: the normalised update (float32, or float64 for float64 input)
         and a bool tensor of shape ``u.shape[:-2]``, True where rows were normalised.
     """
-    dtype = _stat_dtype(u)
-    *batch, m, n = u.shape
-    norms = torch.zeros((*batch, 2, max(m, n)), dtype=dtype, device=u.device)
-    norms[..., 0, :m] = torch.linalg.vector_norm(u, dim=-1, dtype=dtype)  # (torch.compile takes no strided out=)
-    norms[..., 1, :n] = torch.linalg.vector_norm(u, dim=-2, dtype=dtype)
-    # slot 0 holds row norms (n entries each), slot 1 column norms (m entries): RMS = norm / sqrt(length)
-    length = (math.sqrt(n), math.sqrt(m))
-    threshold = torch.tensor([[delta * length[0]], [delta * length[1]]], dtype=dtype, device=u.device)
-    factor = torch.tensor([[rho * length[0]], [rho * length[1]]], dtype=dtype, device=u.device)
+    (out,), chose = adaptive_normalize_stacks([u.reshape(-1, *u.shape[-2:])], delta, rho)
+    return out.reshape(u.shape), chose.reshape(u.shape[:-2])
+
+
+def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
+                              rho: float = 1.0) -> tuple[list[Tensor], Tensor]:
+    """Eq. 8 of every matrix of several stacks ``(k_i, m_i, n_i)`` at once, in a fixed number of kernels.
+
+    The row and column norms of all ``K`` matrices go into one zero-padded ``(K, 2, L)`` buffer (slot 0:
+    the ``m`` row norms of ``n`` entries each; slot 1: the ``n`` column norms), so one
+    :func:`cv_of_norms` gives all ``2K`` CVs (eq. 5: norms at or below ``delta sqrt(length)``, i.e.
+    RMS <= delta, and the padding count as zero). The factors ``rho / RMS`` (0 for zero rows or
+    columns) multiply the chosen side, 1 the other: two passes over each stack.
+
+    Returns:
+        the normalised stacks (float32, or float64) and ``chose_rows`` ``(K,)`` bool, stack by stack.
+    """
+    dtype, device = _stat_dtype(us[0]), us[0].device
+    shapes = [u.shape for u in us]
+    L = max(max(m, n) for _, m, n in shapes)
+    norms = torch.zeros((sum(k for k, _, _ in shapes), 2, L), dtype=dtype, device=device)
+    # Per matrix, per slot: sqrt(length) (RMS = norm / sqrt(length)) times delta (the zero threshold) or rho.
+    lengths = [(math.sqrt(n), math.sqrt(m)) for k, m, n in shapes for _ in range(k)]
+    threshold = torch.tensor([[[delta * r], [delta * c]] for r, c in lengths], dtype=dtype, device=device)
+    factor = torch.tensor([[[rho * r], [rho * c]] for r, c in lengths], dtype=dtype, device=device)
+    o = 0
+    for u, (k, m, n) in zip(us, shapes, strict=True):
+        for slot, dim, size in ((0, -1, m), (1, -2, n)):
+            if torch.compiler.is_compiling():  # dynamo takes no strided out=
+                norms[o : o + k, slot, :size] = torch.linalg.vector_norm(u, dim=dim, dtype=dtype)
+            else:
+                torch.linalg.vector_norm(u, dim=dim, dtype=dtype, out=norms[o : o + k, slot, :size])
+        o += k
     gamma = cv_of_norms(norms, threshold)
-    chose_rows = choose_rows(gamma[..., 0], gamma[..., 1])
+    chose_rows = choose_rows(gamma[:, 0], gamma[:, 1])
     scales = torch.div(factor, norms).masked_fill_(norms <= threshold, 0.0)
-    row_slot = torch.tensor([[True], [False]], device=u.device)
-    scales.masked_fill_(chose_rows[..., None, None] != row_slot, 1.0)  # 1 on the side not chosen
-    out = torch.mul(u, scales[..., 0, :m, None], out=torch.empty(u.shape, dtype=dtype, device=u.device))
-    return out.mul_(scales[..., 1, None, :n]), chose_rows
+    row_slot = torch.tensor([[True], [False]], device=device)
+    scales.masked_fill_(chose_rows[:, None, None] != row_slot, 1.0)  # 1 on the side not chosen
+    out, o = [], 0
+    for u, (k, m, n) in zip(us, shapes, strict=True):
+        out.append(torch.mul(u, scales[o : o + k, 0, :m, None]).mul_(scales[o : o + k, 1, None, :n]))  # >= float32
+        o += k
+    return out, chose_rows
 
 
 # ---- the step every momentum rule shares: momentum, direction input, decoupled decay and update ----

@@ -90,6 +90,12 @@ class HiddenRule(MomentumRule):
         """The direction ``D`` ``(K, m, n)`` from ``U = Orth(X)``: here ``U``."""
         return U
 
+    def post_all(self, Us: list[Tensor], group: dict, states: list[dict[str, Tensor]]) -> list[Tensor]:
+        """:meth:`post` of several stacks (one per shape and orientation of a step), called by the driver
+        once per step; here one ``post`` each. A rule whose statistics can be taken for all matrices in
+        a fixed number of kernels (MeqMuon's eq. 8) overrides it: on a GPU a step is launch-bound."""
+        return [_call(self.post, U, group, st) for U, st in zip(Us, states, strict=True)]
+
     def lr_scale(self, m: int, n: int, group: dict) -> float:
         """A step multiplier ``s`` of an ``m x n`` matrix, applied inside the update (``-lr s D``) instead
         of as a pass over ``D``; 1 here."""
@@ -130,15 +136,16 @@ class HiddenRule(MomentumRule):
         for it in items:
             b = local(it.state["momentum_buffer"])
             X = F.as_matrix(direction_input(it, group, out=buffer(scratch, "nesterov", b.shape, b.dtype, b.device)))
-            D, _ = directions(self, X[None], 1, group, self.state_of([it]), batched=False,
-                              workspace=ctx.split.workspace, scratch=scratch)
-            apply_update([it], [D[0][0]], [self.lr_scale(*matrix_shape(it.shape), group)], group, scratch)
+            ((D,),) = directions(self, [(X[None], 1, self.state_of([it]))], group, batched=False,
+                                 workspace=ctx.split.workspace, scratch=scratch)
+            apply_update([it], [D[0]], [self.lr_scale(*matrix_shape(it.shape), group)], group, scratch)
 
-    def state_of(self, items, lo: int = 0, hi: int | None = None) -> dict[str, Tensor]:
-        """The per-matrix state of ``items[lo:hi]`` as stacks (one item: views of the state itself)."""
-        items = items[lo:hi]
+    def state_of(self, items, kinds: tuple[str, ...] = ("rows", "counter", "step")) -> dict[str, Tensor]:
+        """The per-matrix state of ``items`` as stacks (one item: views of the state itself), of ``kinds``."""
         out = {}
         for key, how in self.state_views.items():
+            if how not in kinds:
+                continue
             if how == "step":
                 out[key] = torch.tensor([it.state[key] for it in items], device=items[0].param.device)
             elif how != "param":
@@ -147,20 +154,24 @@ class HiddenRule(MomentumRule):
         return out
 
     def directions_foreach(self, buckets, ranges, group, ctx):
-        """Batched form: per bucket the stack of members ``lo..hi``, then :func:`directions`."""
-        out = []
+        """Batched form: per bucket the stack of members ``lo..hi``, then :func:`directions` of all."""
+        # Per-matrix values (counters, steps): one stack for all buckets, each bucket's a view of it.
+        scalars = self.state_of([it for b, (lo, hi) in zip(buckets, ranges, strict=True) for it in b.items[lo:hi]],
+                                ("counter", "step"))
+        stacks, o = [], 0
         for b, (lo, hi) in zip(buckets, ranges, strict=True):
             p = b.items[0].param
             carry = ctx.split.sharded or type(self).pre is not HiddenRule.pre  # pre works in float32
             X = stack_inputs(ctx, self.name, b, lo, hi, group, F._stat_dtype(p) if carry else NS.ns_dtype_of(group, p))
-            state = self.state_of(b.items, lo, hi)
-            if ctx.split.sharded:
-                D, state = _at_owners(self, X, state, b.global_shape[0], group, ctx)
-            else:
-                D, state = directions(self, X, max(0, min(b.plain - lo, hi - lo)), group, state, batched=True,
-                                      dtype=p.dtype)
-            out.append((D, [state[k] for k in self.owner_state]))
-        return out
+            state = {**self.state_of(b.items[lo:hi], ("rows",)), **{k: v[o : o + hi - lo] for k, v in scalars.items()}}
+            stacks.append((X, max(0, min(b.plain - lo, hi - lo)), state))
+            o += hi - lo
+        if ctx.split.sharded:
+            ds = [_at_owners(self, X, state, b.global_shape[0], group, ctx)
+                  for (X, _, state), b in zip(stacks, buckets, strict=True)]
+        else:
+            ds = directions(self, stacks, group, batched=True, dtype=buckets[0].items[0].param.dtype)
+        return [(D, [state[k] for k in self.owner_state]) for D, (_, _, state) in zip(ds, stacks, strict=True)]
 
     def scale_foreach(self, bucket, group):
         return self.lr_scale(*bucket.global_shape, group)
@@ -194,42 +205,58 @@ def _sides(plain: int, k: int) -> list[tuple[slice, bool]]:
     return [(s, flip) for s, flip in ((slice(0, plain), False), (slice(plain, k), True)) if s.stop > s.start]
 
 
-def _call(fn, T: Tensor, group: dict, state: dict[str, Tensor], s: slice) -> Tensor:
-    return fn(T, group, {k: v[s] for k, v in state.items()}) if state else fn(T, group)
+def _call(fn, T: Tensor, group: dict, state: dict[str, Tensor]) -> Tensor:
+    """``fn(T, group, state)``, or ``fn(T, group)`` for a rule without state (a variant's two-argument form)."""
+    return fn(T, group, state) if state else fn(T, group)
 
 
-def directions(rule: HiddenRule, X: Tensor, plain: int, group: dict, state: dict[str, Tensor], *, batched: bool,
-               workspace: dict | None = None, scratch: dict | None = None,
-               dtype: torch.dtype | None = None) -> tuple[list[Tensor], dict[str, Tensor]]:
-    """``pre -> Newton-Schulz -> post`` of a stack ``X`` ``(K, m, n)`` of direction inputs, members
-    ``[plain:]`` transposed (the bucket's orientation); the driver of every form.
+#: One stack for :func:`directions`: direction inputs ``(K, m, n)`` in the bucket's orientation, the
+#: number of members stored as they are (the rest transposed), and the members' state stacks.
+Stack = tuple[Tensor, int, dict[str, Tensor]]
 
-    ``pre`` and ``post`` see each side in its own orientation (a transposed view, no copy). Newton-Schulz
-    runs the whole stack (:func:`newton_schulz.orthogonalize`). ``state``: stacks ``(K, ...)``.
-    ``dtype``: the parameters' dtype, to which a narrower direction (bf16 Newton-Schulz output) is cast.
+
+def directions(rule: HiddenRule, stacks: list[Stack], group: dict, *, batched: bool, workspace: dict | None = None,
+               scratch: dict | None = None, dtype: torch.dtype | None = None) -> list[list[Tensor]]:
+    """``pre -> Newton-Schulz -> post`` of stacks of direction inputs: the driver of every form.
+
+    ``pre`` and ``post`` see each side of a stack (members stored as they are, members transposed) in
+    its own orientation, a transposed view, no copy; Newton-Schulz runs whole stacks
+    (:func:`newton_schulz.orthogonalize`); ``post`` runs after every stack's Newton-Schulz, as one
+    :meth:`HiddenRule.post_all` call. State stacks are handed over as views (per side) and updated in
+    place by the rule. ``dtype``: the parameters' dtype, to which a narrower (bf16) direction is cast.
 
     Returns:
-        ``D``, one contiguous stack per side, each member's direction in its own orientation (a
-        member's update is a view of it, and ``torch._foreach_*`` keeps to its fast path), and
-        ``state`` as updated by the rule.
+        per stack, one contiguous stack per side, each member's direction in its own orientation (a
+        member's update is a view of it, and ``torch._foreach_*`` keeps to its fast path).
     """
-    sides = _sides(plain, X.shape[0])
-    if type(rule).pre is not HiddenRule.pre:
-        ys = [_call(rule.pre, X[s].mT if flip else X[s], group, state, s) for s, flip in sides]
-        ys = [y.mT if flip else y for y, (_, flip) in zip(ys, sides, strict=True)]
-        X = torch.cat(ys) if len(ys) > 1 else ys[0]
-    out = None if scratch is None else buffer(scratch, "ns", X.shape, NS.ns_dtype_of(group, X), X.device)
-    U = NS.orthogonalize(X, group, batched=batched, workspace=workspace, out=out)
-    ds = [_call(rule.post, U[s].mT if flip else U[s], group, state, s) for s, flip in sides]
+    us, states, owner = [], [], []
+    for i, (X, plain, state) in enumerate(stacks):
+        sides = _sides(plain, X.shape[0])
+        views = [{k: v[s] for k, v in state.items()} for s, _ in sides]
+        if type(rule).pre is not HiddenRule.pre:
+            ys = [_call(rule.pre, X[s].mT if flip else X[s], group, st)
+                  for (s, flip), st in zip(sides, views, strict=True)]
+            ys = [y.mT if flip else y for y, (_, flip) in zip(ys, sides, strict=True)]
+            X = torch.cat(ys) if len(ys) > 1 else ys[0]
+        out = None if scratch is None else buffer(scratch, "ns", X.shape, NS.ns_dtype_of(group, X), X.device)
+        U = NS.orthogonalize(X, group, batched=batched, workspace=workspace, out=out)
+        us += [U[s].mT if flip else U[s] for s, flip in sides]
+        states += views
+        owner += [i] * len(sides)
+    ds = rule.post_all(us, group, states)
     # One copy at most per side: the cast of a narrower direction and the transposed side's layout.
     narrower = dtype is not None and ds[0].dtype.itemsize < dtype.itemsize
-    return [d.to(dtype, memory_format=torch.contiguous_format) if narrower else d.contiguous() for d in ds], state
+    result: list[list[Tensor]] = [[] for _ in stacks]
+    for i, d in zip(owner, ds, strict=True):
+        result[i].append(d.to(dtype, memory_format=torch.contiguous_format) if narrower else d.contiguous())
+    return result
 
 
-def _at_owners(rule: HiddenRule, X: Tensor, state: dict[str, Tensor], m: int, group: dict, ctx) -> tuple[Tensor, dict]:
+def _at_owners(rule: HiddenRule, X: Tensor, state: dict[str, Tensor], m: int, group: dict, ctx) -> list[Tensor]:
     """FSDP2: row shards ``X`` ``(k, rows, n)`` of ``k`` matrices with ``m`` rows -> whole matrices at
     owner ranks -> :func:`directions` there -> the rows of ``D`` back. Per-row state travels as extra
-    columns of the rows, per-matrix state as a column of all rows (a rank with no rows gets it too)."""
+    columns of the rows, per-matrix state as a column of all rows (a rank with no rows gets it too);
+    ``state`` is updated in place."""
     k, rows, n = X.shape
     keys = list(state)
     per_row = [rule.state_views[key] == "rows" for key in keys]
@@ -247,18 +274,18 @@ def _at_owners(rule: HiddenRule, X: Tensor, state: dict[str, Tensor], m: int, gr
         if ctx.compile:  # the owners' directions as one graph per stack shape
             static = {k: group[k] for k in rule.hyperparameters if k != "momentum"}
             static["ns_dtype"] = NS.ns_dtype_of(group, W)
-            D, st = compiled.bucket_step(rule.name, _owner_body, (tuple(W.shape), W.dtype, id(rule)), W, st, rule=rule,
-                                         n=n, batched=NS.batched_ns(W.device), group=static)
+            D = compiled.bucket_step(rule.name, _owner_body, (tuple(W.shape), W.dtype, id(rule)), W, st, rule=rule,
+                                     n=n, batched=NS.batched_ns(W.device), group=static)
         else:
-            D, st = directions(rule, W[..., :n], j, group, st, batched=NS.batched_ns(W.device),
-                               workspace=ctx.split.workspace)
+            (D,) = directions(rule, [(W[..., :n], j, st)], group, batched=NS.batched_ns(W.device),
+                              workspace=ctx.split.workspace)
         return torch.cat([D[0].reshape(j, m, n).to(out_dtype), *columns(st, j, m, out_dtype)], dim=-1)
 
     send = torch.cat([X.to(dtype), *columns(state, k, rows, dtype)], dim=-1)
     back = ctx.split.at_owners(send, whole, m, n + len(keys), out_dtype, NS.ns_flops(m, n, group["ns_steps"]))
-    new = {key: _column(back[:, :rows] if row else back, n + i, row, state[key].dtype)
-           for i, (key, row) in enumerate(zip(keys, per_row, strict=True))}
-    return [back[:, :rows, :n]], {**state, **new}
+    for i, (key, row) in enumerate(zip(keys, per_row, strict=True)):
+        state[key].copy_(_column(back[:, :rows] if row else back, n + i, row, state[key].dtype))
+    return [back[:, :rows, :n]]
 
 
 def _column(W: Tensor, c: int, per_row: bool, dtype: torch.dtype) -> Tensor:
@@ -272,7 +299,8 @@ def _column(W: Tensor, c: int, per_row: bool, dtype: torch.dtype) -> Tensor:
 
 def _owner_body(W, state, *, rule, n, batched, group):
     """FSDP2 owners' :func:`directions` of whole matrices (with their state columns), for ``torch.compile``."""
-    return directions(rule, W[..., :n], W.shape[0], group, state, batched=batched)
+    (D,) = directions(rule, [(W[..., :n], W.shape[0], state)], group, batched=batched)
+    return D
 
 
 def _bucket_body(params, grads, bufs, states, steps, lr, wd, mu, scale, *, rule, plain, nesterov, batched, group):
@@ -285,7 +313,7 @@ def _bucket_body(params, grads, bufs, states, steps, lr, wd, mu, scale, *, rule,
     state = {k: torch.stack(v) for k, v in states.items()}
     if steps is not None:
         state["step"] = steps
-    D, state = directions(rule, X, plain, group, state, batched=batched)
+    (D,) = directions(rule, [(X, plain, state)], group, batched=batched)
     for k, v in states.items():
         torch._foreach_copy_(v, list(state[k].to(v[0].dtype).unbind(0)))
     rows = [r for d in D for r in d.unbind(0)]

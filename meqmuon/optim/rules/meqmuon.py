@@ -5,6 +5,8 @@ normalises. The embedding/head (eq. 9) and vector (eq. 10) rules are in ``normal
 
 from __future__ import annotations
 
+import torch
+
 from ... import functional as F
 from ..hidden import HiddenRule
 
@@ -12,7 +14,7 @@ from ..hidden import HiddenRule
 class MeqHidden(HiddenRule):
     """MeqMuon for hidden matrices (paper Algorithm 1, eq. 8): ``U = Orth(B)``, then row- or
     column-normalise ``U``, whichever side has the larger CV (ties: rows), times ``rho``
-    (:func:`meqmuon.functional.adaptive_normalize`, one batched implementation for every form).
+    (:func:`meqmuon.functional.adaptive_normalize`).
 
     Keeps an int64 counter ``rows_chosen`` per matrix on its device (no sync); see
     :meth:`meqmuon.optim.engine.RoleOptimizer.selection_counts`."""
@@ -24,3 +26,9 @@ class MeqHidden(HiddenRule):
         D, rows = F.adaptive_normalize(U, rho=group["rho"])
         state["rows_chosen"].add_(rows)
         return D
+
+    def post_all(self, Us, group, states):
+        """The same for all of a step's stacks: their statistics in one pass (a fixed number of kernels)."""
+        Ds, rows = F.adaptive_normalize_stacks(Us, rho=group["rho"])
+        torch._foreach_add_([st["rows_chosen"] for st in states], list(rows.split([U.shape[0] for U in Us])))
+        return Ds
