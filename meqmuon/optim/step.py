@@ -8,9 +8,11 @@ CPU, fresh 64 MB temporaries cost more in page faults than the arithmetic; docs/
 Its batched form (:meth:`Rule.step_foreach`, ``foreach=True``, the default on CUDA) does the same
 maths over shape buckets (``buckets.py``), a fixed number of kernels per bucket instead of per
 parameter; the per-tensor form is the reference it is tested against. Momentum rules also have a
-compiled form (``compile=True``): one graph per bucket (:func:`meqmuon.optim.compiled.bucket_step`)
-of the rule's ``compiled_bucket``. No rule makes a host-device sync: step counters are Python ints,
-choices are tensors.
+compiled form (``compile=True``): one graph per bucket (:func:`meqmuon.optim.compiled.bucket_step`).
+The hidden-matrix rules implement these hooks once, in the driver of ``hidden.py``, and are
+themselves ``pre``/``post`` functions; the elementwise momentum rules (``rules/normalize.py``) write
+their forms here. No rule makes a host-device sync: step counters are Python ints, choices are
+tensors.
 
 Every rule applies decoupled weight decay and its step the same way
 (:func:`meqmuon.functional.decay_and_update_`), ``W <- (1 - lr * wd) * W - lr * scale * D``.
@@ -299,7 +301,7 @@ class MomentumRule(Rule):
         _update_momentum(items, group)
         if ctx.capture is not None:
             ctx.emit(items, [direction_input(it, group) for it in items], "momentum_input")
-        if not self.split_work:
+        if not self.split_work or ctx.split.world_size == 1:  # one process: this rank owns all
             self.update(items, group, ctx)
             return
         owners = ctx.split.owners([self.cost(it.shape, group) for it in items])
@@ -313,7 +315,7 @@ class MomentumRule(Rule):
 
     def step_foreach(self, items, group, ctx):
         """Batched :meth:`step` of this call alone (:func:`step_foreach_calls` with one call); with
-        ``compile=True`` one compiled graph per bucket (:meth:`_step_compiled`)."""
+        ``compile=True`` one compiled graph per bucket (:meth:`step_compiled`)."""
         if not ctx.compile:
             step_foreach_calls([(self, items, group, ctx)])
             return
@@ -327,11 +329,12 @@ class MomentumRule(Rule):
             ctx.emit(items, [direction_input(it, group) for it in items], "momentum_input")
         buckets = make_buckets(items, matrix=self.needs_matrix, transpose=self.transposes and not ctx.split.sharded)
         # DDP splits buckets into per-rank slices; FSDP2 ranks each update their row shards of all
-        # members (its Newton-Schulz moves whole matrices to owners inside orthogonalize_stack).
-        split = self.split_work and not ctx.split.sharded
+        # members (a hidden rule's directions move whole matrices to owners: hidden.py).
+        split = self.split_work and not ctx.split.sharded and ctx.split.world_size > 1
         plans = [ctx.split.bucket_plan(len(b), self.cost(b.global_shape, group)) if split else [len(b)]
                  for b in buckets]
-        ranges = [_slice(plan, ctx.split.rank if split else 0) for plan in plans]
+        ranges = [_slice(plan, ctx.split.rank) if split else (0, len(b))
+                  for plan, b in zip(plans, buckets, strict=True)]
         busy = [i for i, (lo, hi) in enumerate(ranges) if hi > lo]
         results = dict(zip(busy, self.directions_foreach([buckets[i] for i in busy], [ranges[i] for i in busy],
                                                          group, ctx), strict=True))
@@ -341,7 +344,7 @@ class MomentumRule(Rule):
         extras: list[list[Tensor]] = []
         for i, (bucket, plan) in enumerate(zip(buckets, plans, strict=True)):
             D, owned = results[i] if i in results else self.empty_directions(bucket)
-            if split and ctx.split.world_size > 1:  # one stack per bucket travels (a hidden rule's sides: one each)
+            if split:  # one stack per bucket travels (a hidden rule's sides: one each)
                 D = D if isinstance(D, Tensor) else torch.cat([d.flatten(1) for d in D])
                 D, *owned = ctx.split.gather([D, *owned], plan)
             extras.append(owned)
