@@ -6,6 +6,8 @@ read from it: the class (a meqmuon ``RoleOptimizer``, or torch's AdamW), the key
 in ``STATED``: whether its batched buckets take a matrix transposed, which distributed layouts
 (``LAYOUTS``) and which other checks (``CHECKS``, the matrix views among them) run it. test_capabilities.py fails when a
 registered optimizer has no row, so a new optimizer cannot be left out of the parametrised tests.
+:func:`every_form` lists every (optimizer, step form) pair, which test_param_shapes.py steps on
+parameters of every rank (0-D to 4-D).
 """
 
 from __future__ import annotations
@@ -148,6 +150,21 @@ ONE_PER_HIDDEN_RULE: list[str] = _one_per_hidden_rule()
 #: Optimizers with at least one of MeqMuon's rules (eq. 8-10).
 MEQ_RULES = frozenset({"meq_hidden", "equilibrate", "rms_normalize"})
 WITH_MEQ_RULES: list[str] = [n for n, c in CAPABILITIES.items() if MEQ_RULES & set(c.rules.values())]
+
+
+#: Keyword arguments of each step form (``FORMS``); torch's AdamW has one form of its own, ``"torch"``.
+FORM_KWARGS = {
+    "per-tensor": {"foreach": False},
+    "batched": {"foreach": True},
+    "compile": {"foreach": False, "compile": True},
+    "batched-compile": {"foreach": True, "compile": True},
+    "torch": {},
+}
+
+
+def every_form() -> list[tuple[str, str]]:
+    """Every ``(optimizer, form)`` pair of the table, in registry order; ``adamw`` as ``"torch"``."""
+    return [(n, f) for n, c in CAPABILITIES.items() for f in (c.forms or ("torch",))]
 
 
 def having(*forms: str, check: str | None = None) -> list[str]:

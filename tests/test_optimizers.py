@@ -123,8 +123,11 @@ def test_muon_parity_with_torch_muon_and_adamw(monkeypatch):
     ours_model = SmallTransformer()
     torch_model = copy.deepcopy(ours_model)
     initial = copy.deepcopy(ours_model)
-    ours = meqmuon.Muon(meqmuon.param_groups(ours_model), lr=2e-2, weight_decay=0.1, ns_dtype=torch.float32)
-    groups = meqmuon.param_groups(torch_model)
+    # split_fused=False: torch.optim.Muon orthogonalises nn.MultiheadAttention's in_proj_weight whole,
+    # where param_groups would split it into q, k, v.
+    ours = meqmuon.Muon(meqmuon.param_groups(ours_model, split_fused=False), lr=2e-2, weight_decay=0.1,
+                        ns_dtype=torch.float32)
+    groups = meqmuon.param_groups(torch_model, split_fused=False)
     hidden = [p for g in groups if g["kind"] == "hidden" for p in g["params"]]
     rest = [p for g in groups if g["kind"] != "hidden" for p in g["params"]]
     assert all(p.ndim == 2 for p in hidden) and len(hidden) == 8

@@ -161,6 +161,92 @@ def test_learned_token_table_equals_2d_embedding(name, foreach):
     _close(stacked.detach()[0], flat.detach(), table[0])
 
 
+def _folded_and_twins(E=3, f=5, d=8):
+    """DBRX's experts ``w1``, ``v1``, ``w2`` folded into ``(E * f, d)`` tensors (``w2`` used per expert as
+    ``x @ w2[e]``: stored ``(in, out)``), and their per-expert ``nn.Linear`` weights ``(out, in)``."""
+    g = torch.Generator().manual_seed(4)
+    w1, v1, w2 = (torch.randn(E * f, d, generator=g) for _ in range(3))
+    folded = [nn.Parameter(t.clone()) for t in (w1, v1, w2)]
+    groups = [{"params": folded, "kind": "hidden", "names": ["w1", "v1", "w2"], "folds": E,
+               "views": ["stacked", "stacked", "stacked-transposed"]}]
+    rows = [slice(e * f, (e + 1) * f) for e in range(E)]
+    twins = ([nn.Parameter(w1[r].clone()) for r in rows] + [nn.Parameter(v1[r].clone()) for r in rows]
+             + [nn.Parameter(w2[r].T.clone()) for r in rows])
+
+    def as_twins(ts):  # the per-expert (out, in) matrices of the three folded tensors
+        return [ts[0][r] for r in rows] + [ts[1][r] for r in rows] + [ts[2][r].T for r in rows]
+    return folded, groups, twins, as_twins
+
+
+@pytest.mark.parametrize("foreach", FORMS)
+@pytest.mark.parametrize("name", MATRIX_OPTIMIZERS)
+def test_folded_experts_equal_per_expert_linears(name, foreach):
+    """DBRX-style ``(E * f, d)`` experts (``folds=E``, either orientation) equal separate per-expert
+    ``nn.Linear`` weights to 1e-5, and expert 0's update moves by < 1e-6 (relative) when only expert
+    1's gradient changes."""
+    folded, groups, twins, as_twins = _folded_and_twins()
+    shapes = [tuple(p.shape) for p in folded]
+    inits = [t.detach().clone() for t in as_twins([p.detach() for p in folded])]
+    opt = _run(name, foreach, folded, groups, lambda step: _grads(shapes, step))
+    _run(name, foreach, twins, [{"params": twins, "kind": "hidden"}],
+         lambda step: [g.contiguous() for g in as_twins(_grads(shapes, step))])
+    for a, b, init in zip(as_twins([p.detach() for p in folded]), twins, inits, strict=True):
+        _close(a, b.detach(), init)
+    if name.startswith("meqmuon"):
+        assert set(opt.selection_counts()) == {f"{n}[{e}]" for n in ("w1", "v1", "w2") for e in range(3)}
+
+    def expert0_update(bump):
+        ps, gs, _, _ = _folded_and_twins()
+        start = [p.detach().clone() for p in ps]
+
+        def grads(step):
+            out = _grads(shapes, step)
+            for t in out:
+                t[5:10] *= bump  # expert 1's rows only
+            return out
+        _run(name, foreach, ps, gs, grads)
+        return torch.cat([(p.detach() - s)[:5].reshape(-1) for p, s in zip(ps, start, strict=True)])
+    base, other = expert0_update(1.0), expert0_update(-3.0)
+    assert ((base - other).norm() / base.norm()).item() < 1e-6
+
+
+@pytest.mark.parametrize("foreach", FORMS)
+@pytest.mark.parametrize("name", [n for n in having("per-tensor", "batched")])
+def test_per_expert_bias_table_equals_separate_vectors(name, foreach):
+    """GPT-OSS's per-expert biases ``(E, k)`` (view ``"vectors"``) equal ``E`` separate 1-D parameters
+    under every optimizer's vector rule (MeqMuon: eq. 10's RMS per expert; AdamW: elementwise), and
+    expert 0's bias moves by < 1e-6 (relative) when only expert 1's gradient changes."""
+    E, k = 4, 6
+    table = torch.randn(E, k, generator=torch.Generator().manual_seed(5))
+
+    def run(bump=1.0):
+        stacked = nn.Parameter(table.clone())
+        rows = [nn.Parameter(r.clone()) for r in table]
+
+        def grads(step):
+            (gt,) = _grads([(E, k)], step)
+            gt[1] *= bump
+            return gt
+        _run(name, foreach, [stacked], [{"params": [stacked], "kind": "vector", "views": "vectors"}],
+             lambda step: [grads(step)])
+        _run(name, foreach, rows, [{"params": rows, "kind": "vector"}], lambda step: list(grads(step).unbind(0)))
+        return stacked.detach(), torch.stack([r.detach() for r in rows])
+    got, ref = run()
+    _close(got, ref, table)
+    other, _ = run(-3.0)
+    assert ((other[0] - got[0]).norm() / (got[0] - table[0]).norm()).item() < 1e-6
+
+
+def test_vectors_view_needs_a_vector_rule():
+    p = nn.Parameter(torch.randn(4, 6))
+    with pytest.raises(ValueError, match="view 'vectors' in a 'hidden' group"):
+        meqmuon.MeqMuon([{"params": [p], "kind": "hidden", "names": ["b"], "views": "vectors"}])
+    for extra, message in (({"views": "matrix", "folds": 2}, "folds=2 needs a 2-D"),
+                           ({"views": "stacked", "folds": 3}, "folds=3 needs a 2-D")):
+        with pytest.raises(ValueError, match=message):
+            meqmuon.MeqMuon([{"params": [p], "kind": "hidden", "names": ["w"], **extra}])
+
+
 class _Experts(nn.Module):
     """transformers 5's expert storage: ``gate_up_proj`` ``(E, 2I, d)``, ``down_proj`` ``(E, d, I)``."""
 
@@ -340,3 +426,92 @@ def test_layout_shapes_and_labels():
     assert all(m.data_ptr() >= t.data_ptr() for m in mats)  # views, not copies
     mats[3].zero_()
     assert t[1, 4:].abs().sum() == 0
+
+
+def test_fused_layouts_read_outside_the_zoo():
+    """MLA's ``kv_a_proj_with_mqa`` (DeepSeek V3: ``split([kv_lora_rank, qk_rope_head_dim])``), Jamba's
+    Mamba ``in_proj`` (halves) and ``x_proj`` (dt, B, C) with its ``A_log`` a vector, JetMoE's GLU
+    experts' ``input_linear`` and ``kv_proj`` (halves; its attention experts' ``input_linear`` is one
+    block), and ``nn.MultiheadAttention``'s ``in_proj_weight`` (q, k, v) are read from the model."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    deepseek = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        first_k_dense_replace=0, max_position_embeddings=64))
+    r = _routing(meqmuon.param_groups(deepseek))
+    assert r["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == ("hidden", "matrix", (16, 8))
+    jamba = transformers.JambaForCausalLM(transformers.JambaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=2, expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2,
+        attn_layer_offset=1, mamba_d_state=8, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False))
+    groups = meqmuon.param_groups(jamba)
+    r = _routing(groups)
+    assert r["model.layers.0.mamba.in_proj.weight"] == ("hidden", "matrix", (64, 64))
+    assert r["model.layers.0.mamba.x_proj.weight"] == ("hidden", "matrix", (4, 8, 8))
+    assert r["model.layers.0.mamba.A_log"] == ("vector", "matrix", None)  # (64, 8): decays, not a map
+    assert "Fused tensors kept whole" not in meqmuon.describe_groups(groups)
+    jetmoe = transformers.JetMoeForCausalLM(transformers.JetMoeConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_key_value_heads=2, kv_channels=8,
+        intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
+    groups = meqmuon.param_groups(jetmoe)
+    r = _routing(groups)
+    assert r["model.layers.0.mlp.input_linear.weight"] == ("hidden", "stacked", (48, 48))  # GLU experts
+    assert r["model.layers.0.self_attention.experts.input_linear.weight"] == ("hidden", "stacked", None)  # MoA
+    assert r["model.layers.0.self_attention.kv_proj.weight"] == ("hidden", "matrix", (16, 16))
+    assert "Fused tensors kept whole" not in meqmuon.describe_groups(groups)
+    mha = nn.Module()
+    mha.attn = nn.MultiheadAttention(12, 3)
+    assert _routing(meqmuon.param_groups(mha))["attn.in_proj_weight"] == ("hidden", "matrix", (12, 12, 12))
+
+
+def test_kinds_override_and_split_fused_false_are_listed():
+    """``param_groups(kinds=...)`` routes a tensor to another kind (a bias table moved out of the
+    vector kind is one matrix again); ``split_fused=False`` keeps readable blocks whole and says so."""
+    model = _Model()
+    model.oss.gate_up_proj_bias = nn.Parameter(torch.zeros(4, 12))
+    r = _routing(meqmuon.param_groups(model))
+    assert r["oss.gate_up_proj_bias"] == ("vector", "vectors", None)
+    r = _routing(meqmuon.param_groups(model, kinds={r"_bias$": "hidden", r"^conv\.weight$": "embedding"}))
+    assert r["oss.gate_up_proj_bias"] == ("hidden", "matrix", None)
+    assert r["conv.weight"] == ("embedding", "matrix", None)
+    with pytest.raises(ValueError, match="matches no trainable parameter"):
+        meqmuon.param_groups(model, kinds={"nothing": "hidden"})
+    with pytest.raises(ValueError, match="is not one of"):
+        meqmuon.param_groups(model, kinds={"conv": "matrix"})
+    text = meqmuon.describe_groups(meqmuon.param_groups(model, split_fused=False))
+    assert "- experts.gate_up_proj: blocks (6, 6) read from the model; kept whole (split_fused=False)" in text
+
+
+@pytest.mark.parametrize("foreach", FORMS)
+@pytest.mark.parametrize("name", MATRIX_OPTIMIZERS)
+def test_interleaved_split_equals_gate_and_up_twins(name, foreach):
+    """GPT-OSS's experts ``(E, d, 2I)`` stored ``(in, out)`` with gate and up in alternate output
+    features (``gate_up[..., ::2]``, ``gate_up[..., 1::2]``): an interleaved split equals separate
+    per-expert gate and up ``nn.Linear`` weights."""
+    E, d, inner = 3, 8, 5
+    w = torch.randn(E, d, 2 * inner, generator=torch.Generator().manual_seed(6))
+    p = nn.Parameter(w.clone())
+    group = {"params": [p], "kind": "hidden", "names": ["gate_up"], "views": "stacked-transposed",
+             "splits": [(inner, inner)], "interleaved": True}
+
+    def twins_of(t):
+        return [h for m in t.unbind(0) for h in (m.T[0::2], m.T[1::2])]
+    twins = [nn.Parameter(b.clone()) for b in twins_of(w)]
+    _run(name, foreach, [p], [group], lambda step: _grads([(E, d, 2 * inner)], step))
+    _run(name, foreach, twins, [{"params": twins, "kind": "hidden"}],
+         lambda step: [b.contiguous() for b in twins_of(_grads([(E, d, 2 * inner)], step)[0])])
+    for a, b, init in zip(twins_of(p.detach()), twins, twins_of(w), strict=True):
+        _close(a, b.detach(), init)
+
+
+def test_interleaved_layout_is_strided_views():
+    lay = layout_of((6, 4), "matrix", (3, 3), interleaved=True)
+    t = torch.arange(24.0).reshape(6, 4)
+    even, odd = lay.matrices(t)
+    assert torch.equal(even, t[0::2]) and torch.equal(odd, t[1::2])
+    odd.zero_()
+    assert t[1::2].abs().sum() == 0 and t[0::2].abs().sum() > 0
+    with pytest.raises(ValueError, match="interleaved split needs equal blocks"):
+        layout_of((6, 4), "matrix", (2, 4), interleaved=True)

@@ -1,16 +1,25 @@
-"""A transformers zoo: tiny random-init models of the kinds users train (issue 20, item 8).
+"""A transformers zoo: tiny random-init models of the kinds users train.
 
-Dense (Llama, Mistral, Qwen2, Gemma2 tied, OPT tied with learned positions), fused (Phi3, GPT-2 split;
-GPT-NeoX, Falcon kept whole), MoE (Mixtral, Qwen2-MoE, Qwen3-MoE), encoder (BERT), encoder-decoder (T5),
-vision (ViT), state-space (Mamba): 16 architectures; the factories are in ``tests/zoo.py``. No downloads.
-An architecture the installed transformers lacks is skipped.
+Dense (Llama, Mistral, Qwen2, Gemma2 tied, OPT tied with learned positions), fused (Phi3, GPT-2,
+ModernBERT, DBRX split; GPT-NeoX, Falcon kept whole), MoE (Mixtral, Qwen2-MoE, Qwen3-MoE; DBRX with
+experts folded into 2-D tensors, GPT-OSS with per-expert biases, Llama 4 with (in, out) experts),
+encoder (BERT, ModernBERT), encoder-decoder (T5), vision (ViT), vision-language (CLIP, 0-D
+``logit_scale``), state-space (Mamba, Mamba2): 22 architectures; the factories are in
+``tests/zoo.py``. No downloads. An architecture the installed transformers lacks is skipped.
 
 - Routing: every trainable tensor lands in exactly one group of :func:`meqmuon.param_groups`, with the
-  kind, view and split of the per-architecture table below (regex on the HF parameter name ->
-  ``(kind, view, split)``; every parameter must match exactly one regex and every regex some
-  parameter, so a new or renamed parameter fails). A failure prints the whole actual routing.
-- Fused layouts not read: GPT-NeoX's and Falcon's ``query_key_value`` interleave q, k, v per head, so
-  each stays one unsplit hidden matrix, listed under "Fused tensors kept whole" by ``describe_groups``.
+  kind, view, split (and folds) of the per-architecture table below (regex on the HF parameter name
+  -> ``(kind, view, split[, folds])``; every parameter must match exactly one regex and every regex
+  some parameter, so a new or renamed parameter fails). A failure prints the whole actual routing.
+- Fused tensors: every tensor a model uses as several blocks (``FUSED``) is split, or kept whole and
+  listed with its reason under "Fused tensors kept whole" by ``describe_groups`` (GPT-NeoX's and
+  Falcon's ``query_key_value`` interleave q, k, v per head); nothing
+  else is listed, and no model that declares no head (CLIP) is warned about a missing one.
+- View exactness: the views read from DBRX (folded experts, both orientations), GPT-OSS (per-expert
+  bias vectors, (in, out) experts, gate / up in alternate rows), Llama 4 (gate | up halves) and
+  ModernBERT (q | k | v) equal the blocks held as separate parameters to 1e-5 with float32
+  Newton-Schulz, per-tensor and batched, and block 0's update moves by < 1e-6 when only block 1's
+  gradient changes.
 - Training: meqmuon, muon, normuon and muoneq-r take 10 steps on a fixed batch, per-tensor and
   batched (``foreach=False/True``): losses finite and falling, no NaN in the parameters, and the two
   step implementations follow the same loss trajectory.
@@ -204,13 +213,101 @@ def vit_routes(c) -> dict:
 
 
 def mamba_routes(c) -> dict:  # tied embeddings / lm_head (MambaConfig default)
+    inner, n = c.intermediate_size, c.state_size
     return {
         r"embeddings\.weight$": EMBEDDING,
-        r"mixer\.(in_proj|x_proj|dt_proj|out_proj)\.weight$": HIDDEN,
+        r"mixer\.in_proj\.weight$": ("hidden", "matrix", (inner, inner)),  # chunk(2): x, z
+        r"mixer\.x_proj\.weight$": ("hidden", "matrix", (c.time_step_rank, n, n)),  # dt, B, C
+        r"mixer\.(dt_proj|out_proj)\.weight$": HIDDEN,
         r"mixer\.conv1d\.weight$": HIDDEN,  # (d_inner, 1, k) depthwise convolution
-        r"mixer\.A_log$": HIDDEN,  # (d_inner, state)
+        r"mixer\.A_log$": VECTOR,  # (d_inner, state): elementwise decays, not a linear map
         r"mixer\.D$": VECTOR,
         r"mixer\.(conv1d|dt_proj)\.bias$": VECTOR,
+        r"norm(_f)?\.weight$": VECTOR,
+    }
+
+
+def dbrx_routes(c) -> dict:
+    d, experts = c.d_model, c.ffn_config.moe_num_experts
+    kv = c.attn_config.kv_n_heads * d // c.n_heads
+    return {
+        r"wte\.weight$": EMBEDDING,
+        r"^lm_head\.weight$": HEAD,
+        r"attn\.Wqkv\.weight$": ("hidden", "matrix", (d, kv, kv)),
+        r"attn\.out_proj\.weight$": HIDDEN,
+        r"ffn\.router\.layer\.weight$": HIDDEN,
+        r"experts\.mlp\.(w1|v1)$": ("hidden", "stacked", None, experts),  # (E * ffn, d): (out, in) blocks
+        r"experts\.mlp\.w2$": ("hidden", "stacked-transposed", None, experts),  # x @ w2[e]: (in, out) blocks
+        r"norm_(1|2|f)\.weight$": VECTOR,
+    }
+
+
+def gpt_oss_routes(c) -> dict:
+    return {
+        r"embed_tokens\.weight$": EMBEDDING,
+        r"^lm_head\.weight$": HEAD,
+        ATTENTION: HIDDEN,
+        r"self_attn\.(q|k|v|o)_proj\.bias$": VECTOR,
+        r"self_attn\.sinks$": VECTOR,
+        r"mlp\.router\.weight$": HIDDEN,
+        r"mlp\.router\.bias$": VECTOR,
+        r"experts\.gate_up_proj$": ("hidden", "stacked-transposed", (c.intermediate_size,) * 2, None, True),  # ::2
+        r"experts\.down_proj$": ("hidden", "stacked-transposed", None),
+        r"experts\.(gate_up|down)_proj_bias$": ("vector", "vectors", None),  # (E, k): one bias per expert
+        NORM: VECTOR,
+    }
+
+
+def llama4_routes(c) -> dict:
+    inter = c.intermediate_size
+    return {
+        r"embed_tokens\.weight$": EMBEDDING,
+        r"^lm_head\.weight$": HEAD,
+        ATTENTION: HIDDEN,
+        r"experts\.gate_up_proj$": ("hidden", "stacked-transposed", (inter, inter)),  # chunk(2): halves
+        r"experts\.down_proj$": ("hidden", "stacked-transposed", None),
+        r"feed_forward\.router\.weight$": HIDDEN,
+        r"shared_expert\.(gate|up|down)_proj\.weight$": HIDDEN,
+        NORM: VECTOR,
+    }
+
+
+def modernbert_routes(c) -> dict:  # tied decoder / tok_embeddings; no linear biases (config default)
+    d, inter = c.hidden_size, c.intermediate_size
+    return {
+        r"tok_embeddings\.weight$": EMBEDDING,
+        r"attn\.Wqkv\.weight$": ("hidden", "matrix", (d, d, d)),  # view(..., 3, heads, head_dim)
+        r"mlp\.Wi\.weight$": ("hidden", "matrix", (inter, inter)),  # chunk(2): input, gate
+        r"(attn|mlp)\.Wo\.weight$": HIDDEN,
+        r"^head\.dense\.weight$": HIDDEN,  # the MLM transform before the tied decoder
+        r"norm\.weight$": VECTOR,
+        r"^decoder\.bias$": VECTOR,
+    }
+
+
+def clip_routes(c) -> dict:  # two towers, projections (hidden), no LM head
+    return {
+        r"(token|position)_embedding\.weight$": EMBEDDING,
+        r"patch_embedding\.weight$": EMBEDDING,  # Conv2d of CLIPVisionEmbeddings: the input layer, as ViT's
+        r"class_embedding$": VECTOR,
+        r"self_attn\.(q|k|v|out)_proj\.weight$": HIDDEN,
+        r"mlp\.fc(1|2)\.weight$": HIDDEN,
+        r"(self_attn\.(q|k|v|out)_proj|mlp\.fc(1|2))\.bias$": VECTOR,
+        r"(layer_norm(1|2)|final_layer_norm|pre_layrnorm|post_layernorm)\.(weight|bias)$": VECTOR,
+        r"^(visual|text)_projection\.weight$": HIDDEN,
+        r"^logit_scale$": VECTOR,  # 0-D
+    }
+
+
+def mamba2_routes(c) -> dict:  # tied embeddings / lm_head
+    inner, groups, heads = c.expand * c.hidden_size, c.n_groups * c.state_size, c.num_heads
+    return {
+        r"embeddings\.weight$": EMBEDDING,
+        r"mixer\.in_proj\.weight$": ("hidden", "matrix", (inner, inner, groups, groups, heads)),  # z, x, B, C, dt
+        r"mixer\.conv1d\.weight$": ("hidden", "matrix", (inner, groups, groups)),  # depthwise over x, B, C
+        r"mixer\.out_proj\.weight$": HIDDEN,
+        r"mixer\.(A_log|D|dt_bias)$": VECTOR,  # (heads,)
+        r"mixer\.conv1d\.bias$": VECTOR,
         r"norm(_f)?\.weight$": VECTOR,
     }
 
@@ -232,6 +329,12 @@ ROUTES = {
     "t5": t5_routes,
     "vit": vit_routes,
     "mamba": mamba_routes,
+    "dbrx": dbrx_routes,
+    "gpt_oss": gpt_oss_routes,
+    "llama4": llama4_routes,
+    "modernbert": modernbert_routes,
+    "clip": clip_routes,
+    "mamba2": mamba2_routes,
 }
 
 # The embedding tensor shared with the output head (its group has ``tied=True``), or None.
@@ -243,6 +346,8 @@ TIED = {
     "bert": r"^bert\.embeddings\.word_embeddings\.weight$",
     "t5": r"^shared\.weight$",
     "mamba": r"^backbone\.embeddings\.weight$",
+    "modernbert": r"^model\.embeddings\.tok_embeddings\.weight$",
+    "mamba2": r"^backbone\.embeddings\.weight$",
 }
 
 assert set(ROUTES) == set(ZOO)
@@ -300,6 +405,8 @@ def _actual_routing(groups: list[dict]) -> list[dict]:
     for g in groups:
         n = len(g["params"])
         views, splits = g.get("views", [MISSING] * n), g.get("splits", [MISSING] * n)
+        folds = g.get("folds", [None] * n)
+        interleaved = g.get("interleaved", [False] * n)
         for i, (name, p) in enumerate(zip(g["names"], g["params"], strict=True)):
             split = splits[i] if i < len(splits) else MISSING
             rows.append({
@@ -308,16 +415,29 @@ def _actual_routing(groups: list[dict]) -> list[dict]:
                 "kind": g["kind"],
                 "view": views[i] if i < len(views) else MISSING,
                 "split": tuple(split) if isinstance(split, list | tuple) else split,
+                "folds": folds[i] if i < len(folds) else MISSING,
+                "interleaved": interleaved[i] if i < len(interleaved) else MISSING,
                 "tied": bool(g.get("tied")),
             })
     return rows
+
+
+def _entry(route: tuple) -> tuple:
+    """A table entry as ``(kind, view, split, folds, interleaved)``; ``folds`` (experts folded into a
+    2-D tensor's rows, DBRX) and ``interleaved`` (the split's blocks alternate rows, GPT-OSS) are left
+    out of most entries."""
+    return (*route, *(None, False)[len(route) - 3:])
+
+
+def _got(r: dict) -> tuple:
+    return (r["kind"], r["view"], r["split"], r["folds"], r["interleaved"])
 
 
 def _format(rows: list[dict], expected: dict[str, tuple | None]) -> str:
     lines = [f"{'name':62s} {'shape':15s} {'kind':9s} {'view':18s} {'split':14s} tied  expected"]
     for r in rows:
         exp = expected.get(r["name"])
-        exp_s = "(no rule)" if exp is None else ("ok" if exp == (r["kind"], r["view"], r["split"]) else str(exp))
+        exp_s = "(no rule)" if exp is None else ("ok" if exp == _got(r) else str(exp))
         lines.append(
             f"{r['name']:62s} {str(tuple(r['param'].shape)):15s} {r['kind']:9s} {str(r['view']):18s} "
             f"{str(r['split']):14s} {'yes' if r['tied'] else 'no ':4s}  {exp_s}"
@@ -362,12 +482,12 @@ def test_every_tensor_routed_once_with_the_expected_view(arch):
             expected[r["name"]] = None
             continue
         used[hits[0]] += 1
-        exp = expected[r["name"]] = routes[hits[0]]
-        kind, view, split = exp
+        exp = expected[r["name"]] = _entry(routes[hits[0]])
+        kind, view, split, _, _ = exp
         if split is not None and sum(split) != _matrix_rows(r["param"], view):  # a wrong table entry
             problems.append(f"table: split {split} of {r['name']} {tuple(r['param'].shape)} does not fit view {view}")
-        if (r["kind"], r["view"], r["split"]) != exp:
-            problems.append(f"{r['name']}: got {(r['kind'], r['view'], r['split'])}, expected {exp}")
+        if _got(r) != exp:
+            problems.append(f"{r['name']}: got {_got(r)}, expected {exp}")
     problems += [f"table rule {rx!r} matches no parameter" for rx, k in used.items() if k == 0]
 
     # Tying: the tied embedding's group says tied=True, every other group tied=False.
@@ -405,6 +525,123 @@ def test_interleaved_fused_qkv_is_kept_whole_and_described(arch):
         assert (hidden["views"][i], hidden["splits"][i]) == ("matrix", None)
         assert f"- {n}: fused layout of {owner} not read: kept whole" in text, text
         assert f"- {n} (" not in text, text  # not listed among the split / non-whole matrix views
+
+
+#: Tensors each model uses as several blocks (read from its forward): each must be split (or its
+#: experts folded) or listed, with its reason, under "Fused tensors kept whole" by describe_groups.
+FUSED = {
+    "phi3": r"(qkv_proj|gate_up_proj)\.weight$",
+    "gpt2": r"attn\.c_attn\.weight$",
+    "gpt_neox": KEPT_WHOLE,
+    "falcon": KEPT_WHOLE,
+    "mixtral": r"experts\.gate_up_proj$",
+    "qwen2_moe": r"experts\.gate_up_proj$",
+    "qwen3_moe": r"experts\.gate_up_proj$",
+    "mamba": r"mixer\.(in_proj|x_proj)\.weight$",
+    "dbrx": r"(Wqkv\.weight|experts\.mlp\.(w1|v1|w2))$",
+    "gpt_oss": r"experts\.gate_up_proj(_bias)?$",
+    "llama4": r"experts\.gate_up_proj$",
+    "modernbert": r"(Wqkv|Wi)\.weight$",
+    "mamba2": r"mixer\.(in_proj|conv1d)\.weight$",
+}
+
+
+@pytest.mark.parametrize("arch", list(ZOO))
+def test_every_fused_tensor_is_split_or_listed(arch):
+    """A tensor the model uses as several blocks is split, or kept whole and listed with its reason;
+    nothing else is listed."""
+    model, _ = _model(arch)
+    groups = meqmuon.param_groups(model)
+    text = meqmuon.describe_groups(groups)
+    rows = _actual_routing(groups)
+    notes = {n: why for g in groups for n, why in g.get("notes", {}).items()}
+    fused = [r for r in rows if FUSED.get(arch) and re.search(FUSED[arch], r["name"])]
+    assert len(fused) >= model.config.get_text_config().num_hidden_layers or arch not in FUSED, fused
+    for r in fused:
+        split = r["split"] is not None or r["folds"] is not None
+        assert split or r["name"] in notes, f"{arch}: {r['name']} used as several blocks, neither split nor listed"
+    for name, why in notes.items():
+        assert FUSED.get(arch) and re.search(FUSED[arch], name), f"{arch}: {name} listed but not fused"
+        assert f"- {name}: {why}" in text and why, text
+    assert ("Fused tensors kept whole:" in text) == bool(notes), text
+    # A model that declares no output head (CLIP: projections) gets no missing-head warning.
+    assert "no recognised output head" not in text, text
+
+
+def _blocks_of(arch: str, name: str, t: torch.Tensor, c) -> list[torch.Tensor]:
+    """The per-expert / per-block matrices (``(out, in)``) or vectors of ``t``, written from each
+    model's forward, independently of the package's views: views of ``t``."""
+    if arch == "dbrx":  # w.view(-1, ffn, d)[e]; x @ w1[e].T, x @ v1[e].T, h @ w2[e]
+        e = t.view(-1, c.ffn_config.ffn_hidden_size, c.d_model).unbind(0)
+        return [m.T for m in e] if name.endswith("w2") else list(e)
+    if arch == "gpt_oss":
+        if name.endswith("_bias"):  # gate_up @ W[e] + b[e]: one bias vector per expert
+            return list(t.unbind(0))
+        experts = [m.T for m in t.unbind(0)]  # x @ W[e]: stored (in, out)
+        if name.endswith("gate_up_proj"):  # gate_up[..., ::2], gate_up[..., 1::2]
+            return [h for m in experts for h in (m[0::2], m[1::2])]
+        return experts
+    if arch == "llama4":  # bmm(x, W) then chunk(2, dim=-1): gate | up halves of each (in, out) expert
+        inter = c.intermediate_size
+        return [h for m in t.unbind(0) for h in (m.T[:inter], m.T[inter:])]
+    if arch == "modernbert":  # view(..., 3, heads, head_dim): q | k | v
+        return list(t.chunk(3, dim=0))
+    raise KeyError(arch)
+
+
+VIEW_CASES = [("dbrx", r"blocks\.0\.ffn\.experts\.mlp\.w1$"), ("dbrx", r"blocks\.0\.ffn\.experts\.mlp\.w2$"),
+              ("gpt_oss", r"layers\.0\.mlp\.experts\.gate_up_proj_bias$"),
+              ("gpt_oss", r"layers\.0\.mlp\.experts\.down_proj_bias$"),
+              ("gpt_oss", r"layers\.0\.mlp\.experts\.down_proj$"),
+              ("gpt_oss", r"layers\.0\.mlp\.experts\.gate_up_proj$"),
+              ("llama4", r"layers\.0\.feed_forward\.experts\.gate_up_proj$"),
+              ("modernbert", r"layers\.0\.attn\.Wqkv\.weight$")]
+
+
+def _step_views(name: str, group: dict, tensors: list, grads_of, foreach: bool) -> None:
+    hp = {"ns_dtype": torch.float32} if name != "scale" else {}
+    opt = build_optimizer(name, [group], lr=2e-2, weight_decay=0.1, foreach=foreach, **hp)
+    for step in range(3):
+        for t, g in zip(tensors, grads_of(step), strict=True):
+            t.grad = g
+        opt.step()
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize(("arch", "pattern"), VIEW_CASES)
+def test_detected_views_equal_separate_twins(arch, pattern, foreach):
+    """The view ``param_groups`` reads from each model equals the tensor's blocks held as separate
+    parameters (per-expert ``nn.Linear`` weights, per-expert bias vectors, Llama 4's gate/up halves as
+    with ``splits=(I, I)``, ModernBERT's q/k/v) to 1e-5 (float32 Newton-Schulz), and block 0 moves by
+    < 1e-6 (relative) when only block 1's gradient changes (expert 1, for DBRX and GPT-OSS)."""
+    model, _ = _model(arch)
+    groups = meqmuon.param_groups(model)
+    (r,) = [r for r in _actual_routing(groups) if re.search(pattern, r["name"])]
+    start = r["param"].detach().clone()
+    blocks = functools.partial(_blocks_of, arch, r["name"], c=model.config)
+    kind = r["kind"]
+    def grads(step, bump=1.0):
+        g = torch.randn(start.shape, generator=torch.Generator().manual_seed(step))
+        blocks(g)[1].mul_(bump)  # a view: only block 1 changes
+        return g
+
+    def run(name, bump=1.0):
+        t = torch.nn.Parameter(start.clone())
+        group = {"params": [t], "kind": kind, "names": [r["name"]], "views": [r["view"]],
+                 "splits": [r["split"]], "folds": [r["folds"]], "interleaved": [r["interleaved"]]}
+        _step_views(name, group, [t], lambda step: [grads(step, bump)], foreach)
+        return t.detach()
+
+    for name in OPTIMIZERS:
+        got, bumped = run(name), run(name, -3.0)
+        twins = [torch.nn.Parameter(b.clone()) for b in blocks(start)]
+        _step_views(name, {"params": twins, "kind": kind}, twins,
+                    lambda step: [b.contiguous() for b in blocks(grads(step))], foreach)
+        for j, (a, twin, init) in enumerate(zip(blocks(got), twins, blocks(start), strict=True)):
+            moved = (twin.detach() - init).norm()
+            assert moved > 0 and ((a - twin.detach()).norm() / moved).item() <= 1e-5, (name, j)
+        moved0 = (blocks(got)[0] - blocks(start)[0]).norm()
+        assert ((blocks(bumped)[0] - blocks(got)[0]).norm() / moved0).item() < 1e-6, name
 
 
 # ------------------------------------------------------------------------------------- training

@@ -1,9 +1,10 @@
 """Tiny random-init transformers models of the kinds users train, for ``tests/test_zoo.py``.
 
-Sixteen architectures: Llama, Mistral, Qwen2, Gemma2, Phi3, GPT-2, GPT-NeoX, Falcon, OPT, Mixtral,
-Qwen2-MoE, Qwen3-MoE, BERT, T5, ViT, Mamba. No downloads: every model is built from a config with
-``torch.manual_seed(0)``, in float32, eager attention. Each entry of :data:`ZOO` is a factory returning
-``(model, batch)``, or raising :class:`Missing` when the installed transformers lacks the architecture.
+Twenty-two architectures: Llama, Mistral, Qwen2, Gemma2, Phi3, GPT-2, GPT-NeoX, Falcon, OPT, Mixtral,
+Qwen2-MoE, Qwen3-MoE, BERT, T5, ViT, Mamba, DBRX, GPT-OSS, Llama 4, ModernBERT, CLIP, Mamba2. No
+downloads: every model is built from a config with ``torch.manual_seed(0)``, in float32, eager
+attention. Each entry of :data:`ZOO` is a factory returning ``(model, batch)``, or raising
+:class:`Missing` when the installed transformers lacks the architecture.
 """
 
 from __future__ import annotations
@@ -208,6 +209,82 @@ def mamba() -> tuple[nn.Module, dict]:
     return _build(model_cls, config), _lm_batch()
 
 
+def dbrx() -> tuple[nn.Module, dict]:
+    config_cls, model_cls = _classes("DbrxConfig", "DbrxForCausalLM")
+    # Experts folded into 2-D tensors: w1, v1, w2 are (E * ffn, d) = (4 * 24, 32); fused Wqkv (q, k, v).
+    config = config_cls(
+        d_model=32, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=VOCAB, resid_pdrop=0.0, emb_pdrop=0.0,
+        attn_config={"kv_n_heads": 2, "attn_pdrop": 0.0, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 24, "moe_num_experts": 4, "moe_top_k": 2},
+        tie_word_embeddings=False, attn_implementation="eager",
+    )
+    return _build(model_cls, config), _lm_batch()
+
+
+def gpt_oss() -> tuple[nn.Module, dict]:
+    config_cls, model_cls = _classes("GptOssConfig", "GptOssForCausalLM")
+    # Experts stored (E, in, out) with per-expert biases (E, 2I) and (E, d); gate/up interleaved.
+    config = config_cls(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        max_position_embeddings=64, tie_word_embeddings=False, attn_implementation="eager",
+    )
+    return _build(model_cls, config), _lm_batch()
+
+
+def llama4() -> tuple[nn.Module, dict]:
+    config_cls, model_cls = _classes("Llama4TextConfig", "Llama4ForCausalLM")
+    # Every layer MoE: experts (E, d, 2I) stored (in, out) with contiguous gate|up halves, a shared expert.
+    config = config_cls(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=24, intermediate_size_mlp=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=1,
+        interleave_moe_layer_step=1, max_position_embeddings=64, tie_word_embeddings=False,
+        attention_chunk_size=16, attn_implementation="eager", pad_token_id=0,
+    )
+    return _build(model_cls, config), _lm_batch()
+
+
+def modernbert() -> tuple[nn.Module, dict]:
+    config_cls, model_cls = _classes("ModernBertConfig", "ModernBertForMaskedLM")
+    # Fused Wqkv (q | k | v) and GLU Wi (input | gate halves); tied decoder (the config default).
+    config = config_cls(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, local_attention=8, attention_dropout=0.0, mlp_dropout=0.0,
+        embedding_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+        attn_implementation="eager",
+    )
+    ids = _tokens()
+    return _build(model_cls, config), {"input_ids": ids, "labels": ids}
+
+
+def clip() -> tuple[nn.Module, dict]:
+    config_cls, model_cls = _classes("CLIPConfig", "CLIPModel")
+    # Two towers with projections and a 0-D logit_scale; no LM head. Contrastive loss (return_loss).
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 attention_dropout=0.0)
+    config = config_cls(
+        text_config={**tower, "vocab_size": VOCAB, "max_position_embeddings": 32, "pad_token_id": 0,
+                     "bos_token_id": 1, "eos_token_id": 2},
+        vision_config={**tower, "image_size": 16, "patch_size": 4, "num_channels": 3},
+        projection_dim=16, attn_implementation="eager",
+    )
+    g = torch.Generator().manual_seed(1)
+    batch = {"input_ids": _tokens(shape=(4, 8)), "pixel_values": torch.randn(4, 3, 16, 16, generator=g),
+             "return_loss": True}
+    return _build(model_cls, config), batch
+
+
+def mamba2() -> tuple[nn.Module, dict]:
+    config_cls, model_cls = _classes("Mamba2Config", "Mamba2ForCausalLM")
+    # in_proj fused (z, x, B, C, dt); A_log, D, dt_bias per head (1-D).
+    config = config_cls(
+        vocab_size=VOCAB, hidden_size=32, num_heads=8, head_dim=8, state_size=8, n_groups=1, expand=2,
+        num_hidden_layers=2, conv_kernel=4, chunk_size=8, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+        tie_word_embeddings=True,
+    )
+    return _build(model_cls, config), _lm_batch()
+
+
 ZOO: dict[str, Callable[[], tuple[nn.Module, dict]]] = {
     "llama": llama,
     "mistral": mistral,
@@ -225,4 +302,10 @@ ZOO: dict[str, Callable[[], tuple[nn.Module, dict]]] = {
     "t5": t5,
     "vit": vit,
     "mamba": mamba,
+    "dbrx": dbrx,
+    "gpt_oss": gpt_oss,
+    "llama4": llama4,
+    "modernbert": modernbert,
+    "clip": clip,
+    "mamba2": mamba2,
 }

@@ -197,6 +197,9 @@ class RoleOptimizer(Optimizer):
                     f"parameter {pname} of shape {tuple(p.shape)} is in a '{pkind}' group, whose rule "
                     f"'{rule.name}' needs a >=2-D tensor"
                 )
+            if rule.needs_matrix and group_layout(group, i, p.shape, pname).view == "vectors":
+                raise ValueError(f"parameter {pname} has view 'vectors' in a '{pkind}' group, whose rule "
+                                 f"'{rule.name}' needs matrices; put it in a 'vector' group")
             keys.update(rule.hyperparameters)
         for optional in ("state_dtype", "foreach"):
             if optional in group:
@@ -231,12 +234,16 @@ class RoleOptimizer(Optimizer):
             state["step"] += 1
             sharded = is_dtensor(p)
             param, grad = (p.to_local(), g.to_local()) if sharded else (p, g)
-            if layout.whole or not rule.needs_matrix:
+            # A rule sees the matrices of a view; a vector rule whole tensors, or each vector of a
+            # "vectors" view unless its update is elementwise (then any view gives the same update).
+            cut = rule.needs_matrix or (layout.view == "vectors" and not rule.elementwise)
+            if layout.whole or not cut:
                 out[(rule, False)].append(Item(param, grad, state, name, p.shape, pkind))
                 continue
-            if sharded and not layout.batch:  # FSDP2 shards this matrix's dim 0: its rows are not all here
+            if sharded and (not layout.batch or layout.folded):  # FSDP2 cuts dim 0: a matrix's rows are not all here
                 raise NotImplementedError(
-                    f"{name}: view {layout.view!r}{' with a split' if layout.split else ''} under FSDP2 would need "
+                    f"{name}: view {layout.view!r}{' with a split' if layout.split else ''}"
+                    f"{' with folds' if layout.folded else ''} under FSDP2 would need "
                     "the rows of a matrix from several shards; give its group views='matrix' / splits=None, or "
                     "keep this parameter unsharded")
             out[(rule, sharded)].extend(_matrix_items(rule, layout, param, grad, state, name, pkind, _held(p)))

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .structure import Route, declared_view
 from .views import Layout, group_layout, layout_of
 
 KINDS = ("hidden", "embedding", "head", "vector")
@@ -57,79 +58,33 @@ def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module, nn.Module | Non
     return owners
 
 
-def _is_conv1d(module: nn.Module) -> bool:
-    """transformers' ``pytorch_utils.Conv1D`` (GPT-2 family), a ``Linear`` stored ``(in, out)``;
-    recognised by name and attribute so that the core never imports transformers."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+def _roles(model: nn.Module, owners: dict) -> tuple[set[int], set[int], nn.Module | None]:
+    """Ids of the embedding and head tensors, and the HF output-embedding module if any."""
+    embedding_ids: set[int] = set()
+    head_ids: set[int] = set()
+    emb_module = _hf_module(model, "get_input_embeddings")
+    if emb_module is not None:
+        # recurse: ViT's input embedding is a module whose patch projection is a child Conv2d
+        embedding_ids.update(id(p) for p in emb_module.parameters() if p.ndim >= 2)
+    for module in model.modules():
+        if isinstance(module, nn.Embedding | nn.EmbeddingBag):
+            embedding_ids.add(id(module.weight))
+    # An input projection of an embeddings module (CLIP's vision patch convolution, as ViT's, which
+    # get_input_embeddings() returns): the model's input layer, not a hidden map.
+    embedding_ids.update(pid for pid, (_, module, parent) in owners.items()
+                         if isinstance(module, nn.modules.conv._ConvNd | nn.Linear) and parent is not None
+                         and type(parent).__name__.endswith("Embeddings") and module.weight is not None
+                         and id(module.weight) == pid)
 
-
-def _experts_view(module: nn.Module, pname: str, p: torch.Tensor) -> tuple[str, tuple[int, ...] | None, str]:
-    """View, split and note of a 3-D expert tensor of a transformers-5 ``*Experts`` module.
-
-    ``(E, out, in)`` storage (``F.linear(x, W[e])``, 57 of transformers 5's expert modules) is read
-    from the shapes: ``down_proj`` ``(E, d, I)`` and ``gate_up_proj`` ``(E, 2I, d)``, whose two halves
-    are gate and up (``.chunk(2, dim=-1)``). Transposed ``(E, in, out)`` storage (GPT-OSS, Llama 4,
-    Aria) is viewed transposed and not split: GPT-OSS interleaves gate and up, so halves would be wrong.
-    """
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.ndim == down.ndim == 3):
-        return "stacked", None, ""
-    if gate_up.shape[-1] == down.shape[-2]:  # (E, 2I, d) and (E, d, I): stored (out, in)
-        if pname == "gate_up_proj" and gate_up.shape[-2] == 2 * down.shape[-1]:
-            half = down.shape[-1]
-            return "stacked", (half, half), ""
-        return "stacked", None, ""
-    if gate_up.shape[-2] == down.shape[-1]:  # (E, d, 2I) and (E, I, d): stored (in, out)
-        note = "gate/up layout not read (may interleave): kept whole" if pname == "gate_up_proj" else ""
-        return "stacked-transposed", None, note
-    return "stacked", None, ""
-
-
-#: Fused projections whose layout is read from the model: ``(parent class, module name) -> blocks``.
-#: Only these are split; other fused names are kept whole and listed in :func:`describe_groups`.
-def _phi3_qkv(attn: nn.Module) -> tuple[int, ...]:
-    q = attn.config.num_attention_heads * attn.head_dim
-    kv = attn.num_key_value_heads * attn.head_dim
-    return (q, kv, kv)
-
-
-def _halves(rows: int) -> tuple[int, int]:
-    return (rows // 2, rows // 2)
-
-
-FUSED_LAYOUTS: dict[tuple[str, str], Any] = {
-    ("Phi3Attention", "qkv_proj"): lambda parent, rows: _phi3_qkv(parent),
-    ("Phi3MLP", "gate_up_proj"): lambda parent, rows: _halves(rows),
-    # GPT-2 self-attention: c_attn is Conv1D(3d) split as q, k, v; cross-attention's is (k, v).
-    ("GPT2Attention", "c_attn"): lambda parent, rows: (parent.split_size,) * (rows // parent.split_size),
-}
-#: Names of fused projections whose layout is not read (GPT-NeoX and Falcon interleave per head).
-FUSED_NAMES = re.compile(r"(^|\.)(qkv_proj|query_key_value|c_attn|gate_up_proj|W_pack|Wqkv|qkv)$")
-
-
-def _matrix_view(mname: str, module: nn.Module, parent: nn.Module | None, pname: str,
-                 p: torch.Tensor) -> tuple[str, tuple[int, ...] | None, str]:
-    """The declared view, split and a note (why a fused tensor is kept whole) of a >=2-D parameter."""
-    leaf = mname.rsplit(".", 1)[-1]
-    if isinstance(module, nn.modules.conv._ConvNd):
-        return "matrix", None, ""
-    if _is_conv1d(module):
-        view, rows = "transposed", p.shape[1]
-    elif p.ndim >= 3:
-        if type(module).__name__.endswith("Experts"):
-            return _experts_view(module, pname, p)
-        return "stacked", None, ""
+    out_module = _hf_module(model, "get_output_embeddings")
+    if out_module is not None:
+        head_ids.update(id(p) for p in out_module.parameters(recurse=False) if p.ndim >= 2)
     else:
-        view, rows = "matrix", p.shape[0]
-    layout = FUSED_LAYOUTS.get((type(parent).__name__, leaf)) if parent is not None else None
-    if layout is not None:
-        blocks = tuple(layout(parent, rows))
-        if sum(blocks) == rows and len(blocks) > 1:
-            return view, blocks, ""
-    if FUSED_NAMES.search(mname):
-        owner = type(parent).__name__ if parent is not None else "?"
-        return view, None, f"fused layout of {owner} not read: kept whole"
-    return view, None, ""
+        for mname, module in model.named_modules():
+            if mname and HEAD_NAME_PATTERN.search(mname):
+                head_ids.update(id(p) for p in module.parameters(recurse=False) if p.ndim >= 2)
+
+    return embedding_ids, head_ids, out_module
 
 
 def classify_parameters(model: nn.Module) -> dict[str, Any]:
@@ -137,8 +92,10 @@ def classify_parameters(model: nn.Module) -> dict[str, Any]:
 
     Returns a dict with ``kinds`` (param name -> kind, first name of each unique tensor, in
     ``named_parameters`` order), ``params`` (name -> tensor), ``tied`` (names of embedding
-    tensors that are also the output head), ``views`` and ``splits`` (name -> view, split) and
-    ``notes`` (name -> why a fused projection is kept whole).
+    tensors that are also the output head), ``views``, ``splits``, ``folds`` and ``interleaved`` (name
+    -> the matrix view read from the model's structure, :mod:`meqmuon.optim.structure`), ``notes``
+    (name -> why a tensor the model uses as several blocks is kept whole) and ``headless`` (the model
+    declares no output head).
 
     Beyond role: a >=2-D tensor whose matrices have one row or one column is a vector in disguise
     (Qwen2-MoE's ``shared_expert_gate`` ``(1, d)``, ViT's ``cls_token`` ``(1, 1, d)``): row or column
@@ -149,37 +106,23 @@ def classify_parameters(model: nn.Module) -> dict[str, Any]:
     by_id = {id(p): n for n, p in named.items()}
     owners = _owners(model)
 
-    embedding_ids: set[int] = set()
-    head_ids: set[int] = set()
-    emb_module = _hf_module(model, "get_input_embeddings")
-    if emb_module is not None:
-        # recurse: ViT's input embedding is a module whose patch projection is a child Conv2d
-        embedding_ids.update(id(p) for p in emb_module.parameters() if p.ndim >= 2)
-    for module in model.modules():
-        if isinstance(module, nn.Embedding | nn.EmbeddingBag):
-            embedding_ids.add(id(module.weight))
-
-    out_module = _hf_module(model, "get_output_embeddings")
-    if out_module is not None:
-        head_ids.update(id(p) for p in out_module.parameters(recurse=False) if p.ndim >= 2)
-    else:
-        for mname, module in model.named_modules():
-            if mname and HEAD_NAME_PATTERN.search(mname):
-                head_ids.update(id(p) for p in module.parameters(recurse=False) if p.ndim >= 2)
-
+    embedding_ids, head_ids, out_module = _roles(model, owners)
     kinds: dict[str, str] = {}
     views: dict[str, str] = {}
     splits: dict[str, tuple[int, ...] | None] = {}
+    folds: dict[str, int | None] = {}
+    interleaved: dict[str, bool] = {}
     notes: dict[str, str] = {}
     tied: list[str] = []
     for name, p in named.items():
         if not p.requires_grad:
             continue
         pid = id(p)
-        view, split, note = "matrix", None, ""
+        route = Route()
         if p.ndim >= 2:
             mname, module, parent = owners[pid]
-            view, split, note = _matrix_view(mname, module, parent, name.rsplit(".", 1)[-1], p)
+            route = declared_view(mname, module, parent, name.rsplit(".", 1)[-1], p)
+        view, split, fold = route.view, route.split, route.folds
         if pid in embedding_ids:
             kind = "embedding"
             if pid in head_ids:
@@ -188,20 +131,39 @@ def classify_parameters(model: nn.Module) -> dict[str, Any]:
             kind = "head"
         elif p.ndim < 2:
             kind = "vector"
+        elif route.kind is not None:
+            kind = route.kind
         else:
-            layout = layout_of(p.shape, view, split, name)
+            layout = layout_of(p.shape, view, split, name, fold)
             if min(layout.rows, layout.cols) == 1:
-                kind, view, split = "vector", "matrix", None
+                kind, view, split, fold = "vector", "matrix", None, None
             elif view == "stacked" and math.prod(layout.batch) == 1 and not type(owners[pid][1]).__name__.endswith(
                     "Experts"):
                 kind = "embedding"
             else:
                 kind = "hidden"
-        kinds[name], views[name], splits[name] = kind, view, split
-        if note:
-            notes[name] = note
+        if kind in ("embedding", "head") and view == "vectors":
+            view = "matrix"
+        kinds[name], views[name], splits[name], folds[name] = kind, view, split, fold
+        interleaved[name] = route.interleaved and split is not None
+        if route.note:
+            notes[name] = route.note
     assert len(by_id) == len(named)  # each unique tensor has exactly one name here
-    return {"kinds": kinds, "params": named, "tied": tied, "views": views, "splits": splits, "notes": notes}
+    headless = out_module is None and not head_ids and _declares_no_head(model)
+    return {"kinds": kinds, "params": named, "tied": tied, "views": views, "splits": splits, "folds": folds,
+            "interleaved": interleaved, "notes": notes, "headless": headless}
+
+
+def _declares_no_head(model: nn.Module) -> bool:
+    """A transformers model whose ``get_output_embeddings()`` answers ``None``: it has no LM head (CLIP's
+    towers end in projections; an encoder's in its pooler), so a missing head is no surprise."""
+    getter = getattr(model, "get_output_embeddings", None)
+    if not callable(getter):
+        return False
+    try:
+        return getter() is None
+    except NotImplementedError:
+        return False
 
 
 def _per_kind(value: float | Mapping[str, float] | None, kind: str, what: str) -> float | None:
@@ -221,6 +183,7 @@ def param_groups(
     lr: float | Mapping[str, float] | None = None,
     weight_decay: float | Mapping[str, float] | None = None,
     split_fused: bool = True,
+    kinds: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Route every trainable parameter of ``model`` into one group per kind.
 
@@ -230,16 +193,24 @@ def param_groups(
             (``lm_head``, ``head``, ``classifier``, ``output_layer``, ``score``, ``fc_out``).
         lr: optional learning rate written into every group, or a mapping kind -> lr.
         weight_decay: same, for weight decay.
-        split_fused: split fused projections whose layout is read from the model (Phi3's
-            ``qkv_proj`` and ``gate_up_proj``, GPT-2's ``c_attn``, MoE experts' ``gate_up_proj``) into
-            their blocks, so that the model trains as its unfused twin (docs/algorithm.md, "Routing").
+        split_fused: split fused projections whose layout is read from the model
+            (:data:`meqmuon.optim.structure.FUSED_LAYOUTS`: Phi3, GPT-2, DBRX, ModernBERT, Mamba,
+            Mamba2, MLA; experts' ``gate_up_proj`` halves) into their blocks, so that the model
+            trains as its unfused twin (docs/algorithm.md, "Routing").
+        kinds: overrides of the routing, regex on the parameter name -> kind (``re.search``; the
+            first pattern that matches wins), e.g. ``{r"A_log$": "hidden"}`` to orthogonalise Mamba's
+            ``A_log`` after all, or ``{r"patch_embedding": "hidden"}``. A tensor moved out of the
+            ``vector`` kind loses a ``"vectors"`` view (it is one matrix again).
 
     Returns:
         Non-empty groups in the order hidden, embedding, head, vector. Each has ``params``,
         ``names`` (fully qualified), ``kind``, ``tied`` (True only for an embedding group holding
         a tensor shared with the output head), and per parameter its matrix view (``views``) and
-        row split (``splits``; see :mod:`meqmuon.optim.views`). Fused tensors kept whole are listed
-        in ``notes`` (name -> why). Frozen parameters are skipped.
+        row split (``splits``; see :mod:`meqmuon.optim.views`), and ``folds`` where a 2-D tensor
+        holds experts along its rows (DBRX). Tensors kept whole although the model uses them as
+        several blocks are listed in ``notes`` (name -> why); ``headless`` marks an embedding group of
+        a model that declares no output head (``get_output_embeddings()`` is ``None``: CLIP).
+        Frozen parameters are skipped.
 
     Raises:
         TypeError: if ``model`` is not an ``nn.Module`` (e.g. ``model.parameters()``).
@@ -250,20 +221,8 @@ def param_groups(
         raise TypeError(f"param_groups() takes an nn.Module (it needs parameter names and module types to route by "
                         f"role); got {'an' if what[:1].lower() in 'aeiou' else 'a'} {what}: pass the model itself")
     info = classify_parameters(model)
-    groups: dict[str, dict[str, Any]] = {
-        k: {"params": [], "names": [], "kind": k, "tied": False, "views": [], "splits": []} for k in KINDS
-    }
-    for name, kind in info["kinds"].items():
-        g = groups[kind]
-        g["params"].append(info["params"][name])
-        g["names"].append(name)
-        g["views"].append(info["views"][name])
-        g["splits"].append(info["splits"][name] if split_fused else None)
-        if name in info["notes"]:
-            g.setdefault("notes", {})[name] = info["notes"][name]
-    if info["tied"]:
-        groups["embedding"]["tied"] = True
-        groups["embedding"]["tied_names"] = list(info["tied"])
+    _override_kinds(info, kinds or {})
+    groups = _fill_groups(info, split_fused)
 
     # Coverage check: every unique trainable tensor exactly once.
     seen: dict[int, str] = {}
@@ -292,6 +251,58 @@ def param_groups(
     return out
 
 
+def _override_kinds(info: dict[str, Any], kinds: Mapping[str, str]) -> None:
+    """Apply ``param_groups(kinds=...)`` to the classification ``info`` in place."""
+    for pattern, kind in kinds.items():
+        if kind not in KINDS:
+            raise ValueError(f"param_groups: kinds[{pattern!r}] = {kind!r} is not one of {KINDS}")
+        if not any(re.search(pattern, n) for n in info["kinds"]):
+            raise ValueError(f"param_groups: kinds pattern {pattern!r} matches no trainable parameter")
+    for name in info["kinds"]:
+        kind = next((k for rx, k in kinds.items() if re.search(rx, name)), None)
+        if kind is None:
+            continue
+        p = info["params"][name]
+        if kind != "vector" and p.ndim < 2:
+            raise ValueError(f"param_groups: {name} of shape {tuple(p.shape)} cannot be routed as {kind!r}")
+        info["kinds"][name] = kind
+        if kind != "vector" and info["views"][name] == "vectors":
+            info["views"][name] = "matrix"
+        if name in info["tied"] and kind != "embedding":
+            info["tied"].remove(name)
+
+
+def _fill_groups(info: dict[str, Any], split_fused: bool) -> dict[str, dict[str, Any]]:
+    """One group per kind from the classification ``info``, with per-parameter views and splits."""
+    groups: dict[str, dict[str, Any]] = {
+        k: {"params": [], "names": [], "kind": k, "tied": False, "views": [], "splits": []} for k in KINDS
+    }
+    for name, kind in info["kinds"].items():
+        g = groups[kind]
+        g["params"].append(info["params"][name])
+        g["names"].append(name)
+        g["views"].append(info["views"][name])
+        split = info["splits"][name]
+        g["splits"].append(split if split_fused else None)
+        note = info["notes"].get(name)
+        if split is not None and not split_fused:
+            note = f"blocks {split} read from the model; kept whole (split_fused=False)"
+        if note:
+            g.setdefault("notes", {})[name] = note
+    # Keys only where some tensor folds experts or interleaves its blocks: other models' groups are as before.
+    for key, absent in (("folds", None), ("interleaved", False)):
+        for name, value in info[key].items():
+            if value != absent and (key == "folds" or split_fused):
+                g = groups[info["kinds"][name]]
+                g.setdefault(key, [absent] * len(g["params"]))[g["names"].index(name)] = value
+    if info["headless"]:
+        groups["embedding"]["headless"] = True
+    if info["tied"]:
+        groups["embedding"]["tied"] = True
+        groups["embedding"]["tied_names"] = list(info["tied"])
+    return groups
+
+
 def describe_groups(groups: Iterable[Mapping[str, Any]]) -> str:
     """A markdown table of parameter groups, one row per kind, then every >=2-D tensor whose matrices
     are not the tensor itself (stacked, transposed, split), each with its shape and view, e.g.
@@ -309,7 +320,7 @@ def describe_groups(groups: Iterable[Mapping[str, Any]]) -> str:
         total_tensors += len(params)
         total_elements += n_el
         kinds.add(g.get("kind"))
-        tied = tied or bool(g.get("tied"))
+        tied = tied or bool(g.get("tied")) or bool(g.get("headless"))
         examples = ", ".join(names[:3]) + (f", ... (+{len(names) - 3})" if len(names) > 3 else "")
         rows.append(
             f"| {g.get('kind', '?')} | {len(params)} | {n_el:,} | {'yes' if g.get('tied') else 'no'} | {examples} |"
@@ -334,9 +345,14 @@ def describe_view(layout: Layout) -> str:
     """``Conv1D -> 2304x768, split 3`` / ``-> 8 x 1376x512``: the matrices a view gives."""
     batch = " x ".join(map(str, layout.batch))
     source = {"transposed": "Conv1D ", "stacked-transposed": "stored (in, out) "}.get(layout.view, "")
+    if layout.folded:
+        source = f"{layout.batch[0]} experts folded into rows, each {source or 'stored (out, in) '}"
+    if layout.view == "vectors":
+        return f"-> {batch} vectors of {layout.cols}"
     text = f"{source}-> {batch + ' x ' if batch else ''}{layout.rows}x{layout.cols}"
     if layout.split:
         text += f", split {len(layout.blocks)} {tuple(layout.blocks)}"
+        text += " interleaved" if layout.interleaved else ""
     return text
 
 

@@ -144,8 +144,9 @@ def direction_input(it: Item, group: dict, rows: slice = slice(None), out: Tenso
     with Nesterov (into ``out`` if given, else a new tensor), else ``B`` itself. Made on demand, per
     parameter (or block of rows), so that no model-sized temporary exists at once and DDP ranks make
     only the inputs of what they own."""
-    b = local(it.state["momentum_buffer"])[rows]
-    g = it.grad[rows]
+    b, g = local(it.state["momentum_buffer"]), it.grad
+    if rows != slice(None):  # a 0-D parameter (a vector of one element) cannot be sliced
+        b, g = b[rows], g[rows]
     g = g if g.dtype == b.dtype else g.to(b.dtype)
     return F.direction_input([g], [b], group["momentum"], group["nesterov"], None if out is None else [out])[0]
 
@@ -238,6 +239,9 @@ class Rule:
     needs_matrix: ClassVar[bool] = False
     #: Hyperparameter keys the rule reads from its group (validated by the engine).
     hyperparameters: ClassVar[tuple[str, ...]] = ()
+    #: Each element's update depends on that element alone (AdamW): the engine hands a vector rule
+    #: a stack of vectors (view ``"vectors"``) whole, where any other vector rule gets each vector.
+    elementwise: ClassVar[bool] = False
 
     #: How each state tensor divides among a parameter's matrices (``views.py``): ``"param"`` (shaped
     #: like the parameter), ``"rows"`` (one value per matrix row), ``"counter"`` (one per matrix).

@@ -27,6 +27,7 @@ class AdamW(Rule):
 
     name = "adamw"
     hyperparameters = ("betas", "eps")
+    elementwise = True
     #: Moonlight/SCALE form: eps added to the uncorrected sqrt(v).
     eps_before_correction: ClassVar[bool] = False
 
