@@ -1,4 +1,4 @@
-"""Distributed MeqMuon (issue 5): DDP work split and FSDP2/HSDP (DTensor) sharding, on gloo (CPU).
+"""Distributed MeqMuon: DDP work split and FSDP2/HSDP (DTensor) sharding, on gloo (CPU).
 
 What is proven and why the tolerances:
 

@@ -21,7 +21,7 @@ __all__ = ["BATCHED_NS_DEVICES", "batched_ns", "ns_dtype_of", "ns_flops", "ortho
 #: Device types on which same-shape matrices are orthogonalised as one batched call (a stack per
 #: shape bucket; ``functional.orthogonalize(batched=True)``). GPUs: one matmul kernel per matrix is
 #: launch-bound for small models (Llama-60M has 56 hidden matrices, so 840 matmul launches per
-#: step), and every GPU Muon implementation we surveyed batches by shape (landscape.md); not yet
+#: step), and GPU Muon implementations batch by shape (microsoft/dion's megabatch, modded-nanogpt, nanochat); not yet
 #: timed on a GPU. CPU: one ``addmm`` per matrix is faster (docs/benchmarks.md), and it makes a
 #: matrix's bits independent of the batch it travels in, which the bit-exact DDP split relies on.
 BATCHED_NS_DEVICES: frozenset[str] = frozenset({"cuda"})
