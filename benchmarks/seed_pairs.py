@@ -5,6 +5,7 @@ Usage::
 
     python benchmarks/seed_pairs.py runs/default/results.json runs/pe/results.json \
         --labels default,polar_express
+    python benchmarks/seed_pairs.py runs/sweep/results.json   # the pairs within one sweep
 
 For each optimizer present in both sweeps, at its best lr in each (``meqmuon.train.compare.best_lrs``:
 lowest mean final validation loss over seeds), the paired difference ``B - A`` of the final validation
@@ -46,36 +47,44 @@ def _row(label: str, lr_a: float, lr_b: float, diff) -> str:
     return f"| {label} | {lr_a:g} | {lr_b:g} | {iv.mean:+.4f} | {interval} | {len(diff.seeds)} | {resolved} |"
 
 
-def report(a: list[dict[str, Any]], b: list[dict[str, Any]], labels: tuple[str, str]) -> str:
-    """Markdown: ``B - A`` per optimizer, then every optimizer pair within each sweep."""
-    best_a, best_b = best_cells(a), best_cells(b)
+def report(a: list[dict[str, Any]], b: list[dict[str, Any]] | None, labels: tuple[str, ...]) -> str:
+    """Markdown: ``B - A`` per optimizer, then every optimizer pair within each sweep (with ``b`` None:
+    the pairs within ``a`` only)."""
     head = "| {} | lr ({}) | lr ({}) | mean Δ | 95 % interval of Δ | paired seeds | resolved |"
     rule = "|---|---:|---:|---:|---:|---:|---|"
-    lines = [f"Δ = {labels[1]} minus {labels[0]}, per seed, each at its own best lr:", "",
-             head.format("optimizer", labels[0], labels[1]), rule]
-    for opt in best_a:
-        if opt in best_b:
-            (lr_a, la), (lr_b, lb) = best_a[opt], best_b[opt]
-            lines.append(_row(opt, lr_a, lr_b, paired_difference(lb, la)))
-    for label, best in zip(labels, (best_a, best_b), strict=True):
-        lines += ["", f"{label}: Δ = first minus second optimizer, per seed, each at its own best lr:", "",
+    bests = [best_cells(a)] if b is None else [best_cells(a), best_cells(b)]
+    lines: list[str] = []
+    if b is not None:
+        best_a, best_b = bests
+        lines = [f"Δ = {labels[1]} minus {labels[0]}, per seed, each at its own best lr:", "",
+                 head.format("optimizer", labels[0], labels[1]), rule]
+        for opt in best_a:
+            if opt in best_b:
+                (lr_a, la), (lr_b, lb) = best_a[opt], best_b[opt]
+                lines.append(_row(opt, lr_a, lr_b, paired_difference(lb, la)))
+        lines.append("")
+    for label, best in zip(labels, bests, strict=True):
+        lines += [f"{label}: Δ = first minus second optimizer, per seed, each at its own best lr:", "",
                   head.format("pair", "first", "second"), rule]
         for x, y in itertools.combinations(best, 2):
             (lr_x, lx), (lr_y, ly) = best[x], best[y]
             lines.append(_row(f"{x} - {y}", lr_x, lr_y, paired_difference(lx, ly)))
-    return "\n".join(lines)
+        lines.append("")
+    return "\n".join(lines).rstrip("\n")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("a", type=Path, help="results.json of the first sweep")
-    ap.add_argument("b", type=Path, help="results.json of the second sweep")
-    ap.add_argument("--labels", default="A,B", help="names of the two sweeps, comma-separated")
+    ap.add_argument("b", type=Path, nargs="?", default=None,
+                    help="results.json of the second sweep (left out: the pairs within the first only)")
+    ap.add_argument("--labels", default=None, help="names of the sweeps, comma-separated (A,B)")
     args = ap.parse_args(argv)
-    labels = tuple(args.labels.split(","))
-    if len(labels) != 2:
-        raise SystemExit(f"--labels needs two names, got {args.labels!r}")
-    print(report(load_rows(args.a), load_rows(args.b), labels))
+    n = 1 if args.b is None else 2
+    labels = tuple(args.labels.split(",")) if args.labels else ("A", "B")[:n]
+    if len(labels) != n:
+        raise SystemExit(f"--labels needs {n} name(s), got {args.labels!r}")
+    print(report(load_rows(args.a), None if args.b is None else load_rows(args.b), labels))
 
 
 if __name__ == "__main__":

@@ -121,7 +121,8 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
         g.add_argument("--capture-layers", default=S, help="comma-separated layer indices to capture (default all)")
 
 
-_NOT_CONFIG = {"command", "func", "config", "optimizers", "lr_overrides", "lrs", "seeds", "files", "metric", "title"}
+_NOT_CONFIG = {"command", "func", "config", "optimizers", "lr_overrides", "lrs", "seeds", "finished_only", "files",
+               "metric", "title"}
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -221,7 +222,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from meqmuon.train.compare import demo_config, format_sweep_table, run_sweep
+    from meqmuon.train.compare import demo_config, run_sweep
     from meqmuon.train.config import config_from_dict, config_to_dict, validate_config
 
     optimizers = _check_optimizers(_csv(args.optimizers))
@@ -234,8 +235,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     out = Path(over.pop("out", "runs/sweep"))
     base = config_from_dict({**config_to_dict(demo_config()), **_base_dict(args), **over})
     validate_config(base)
-    rows = run_sweep(optimizers, lrs, seeds, base, out)
-    print(format_sweep_table(rows))
+    run_sweep(optimizers, lrs, seeds, base, out, finished_only=args.finished_only)
+    print((out / "sweep.md").read_text().rstrip("\n"))
     print(f"\n(table: {out / 'sweep.md'}, plot: {out / 'val_ppl.png'})")
     return 0
 
@@ -258,9 +259,18 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     was_complete = (out / MANIFEST).is_file()
-    m = prepare(args.data, args.tokenizer, out, val_fraction=args.val_fraction, val_tokens=args.val_tokens,
-                workers=args.workers, max_tokens=args.max_tokens, chunk_bytes=int(args.chunk_mb * 2**20),
-                progress=not args.quiet)
+    if [d.lower() for d in args.data] == ["pysrc"]:  # the named corpus: its own files, the built-in BPE by default
+        from meqmuon.train.data import cache_root
+        from meqmuon.train.pysrc import prepare_pysrc
+
+        m = prepare_pysrc(out, cache=cache_root(None), tokenizer_name=args.tokenizer, vocab_size=args.vocab_size,
+                          val_fraction=args.val_fraction, progress=not args.quiet)[0].manifest
+    elif args.tokenizer is None:
+        raise ValueError("prepare --data PATH... needs --tokenizer (a hub id or save_pretrained directory)")
+    else:
+        m = prepare(args.data, args.tokenizer, out, val_fraction=args.val_fraction, val_tokens=args.val_tokens,
+                    workers=args.workers, max_tokens=args.max_tokens, chunk_bytes=int(args.chunk_mb * 2**20),
+                    progress=not args.quiet)
     if was_complete and not args.quiet:
         print(f"meqmuon: {out} was already complete with these sources and tokenizer; nothing to do",
               file=sys.stderr)
@@ -280,8 +290,11 @@ def _add_prepare_parser(sub: Any) -> None:
                                    "all cores into memory-mapped token shards with a manifest. Resumable: rerun the "
                                    "same command after an interruption. Example: meqmuon prepare --data c4/en "
                                    "--tokenizer t5-base --out data/c4-t5 --max-tokens 1.2B")
-    p.add_argument("--data", nargs="+", required=True, metavar="PATH", help="files and directories")
-    p.add_argument("--tokenizer", required=True, metavar="NAME_OR_DIR", help="HF hub id or save_pretrained directory")
+    p.add_argument("--data", nargs="+", required=True, metavar="PATH",
+                   help="files and directories, or pysrc (the Python-sources corpus, ~44M tokens)")
+    p.add_argument("--tokenizer", default=None, metavar="NAME_OR_DIR",
+                   help="HF hub id or save_pretrained directory (required but for pysrc: default the built-in BPE)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="built-in BPE vocabulary for pysrc (4096)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (new, or an unfinished preparation)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: every core)")
     p.add_argument("--val-fraction", type=float, default=0.05,
@@ -337,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizers", required=True, help="comma-separated optimizer names")
     p.add_argument("--lrs", required=True, help="comma-separated learning rates")
     p.add_argument("--seeds", default="0", help="comma-separated distinct seeds >= 0 (0)")
+    p.add_argument("--finished-only", action="store_true",
+                   help="train nothing: tabulate the grid's finished runs and list the missing ones")
     _add_run_args(p, compare=True)
     p.set_defaults(func=_cmd_sweep)
 

@@ -120,3 +120,7 @@ def test_seed_pairs_pairs_by_seed_at_each_best_lr(tmp_path):
     assert lines["x"].rstrip().endswith("| no |")
     # Within A: x (0.02) - y differences -0.5, -0.4, -0.3: interval excludes 0.
     assert "| x - y | 0.02 | 0.01 | -0.4000 |" in out and out.split("B: Δ")[0].count("| yes |") == 1
+    # One sweep: only its pairs, the same rows.
+    one = seed_pairs.report(seed_pairs.load_rows(tmp_path / "a.json"), None, ("A",))
+    assert one.startswith("A: Δ = first minus second") and "| x - y | 0.02 | 0.01 | -0.4000 |" in one
+    assert "B" not in one and one.count("| yes |") == 1

@@ -240,7 +240,7 @@ def _plot_summary(rows: Sequence[dict[str, Any]], summary: Sequence[dict[str, An
 
 
 def run_sweep(optimizers: list[str], lrs: list[float], seeds: list[int], base: TrainConfig,
-              out_dir: Path) -> list[dict]:
+              out_dir: Path, *, finished_only: bool = False) -> list[dict]:
     """Grid of optimizer x lr x seed (run dirs ``out_dir/<optimizer>-lr<lr>-s<seed>``).
 
     Writes ``out_dir/sweep.md`` (:func:`format_sweep_table`: per optimizer at its best lr the mean
@@ -249,7 +249,9 @@ def run_sweep(optimizers: list[str], lrs: list[float], seeds: list[int], base: T
     (``{"runs": rows, "summary": summarize_seeds(rows)}``) and ``out_dir/val_ppl.png`` (per
     optimizer at its best lr, the mean validation-perplexity curve over seeds with a min-max band).
     Returns one row per run. Finished runs are reused and interrupted ones resumed, so a sweep can be
-    re-launched after a time limit.
+    re-launched after a time limit. ``finished_only``: train nothing; tabulate the finished runs of
+    the grid and list the others under "Not finished" in ``sweep.md`` (and ``results.json``'s
+    ``"missing"``), e.g. to report a grid that is still running or was cut short.
     """
     if not (optimizers and lrs and seeds):
         raise ValueError("sweep needs at least one optimizer, one lr and one seed")
@@ -260,17 +262,25 @@ def run_sweep(optimizers: list[str], lrs: list[float], seeds: list[int], base: T
     _check_distinct("optimizers", optimizers)
     _check_distinct("lrs", lrs)
     out_dir = Path(out_dir)
-    rows = []
+    rows, missing = [], []
     for name in optimizers:
         for lr in lrs:
             for seed in seeds:
                 cfg = dataclasses.replace(base, optimizer=name, lr=lr, seed=seed, resume=None, stop_at_step=None,
                                           out=str(out_dir / run_name(name, lr=lr, seed=seed)))
-                rows.append(_row(_train_or_reuse(cfg)))
+                done = _finished_summary(Path(cfg.out), cfg) if finished_only else _train_or_reuse(cfg)
+                if done is None:
+                    missing.append(Path(cfg.out).name)
+                else:
+                    rows.append(_row(done))
+    if not rows:
+        raise ValueError(f"no finished run of this grid in {out_dir}")
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize_seeds(rows)
-    (out_dir / "sweep.md").write_text(format_sweep_table(rows, summary) + "\n")
-    write_json(out_dir / "results.json", {"runs": rows, "summary": summary})
+    gone = f"\n\nNot finished ({len(missing)}): {', '.join(missing)}\n" if missing else "\n"
+    (out_dir / "sweep.md").write_text(format_sweep_table(rows, summary) + gone)
+    extra = {"missing": missing} if missing else {}
+    write_json(out_dir / "results.json", {"runs": rows, "summary": summary, **extra})
     _plot_summary(rows, summary, out_dir / "val_ppl.png", f"{base.model}: validation perplexity at the best lr")
     return rows
 

@@ -5,6 +5,8 @@ Sources (``spec`` of :func:`build_data`; :func:`data_source` names them, and eve
 name as ``data_source`` in ``config.json`` and ``summary.json``)
     ``builtin`` (``None`` / ``"builtin"``): the offline built-in corpus (Python documentation text,
     see :mod:`meqmuon.train.corpus`) with a byte-level BPE trained on its train split.
+    ``pysrc``: the Python-sources corpus (the standard library's and the harness's dependencies'
+    source and documentation files, ~44M tokens; :mod:`meqmuon.train.pysrc`) with the same BPE.
     ``local``: paths to ``.jsonl``/``.json`` (one ``{"text": ...}`` per line) or ``.txt``
     (documents separated by blank lines) files, any of them gzipped; directories are expanded.
     Validation documents are held out by a stable hash of their text (5 %); without
@@ -107,7 +109,7 @@ __all__ = [
 
 DEFAULT_CACHE_DIR = Path("~/.cache/meqmuon")
 #: What ``--data`` can name (see the module docstring); recorded as ``data_source`` by every run.
-DATA_SOURCES = ("builtin", "local", "prepared", "c4-hub", "c4-local")
+DATA_SOURCES = ("builtin", "pysrc", "local", "prepared", "c4-hub", "c4-local")
 _ENCODE_CHUNK = 256  # documents per encode_batch call: big enough for the Rust thread pool
 
 
@@ -425,6 +427,8 @@ def data_source(spec: str | Path | Sequence[str | Path] | None) -> str:
         return "builtin"
     if len(paths) == 1 and paths[0].lower() == "c4":
         return "c4-hub"
+    if len(paths) == 1 and paths[0].lower() == "pysrc":
+        return "pysrc"
     if len(paths) == 1 and _shards.is_prepared_dir(paths[0]):
         return "prepared"
     return "c4-local" if _corpus.c4_split(_corpus.expand_paths(paths)) is not None else "local"
@@ -467,6 +471,12 @@ def build_data(
                                  "out --tokenizer or prepare the data again with this one")
         what = f"prepared data {prepared.dir} ({prepared.source}, {len(prepared.manifest['train']['shards'])} shards)"
         return _bundle(prepared, tokenizer, what, source, **common)
+    if source == "pysrc":
+        from meqmuon.train import pysrc
+
+        prepared, what = pysrc.prepare_pysrc(None, cache=root, tokenizer_name=tokenizer_name, vocab_size=vocab_size,
+                                             val_fraction=val_fraction)
+        return _bundle(prepared, prepared.tokenizer(), what, source, **common)
     if source == "builtin":
         docs = _corpus.builtin_documents()
         key = f"{_corpus.builtin_corpus_key()}-{_sha12(docs)}-vf{val_fraction}"
