@@ -14,6 +14,7 @@ from . import functional
 from .optim import (
     KINDS,
     OPTIMIZERS,
+    HiddenRule,
     MeqMuon,
     Muon,
     MuonEq,
@@ -37,6 +38,7 @@ __version__ = "0.1.0"
 __all__ = [
     "KINDS",
     "OPTIMIZERS",
+    "HiddenRule",
     "MeqMuon",
     "Muon",
     "MuonOnlyEmbedding",

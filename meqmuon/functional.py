@@ -36,7 +36,7 @@ __all__ = [
     "DELTA", "NS_COEFFICIENTS", "NS_SCHEDULES", "NS_STEPS", "POLAR_EXPRESS", "POLAR_EXPRESS_SPEEDRUN",
     "canonical_coefficients", "ns_schedule", "orthogonalize", "orthogonalize_stack", "ns_step", "row_rms",
     "col_rms", "cv", "cv_of_norms", "MUONEQ_MODES", "muoneq_equilibrate", "row_col_cv", "row_normalize",
-    "col_normalize", "equilibrate", "rms_normalize", "adaptive_normalize", "adaptive_scales", "scale_matrix",
+    "col_normalize", "equilibrate", "rms_normalize", "adaptive_normalize",
     "as_matrix", "choose_rows", "rms_of_sumsq", "inverse_rms", "row_factors", "col_factors",
     "divisor_of_norms", "momentum_", "direction_input", "decay_", "decay_and_update_",
 ]
@@ -435,7 +435,7 @@ MUONEQ_MODES = ("R", "C", "RC")
 MUONEQ_EPS = 1e-8
 
 
-def muoneq_equilibrate(x: Tensor, mode: str, psum: PSum = None) -> Tensor:
+def muoneq_equilibrate(x: Tensor, mode: str) -> Tensor:
     r"""MuonEq's pre-Newton-Schulz equilibration of the direction input (a new tensor, >= float32).
 
     With row and column squared norms ``s_i = \sum_j X_ij^2``, ``t_j = \sum_i X_ij^2`` of the same
@@ -446,7 +446,7 @@ def muoneq_equilibrate(x: Tensor, mode: str, psum: PSum = None) -> Tensor:
     - ``"RC"``: ``X_ij (s_i + eps)^{-1/2} (t_j + eps)^{-1/2}``: one two-sided scaling, both from the
       original ``X`` (not sequential, not Sinkhorn).
 
-    Batched over leading dimensions. With ``psum`` (rows sharded), column sums are summed over shards.
+    Batched over leading dimensions.
     """
     if mode not in MUONEQ_MODES:
         raise ValueError(f"unknown MuonEq mode {mode!r}; valid modes: {', '.join(MUONEQ_MODES)}")
@@ -456,8 +456,7 @@ def muoneq_equilibrate(x: Tensor, mode: str, psum: PSum = None) -> Tensor:
     if mode in ("R", "RC"):
         out = out * (sq.sum(dim=-1, keepdim=True) + MUONEQ_EPS).rsqrt()
     if mode in ("C", "RC"):
-        t = sq.sum(dim=-2, keepdim=True)
-        out = out * ((t if psum is None else psum(t)) + MUONEQ_EPS).rsqrt()
+        out = out * (sq.sum(dim=-2, keepdim=True) + MUONEQ_EPS).rsqrt()
     return out
 
 
@@ -550,39 +549,6 @@ def rms_normalize(
     return x * inverse_rms(rms, delta)
 
 
-def adaptive_scales(
-    u: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None, scratch: Tensor | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The factors of MeqMuon's adaptive normalisation (paper eq. 8): ``N(U) = U * row * col``.
-
-    ``row`` (shape ``(..., m, 1)``) is ``1/r`` where rows were chosen (``gamma_r >= gamma_c``, ties
-    choose rows) and 1 elsewhere; ``col`` (``(..., 1, n)``) is ``1/c`` where columns were chosen and
-    1 elsewhere. The choice stays a tensor (``torch.where``), never a Python branch: no host-device
-    synchronisation, and ``torch.compile(fullgraph=True)`` works. With ``psum`` (rows sharded), the
-    column RMS and the row CV are reduced over shards, so every shard makes the same choice as the
-    whole matrix would.
-
-    ``scratch`` (optional): a tensor of ``u``'s shape in the statistics dtype that receives the
-    squares of ``u``, so that a series of matrices makes no fresh matrix-sized temporaries.
-
-    Returns:
-        ``(row, col, chose_rows)``; ``chose_rows`` is a bool tensor of shape ``u.shape[:-2]``.
-    """
-    if scratch is None:
-        x = u.to(_stat_dtype(u))
-        r = row_rms(x)
-        c = col_rms(x, psum, rows)
-    else:  # one squaring pass, then both sums of squares from it (eq. 4)
-        sq = scratch.copy_(u).square_()
-        r = rms_of_sumsq(sq.sum(dim=-1), u.shape[-1])
-        c = rms_of_sumsq(sq.sum(dim=-2), u.shape[-2] if psum is None else rows, psum)
-    chose_rows = choose_rows(cv(r, delta, psum), cv(c, delta))
-    chosen = chose_rows[..., None, None]
-    row_scale = torch.where(chosen, inverse_rms(r, delta).unsqueeze(-1), 1.0)
-    col_scale = torch.where(chosen, 1.0, inverse_rms(c, delta).unsqueeze(-2))
-    return row_scale, col_scale, chose_rows
-
-
 def choose_rows(gamma_r: Tensor, gamma_c: Tensor, out: Tensor | None = None) -> Tensor:
     """MeqMuon's side choice (paper eq. 8): normalise rows where ``gamma_r >= gamma_c`` (ties: rows).
 
@@ -590,31 +556,62 @@ def choose_rows(gamma_r: Tensor, gamma_c: Tensor, out: Tensor | None = None) -> 
     return torch.ge(gamma_r, gamma_c, out=out)
 
 
-def adaptive_normalize(
-    u: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None
-) -> tuple[Tensor, Tensor]:
-    r"""MeqMuon's adaptive one-sided normalisation of an orthogonalised update (paper eq. 8).
+def adaptive_normalize(u: Tensor, delta: float = DELTA, rho: float = 1.0) -> tuple[Tensor, Tensor]:
+    r"""MeqMuon's adaptive one-sided normalisation of an orthogonalised update (paper eq. 8), times ``rho``.
 
     .. math::
         \tilde U = N_r(U)\ \text{if}\ \gamma_r(U) \ge \gamma_c(U)\ \text{else}\ N_c(U)
 
-    Ties choose rows. Batched over leading dimensions: each matrix chooses independently. The
-    factors come from :func:`adaptive_scales` (see there for ``psum``/``rows``).
+    Ties choose rows. Batched over leading dimensions: each matrix chooses independently
+    (:func:`adaptive_normalize_stacks`, of which this is the one-stack form).
 
     Returns:
         ``(u_tilde, chose_rows)``: the normalised update (float32, or float64 for float64 input)
         and a bool tensor of shape ``u.shape[:-2]``, True where rows were normalised.
     """
-    row_scale, col_scale, chose_rows = adaptive_scales(u, delta, psum, rows)
-    return scale_matrix(u, row_scale, col_scale), chose_rows
+    (out,), chose = adaptive_normalize_stacks([u.reshape(-1, *u.shape[-2:])], delta, rho)
+    return out.reshape(u.shape), chose.reshape(u.shape[:-2])
 
 
-def scale_matrix(u: Tensor, row_scale: Tensor, col_scale: Tensor) -> Tensor:
-    """``u * row_scale * col_scale`` in the statistics dtype (float32, or float64), as a new tensor."""
-    x = u.to(_stat_dtype(u))
-    # In place on the float32 copy when the cast made one (bf16 Newton-Schulz output), never on u.
-    scaled = x.mul(row_scale) if x is u else x.mul_(row_scale)
-    return scaled.mul_(col_scale)
+def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
+                              rho: float = 1.0) -> tuple[list[Tensor], Tensor]:
+    """Eq. 8 of every matrix of several stacks ``(k_i, m_i, n_i)`` at once, in a fixed number of kernels.
+
+    The row and column norms of all ``K`` matrices go into one zero-padded ``(K, 2, L)`` buffer (slot 0:
+    the ``m`` row norms of ``n`` entries each; slot 1: the ``n`` column norms), so one
+    :func:`cv_of_norms` gives all ``2K`` CVs (eq. 5: norms at or below ``delta sqrt(length)``, i.e.
+    RMS <= delta, and the padding count as zero). The factors ``rho / RMS`` (0 for zero rows or
+    columns) multiply the chosen side, 1 the other: two passes over each stack.
+
+    Returns:
+        the normalised stacks (float32, or float64) and ``chose_rows`` ``(K,)`` bool, stack by stack.
+    """
+    dtype, device = _stat_dtype(us[0]), us[0].device
+    shapes = [u.shape for u in us]
+    L = max(max(m, n) for _, m, n in shapes)
+    norms = torch.zeros((sum(k for k, _, _ in shapes), 2, L), dtype=dtype, device=device)
+    # Per matrix, per slot: sqrt(length) (RMS = norm / sqrt(length)) times delta (the zero threshold) or rho.
+    lengths = [(math.sqrt(n), math.sqrt(m)) for k, m, n in shapes for _ in range(k)]
+    threshold = torch.tensor([[[delta * r], [delta * c]] for r, c in lengths], dtype=dtype, device=device)
+    factor = torch.tensor([[[rho * r], [rho * c]] for r, c in lengths], dtype=dtype, device=device)
+    o = 0
+    for u, (k, m, n) in zip(us, shapes, strict=True):
+        for slot, dim, size in ((0, -1, m), (1, -2, n)):
+            if torch.compiler.is_compiling():  # dynamo takes no strided out=
+                norms[o : o + k, slot, :size] = torch.linalg.vector_norm(u, dim=dim, dtype=dtype)
+            else:
+                torch.linalg.vector_norm(u, dim=dim, dtype=dtype, out=norms[o : o + k, slot, :size])
+        o += k
+    gamma = cv_of_norms(norms, threshold)
+    chose_rows = choose_rows(gamma[:, 0], gamma[:, 1])
+    scales = torch.div(factor, norms).masked_fill_(norms <= threshold, 0.0)
+    row_slot = torch.tensor([[True], [False]], device=device)
+    scales.masked_fill_(chose_rows[:, None, None] != row_slot, 1.0)  # 1 on the side not chosen
+    out, o = [], 0
+    for u, (k, m, n) in zip(us, shapes, strict=True):
+        out.append(torch.mul(u, scales[o : o + k, 0, :m, None]).mul_(scales[o : o + k, 1, None, :n]))  # >= float32
+        o += k
+    return out, chose_rows
 
 
 # ---- the step every momentum rule shares: momentum, direction input, decoupled decay and update ----

@@ -1,4 +1,4 @@
-"""Distributed MeqMuon (issue 5): DDP work split and FSDP2/HSDP (DTensor) sharding, on gloo (CPU).
+"""Distributed MeqMuon: DDP work split and FSDP2/HSDP (DTensor) sharding, on gloo (CPU).
 
 What is proven and why the tolerances:
 
@@ -201,13 +201,13 @@ def test_process_group_none_without_distributed_is_single_process():
 
 def _ddp_worker(rank, name):
     ns_count = [0]
-    real_ns = NS._ns
+    real_ns = NS.orthogonalize
 
-    def counting_ns(x, *args, **kw):  # a matrix (m, n) or a stack (k, m, n) of them
-        ns_count[0] += x.shape[0] if x.ndim == 3 else 1
+    def counting_ns(x, *args, **kw):  # a stack (k, m, n)
+        ns_count[0] += x.shape[0]
         return real_ns(x, *args, **kw)
 
-    NS._ns = counting_ns
+    NS.orthogonalize = counting_ns
     equilibrated = []
     real_eq = B.equilibrate_step_
 
@@ -364,7 +364,7 @@ def _fsdp_worker(rank, names, mesh_shape=(WORLD,)):
             "params": full,
             "counts": counts,
             "local_rows": local_rows,
-            "compiled": sorted(compiled._compiled),
+            "compiled": sorted({k[0] for k in compiled._bucket_graphs}),
             "split": (type(split).__name__, split.world_size),
         }
     if len(mesh_shape) == 1:  # an unsupported layout raises instead of silently doing something else
@@ -384,7 +384,7 @@ def test_fsdp2_equals_unsharded(tmp_path):
     assert results[0]["meqmuon"]["local_rows"] == [8, 8, 4, 4, 4, 6, 1]
     assert results[1]["meqmuon"]["local_rows"] == [7, 7, 3, 3, 3, 6, 0]  # uneven, and one empty shard
     assert "Shard(0)" in results[0]["replicate_error"]
-    assert results[0]["meqmuon+compile"]["compiled"] == ["scaled_update"]  # the fused kernel really ran
+    assert results[0]["meqmuon+compile"]["compiled"] == ["meq_hidden"]  # the owners' graphs really ran
     init = _flat(_params(FSDP_HIDDEN, FSDP_EMBED, FSDP_HEAD, FSDP_VECTORS))
     for name in FSDP_NAMES:
         base = name.partition("+")[0]  # the reference is always the eager, unsharded optimizer
@@ -399,21 +399,15 @@ def test_fsdp2_equals_unsharded(tmp_path):
             assert results[0][name]["counts"] == results[1][name]["counts"] == ref_opt.selection_counts()
 
 
-def test_ns_stack_batches_on_batching_devices(monkeypatch):
-    """FSDP2 owners orthogonalise their gathered stack with ``orthogonalize_matrices``: one batched call on a
-    batching device (the GPU path, forced on CPU here), matrix by matrix otherwise; same result."""
+def test_one_newton_schulz_dispatcher_batched_equals_per_matrix():
+    """``newton_schulz.orthogonalize``, the one dispatcher: a stack as one batched call (the batched step,
+    and FSDP2 owners on batching devices) equals the per-matrix iteration (the per-tensor step)."""
     group = {"ns_steps": 5, "ns_coefficients": F.NS_COEFFICIENTS, "ns_dtype": torch.float64}
     stack = torch.randn(3, 7, 12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    calls = []
-    real = NS._ns
-    monkeypatch.setattr(NS, "_ns", lambda x, *a, **k: calls.append(x.ndim) or real(x, *a, **k))
-    per_matrix = NS.orthogonalize_matrices(stack, group)
-    assert calls == [2, 2, 2]
-    monkeypatch.setattr(NS, "BATCHED_NS_DEVICES", frozenset({"cpu"}))
-    calls.clear()
-    batched = NS.orthogonalize_matrices(stack, group)
-    assert calls == [3]
+    per_matrix = NS.orthogonalize(stack, group, batched=False)
+    batched = NS.orthogonalize(stack.clone(), group, batched=True)
     assert torch.allclose(batched, per_matrix, rtol=0, atol=1e-12)
+    assert not torch.equal(per_matrix, stack)  # the per-matrix form leaves its input alone
 
 
 def test_newton_schulz_sub_stack_regression():

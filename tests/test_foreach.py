@@ -10,8 +10,8 @@ What is proven and why the tolerances:
 - The batched step makes no host-device synchronisation (test_optimizers.py, parametrised by foreach).
 - Dispatched aten ops per step (the CPU proxy for GPU kernel launches, benchmarks/op_count.py) at
   Llama-60M shapes: each of Muon, NorMuon and MeqMuon <= 300 with ``foreach=True``, and a model
-  three times as deep costs <= 1.15x the ops. MeqMuon stays within 1.75x of Muon (issue 14 asks for
-  1.5x; 1.67x is what this form reaches, see docs/benchmarks.md).
+  three times as deep costs <= 1.15x the ops. MeqMuon stays within 1.75x of Muon (the aim was
+  1.5x; 1.72x is what this form reaches, see docs/benchmarks.md).
 - DDP (2 gloo ranks): one ``all_gather_into_tensor`` per split bucket and step, every rank ends
   with identical parameters and state, equal to one process to fp32 tolerance; FSDP2 row shards
   with the batched step equal the unsharded per-tensor step to the same tolerance. These two tests

@@ -1,4 +1,4 @@
-"""Inputs as torch.optim takes them (issue 20, item 4), and bad ones refused in one line with nothing updated.
+"""Inputs as torch.optim takes them, and bad ones refused in one line with nothing updated.
 
 - A tensor given twice, in one group or across two, is a ``ValueError`` naming it, for every registered
   optimizer (``torch.optim.AdamW`` through ``build_optimizer`` included); torch only warns within a group.

@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from capabilities import ALL, CAPABILITIES, ENGINE, WITH_MEQ_RULES, having
+from capabilities import ALL, CAPABILITIES, ENGINE, WITH_MEQ_RULES
 from references import MUONEQ_MODE, RefOptimizer, kinds_of
 from tinynet import batches, loss_fn, make_model, train
 from torch import nn
@@ -98,8 +98,8 @@ def test_muon_parity_with_torch_muon_and_adamw(monkeypatch):
     """Moonlight-form Muon == torch.optim.Muon(match_rms_adamw) + torch.optim.AdamW((0.9, 0.95)).
 
     torch's Newton-Schulz always runs in bf16, whose rounding noise is about a third of one step
-    (landscape.md section 6), so both sides run NS in float32 here: torch's function is patched
-    to compute in float32 and ours gets ns_dtype=float32. Tolerance 2e-6 after 6 steps.
+    (6.6e-4 to 7.5e-4 against float32 NS at lr 1e-2), so both sides run NS in float32 here: torch's
+    function is patched to compute in float32 and ours gets ns_dtype=float32. Tolerance 2e-6 after 6 steps.
     """
     import torch.optim._muon as tm
 
@@ -174,35 +174,6 @@ def test_muon_adamw_part_equals_torch_adamw_bit_for_bit(dtype):
     for p, q, s in zip(ours_params, torch_params, shapes, strict=True):
         assert torch.equal(p, q), (s, (p - q).abs().max().item())
         assert torch.equal(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
-
-
-@pytest.mark.parametrize("name", having(check="stacked-ns"))
-def test_batched_newton_schulz_path_equals_per_matrix(name, monkeypatch):
-    """The GPU path (same-shape hidden matrices stacked and orthogonalised in one batched call) gives
-    the per-matrix CPU path's parameters, forced on here by treating CPU as a batching device. TinyNet
-    has two 12 x 12 matrices (one bucket of 2), a 36 x 12, a 12 x 36 and a conv kernel."""
-    from meqmuon.optim import newton_schulz as NS
-
-    real = NS._ns
-
-    def run(batched):
-        monkeypatch.setattr(NS, "BATCHED_NS_DEVICES", frozenset({"cpu"} if batched else ()))
-        calls = []
-        monkeypatch.setattr(NS, "_ns", lambda x, *a, **k: calls.append(x.ndim) or real(x, *a, **k))
-        model = make_model()
-        opt = meqmuon.build_optimizer(name, meqmuon.param_groups(model), lr=0.02, ns_dtype=torch.float64)
-        for ids in batches(3):
-            model.zero_grad()
-            loss_fn(model, ids).backward()
-            opt.step()
-        return [p.detach().clone() for p in model.parameters()], calls
-
-    per_matrix, calls_single = run(False)
-    stacked, calls_batched = run(True)
-    assert set(calls_single) == {2} and set(calls_batched) == {3}  # each path really ran
-    assert len(calls_batched) < len(calls_single)  # the two 12 x 12 matrices shared one call
-    for p, q in zip(per_matrix, stacked, strict=True):
-        assert torch.allclose(p, q, rtol=0, atol=1e-12)
 
 
 def test_meqmuon_updates_a_non_contiguous_conv_kernel_in_place():

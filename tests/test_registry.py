@@ -1,4 +1,4 @@
-"""One registry of per-optimizer facts (issue 20 item 6, issue 21 item 2): ``meqmuon/optim/registry.py``.
+"""One registry of per-optimizer facts: ``meqmuon/optim/registry.py``.
 
 Every registered name trains through ``meqmuon train`` without ``--lr`` (``muoneq-r`` used to fail with
 ``KeyError``), builds through ``build_optimizer``, and every other table of names or learning rates

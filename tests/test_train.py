@@ -140,7 +140,7 @@ def test_resolved_config_is_frozen_and_stores_train_config_keys():
 
 @pytest.mark.parametrize("model", ["llama-tiny", "llama-tiny-tied", "smollm2-tiny", "qwen2-tiny"])
 def test_cpu_presets_get_cpu_sized_defaults_and_paper_models_keep_the_papers(model):
-    """Issue #16: `meqmuon train --model llama-tiny --steps 2` used to inherit 512 x 1024 tokens per
+    """`meqmuon train --model llama-tiny --steps 2` used to inherit 512 x 1024 tokens per
     step and 1M validation tokens. Given values still win."""
     cfg = _resolved(TrainConfig(model=model, steps=2), unique_params=1000, world_size=1)
     assert (cfg.global_batch, cfg.seq_len, cfg.val_tokens) == (32, 128, 32_768)

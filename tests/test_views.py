@@ -1,4 +1,4 @@
-"""Matrix views (issue 20): stacked experts, Conv1D, split fused projections, learned tokens.
+"""Matrix views: stacked experts, Conv1D, split fused projections, learned tokens.
 
 What is proven:
 

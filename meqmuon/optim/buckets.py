@@ -78,18 +78,12 @@ class Bucket:
                                       start)
         return torch.stack(plain + flipped, out=out)
 
-    def unstack(self, stack: Tensor, start: int = 0) -> list[Tensor]:
-        """Members ``start..`` of a stack in the bucket's orientation, back in their own shapes.
-
-        Plain members are views. The transposed ones are made contiguous with one copy, so that a
-        ``torch._foreach_*`` call over them and the parameters keeps to its fast path (same
-        strides), instead of one kernel per tensor.
-        """
-        cut = max(0, self.plain - start)
-        out = list(stack[:cut].unbind(0))
-        if cut < stack.shape[0]:
-            out.extend(stack[cut:].mT.contiguous().unbind(0))
-        return [t.view(it.param.shape) for t, it in zip(out, self.items[start:], strict=True)]
+    def unstack(self, stacks: Tensor | Sequence[Tensor], start: int = 0) -> list[Tensor]:
+        """Members ``start..`` of a stack (or consecutive stacks) of directions, each row one member's
+        direction in its own orientation (any shape with its number of elements), as views in the
+        members' shapes."""
+        rows = [r for s in ([stacks] if isinstance(stacks, Tensor) else stacks) for r in s.unbind(0)]
+        return [t.view(it.param.shape) for t, it in zip(rows, self.items[start:], strict=True)]  # contiguous rows
 
 
 def make_buckets(items: Sequence[Any], *, matrix: bool, transpose: bool, by_shape: bool = True) -> list[Bucket]:

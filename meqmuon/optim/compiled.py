@@ -1,40 +1,24 @@
-"""The generic part of ``compile=True``: compiling a rule's compiled form, once, without recompiles.
+"""The generic part of ``compile=True``: compiling a bucket's step, once, without recompiles.
 
-Each rule with a compiled form holds it beside its other forms (``rules/``); this module only
-compiles and caches. Hyperparameters (lr, weight decay, momentum, rho) enter the graphs as 0-D
-float64 CPU tensors (:func:`scalar`), not Python floats, so a schedule that changes them every step
-does not recompile (Python floats would be guarded as constants; tested with ``torch._dynamo``
-counters). The graphs are ``fullgraph=True``; choices stay tensors, and a step makes no host-device
-synchronisation. Newton-Schulz inside a graph is matmuls; the maths is the eager forms', only the
-rounding of the fused expressions differs.
+The hidden rules' compiled form is the driver's own bucket body (``hidden.py``), the elementwise
+rules' their ``compiled_bucket`` (``rules/``); this module only compiles and caches. Hyperparameters
+(lr, weight decay, momentum, rho) enter the graphs as 0-D float64 CPU tensors (:func:`scalar`), not
+Python floats, so a schedule that changes them every step does not recompile (Python floats would be
+guarded as constants; tested with ``torch._dynamo`` counters). The graphs are ``fullgraph=True``;
+choices stay tensors, and a step makes no host-device synchronisation. Newton-Schulz inside a graph
+is matmuls; the maths is the eager forms', only the rounding of the fused expressions differs.
 """
 
 from __future__ import annotations
 
 import types
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["BACKEND", "bucket_step", "compile_once", "scalar"]
-
-_compiled: dict[str, object] = {}
-
-
-def compile_once(name: str, fn: Callable) -> Callable:
-    """``torch.compile(fn, fullgraph=True, dynamic=True)``, compiled on first use and kept as ``name``.
-
-    Lazily, so that importing meqmuon never touches inductor. ``dynamic=True``: one shape-generic graph
-    from the first call, used for every matrix shape. With per-shape graphs, which shape a process meets
-    first would decide which matrices run a static and which the dynamic graph; DDP ranks meet different
-    shapes first, and their bits could then differ from one process's. It also keeps models with many
-    shapes clear of dynamo's recompile limit.
-    """
-    if name not in _compiled:
-        _compiled[name] = torch.compile(fn, fullgraph=True, dynamic=True)
-    return _compiled[name]
-
+__all__ = ["BACKEND", "bucket_step", "scalar"]
 
 def scalar(x: float) -> Tensor:
     """A 0-D float64 CPU tensor: a graph input whose value may change without recompiling."""
@@ -46,7 +30,7 @@ BACKEND = "inductor"
 _bucket_graphs: dict[tuple, object] = {}
 
 
-def bucket_step(label: str, fn: Callable[..., None], key: tuple, *args: object, **static: object) -> None:
+def bucket_step(label: str, fn: Callable[..., Any], key: tuple, *args: object, **static: object) -> Any:
     """Run ``fn`` (a rule's ``compiled_bucket``, named ``label``) compiled for the bucket ``key``.
 
     ``args`` are the bucket's tensor lists and the 0-D hyperparameter tensors; ``static`` the rule's
@@ -65,7 +49,7 @@ def bucket_step(label: str, fn: Callable[..., None], key: tuple, *args: object, 
     copy), and on ``BACKEND``.
     """
     signature = tuple((len(a), a[0].dtype if a else None) if isinstance(a, list) else None for a in args)
-    full = (label, key, signature, tuple(sorted(static.items())), BACKEND)
+    full = (label, key, signature, tuple(sorted((k, repr(v)) for k, v in static.items())), BACKEND)
     graph = _bucket_graphs.get(full)
     if graph is None:
         # A readable name that is a function of the bucket: dynamo's automatic-dynamic state (pgo.py)
@@ -74,4 +58,4 @@ def bucket_step(label: str, fn: Callable[..., None], key: tuple, *args: object, 
         clone = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
         clone.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **static}
         graph = _bucket_graphs[full] = torch.compile(clone, fullgraph=True, backend=BACKEND)
-    graph(*args)
+    return graph(*args)

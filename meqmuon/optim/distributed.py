@@ -1,8 +1,8 @@
 """Distributed execution of the momentum rules, kept out of the maths: who updates what.
 
-Rules ask a *work splitter* which parameters this rank updates (``owners``), under FSDP2 for the
-Newton-Schulz outputs of their row-sharded matrices (``orthogonalize``) and for a sum over shards
-(``psum``); the Newton-Schulz of whole local matrices is ``newton_schulz.py``'s. After updating
+Rules ask a *work splitter* which parameters this rank updates (``owners``), under FSDP2 to run a
+function on whole matrices at owner ranks (``at_owners``: the hidden rules' pre, Newton-Schulz and
+post) and for a sum over shards (``psum``, the embedding and vector rules' statistics). After updating
 they hand the results to ``publish``, and the engine calls ``finish`` once per
 step. Three splitters, chosen by the engine (:func:`splitter_for`):
 
@@ -19,13 +19,13 @@ step. Three splitters, chosen by the engine (:func:`splitter_for`):
                      KellerJordan/Muon issue 46 cannot happen).
 ``ShardedSplit``     FSDP2 (``fully_shard``; DTensor parameters ``Shard(0)`` on a 1-D mesh, or
                      HSDP's ``(Replicate(), Shard(0))`` on a 2-D mesh, over its shard dimension):
-                     every rank updates its row shard of every matrix. For Newton-Schulz each matrix has
-                     an owner rank; one ``all_to_all_single`` per shape bucket sends every row shard
-                     to its owner, the owner orthogonalises whole matrices, and a second one returns
-                     the rows (microsoft/dion ``megabatch_base.py`` does the same). Row statistics
-                     are local; column and global statistics use ``psum`` (an all-reduce of partial
-                     sums), so the result equals the unsharded optimizer up to the rounding of the
-                     partial sums.
+                     every rank updates its row shard of every matrix. For a hidden matrix's direction
+                     each matrix has an owner rank; one ``all_to_all_single`` per shape bucket sends
+                     every row shard to its owner, the owner computes the direction of whole matrices,
+                     and a second one returns the rows (microsoft/dion ``megabatch_base.py`` does the
+                     same for Newton-Schulz). The elementwise rules' column and global statistics use
+                     ``psum`` (an all-reduce of partial sums), so the result equals the unsharded
+                     optimizer up to the rounding of the partial sums.
 
 Why DDP broadcasts parameters (whole updates) rather than all-gathering Newton-Schulz outputs, as
 Muon implementations usually do: the normalisations of MeqMuon (two-sided on the 32000 x d
@@ -44,15 +44,13 @@ otherwise the collectives do not match.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .. import functional as F
-from .newton_schulz import ns_dtype_of, ns_flops, orthogonalize_matrices
 
 try:  # torch builds without distributed support have no DTensor
     import torch.distributed as dist
@@ -147,14 +145,6 @@ def assign_owners(costs: Sequence[float], load: list[float]) -> list[int]:
         owners[i] = r
         load[r] += costs[i]
     return owners
-
-
-def _buckets(shapes: Sequence[tuple[int, int]], inputs: Sequence[Tensor]) -> list[list[int]]:
-    """Indices grouped by (matrix shape, dtype, device), in first-appearance order (same on every rank)."""
-    buckets: dict[tuple, list[int]] = defaultdict(list)
-    for i, (shape, t) in enumerate(zip(shapes, inputs, strict=True)):
-        buckets[(*shape, t.dtype, t.device)].append(i)
-    return list(buckets.values())
 
 
 class LocalSplit:
@@ -282,58 +272,38 @@ class ShardedSplit(_CollectiveSplit):
         s = math.ceil(m / self.world_size)
         return s, [max(0, min(s, m - r * s)) for r in range(self.world_size)]
 
-    def orthogonalize(
-        self, input_of: Callable[[int], Tensor], shapes: Sequence[tuple[int, int]], group: dict
-    ) -> Iterator[tuple[int, Tensor]]:
-        """Newton-Schulz of every matrix, ``(i, Orth(X_i))`` per input: ``input_of(i)`` makes this rank's
-        row shard of matrix ``i`` (global shape ``shapes[i]``); whole matrices meet at their owners."""
-        inputs = [F.as_matrix(input_of(i)) for i in range(len(shapes))]
-        buckets = _buckets(shapes, inputs)
-        costs = [ns_flops(*shapes[idx[0]], group["ns_steps"]) for idx in buckets]
-        plan = assign_counts([len(idx) for idx in buckets], costs, self.world_size)
-        for idx, counts in zip(buckets, plan, strict=True):
-            stack = self._orthogonalize_bucket([inputs[i] for i in idx], shapes[idx[0]], counts, group)
-            yield from zip(idx, stack, strict=True)
-
-    def orthogonalize_stack(self, X: Tensor, group: dict, shape: tuple[int, int]) -> Tensor:
-        """Row shards ``(k, rows, n)`` of ``k`` matrices of global ``shape`` -> owners -> NS -> row
-        shards: the batched path's form of :meth:`orthogonalize` (one all-to-all each way)."""
-        counts = assign_counts([X.shape[0]], [ns_flops(*shape, group["ns_steps"])], self.world_size)[0]
-        return self._orthogonalize_bucket(list(X.unbind(0)), shape, counts, group)
-
-    def _orthogonalize_bucket(
-        self, local_mats: list[Tensor], shape: tuple[int, int], counts: list[int], group: dict
-    ) -> Tensor:
-        """Row shards of same-shape matrices -> owners (``counts[r]`` matrices each) -> NS -> row shards."""
+    def at_owners(self, X: Tensor, fn: Callable[[Tensor], Tensor], m: int, width: int, dtype: torch.dtype,
+                  cost: float) -> Tensor:
+        """Row shards ``X`` ``(k, rows, c)`` of ``k`` matrices of ``m`` rows -> whole matrices at owner ranks
+        (``assign_counts``, one ``all_to_all_single``) -> ``fn(whole)`` ``(j, m, width)`` in ``dtype`` there ->
+        each rank's rows back (a second one). Returns ``(k, s, width)``: this rank's padded row slab of
+        every result (``s`` rows; the first are its own, the rest, and all of a rank that holds no rows,
+        copies of the matrix's first row, so per-matrix values reach every rank)."""
         W, rank = self.world_size, self.rank
-        m, n = shape
+        k, mine, c = X.shape
         s, rows = self._shard_rows(m)
-        mine = rows[rank]
-        if any(x.shape[0] != mine for x in local_mats):
+        if mine != rows[rank]:
             raise NotImplementedError(
-                f"ShardedSplit expects FSDP2's torch.chunk row sharding ({mine} of {m} rows on rank {rank}), "
-                f"got local shapes {[tuple(x.shape) for x in local_mats]}"
-            )
-        slots = max(counts)
-        starts = [sum(counts[:r]) for r in range(W)]
-        # NS casts its input to ns_dtype first, so sending in ns_dtype gives the same bits and halves bytes.
-        dtype = ns_dtype_of(group, local_mats[0])
-        send = local_mats[0].new_zeros((W, slots, s, n), dtype=dtype)
+                f"ShardedSplit expects FSDP2's torch.chunk row sharding ({rows[rank]} of {m} rows on rank {rank}), "
+                f"got local shapes {tuple(X.shape)}")
+        counts = assign_counts([k], [cost], W)[0]
+        slots, starts = max(counts), [sum(counts[:r]) for r in range(W)]
+        send = X.new_zeros((W, slots, s, c))
         for r in range(W):
-            for t in range(counts[r]):
-                send[r, t, :mine] = local_mats[starts[r] + t]
+            send[r, : counts[r], :mine] = X[starts[r] : starts[r] + counts[r]]
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.pg)
-        # recv[k, t] = rank k's rows of my t-th matrix; FSDP2 pads only at the end, so the first
-        # m of the W*s concatenated rows are the matrix.
-        whole = recv.permute(1, 0, 2, 3).reshape(slots, W * s, n)[: counts[rank], :m]
-        back = torch.zeros((slots, W * s, n), dtype=dtype, device=send.device)
+        # recv[q, t] = rank q's rows of my t-th matrix; FSDP2 pads only at the end, so the first m of
+        # the W*s concatenated rows are the matrix.
+        back = torch.zeros((slots, W * s, width), dtype=dtype, device=X.device)
         if counts[rank]:
-            back[: counts[rank], :m] = orthogonalize_matrices(whole, group, self.workspace)
-        send2 = back.reshape(slots, W, s, n).permute(1, 0, 2, 3).contiguous()
+            out = fn(recv.permute(1, 0, 2, 3).reshape(slots, W * s, c)[: counts[rank], :m])
+            back[: counts[rank], :m] = out
+            back[: counts[rank], m:] = out[:, :1]
+        send2 = back.reshape(slots, W, s, width).permute(1, 0, 2, 3).contiguous()
         recv2 = torch.empty_like(send2)
         dist.all_to_all_single(recv2, send2, group=self.pg)
-        return torch.cat([recv2[r, : counts[r], :mine] for r in range(W)])
+        return torch.cat([recv2[r, : counts[r]] for r in range(W)])
 
 
 #: DTensor placements of row-sharded parameters: FSDP2 (1-D mesh) and HSDP (replicate x shard).

@@ -41,7 +41,7 @@ def _matrix_items(rule: Rule, layout: Layout, param: torch.Tensor, grad: torch.T
     state as views (``rule.state_views`` says how each state tensor divides), named ``name[e]#j``.
     Under FSDP2 ``param`` is the local shard of a stack, whose matrices (``held``) are whole."""
     pieces = {"param": layout.matrices, "rows": layout.row_pieces, "counter": layout.counters}
-    per_key = {k: pieces[how](local(state[k])) for k, how in rule.state_views.items()}
+    per_key = {k: pieces[how](local(state[k])) for k, how in rule.state_views.items() if how in pieces}
     items = []
     for j, (p, g, label) in enumerate(zip(layout.matrices(param), layout.matrices(grad), layout.labels(held),
                                           strict=True)):
@@ -69,7 +69,8 @@ class RoleOptimizer(Optimizer):
 
     RULES: ClassVar[dict[str, str]] = {}
 
-    def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any = None, compile: bool = False) -> None:
+    def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any = None, compile: bool = False,
+                 rules: dict[str, Rule] | None = None) -> None:
         if (what := wrong_params(params)) is not None:
             cls = type(self).__name__
             raise TypeError(f"{cls}(params=...) takes parameters or param groups, e.g. "
@@ -77,6 +78,7 @@ class RoleOptimizer(Optimizer):
         if not isinstance(compile, bool):
             raise ValueError(f"Invalid compile: {compile!r} (expected True or False)")
         self._compile = compile
+        self._rules = self._rule_table(rules)
         self._warned_inferred = False
         self._warned_traced = False
         self._capture_hook: Callable[[str, str, str, torch.Tensor], None] | None = None
@@ -102,11 +104,13 @@ class RoleOptimizer(Optimizer):
                 f"{type(self).__name__} was built with an explicit process_group, which cannot be pickled or "
                 "copied; build a new optimizer with that group and load_state_dict() this one's state_dict()"
             )
-        return {**super().__getstate__(), "_compile": self._compile, "_warned_inferred": self._warned_inferred}
+        return {**super().__getstate__(), "_compile": self._compile, "_warned_inferred": self._warned_inferred,
+                "_rules": self._rules}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_compile", False)
+        self.__dict__.setdefault("_rules", self._rule_table(None))
         self.__dict__.setdefault("_warned_inferred", False)
         self._warned_traced = False
         self._capture_hook = None
@@ -135,8 +139,23 @@ class RoleOptimizer(Optimizer):
 
     # ---- construction and validation -------------------------------------------------------
 
+    def _rule_table(self, rules: dict[str, Rule] | None) -> dict[str, Rule]:
+        """kind -> rule: the class's ``RULES``, with ``rules`` (kind -> a :class:`Rule` instance, such as a
+        :class:`meqmuon.HiddenRule` subclass's) replacing the rule of each kind it names."""
+        table = {kind: RULES[name] for kind, name in self.RULES.items()}
+        for kind, rule in (rules or {}).items():
+            if kind not in KINDS:
+                raise ValueError(f"Invalid rules key: {kind!r} (expected one of {KINDS})")
+            if not isinstance(rule, Rule):
+                raise TypeError(f"rules[{kind!r}] must be a rule instance, e.g. a meqmuon.HiddenRule subclass's "
+                                f"MyVariant(); got {rule!r}")
+            if not getattr(rule, "name", None):
+                raise TypeError(f"rules[{kind!r}]: {type(rule).__name__} must set a class attribute 'name'")
+            table[kind] = rule
+        return table
+
     def _rule_for(self, kind: str) -> Rule:
-        return RULES[self.RULES[kind]]
+        return self._rules[kind]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if isinstance(param_group, dict) and "params" in param_group:  # else torch's own error

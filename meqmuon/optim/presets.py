@@ -11,7 +11,9 @@
 | MuonOnlyVector       | moonlight_hidden  | adamw            | adamw            | rms_normalize |
 | MuonEq (R, C, RC)    | muoneq_hidden     | adamw            | adamw            | adamw         |
 
-The three ablations are the paper's Table 7: each starts from Muon and changes one kind.
+The three ablations are the paper's Table 7: each starts from Muon and changes one kind. Every
+optimizer takes ``compile=True`` and ``rules={kind: rule}`` (a user's :class:`meqmuon.HiddenRule`
+variant for ``hidden``, say: docs/variants.md).
 """
 
 from __future__ import annotations
@@ -79,11 +81,15 @@ class MeqMuon(RoleOptimizer):
         process_group: group over which the Newton-Schulz work of hidden matrices is split (DDP);
             ``None``: the default group if ``torch.distributed`` is initialised, else one process.
             DTensor (FSDP2) parameters follow their own mesh. See :mod:`meqmuon.optim.distributed`.
-        compile: compile each hidden matrix's CV statistics, row/column choice, scaling, weight
-            decay and step into one shape-generic ``torch.compile`` graph (:mod:`meqmuon.optim.fused`);
-            under FSDP2/HSDP the statistics stay eager (they need cross-shard sums) and only the
-            scaling, decay and step are compiled. lr/weight-decay changes do not recompile. Needs
-            inductor's toolchain (a C++ compiler on CPU).
+        compile: compile each hidden matrix's step (per-tensor: one graph per matrix shape; batched:
+            one per bucket, momentum to update; FSDP2: the owners' ``pre -> NS -> post``) and the
+            batched embedding/vector steps with ``torch.compile`` (:mod:`meqmuon.optim.compiled`).
+            lr/weight-decay changes do not recompile. Every optimizer takes it; rules without a
+            compiled form (AdamW, SCALE, the per-tensor embedding rule, already memory-bound) run
+            eagerly. Needs inductor's toolchain (a C++ compiler on CPU).
+        rules: ``{kind: rule instance}`` replacing the rule of each kind named, e.g.
+            ``{"hidden": MyVariant()}`` with ``MyVariant`` a :class:`meqmuon.HiddenRule` subclass
+            (docs/variants.md). Every optimizer takes it.
     """
 
     RULES = {"hidden": "meq_hidden", "embedding": "equilibrate", "head": "equilibrate", "vector": "rms_normalize"}
@@ -103,6 +109,7 @@ class MeqMuon(RoleOptimizer):
         foreach: bool | None = None,
         process_group: Any = None,
         compile: bool = False,
+        rules: dict[str, Any] | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -116,7 +123,7 @@ class MeqMuon(RoleOptimizer):
             state_dtype=state_dtype,
             foreach=foreach,
         )
-        super().__init__(params, defaults, process_group=process_group, compile=compile)
+        super().__init__(params, defaults, process_group=process_group, compile=compile, rules=rules)
 
 
 class Muon(RoleOptimizer):
@@ -136,6 +143,9 @@ class Muon(RoleOptimizer):
 
     Identical in exact arithmetic to ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`` plus
     ``torch.optim.AdamW(betas=(0.9, 0.95))`` on the other parameters (tested).
+
+    ``compile``, ``rules`` (e.g. ``rules={"hidden": MyVariant()}``, a :class:`meqmuon.HiddenRule`),
+    ``foreach``, ``state_dtype``, ``process_group``: as in :class:`MeqMuon`, for every optimizer here.
     """
 
     RULES = {"hidden": "moonlight_hidden", "embedding": "adamw", "head": "adamw", "vector": "adamw"}
@@ -156,6 +166,8 @@ class Muon(RoleOptimizer):
         state_dtype: torch.dtype | None = None,
         foreach: bool | None = None,
         process_group: Any = None,
+        compile: bool = False,
+        rules: dict[str, Any] | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -171,7 +183,7 @@ class Muon(RoleOptimizer):
             state_dtype=state_dtype,
             foreach=foreach,
         )
-        super().__init__(params, defaults, process_group=process_group)
+        super().__init__(params, defaults, process_group=process_group, compile=compile, rules=rules)
 
 
 class NorMuon(RoleOptimizer):
@@ -204,6 +216,8 @@ class NorMuon(RoleOptimizer):
         state_dtype: torch.dtype | None = None,
         foreach: bool | None = None,
         process_group: Any = None,
+        compile: bool = False,
+        rules: dict[str, Any] | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -220,7 +234,7 @@ class NorMuon(RoleOptimizer):
             state_dtype=state_dtype,
             foreach=foreach,
         )
-        super().__init__(params, defaults, process_group=process_group)
+        super().__init__(params, defaults, process_group=process_group, compile=compile, rules=rules)
 
 
 class Scale(RoleOptimizer):
@@ -252,12 +266,14 @@ class Scale(RoleOptimizer):
         state_dtype: torch.dtype | None = None,
         foreach: bool | None = None,
         process_group: Any = None,
+        compile: bool = False,
+        rules: dict[str, Any] | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, betas=tuple(betas), eps=eps, state_dtype=state_dtype,
             foreach=foreach,
         )
-        super().__init__(params, defaults, process_group=process_group)
+        super().__init__(params, defaults, process_group=process_group, compile=compile, rules=rules)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if param_group.get("tied"):

@@ -64,7 +64,7 @@ class OptimizerSpec:
 # registry: it is Muon with an equilibrated Newton-Schulz input and shares Muon's lr grid, so Muon's.
 # demo_lr: the best of a pre-check grid at the demo setting (100 updates; AdamW 1e-3/3e-3/1e-2, the
 # others 1e-2/3e-2; docs/training.md has the numbers). SCALE and the ablations were not pre-checked and
-# use 1e-2. MuonEq (issue 15): R's is the best of the 3-seed grid at the demo setting
+# use 1e-2. MuonEq: R's is the best of the 3-seed grid at the demo setting
 # (docs/benchmarks.md, 5e-3..8e-2; 2e-2 with and without Polar Express); C and RC were not swept: Muon's.
 _SPECS = (
     # adamw is torch.optim.AdamW with betas (0.9, 0.95) and weight decay 0.1 (the paper's setting,

@@ -8,9 +8,11 @@ CPU, fresh 64 MB temporaries cost more in page faults than the arithmetic; docs/
 Its batched form (:meth:`Rule.step_foreach`, ``foreach=True``, the default on CUDA) does the same
 maths over shape buckets (``buckets.py``), a fixed number of kernels per bucket instead of per
 parameter; the per-tensor form is the reference it is tested against. Momentum rules also have a
-compiled form (``compile=True``): one graph per bucket (:func:`meqmuon.optim.compiled.bucket_step`)
-of the rule's ``compiled_bucket``. No rule makes a host-device sync: step counters are Python ints,
-choices are tensors.
+compiled form (``compile=True``): one graph per bucket (:func:`meqmuon.optim.compiled.bucket_step`).
+The hidden-matrix rules implement these hooks once, in the driver of ``hidden.py``, and are
+themselves ``pre``/``post`` functions; the elementwise momentum rules (``rules/normalize.py``) write
+their forms here. No rule makes a host-device sync: step counters are Python ints, choices are
+tensors.
 
 Every rule applies decoupled weight decay and its step the same way
 (:func:`meqmuon.functional.decay_and_update_`), ``W <- (1 - lr * wd) * W - lr * scale * D``.
@@ -19,7 +21,7 @@ Every rule applies decoupled weight decay and its step the same way
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -27,21 +29,9 @@ from torch import Tensor
 
 from .. import functional as F
 from . import compiled
-from . import newton_schulz as NS
 from .buckets import Bucket, make_buckets
 from .distributed import LocalSplit, local
 from .views import Layout
-
-
-def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
-    """The ``(rows, columns)`` of the matrix view of a (global) shape; a vector is one row."""
-    return (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
-
-
-def shape_scale(shape: torch.Size | tuple[int, ...]) -> float:
-    """Moonlight's RMS-matching factor ``sqrt(max(m, n))`` of the matrix view of a (global) shape."""
-    m, n = matrix_shape(shape)
-    return math.sqrt(max(m, n))
 
 
 class StepContext:
@@ -315,7 +305,7 @@ class MomentumRule(Rule):
         _update_momentum(items, group)
         if ctx.capture is not None:
             ctx.emit(items, [direction_input(it, group) for it in items], "momentum_input")
-        if not self.split_work:
+        if not self.split_work or ctx.split.world_size == 1:  # one process: this rank owns all
             self.update(items, group, ctx)
             return
         owners = ctx.split.owners([self.cost(it.shape, group) for it in items])
@@ -329,11 +319,11 @@ class MomentumRule(Rule):
 
     def step_foreach(self, items, group, ctx):
         """Batched :meth:`step` of this call alone (:func:`step_foreach_calls` with one call); with
-        ``compile=True`` one compiled graph per bucket (:meth:`_step_compiled`)."""
+        ``compile=True`` one compiled graph per bucket (:meth:`step_compiled`)."""
         if not ctx.compile:
             step_foreach_calls([(self, items, group, ctx)])
             return
-        self._step_compiled(items, group, ctx)
+        self.step_compiled(items, group, ctx)
 
     def pending_foreach(self, items: Sequence[Item], group: dict, ctx: StepContext) -> PendingUpdate:
         """The batched update of ``items`` (momentum already updated): per shape bucket the
@@ -343,11 +333,12 @@ class MomentumRule(Rule):
             ctx.emit(items, [direction_input(it, group) for it in items], "momentum_input")
         buckets = make_buckets(items, matrix=self.needs_matrix, transpose=self.transposes and not ctx.split.sharded)
         # DDP splits buckets into per-rank slices; FSDP2 ranks each update their row shards of all
-        # members (its Newton-Schulz moves whole matrices to owners inside orthogonalize_stack).
-        split = self.split_work and not ctx.split.sharded
+        # members (a hidden rule's directions move whole matrices to owners: hidden.py).
+        split = self.split_work and not ctx.split.sharded and ctx.split.world_size > 1
         plans = [ctx.split.bucket_plan(len(b), self.cost(b.global_shape, group)) if split else [len(b)]
                  for b in buckets]
-        ranges = [_slice(plan, ctx.split.rank if split else 0) for plan in plans]
+        ranges = [_slice(plan, ctx.split.rank) if split else (0, len(b))
+                  for plan, b in zip(plans, buckets, strict=True)]
         busy = [i for i, (lo, hi) in enumerate(ranges) if hi > lo]
         results = dict(zip(busy, self.directions_foreach([buckets[i] for i in busy], [ranges[i] for i in busy],
                                                          group, ctx), strict=True))
@@ -357,7 +348,8 @@ class MomentumRule(Rule):
         extras: list[list[Tensor]] = []
         for i, (bucket, plan) in enumerate(zip(buckets, plans, strict=True)):
             D, owned = results[i] if i in results else self.empty_directions(bucket)
-            if split:
+            if split:  # one stack per bucket travels (a hidden rule's sides: one each)
+                D = D if isinstance(D, Tensor) else torch.cat([d.flatten(1) for d in D])
                 D, *owned = ctx.split.gather([D, *owned], plan)
             extras.append(owned)
             params += [it.param for it in bucket.items]
@@ -376,7 +368,7 @@ class MomentumRule(Rule):
         """Extra tensor lists (state the graph changes) and Python constants of ``compiled_bucket``."""
         return [], {}
 
-    def _step_compiled(self, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
+    def step_compiled(self, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
         """``compile=True``: each bucket's whole step, momentum to update, as one compiled graph of
         :attr:`compiled_bucket` (:func:`compiled.bucket_step`); one process only, since a gather
         cannot sit inside the graph."""
@@ -444,57 +436,3 @@ def step_foreach_calls(calls: Sequence[tuple[Rule, Sequence[Item], dict, StepCon
     for mu, items in by_mu.items():
         _foreach_momentum(items, mu)
     _foreach_apply([rule.pending_foreach(items, group, ctx) for rule, items, group, ctx in shared])
-
-
-class HiddenRule(MomentumRule):
-    """A rule that orthogonalises (Newton-Schulz, paper eq. 3) each hidden matrix's direction input."""
-
-    needs_matrix = True
-
-    def cost(self, shape, group):
-        return NS.ns_flops(*matrix_shape(shape), group["ns_steps"]) + super().cost(shape, group)
-
-    def orthogonalized(self, items: Sequence[Item], group: dict, ctx: StepContext) -> Iterator[tuple[int, Tensor]]:
-        """``(i, Orth(X_i))`` for every item, one at a time; ``X_i`` is made just before its NS."""
-        shapes = [matrix_shape(it.shape) for it in items]
-        if ctx.split.sharded:  # ShardedSplit gathers all inputs before its all-to-all: no sharing
-            return ctx.split.orthogonalize(
-                lambda i: self.pre_ns(F.as_matrix(direction_input(items[i], group)), [items[i]], group, ctx),
-                shapes, group,
-            )
-        # Otherwise each input is consumed (copied into the NS buffer) before the next is made, so
-        # same-shape inputs can share one buffer: fresh temporaries are page faults on CPU.
-        scratch: dict[tuple, Tensor] = {}
-
-        def input_of(i: int) -> Tensor:
-            b = local(items[i].state["momentum_buffer"])
-            x = direction_input(items[i], group, out=buffer(scratch, "nesterov", b.shape, b.dtype, b.device))
-            return self.pre_ns(F.as_matrix(x), [items[i]], group, ctx)
-
-        return NS.orthogonalize_each(input_of, shapes, group, ctx.split.workspace)
-
-    def pre_ns(self, x: Tensor, items: Sequence[Item], group: dict, ctx: StepContext) -> Tensor:
-        """A transform of the Newton-Schulz input (a matrix, or a stack of ``items``' inputs); here
-        none. Must not write into ``x`` (without Nesterov it is the momentum buffer itself)."""
-        return x
-
-    def orthogonalized_stacks(self, buckets: list[Bucket], ranges: list[tuple[int, int]], group: dict,
-                              ctx: StepContext) -> list[Tensor]:
-        """Batched form of :meth:`orthogonalized`: per bucket, ``Orth`` of the stacked inputs of
-        members ``lo..hi``, one batched Newton-Schulz call each (the inputs are made in the NS dtype,
-        or first in float32 where :meth:`pre_ns` transforms them)."""
-        out = []
-        for b, (lo, hi) in zip(buckets, ranges, strict=True):
-            p = b.items[0].param
-            dtype = NS.ns_dtype_of(group, p)
-            if type(self).pre_ns is HiddenRule.pre_ns:
-                X = stack_inputs(ctx, self.name, b, lo, hi, group, dtype)
-            else:
-                X = self.pre_ns(stack_inputs(ctx, self.name, b, lo, hi, group, F._stat_dtype(p)), b.items[lo:hi],
-                                group, ctx).to(dtype)
-            sharded = ctx.split.sharded  # FSDP2: row shards go to owner ranks and back
-            out.append(ctx.split.orthogonalize_stack(X, group, b.global_shape) if sharded
-                       else NS.orthogonalize_bucket(X, group))
-        return out
-
-

@@ -1,10 +1,12 @@
 """Update rules: one object per rule, each turning gradients (and its state) into a parameter update.
 
 An optimizer in this package is an assignment of rules to parameter kinds (see ``presets.py``),
-by name through :data:`RULES`. One module per rule family, each holding every form of its rules
-side by side (per-tensor, batched, compiled where there is one): ``meqmuon.py`` (MeqMuon's hidden,
-embedding/head and vector rules), ``muon.py`` (Moonlight's Muon, MuonEq), ``normuon.py``,
-``adam.py`` (AdamW, SCALE's Adam) and ``scale.py``. The machinery they share is ``../step.py``.
+by name through :data:`RULES`, or by instance through ``rules={kind: rule}``. The hidden-matrix rules
+are :class:`~meqmuon.optim.hidden.HiddenRule` s, ``pre``/``post`` around the driver's Newton-Schulz:
+``meqmuon.py`` (MeqMuon, eq. 8), ``muon.py`` (Moonlight's Muon, MuonEq), ``normuon.py``. The
+elementwise rules hold their per-tensor, batched and compiled forms side by side: ``normalize.py``
+(MeqMuon's embedding/head and vector rules, eq. 9 and 10), ``adam.py`` (AdamW, SCALE's Adam) and
+``scale.py``. The machinery they share is ``../hidden.py`` and ``../step.py``.
 
 Every rule applies decoupled weight decay and its step the same way,
 
@@ -18,8 +20,9 @@ from __future__ import annotations
 
 from ..step import Rule
 from .adam import AdamScale, AdamW
-from .meqmuon import Equilibrate, MeqHidden, RmsNormalize
+from .meqmuon import MeqHidden
 from .muon import MoonlightHidden, MuonEqHidden
+from .normalize import Equilibrate, RmsNormalize
 from .normuon import NorMuonHidden
 from .scale import ScaleCol, ScaleHead, ScaleRow
 

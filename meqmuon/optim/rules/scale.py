@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 from ... import functional as F
-from ..buckets import make_buckets
+from ..buckets import make_buckets, matrix_shape
 from ..distributed import local
-from ..step import Rule, apply_update, grads_like, matrix_shape, stack_tensors, state_dtype
+from ..step import Rule, apply_update, grads_like, stack_tensors, state_dtype
 
 # SCALE divides by the slice RMS clamped at this value (OptimAI-Lab/Minimalist_LLM_Pretraining
 # f5bd4e7, mem_eff_pt/pt_scale/scale_optimizer.py: ``.clamp_min(1e-8)``).
