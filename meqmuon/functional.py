@@ -25,6 +25,7 @@ sums. Sums within a row are local, so row statistics never communicate. With ``p
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -121,6 +122,11 @@ def ns_schedule(coefficients: Any, steps: int) -> tuple[tuple[tuple[float, float
     raise ValueError(f"invalid ns_coefficients {coefficients!r}; {valid}")
 
 
+#: :func:`ns_schedule` computed once per ``(coefficients, steps)``: a step asks for it per matrix.
+#: Lists are unhashable: callers pass ``canonical_coefficients`` of them.
+_cached_schedule = functools.lru_cache(maxsize=64)(ns_schedule)
+
+
 def canonical_coefficients(coefficients: Any) -> Coefficients:
     """``ns_coefficients`` as stored in a param group: a name, one triple, or a tuple of triples
     (lists become tuples, so that groups compare and hash the same whatever the caller passed)."""
@@ -207,7 +213,8 @@ def orthogonalize(
             f"orthogonalize: out must be a contiguous {tuple(x.shape)} tensor of dtype {dtype}, "
             f"got {tuple(out.shape)} {out.dtype} (contiguous={out.is_contiguous()})"
         )
-    schedule = ns_schedule(coefficients, steps)
+    hashable = isinstance(coefficients, str) or not any(isinstance(t, list) for t in (coefficients, *coefficients))
+    schedule = _cached_schedule(coefficients if hashable else canonical_coefficients(coefficients), steps)
     if x.ndim == 2:
         return _orthogonalize_matrix(x, schedule, dtype, eps, workspace, out)
     if batched:
@@ -242,7 +249,14 @@ def _orthogonalize_matrix(
     """
     m, n = x.shape
     k = min(m, n)
-    ws = _buffers(workspace, (m, n, k, dtype, x.device))
+    key = (m, n, k, dtype, x.device)
+    ws = None if workspace is None else workspace.get(key)
+    if ws is None:
+        new = {"dtype": dtype, "device": x.device}
+        ws = {"X": torch.empty((m, n), **new), "Y": (torch.empty((m, n), **new), torch.empty((m, n), **new)),
+              "A": torch.empty((k, k), **new), "B": torch.empty((k, k), **new)}
+        if workspace is not None:
+            workspace[key] = ws
     X = ws["X"].copy_(x)  # the input in the compute dtype, contiguous
     coefficients, scale = schedule
     norm = torch.linalg.vector_norm(X)
@@ -285,7 +299,9 @@ def orthogonalize_stack(
     """
     if x.ndim != 3 or steps < 1:
         raise ValueError(f"orthogonalize_stack needs a (K, m, n) stack and steps >= 1, got {tuple(x.shape)}, {steps}")
-    return _iterate_stack(x if inplace else x.clone(), ns_schedule(coefficients, steps), eps)
+    hashable = isinstance(coefficients, str) or not any(isinstance(t, list) for t in (coefficients, *coefficients))
+    schedule = _cached_schedule(coefficients if hashable else canonical_coefficients(coefficients), steps)
+    return _iterate_stack(x if inplace else x.clone(), schedule, eps)
 
 
 def _iterate_stack(X: Tensor, schedule: tuple[tuple[tuple[float, float, float], ...], float], eps: float) -> Tensor:
@@ -299,21 +315,6 @@ def _iterate_stack(X: Tensor, schedule: tuple[tuple[tuple[float, float, float], 
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
     return X
-
-
-def _buffers(workspace: dict | None, key: tuple) -> dict[str, Any]:
-    m, n, k, dtype, device = key
-    if workspace is not None and key in workspace:
-        return workspace[key]
-    buf = {
-        "X": torch.empty((m, n), dtype=dtype, device=device),
-        "Y": (torch.empty((m, n), dtype=dtype, device=device), torch.empty((m, n), dtype=dtype, device=device)),
-        "A": torch.empty((k, k), dtype=dtype, device=device),
-        "B": torch.empty((k, k), dtype=dtype, device=device),
-    }
-    if workspace is not None:
-        workspace[key] = buf
-    return buf
 
 
 #: Smallest Gram size ``k = min(m, n)`` at which :func:`ns_step` computes its two symmetric products
@@ -460,7 +461,7 @@ def muoneq_equilibrate(x: Tensor, mode: str) -> Tensor:
     return out
 
 
-def cv_of_norms(norms: Tensor, threshold: Tensor | float) -> Tensor:
+def cv_of_norms(norms: Tensor, threshold: Tensor | float, mask: Tensor | None = None) -> Tensor:
     r"""The CV (eq. 5) of RMS magnitudes given as norms: ``cv(norms / s)`` for any ``s > 0``.
 
     A CV is invariant to a common scale, so the row (or column) Euclidean norms give the CV of the
@@ -469,9 +470,10 @@ def cv_of_norms(norms: Tensor, threshold: Tensor | float) -> Tensor:
     therefore excluded too, which lets vectors of several lengths share one padded tensor (the
     batched MeqMuon step computes every hidden matrix's row and column CVs in one call this way).
     Reduces over the last dimension; 0 where no entry counts. Same maths as :func:`cv`, with the
-    standard deviation taken as the norm of the masked deviations.
+    standard deviation taken as the norm of the masked deviations. ``mask``: ``norms > threshold``, if
+    the caller has it already.
     """
-    mask = norms > threshold
+    mask = norms > threshold if mask is None else mask
     count = mask.sum(dim=-1, dtype=norms.dtype).clamp_(min=1.0)
     kept = norms * mask
     mean = kept.sum(dim=-1) / count
@@ -586,7 +588,7 @@ def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
     Returns:
         the normalised stacks (float32, or float64) and ``chose_rows`` ``(K,)`` bool, stack by stack.
     """
-    dtype, device = _stat_dtype(us[0]), us[0].device
+    dtype, device = torch.float64 if us[0].dtype == torch.float64 else torch.float32, us[0].device  # _stat_dtype
     shapes = [u.shape for u in us]
     L = max(max(m, n) for _, m, n in shapes)
     norms = torch.zeros((sum(k for k, _, _ in shapes), 2, L), dtype=dtype, device=device)
@@ -602,9 +604,10 @@ def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
             else:
                 torch.linalg.vector_norm(u, dim=dim, dtype=dtype, out=norms[o : o + k, slot, :size])
         o += k
-    gamma = cv_of_norms(norms, threshold)
+    counted = norms > threshold  # eq. 5: what is at or below delta counts as zero, and normalises to zero
+    gamma = cv_of_norms(norms, threshold, counted)
     chose_rows = choose_rows(gamma[:, 0], gamma[:, 1])
-    scales = torch.div(factor, norms).masked_fill_(norms <= threshold, 0.0)
+    scales = torch.where(counted, torch.div(factor, norms), 0.0)
     row_slot = torch.tensor([[True], [False]], device=device)
     scales.masked_fill_(chose_rows[:, None, None] != row_slot, 1.0)  # 1 on the side not chosen
     out, o = [], 0

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,9 +30,8 @@ from capabilities import NEWTON_SCHULZ, having
 from tinynet import batches, loss_fn, make_model
 
 import meqmuon
-from meqmuon.optim.buckets import make_buckets
-from meqmuon.optim.engine import RoleOptimizer
-from meqmuon.optim.step import Item
+from meqmuon.optim.driver import make_buckets
+from meqmuon.optim.rule import Item
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import op_count  # noqa: E402
@@ -147,7 +145,7 @@ def test_transposed_matrices_share_a_bucket_where_the_rule_allows_it():
     model = make_model()
     items = [Item(p, p, {}, n) for n, p in model.named_parameters() if n in ("up.weight", "down.weight", "conv.weight")]
     (bucket,) = make_buckets(items, matrix=True, transpose=True)
-    assert bucket.shape == (36, 12) and bucket.plain == 1 and bucket.transposed == 2
+    assert bucket.shape == (36, 12) and bucket.plain == 1 and len(bucket.items) - bucket.plain == 2
     assert len(make_buckets(items, matrix=True, transpose=False)) == 2
 
 
@@ -170,11 +168,22 @@ def test_adamw_rule_equals_torch_adamw_foreach_bit_for_bit():
         assert torch.equal(p, q), (p - q).abs().max().item()
 
 
-def test_foreach_none_is_batched_on_cuda_only_and_flags_are_validated():
-    cuda, cpu = (SimpleNamespace(param=SimpleNamespace(device=torch.device(d))) for d in ("cuda", "cpu"))
-    assert RoleOptimizer._batched({"foreach": None}, [cuda, cuda])
-    assert not RoleOptimizer._batched({"foreach": None}, [cuda, cpu])
-    assert RoleOptimizer._batched({"foreach": True}, [cpu]) and not RoleOptimizer._batched({"foreach": False}, [cuda])
+def test_foreach_none_is_batched_on_cuda_only_and_flags_are_validated(monkeypatch):
+    """``foreach=None`` takes the batched path only where every parameter of the group is on a CUDA
+    device (the plan's flag); on CPU the per-tensor one, unless ``foreach=True``."""
+    from meqmuon.optim import engine
+
+    batched_calls = []
+    real = engine.step_foreach_calls
+    monkeypatch.setattr(engine, "step_foreach_calls", lambda calls: batched_calls.append(len(calls)) or real(calls))
+    for foreach, want in ((None, False), (True, True), (False, False)):
+        model = make_model(dtype=torch.float32)
+        opt = meqmuon.MeqMuon(meqmuon.param_groups(model), foreach=foreach)
+        loss_fn(model, next(iter(batches(1)))).backward()
+        batched_calls.clear()
+        opt.step()
+        assert bool(batched_calls) is want, foreach
+        assert not any(cuda for _, _, _, cuda in opt._plan())  # the CPU plan: no group is all-CUDA
     model = make_model(dtype=torch.float32)
     with pytest.raises(ValueError, match="Invalid foreach: 'yes'"):
         meqmuon.MeqMuon(meqmuon.param_groups(model), foreach="yes")

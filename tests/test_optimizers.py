@@ -376,7 +376,8 @@ def test_apply_update_with_mixed_dtypes_equals_torch_promotion(param_dtype, dire
     """A bf16 direction is cast into a float32 buffer before the add (no fresh temporary); the
     result must be ``p.add_(d)``'s type promotion bit for bit, also when the parameter is the
     narrower one (then nothing may be cast down before the add)."""
-    from meqmuon.optim.step import Item, apply_update
+    from meqmuon.optim.driver import apply_update
+    from meqmuon.optim.rule import Item
 
     g = torch.Generator().manual_seed(4)
     p = torch.randn(48, 40, generator=g).to(param_dtype)

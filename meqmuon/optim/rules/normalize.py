@@ -14,8 +14,7 @@ from torch import Tensor
 
 from ... import functional as F
 from .. import blockwise
-from ..buckets import matrix_shape
-from ..step import MomentumRule, apply_update, direction_input, stack_inputs
+from ..driver import MomentumRule, apply_update, direction_input, matrix_shape, stack_inputs
 
 
 def _momentum_inputs(grads: list[Tensor], bufs: list[Tensor], mu: Tensor, nesterov: bool) -> list[Tensor]:
@@ -77,7 +76,7 @@ class Equilibrate(MomentumRule):
         out = []
         for b, (lo, hi) in zip(buckets, ranges, strict=True):
             p = b.items[0].param
-            X = stack_inputs(ctx, self.name, b, lo, hi, group, F._stat_dtype(p))
+            X = stack_inputs(ctx, self.name, b, lo, hi, F._stat_dtype(p))
             m, n = b.global_shape
             X.div_(F.divisor_of_norms(torch.linalg.vector_norm(X, dim=-1), F.DELTA * math.sqrt(n)).unsqueeze(-1))
             col = _norms_along(X, -2, ctx.split.psum)  # under FSDP2: over all row shards
@@ -88,8 +87,6 @@ class Equilibrate(MomentumRule):
             out.append((X, []))
         return out
 
-    def scale_foreach(self, bucket, group):
-        return 1.0  # rho * sqrt(m) is folded into the column divisor
 
     compiled_bucket = staticmethod(_equilibrate_bucket)
 
@@ -114,7 +111,7 @@ class RmsNormalize(MomentumRule):
         """Same-shape vectors as one ``(k, d)`` stack: ``B / ||B||_2 * sqrt(d)`` row by row."""
         out = []
         for b, (lo, hi) in zip(buckets, ranges, strict=True):
-            X = stack_inputs(ctx, self.name, b, lo, hi, group, F._stat_dtype(b.items[0].param))
+            X = stack_inputs(ctx, self.name, b, lo, hi, F._stat_dtype(b.items[0].param))
             flat = X.view(hi - lo, -1)
             d = math.prod(b.global_shape)
             norm = _norms_along(flat, -1, ctx.split.psum)
@@ -123,7 +120,5 @@ class RmsNormalize(MomentumRule):
             out.append((X, []))
         return out
 
-    def scale_foreach(self, bucket, group):
-        return 1.0  # rho * sqrt(d) is folded into the divisor
 
     compiled_bucket = staticmethod(_rms_bucket)
