@@ -489,8 +489,9 @@ def row_col_cv(x: Tensor, delta: float = DELTA) -> tuple[Tensor, Tensor]:
 
 
 def inverse_rms(v: Tensor, delta: float = DELTA) -> Tensor:
-    """``1/v`` where ``v > delta``, else 0: rows/columns treated as zero are mapped to zero (eq. 5, 7)."""
-    return torch.where(v > delta, 1.0 / v.clamp(min=delta), 0.0)
+    """``1/v`` where ``v > delta``, else 0: rows/columns treated as zero are mapped to zero (eq. 5, 7);
+    the reciprocal of :func:`divisor_of_norms`, the one zero rule."""
+    return divisor_of_norms(v, delta).reciprocal()
 
 
 def row_factors(x: Tensor, delta: float = DELTA) -> Tensor:
@@ -522,33 +523,45 @@ def col_normalize(x: Tensor, delta: float = DELTA, psum: PSum = None, rows: int 
     return x * col_factors(x, delta, psum, rows).unsqueeze(-2)
 
 
-def equilibrate(x: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None) -> Tensor:
-    r"""Two-sided normalisation ``N_c(N_r(X))`` (paper eq. 9), used for embeddings and LM heads.
+def equilibrate(x: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None, *,
+                scale: float = 1.0, inplace: bool = False) -> Tensor:
+    r"""Two-sided normalisation ``scale N_c(N_r(X))`` (paper eq. 9), for embeddings and LM heads; batched
+    over leading dimensions. The one implementation of eq. 9: the batched and compiled steps call it on
+    stacks, the per-tensor step's row-blocked form (``optim/blockwise.py``) takes the same statistics
+    block by block.
 
-    Row normalisation first, then column normalisation; the result has unit-RMS columns (column
-    CV 0) and, for a non-degenerate input, overall RMS 1.
+    With ``Y = X / ||X_i,:||`` (each row to unit norm), ``N_c(N_r(X)) = sqrt(m) Y / ||Y_:,j||``, so only
+    norms and two scalings touch ``X``; the zero rule (eq. 5) is ``r_i <= delta`` <=> ``||X_i,:|| <= delta
+    sqrt(n)`` and ``c_j <= delta`` <=> ``||Y_:,j|| <= delta sqrt(m / n)`` (:func:`divisor_of_norms`).
+    The result has unit-RMS columns (column CV 0) and, for a non-degenerate input, overall RMS 1 (times
+    ``scale``).
+
+    ``psum``, ``rows``: ``x`` is a row shard of a matrix of ``rows`` rows; column statistics are summed
+    over shards. ``inplace``: ``x`` (float32 or float64) is scratch and becomes the result.
     """
-    return col_normalize(row_normalize(x, delta), delta, psum, rows)
+    x = x if inplace else x.to(_stat_dtype(x), copy=True)
+    m, n = (x.shape[-2] if psum is None else rows), x.shape[-1]
+    x.div_(divisor_of_norms(torch.linalg.vector_norm(x, dim=-1), delta * math.sqrt(n)).unsqueeze(-1))
+    col = torch.linalg.vector_norm(x, dim=-2) if psum is None else psum(x.square().sum(dim=-2)).sqrt_()
+    # The scale rides on the column divisor: no pass of its own over X.
+    x.div_(divisor_of_norms(col, delta * math.sqrt(m / n)).div_(scale * math.sqrt(m)).unsqueeze(-2))
+    return x
 
 
-def rms_normalize(
-    x: Tensor, delta: float = DELTA, psum: PSum = None, numel: int | None = None, dim: int | None = None
-) -> Tensor:
-    r"""Global-RMS normalisation ``N(B) = B / (\|B\|_2 / \sqrt{d})`` (paper eq. 10), for 1-D parameters.
+def rms_normalize(x: Tensor, delta: float = DELTA, psum: PSum = None, numel: int | None = None, *,
+                  scale: float = 1.0, inplace: bool = False) -> Tensor:
+    r"""Global-RMS normalisation ``scale N(B) = scale B / (\|B\|_2 / \sqrt{d})`` (paper eq. 10) of each row
+    of ``x`` ``(K, d)``, a stack of flattened 1-D parameters: the one implementation of eq. 10 (the
+    per-tensor step hands a stack of one). A vector whose RMS is at or below ``delta`` maps to zero.
 
-    Normalises over the whole tensor (all dimensions), or with ``dim`` each slice along ``dim`` (a
-    stack of flattened vectors); a tensor whose RMS is at or below ``delta`` maps to zero. With
-    ``psum`` (sharded, whole tensor only), ``numel`` is the global element count.
+    ``psum``, ``numel``: each row is a shard of a vector of ``numel`` elements; sums of squares are summed
+    over shards. ``inplace``: ``x`` (float32 or float64) is scratch and becomes the result.
     """
-    x = x.to(_stat_dtype(x))
-    if dim is not None:
-        rms = torch.linalg.vector_norm(x, dim=dim) / x.shape[dim] ** 0.5
-        return x * inverse_rms(rms, delta).unsqueeze(dim)
-    if psum is None:
-        rms = torch.linalg.vector_norm(x) / math.sqrt(x.numel())
-    else:
-        rms = rms_of_sumsq(x.square().sum(), numel, psum)
-    return x * inverse_rms(rms, delta)
+    x = x if inplace else x.to(_stat_dtype(x), copy=True)
+    d = x.shape[-1] if psum is None else numel
+    norm = torch.linalg.vector_norm(x, dim=-1) if psum is None else psum(x.square().sum(dim=-1)).sqrt_()
+    # The scale rides on the divisor: no pass of its own over x.
+    return x.div_(divisor_of_norms(norm, delta * math.sqrt(d)).div_(scale * math.sqrt(d)).unsqueeze(-1))
 
 
 def choose_rows(gamma_r: Tensor, gamma_c: Tensor, out: Tensor | None = None) -> Tensor:

@@ -82,6 +82,16 @@ def _hidden_bucket(params, grads, bufs, states, steps, lr, wd, mu, scale, *, rul
     F.decay_and_update_(params, [d.reshape(p.shape) for d, p in zip(rows, params, strict=True)], lr, wd, scale)
 
 
+def _elementwise_bucket(params, grads, bufs, lr, wd, mu, rho, *, rule, shape, nesterov):
+    """An elementwise momentum rule's step of one bucket: momentum, :meth:`direction` of the stack, update."""
+    grads = [g.to(b.dtype) for g, b in zip(grads, bufs, strict=True)]
+    F.momentum_(bufs, grads, mu)
+    inputs = F.direction_input(grads, bufs, mu, nesterov)
+    X = torch.stack([x.reshape(shape) for x in inputs]).to(F._stat_dtype(inputs[0]))
+    D = rule.direction(X, {"rho": rho}, None, shape)
+    F.decay_and_update_(params, [d.reshape(p.shape) for d, p in zip(D.unbind(0), params, strict=True)], lr, wd, 1.0)
+
+
 def owner_directions(W, state, *, rule, n, batched, group):
     """FSDP2 owners' :func:`driver.directions` of whole matrices (with their state columns)."""
     (D,) = driver.directions(rule, [(W[..., :n], W.shape[0], state)], group, None, batched=batched,
@@ -101,12 +111,10 @@ def momentum_step(rule, items, group: dict, ctx, *, per_tensor: bool) -> None:
         raise NotImplementedError("the capture hook needs the eager step: build the optimizer without compile=True")
     lr, wd, mu = (scalar(group[k]) for k in ("lr", "weight_decay", "momentum"))
     if not rule.needs_ns:
-        if rule.compiled_bucket is None:
-            raise NotImplementedError(f"compile=True with foreach=True: rule {rule.name!r} has no compiled form")
         for b in driver.make_buckets(items, matrix=rule.needs_matrix, transpose=False):
-            bucket_step(rule.name, type(rule).compiled_bucket, b.key, [it.param.detach() for it in b.items],
+            bucket_step(rule.name, _elementwise_bucket, b.key, [it.param.detach() for it in b.items],
                         [it.grad for it in b.items], [it.state["momentum_buffer"] for it in b.items], lr, wd, mu,
-                        scalar(group["rho"]), nesterov=group["nesterov"])
+                        scalar(group["rho"]), rule=rule, shape=tuple(b.global_shape), nesterov=group["nesterov"])
         return
     static = {k: group[k] for k in rule.hyperparameters if k != "momentum"}
     static["ns_dtype"] = driver._ns_dtype(group, items[0].param, ctx)

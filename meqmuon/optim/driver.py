@@ -37,7 +37,7 @@ No rule makes a host-device sync: step counters are Python ints, choices are ten
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -199,8 +199,6 @@ class MomentumRule(Rule):
     transposes: ClassVar[bool] = False
     #: The direction passes through Newton-Schulz (hidden rules).
     needs_ns: ClassVar[bool] = False
-    #: ``compile=True`` form of an elementwise rule: one bucket from momentum to update (``rules/``).
-    compiled_bucket: ClassVar[Callable[..., None] | None] = None
 
     def state_elements(self, layout: Layout) -> int:
         return math.prod(layout.batch) * layout.rows * layout.cols
@@ -218,10 +216,19 @@ class MomentumRule(Rule):
         """Per-tensor form: the directions of ``items`` (momentum already updated) and their steps."""
         raise NotImplementedError
 
+    def direction(self, X: Tensor, group: dict, psum: F.PSum, shape: tuple[int, ...]) -> Tensor:
+        """An elementwise rule's direction of a stack ``X`` ``(K, *shape)`` of direction inputs (float32 or
+        float64, scratch: may be the result), its step multiplier folded in (the step adds it with ``s = 1``);
+        ``psum`` sums statistics over row shards (FSDP2), ``shape`` is one member's unsharded shape."""
+        raise NotImplementedError
+
     def directions_foreach(self, buckets: list[Bucket], ranges: list[tuple[int, int]], group: dict,
                            ctx: StepContext) -> list[Directions]:
-        """Batched form: the directions of members ``lo..hi`` of each bucket (momentum already updated)."""
-        raise NotImplementedError
+        """Batched form: the directions of members ``lo..hi`` of each bucket (momentum already updated);
+        here :meth:`direction` of each bucket's stack."""
+        return [(self.direction(stack_inputs(ctx, self.name, b, lo, hi, F._stat_dtype(b.items[0].param)), group,
+                                ctx.split.psum, b.global_shape), [])
+                for b, (lo, hi) in zip(buckets, ranges, strict=True)]
 
     def step(self, items, group, ctx):
         if ctx.split.sharded and self.needs_ns:  # FSDP2: whole matrices meet at owners, a bucket at a time
