@@ -38,7 +38,7 @@ __all__ = [
     "canonical_coefficients", "ns_schedule", "orthogonalize", "orthogonalize_stack", "ns_step", "row_rms",
     "col_rms", "cv", "cv_of_norms", "MUONEQ_MODES", "muoneq_equilibrate", "row_col_cv", "row_normalize",
     "col_normalize", "equilibrate", "rms_normalize", "adaptive_normalize",
-    "as_matrix", "choose_rows", "rms_of_sumsq", "inverse_rms", "row_factors", "col_factors",
+    "as_matrix", "choose_rows", "rms_of_sumsq", "inverse_rms", "row_factors",
     "divisor_of_norms", "momentum_", "direction_input", "decay_", "decay_and_update_",
 ]
 
@@ -218,7 +218,8 @@ def orthogonalize(
     if x.ndim == 2:
         return _orthogonalize_matrix(x, schedule, dtype, eps, workspace, out)
     if batched:
-        return _orthogonalize_stack(x, schedule, dtype, eps, out)
+        X = _iterate_stack(x.reshape(-1, *x.shape[-2:]).to(dtype, copy=True), schedule, eps).reshape(x.shape)
+        return X if out is None else out.copy_(X)
     # One matrix at a time with fused addmm, exactly torch.optim.Muon's iteration: faster on CPU than
     # one batched call (docs/benchmarks.md). It also makes each matrix's bits independent of the
     # batch it travels in, which the DDP split relies on for bit-exactness with one process (a
@@ -269,18 +270,6 @@ def _orthogonalize_matrix(
         ns_step(X, abc, out=out, scratch=(ws["A"], ws["B"]))
         X = out
     return result
-
-
-def _orthogonalize_stack(
-    x: Tensor, schedule: tuple[tuple[tuple[float, float, float], ...], float], dtype: torch.dtype, eps: float,
-    out: Tensor | None = None,
-) -> Tensor:
-    """:func:`orthogonalize` of a batch ``(..., m, n)`` as one stack (see :func:`orthogonalize_stack`)."""
-    m, n = x.shape[-2:]
-    X = _iterate_stack(x.reshape(-1, m, n).to(dtype, copy=True), schedule, eps)
-    if out is None:
-        return X.reshape(x.shape)
-    return out.copy_(X.reshape(x.shape))
 
 
 def orthogonalize_stack(
@@ -499,15 +488,10 @@ def row_factors(x: Tensor, delta: float = DELTA) -> Tensor:
     return inverse_rms(row_rms(x), delta)
 
 
-def col_factors(x: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None) -> Tensor:
-    r"""The factors ``c^{-1}`` of ``N_c`` (paper eq. 7): one per column, 0 for zero columns; ``(..., n)``."""
-    return inverse_rms(col_rms(x, psum, rows), delta)
-
-
 def divisor_of_norms(norms: Tensor, threshold: float) -> Tensor:
     """``norms`` as divisors that zero what they divide where ``norms <= threshold`` (x / inf = 0): the
-    zero rule of eq. 5 for the batched forms, which divide by norms (``r_i <= delta`` is
-    ``||X_i,:|| <= delta sqrt(n)``) instead of multiplying by :func:`inverse_rms` factors."""
+    zero rule of eq. 5, written once (``r_i <= delta`` is ``||X_i,:|| <= delta sqrt(n)``; :func:`inverse_rms`
+    is its reciprocal)."""
     return norms.masked_fill(norms <= threshold, math.inf)
 
 
@@ -520,7 +504,7 @@ def row_normalize(x: Tensor, delta: float = DELTA) -> Tensor:
 def col_normalize(x: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None) -> Tensor:
     r"""``N_c(X) = X diag(c^{-1})`` (paper eq. 7): every nonzero column rescaled to unit RMS."""
     x = x.to(_stat_dtype(x))
-    return x * col_factors(x, delta, psum, rows).unsqueeze(-2)
+    return x * inverse_rms(col_rms(x, psum, rows), delta).unsqueeze(-2)
 
 
 def equilibrate(x: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None, *,

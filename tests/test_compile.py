@@ -1,5 +1,5 @@
 """``compile=True`` (``optim/compiled.py``; the hidden rules' compiled form is the driver's bucket body,
-``optim/hidden.py``): same maths as eager; no recompiles when lr / weight decay change; one graph per
+``optim/driver.py``): same maths as eager; no recompiles when lr / weight decay change; one graph per
 bucket, however many buckets.
 
 Equality: the compiled kernels fuse the same expressions; in float64 (model and Newton-Schulz, so

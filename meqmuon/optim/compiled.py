@@ -2,7 +2,8 @@
 
 The hidden rules' compiled form is the driver's own body (:func:`meqmuon.optim.driver.directions`)
 wrapped with momentum and the update (:func:`_hidden_bucket`), the elementwise rules' their
-``compiled_bucket`` (``rules/``); :func:`momentum_step` runs either per bucket. Hyperparameters
+``direction`` of a stack likewise (:func:`_elementwise_bucket`); :func:`momentum_step` runs either per
+bucket. Hyperparameters
 (lr, weight decay, momentum, rho) enter the graphs as 0-D float64 CPU tensors (:func:`scalar`), not
 Python floats, so a schedule that changes them every step does not recompile (Python floats would be
 guarded as constants; tested with ``torch._dynamo`` counters). The graphs are ``fullgraph=True``;
@@ -35,7 +36,7 @@ _bucket_graphs: dict[tuple, object] = {}
 
 
 def bucket_step(label: str, fn: Callable[..., Any], key: tuple, *args: object, **static: object) -> Any:
-    """Run ``fn`` (a rule's ``compiled_bucket``, named ``label``) compiled for the bucket ``key``.
+    """Run ``fn`` (a bucket body of this module, for the rule named ``label``) compiled for the bucket ``key``.
 
     ``args`` are the bucket's tensor lists and the 0-D hyperparameter tensors; ``static`` the rule's
     Python constants. One graph per bucket, compiled once, with no recompile limit on the number of
