@@ -390,32 +390,18 @@ def rms_of_sumsq(sumsq: Tensor, count: int, psum: PSum = None) -> Tensor:
     return ((sumsq if psum is None else psum(sumsq)) / count).sqrt()
 
 
-def cv(v: Tensor, delta: float = DELTA, psum: PSum = None) -> Tensor:
+def cv(v: Tensor, delta: float = DELTA) -> Tensor:
     r"""Coefficient of variation of the entries of ``v`` above ``delta`` (paper eq. 5).
 
     .. math::
         \bar v = \frac{1}{k_+}\sum_{i: v_i > \delta} v_i,\qquad
         \gamma = \frac{\sqrt{\frac{1}{k_+}\sum_{i: v_i>\delta}(v_i-\bar v)^2}}{\bar v}
 
-    The standard deviation is the population one (``1/k_+``). Reduces over the last dimension.
-    If no entry exceeds ``delta`` the CV is defined as 0 (nothing to balance).
-    With ``psum``, the last dimension of ``v`` is sharded: counts and sums are reduced over shards
-    (two passes, mean first, so the variance has no cancellation).
+    The standard deviation is the population one (``1/k_+``). Reduces over the last dimension. If no
+    entry exceeds ``delta`` the CV is defined as 0 (nothing to balance). Computed by
+    :func:`cv_of_norms`, the one implementation of eq. 5 (RMS values are norms at scale 1).
     """
-    v = v.to(_stat_dtype(v))
-    mask = v > delta
-    count = mask.sum(dim=-1).to(v.dtype)
-    total = torch.where(mask, v, 0.0).sum(dim=-1)
-    if psum is not None:
-        both = psum(torch.stack([count, total]))
-        count, total = both[0], both[1]
-    safe_count = count.clamp(min=1.0)
-    mean = total / safe_count
-    sq = torch.where(mask, (v - mean.unsqueeze(-1)).square(), 0.0).sum(dim=-1)
-    if psum is not None:
-        sq = psum(sq)
-    var = sq / safe_count
-    return torch.where(count > 0, var.sqrt() / mean.clamp(min=delta), 0.0)
+    return cv_of_norms(v.to(_stat_dtype(v)), delta)
 
 
 #: MuonEq's equilibration modes (arXiv 2603.28254; MaeChd/muon-eq 99b6c8b, ``muoneq.py``): rows,
