@@ -326,7 +326,8 @@ class RoleOptimizer(Optimizer):
         # embedding and head groups, say) are one call, so that they share shape buckets.
         batched: dict[tuple, tuple[Rule, dict, list[Item], LocalSplit, str]] = {}
         calls = 0
-        for group, entries, group_split, cuda in self._plan():
+        plan = self._plan()
+        for group, entries, group_split, cuda in plan:
             if any(isinstance(group.get(k), torch.Tensor) for k in FLOAT_KEYS) or any(
                     isinstance(b, torch.Tensor) for b in group.get("betas", ())):
                 group = with_floats(group)
@@ -362,6 +363,10 @@ class RoleOptimizer(Optimizer):
                                 for i, (rule, group, items, split, kind) in enumerate(batched.values())])
         if replicated is not self._local:
             replicated.finish()  # wait for the owners' broadcasts (DDP)
+        for _, entries, _, _ in plan:  # a kept item must not keep its gradient alive past zero_grad()
+            for e in entries:
+                if e.item is not None:
+                    e.item.grad = None
         return loss
 
     def _splitter(self, group: dict[str, Any]) -> LocalSplit:
