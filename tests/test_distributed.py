@@ -201,16 +201,16 @@ def test_process_group_none_without_distributed_is_single_process():
 
 def _ddp_worker(rank, name):
     ns_count = [0]
-    real_ns = {name: getattr(F, name) for name in ("orthogonalize", "orthogonalize_stack")}
+    real_ns = {fn: getattr(F, fn) for fn in ("orthogonalize", "orthogonalize_stack")}
 
-    def counting(name):
+    def counting(fn):
         def count(x, *args, **kw):  # a stack (k, m, n)
             ns_count[0] += x.shape[0]
-            return real_ns[name](x, *args, **kw)
+            return real_ns[fn](x, *args, **kw)
         return count
 
-    for name in real_ns:  # the per-matrix form and the batched one
-        setattr(F, name, counting(name))
+    for fn in real_ns:  # the per-matrix form and the batched one
+        setattr(F, fn, counting(fn))
     equilibrated = []
     real_eq = B.equilibrate_step_
 
