@@ -199,6 +199,7 @@ class MomentumRule(Rule):
     transposes: ClassVar[bool] = False
     #: The direction passes through Newton-Schulz (hidden rules).
     needs_ns: ClassVar[bool] = False
+    compiles = True
 
     def state_elements(self, layout: Layout) -> int:
         return math.prod(layout.batch) * layout.rows * layout.cols

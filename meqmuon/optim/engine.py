@@ -107,6 +107,14 @@ class RoleOptimizer(Optimizer):
             raise ValueError(f"Invalid compile: {compile!r} (expected True or False)")
         self._compile = compile
         self._rules = self._rule_table(rules)
+        eager: dict[str, list[str]] = {}
+        for kind, rule in self._rules.items():
+            if not rule.compiles:
+                eager.setdefault(rule.name, []).append(kind)
+        if compile and eager:
+            warnings.warn(f"{type(self).__name__}(compile=True) compiles the momentum rules; rules without a compiled "
+                          "form run eagerly: " + "; ".join(f"{r!r} ({', '.join(k)})" for r, k in eager.items()),
+                          UserWarning, stacklevel=3)
         self._warned_inferred = False
         self._warned_traced = False
         self._capture_hook: Callable[[str, str, str, torch.Tensor], None] | None = None

@@ -91,6 +91,9 @@ class Rule:
     needs_matrix: ClassVar[bool] = False
     #: Hyperparameter keys the rule reads from its group (validated by the engine).
     hyperparameters: ClassVar[tuple[str, ...]] = ()
+    #: ``compile=True`` runs a compiled form of this rule (the momentum rules: ``driver.py``); AdamW and
+    #: SCALE have none yet and run eagerly (the optimizer says so when built).
+    compiles: ClassVar[bool] = False
     #: Each element's update depends on that element alone (AdamW): the engine hands a vector rule
     #: a stack of vectors (view ``"vectors"``) whole, where any other vector rule gets each vector.
     elementwise: ClassVar[bool] = False
