@@ -25,6 +25,7 @@ sums. Sums within a row are local, so row statistics never communicate. With ``p
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,7 +38,7 @@ __all__ = [
     "canonical_coefficients", "ns_schedule", "orthogonalize", "orthogonalize_stack", "ns_step", "row_rms",
     "col_rms", "cv", "cv_of_norms", "MUONEQ_MODES", "muoneq_equilibrate", "row_col_cv", "row_normalize",
     "col_normalize", "equilibrate", "rms_normalize", "adaptive_normalize",
-    "as_matrix", "choose_rows", "rms_of_sumsq", "inverse_rms", "row_factors", "col_factors",
+    "as_matrix", "choose_rows", "rms_of_sumsq", "inverse_rms", "row_factors",
     "divisor_of_norms", "momentum_", "direction_input", "decay_", "decay_and_update_",
 ]
 
@@ -119,6 +120,11 @@ def ns_schedule(coefficients: Any, steps: int) -> tuple[tuple[tuple[float, float
             raise ValueError(f"ns_coefficients has {len(coefficients)} (a, b, c) triples for ns_steps={steps}; {valid}")
         return tuple(tuple(float(v) for v in t) for t in coefficients), 1.0
     raise ValueError(f"invalid ns_coefficients {coefficients!r}; {valid}")
+
+
+#: :func:`ns_schedule` computed once per ``(coefficients, steps)``: a step asks for it per matrix.
+#: Lists are unhashable: callers pass ``canonical_coefficients`` of them.
+_cached_schedule = functools.lru_cache(maxsize=64)(ns_schedule)
 
 
 def canonical_coefficients(coefficients: Any) -> Coefficients:
@@ -207,11 +213,13 @@ def orthogonalize(
             f"orthogonalize: out must be a contiguous {tuple(x.shape)} tensor of dtype {dtype}, "
             f"got {tuple(out.shape)} {out.dtype} (contiguous={out.is_contiguous()})"
         )
-    schedule = ns_schedule(coefficients, steps)
+    hashable = isinstance(coefficients, str) or not any(isinstance(t, list) for t in (coefficients, *coefficients))
+    schedule = _cached_schedule(coefficients if hashable else canonical_coefficients(coefficients), steps)
     if x.ndim == 2:
         return _orthogonalize_matrix(x, schedule, dtype, eps, workspace, out)
     if batched:
-        return _orthogonalize_stack(x, schedule, dtype, eps, out)
+        X = _iterate_stack(x.reshape(-1, *x.shape[-2:]).to(dtype, copy=True), schedule, eps).reshape(x.shape)
+        return X if out is None else out.copy_(X)
     # One matrix at a time with fused addmm, exactly torch.optim.Muon's iteration: faster on CPU than
     # one batched call (docs/benchmarks.md). It also makes each matrix's bits independent of the
     # batch it travels in, which the DDP split relies on for bit-exactness with one process (a
@@ -242,7 +250,14 @@ def _orthogonalize_matrix(
     """
     m, n = x.shape
     k = min(m, n)
-    ws = _buffers(workspace, (m, n, k, dtype, x.device))
+    key = (m, n, k, dtype, x.device)
+    ws = None if workspace is None else workspace.get(key)
+    if ws is None:
+        new = {"dtype": dtype, "device": x.device}
+        ws = {"X": torch.empty((m, n), **new), "Y": (torch.empty((m, n), **new), torch.empty((m, n), **new)),
+              "A": torch.empty((k, k), **new), "B": torch.empty((k, k), **new)}
+        if workspace is not None:
+            workspace[key] = ws
     X = ws["X"].copy_(x)  # the input in the compute dtype, contiguous
     coefficients, scale = schedule
     norm = torch.linalg.vector_norm(X)
@@ -255,18 +270,6 @@ def _orthogonalize_matrix(
         ns_step(X, abc, out=out, scratch=(ws["A"], ws["B"]))
         X = out
     return result
-
-
-def _orthogonalize_stack(
-    x: Tensor, schedule: tuple[tuple[tuple[float, float, float], ...], float], dtype: torch.dtype, eps: float,
-    out: Tensor | None = None,
-) -> Tensor:
-    """:func:`orthogonalize` of a batch ``(..., m, n)`` as one stack (see :func:`orthogonalize_stack`)."""
-    m, n = x.shape[-2:]
-    X = _iterate_stack(x.reshape(-1, m, n).to(dtype, copy=True), schedule, eps)
-    if out is None:
-        return X.reshape(x.shape)
-    return out.copy_(X.reshape(x.shape))
 
 
 def orthogonalize_stack(
@@ -285,7 +288,9 @@ def orthogonalize_stack(
     """
     if x.ndim != 3 or steps < 1:
         raise ValueError(f"orthogonalize_stack needs a (K, m, n) stack and steps >= 1, got {tuple(x.shape)}, {steps}")
-    return _iterate_stack(x if inplace else x.clone(), ns_schedule(coefficients, steps), eps)
+    hashable = isinstance(coefficients, str) or not any(isinstance(t, list) for t in (coefficients, *coefficients))
+    schedule = _cached_schedule(coefficients if hashable else canonical_coefficients(coefficients), steps)
+    return _iterate_stack(x if inplace else x.clone(), schedule, eps)
 
 
 def _iterate_stack(X: Tensor, schedule: tuple[tuple[tuple[float, float, float], ...], float], eps: float) -> Tensor:
@@ -299,21 +304,6 @@ def _iterate_stack(X: Tensor, schedule: tuple[tuple[tuple[float, float, float], 
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
     return X
-
-
-def _buffers(workspace: dict | None, key: tuple) -> dict[str, Any]:
-    m, n, k, dtype, device = key
-    if workspace is not None and key in workspace:
-        return workspace[key]
-    buf = {
-        "X": torch.empty((m, n), dtype=dtype, device=device),
-        "Y": (torch.empty((m, n), dtype=dtype, device=device), torch.empty((m, n), dtype=dtype, device=device)),
-        "A": torch.empty((k, k), dtype=dtype, device=device),
-        "B": torch.empty((k, k), dtype=dtype, device=device),
-    }
-    if workspace is not None:
-        workspace[key] = buf
-    return buf
 
 
 #: Smallest Gram size ``k = min(m, n)`` at which :func:`ns_step` computes its two symmetric products
@@ -400,32 +390,18 @@ def rms_of_sumsq(sumsq: Tensor, count: int, psum: PSum = None) -> Tensor:
     return ((sumsq if psum is None else psum(sumsq)) / count).sqrt()
 
 
-def cv(v: Tensor, delta: float = DELTA, psum: PSum = None) -> Tensor:
+def cv(v: Tensor, delta: float = DELTA) -> Tensor:
     r"""Coefficient of variation of the entries of ``v`` above ``delta`` (paper eq. 5).
 
     .. math::
         \bar v = \frac{1}{k_+}\sum_{i: v_i > \delta} v_i,\qquad
         \gamma = \frac{\sqrt{\frac{1}{k_+}\sum_{i: v_i>\delta}(v_i-\bar v)^2}}{\bar v}
 
-    The standard deviation is the population one (``1/k_+``). Reduces over the last dimension.
-    If no entry exceeds ``delta`` the CV is defined as 0 (nothing to balance).
-    With ``psum``, the last dimension of ``v`` is sharded: counts and sums are reduced over shards
-    (two passes, mean first, so the variance has no cancellation).
+    The standard deviation is the population one (``1/k_+``). Reduces over the last dimension. If no
+    entry exceeds ``delta`` the CV is defined as 0 (nothing to balance). Computed by
+    :func:`cv_of_norms`, the one implementation of eq. 5 (RMS values are norms at scale 1).
     """
-    v = v.to(_stat_dtype(v))
-    mask = v > delta
-    count = mask.sum(dim=-1).to(v.dtype)
-    total = torch.where(mask, v, 0.0).sum(dim=-1)
-    if psum is not None:
-        both = psum(torch.stack([count, total]))
-        count, total = both[0], both[1]
-    safe_count = count.clamp(min=1.0)
-    mean = total / safe_count
-    sq = torch.where(mask, (v - mean.unsqueeze(-1)).square(), 0.0).sum(dim=-1)
-    if psum is not None:
-        sq = psum(sq)
-    var = sq / safe_count
-    return torch.where(count > 0, var.sqrt() / mean.clamp(min=delta), 0.0)
+    return cv_of_norms(v.to(_stat_dtype(v)), delta)
 
 
 #: MuonEq's equilibration modes (arXiv 2603.28254; MaeChd/muon-eq 99b6c8b, ``muoneq.py``): rows,
@@ -460,7 +436,7 @@ def muoneq_equilibrate(x: Tensor, mode: str) -> Tensor:
     return out
 
 
-def cv_of_norms(norms: Tensor, threshold: Tensor | float) -> Tensor:
+def cv_of_norms(norms: Tensor, threshold: Tensor | float, mask: Tensor | None = None) -> Tensor:
     r"""The CV (eq. 5) of RMS magnitudes given as norms: ``cv(norms / s)`` for any ``s > 0``.
 
     A CV is invariant to a common scale, so the row (or column) Euclidean norms give the CV of the
@@ -469,9 +445,10 @@ def cv_of_norms(norms: Tensor, threshold: Tensor | float) -> Tensor:
     therefore excluded too, which lets vectors of several lengths share one padded tensor (the
     batched MeqMuon step computes every hidden matrix's row and column CVs in one call this way).
     Reduces over the last dimension; 0 where no entry counts. Same maths as :func:`cv`, with the
-    standard deviation taken as the norm of the masked deviations.
+    standard deviation taken as the norm of the masked deviations. ``mask``: ``norms > threshold``, if
+    the caller has it already.
     """
-    mask = norms > threshold
+    mask = norms > threshold if mask is None else mask
     count = mask.sum(dim=-1, dtype=norms.dtype).clamp_(min=1.0)
     kept = norms * mask
     mean = kept.sum(dim=-1) / count
@@ -487,8 +464,9 @@ def row_col_cv(x: Tensor, delta: float = DELTA) -> tuple[Tensor, Tensor]:
 
 
 def inverse_rms(v: Tensor, delta: float = DELTA) -> Tensor:
-    """``1/v`` where ``v > delta``, else 0: rows/columns treated as zero are mapped to zero (eq. 5, 7)."""
-    return torch.where(v > delta, 1.0 / v.clamp(min=delta), 0.0)
+    """``1/v`` where ``v > delta``, else 0: rows/columns treated as zero are mapped to zero (eq. 5, 7);
+    the reciprocal of :func:`divisor_of_norms`, the one zero rule."""
+    return divisor_of_norms(v, delta).reciprocal()
 
 
 def row_factors(x: Tensor, delta: float = DELTA) -> Tensor:
@@ -496,15 +474,10 @@ def row_factors(x: Tensor, delta: float = DELTA) -> Tensor:
     return inverse_rms(row_rms(x), delta)
 
 
-def col_factors(x: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None) -> Tensor:
-    r"""The factors ``c^{-1}`` of ``N_c`` (paper eq. 7): one per column, 0 for zero columns; ``(..., n)``."""
-    return inverse_rms(col_rms(x, psum, rows), delta)
-
-
 def divisor_of_norms(norms: Tensor, threshold: float) -> Tensor:
     """``norms`` as divisors that zero what they divide where ``norms <= threshold`` (x / inf = 0): the
-    zero rule of eq. 5 for the batched forms, which divide by norms (``r_i <= delta`` is
-    ``||X_i,:|| <= delta sqrt(n)``) instead of multiplying by :func:`inverse_rms` factors."""
+    zero rule of eq. 5, written once (``r_i <= delta`` is ``||X_i,:|| <= delta sqrt(n)``; :func:`inverse_rms`
+    is its reciprocal)."""
     return norms.masked_fill(norms <= threshold, math.inf)
 
 
@@ -517,36 +490,48 @@ def row_normalize(x: Tensor, delta: float = DELTA) -> Tensor:
 def col_normalize(x: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None) -> Tensor:
     r"""``N_c(X) = X diag(c^{-1})`` (paper eq. 7): every nonzero column rescaled to unit RMS."""
     x = x.to(_stat_dtype(x))
-    return x * col_factors(x, delta, psum, rows).unsqueeze(-2)
+    return x * inverse_rms(col_rms(x, psum, rows), delta).unsqueeze(-2)
 
 
-def equilibrate(x: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None) -> Tensor:
-    r"""Two-sided normalisation ``N_c(N_r(X))`` (paper eq. 9), used for embeddings and LM heads.
+def equilibrate(x: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None, *,
+                scale: float = 1.0, inplace: bool = False) -> Tensor:
+    r"""Two-sided normalisation ``scale N_c(N_r(X))`` (paper eq. 9), for embeddings and LM heads; batched
+    over leading dimensions. The one implementation of eq. 9: the batched and compiled steps call it on
+    stacks, the per-tensor step's row-blocked form (``optim/blockwise.py``) takes the same statistics
+    block by block.
 
-    Row normalisation first, then column normalisation; the result has unit-RMS columns (column
-    CV 0) and, for a non-degenerate input, overall RMS 1.
+    With ``Y = X / ||X_i,:||`` (each row to unit norm), ``N_c(N_r(X)) = sqrt(m) Y / ||Y_:,j||``, so only
+    norms and two scalings touch ``X``; the zero rule (eq. 5) is ``r_i <= delta`` <=> ``||X_i,:|| <= delta
+    sqrt(n)`` and ``c_j <= delta`` <=> ``||Y_:,j|| <= delta sqrt(m / n)`` (:func:`divisor_of_norms`).
+    The result has unit-RMS columns (column CV 0) and, for a non-degenerate input, overall RMS 1 (times
+    ``scale``).
+
+    ``psum``, ``rows``: ``x`` is a row shard of a matrix of ``rows`` rows; column statistics are summed
+    over shards. ``inplace``: ``x`` (float32 or float64) is scratch and becomes the result.
     """
-    return col_normalize(row_normalize(x, delta), delta, psum, rows)
+    x = x if inplace else x.to(_stat_dtype(x), copy=True)
+    m, n = (x.shape[-2] if psum is None else rows), x.shape[-1]
+    x.div_(divisor_of_norms(torch.linalg.vector_norm(x, dim=-1), delta * math.sqrt(n)).unsqueeze(-1))
+    col = torch.linalg.vector_norm(x, dim=-2) if psum is None else psum(x.square().sum(dim=-2)).sqrt_()
+    # The scale rides on the column divisor: no pass of its own over X.
+    x.div_(divisor_of_norms(col, delta * math.sqrt(m / n)).div_(scale * math.sqrt(m)).unsqueeze(-2))
+    return x
 
 
-def rms_normalize(
-    x: Tensor, delta: float = DELTA, psum: PSum = None, numel: int | None = None, dim: int | None = None
-) -> Tensor:
-    r"""Global-RMS normalisation ``N(B) = B / (\|B\|_2 / \sqrt{d})`` (paper eq. 10), for 1-D parameters.
+def rms_normalize(x: Tensor, delta: float = DELTA, psum: PSum = None, numel: int | None = None, *,
+                  scale: float = 1.0, inplace: bool = False) -> Tensor:
+    r"""Global-RMS normalisation ``scale N(B) = scale B / (\|B\|_2 / \sqrt{d})`` (paper eq. 10) of each row
+    of ``x`` ``(K, d)``, a stack of flattened 1-D parameters: the one implementation of eq. 10 (the
+    per-tensor step hands a stack of one). A vector whose RMS is at or below ``delta`` maps to zero.
 
-    Normalises over the whole tensor (all dimensions), or with ``dim`` each slice along ``dim`` (a
-    stack of flattened vectors); a tensor whose RMS is at or below ``delta`` maps to zero. With
-    ``psum`` (sharded, whole tensor only), ``numel`` is the global element count.
+    ``psum``, ``numel``: each row is a shard of a vector of ``numel`` elements; sums of squares are summed
+    over shards. ``inplace``: ``x`` (float32 or float64) is scratch and becomes the result.
     """
-    x = x.to(_stat_dtype(x))
-    if dim is not None:
-        rms = torch.linalg.vector_norm(x, dim=dim) / x.shape[dim] ** 0.5
-        return x * inverse_rms(rms, delta).unsqueeze(dim)
-    if psum is None:
-        rms = torch.linalg.vector_norm(x) / math.sqrt(x.numel())
-    else:
-        rms = rms_of_sumsq(x.square().sum(), numel, psum)
-    return x * inverse_rms(rms, delta)
+    x = x if inplace else x.to(_stat_dtype(x), copy=True)
+    d = x.shape[-1] if psum is None else numel
+    norm = torch.linalg.vector_norm(x, dim=-1) if psum is None else psum(x.square().sum(dim=-1)).sqrt_()
+    # The scale rides on the divisor: no pass of its own over x.
+    return x.div_(divisor_of_norms(norm, delta * math.sqrt(d)).div_(scale * math.sqrt(d)).unsqueeze(-1))
 
 
 def choose_rows(gamma_r: Tensor, gamma_c: Tensor, out: Tensor | None = None) -> Tensor:
@@ -586,7 +571,7 @@ def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
     Returns:
         the normalised stacks (float32, or float64) and ``chose_rows`` ``(K,)`` bool, stack by stack.
     """
-    dtype, device = _stat_dtype(us[0]), us[0].device
+    dtype, device = torch.float64 if us[0].dtype == torch.float64 else torch.float32, us[0].device  # _stat_dtype
     shapes = [u.shape for u in us]
     L = max(max(m, n) for _, m, n in shapes)
     norms = torch.zeros((sum(k for k, _, _ in shapes), 2, L), dtype=dtype, device=device)
@@ -602,9 +587,10 @@ def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
             else:
                 torch.linalg.vector_norm(u, dim=dim, dtype=dtype, out=norms[o : o + k, slot, :size])
         o += k
-    gamma = cv_of_norms(norms, threshold)
+    counted = norms > threshold  # eq. 5: what is at or below delta counts as zero, and normalises to zero
+    gamma = cv_of_norms(norms, threshold, counted)
     chose_rows = choose_rows(gamma[:, 0], gamma[:, 1])
-    scales = torch.div(factor, norms).masked_fill_(norms <= threshold, 0.0)
+    scales = torch.where(counted, torch.div(factor, norms), 0.0)
     row_slot = torch.tensor([[True], [False]], device=device)
     scales.masked_fill_(chose_rows[:, None, None] != row_slot, 1.0)  # 1 on the side not chosen
     out, o = [], 0

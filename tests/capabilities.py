@@ -7,12 +7,16 @@ in ``STATED``: whether its batched buckets take a matrix transposed, which distr
 (``LAYOUTS``) and which other checks (``CHECKS``, the matrix views among them) run it. test_capabilities.py fails when a
 registered optimizer has no row, so a new optimizer cannot be left out of the parametrised tests.
 :func:`every_form` lists every (optimizer, step form) pair, which test_param_shapes.py steps on
-parameters of every rank (0-D to 4-D).
+parameters of every rank (0-D to 4-D). :func:`reference_cases` is the parametrisation of each rule
+family's float64 reference test (test_meqmuon.py, test_muon.py, test_normuon.py, test_scale.py,
+test_adamw.py); test_capabilities.py checks that together they hold every pair of :func:`every_form`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import pytest
 
 import meqmuon
 from meqmuon.optim.registry import REGISTRY
@@ -188,3 +192,22 @@ def runs(*layouts: str) -> list[str]:
 def ddp_gathers() -> dict[str, int]:
     """name -> all_gathers per step of the ``ddp-batched`` test."""
     return {n: c.stated.ddp_gathers for n, c in CAPABILITIES.items() if c.stated.ddp_gathers is not None}
+
+
+def reference_cases(*names: str) -> list:
+    """The float64 reference test's cases for ``names``: ``(name, nesterov, form)`` for every step form of
+    each, with and without Nesterov where it has the option, as ``pytest.param`` with id
+    ``name-nesterov-form``. The compiled forms run with Nesterov only: a compiled case costs seconds
+    (tracing), and Nesterov on/off is the eager momentum code, which the other forms cover."""
+    out = []
+    for n in names:
+        c = CAPABILITIES[n]
+        for form in c.forms or ("torch",):
+            for nest in (True, False) if c.nesterov and "compile" not in form else (True,):
+                out.append(pytest.param(n, nest, form, id=f"{n}-{nest}-{form}"))
+    return out
+
+
+def covered(cases: list) -> set[tuple[str, str]]:
+    """The ``(optimizer, form)`` pairs of :func:`reference_cases` output."""
+    return {(p.values[0], p.values[2]) for p in cases}

@@ -1,16 +1,23 @@
-"""Float64 references of every update rule, shared by the tests that hold an optimizer to them.
+"""Float64 references of every update rule, and the runners that hold the optimizers to them.
 
 Each reference is a direct transcription of one update rule (paper Algorithm 1 / eq. 2-11, Moonlight
 toy_train.py, NorMuon normuon.py, SCALE scale_optimizer.py, MaeChd/muon-eq muoneq.py: see
 baselines.md; Polar Express: Amsel et al. 2025, Algorithm 1), written per parameter with plain loops
-and sharing no code with meqmuon. Used by test_optimizers.py (the named optimizers to 1e-10 in
-float64), test_foreach.py (through it), test_prior_art.py (MuonEq and Polar Express) and test_views.py
-(through the 2-D rules).
+and sharing no code with meqmuon. :func:`run_against_reference` steps a named optimizer in one step
+form next to :class:`RefOptimizer`; the rule families' files (test_meqmuon.py, test_muon.py,
+test_normuon.py, test_scale.py, test_adamw.py) call it in every form. :func:`compare_scheduled_ns`
+swaps the Newton-Schulz schedule of the reference (MuonEq in test_muon.py, Polar Express in
+test_polar_express.py). test_views.py holds the views to the 2-D rules these references check.
 """
 
+import contextlib
+import copy
 import math
+from collections.abc import Callable, Iterator
 
 import torch
+from capabilities import CAPABILITIES, FORM_KWARGS
+from tinynet import batches, loss_fn, make_model
 
 import meqmuon
 
@@ -22,7 +29,7 @@ DELTA = 1e-7
 
 
 def ns(H, steps=5):
-    """Paper eq. 3 with the default quintic (test_prior_art.py swaps in other schedules)."""
+    """Paper eq. 3 with the default quintic (:func:`compare_scheduled_ns` swaps in other schedules)."""
     tall = H.shape[0] > H.shape[1]
     X = H.T if tall else H
     X = X / torch.linalg.norm(X).clamp(min=1e-7)
@@ -194,3 +201,87 @@ class RefOptimizer:
 
 def kinds_of(model):
     return [(p, g["kind"]) for g in meqmuon.param_groups(model) for p in g["params"]]
+
+
+# ---- runners: an optimizer next to its reference -----------------------------------------------------
+
+
+@contextlib.contextmanager
+def dynamo_eager_backend() -> Iterator[None]:
+    """``torch.compile`` with dynamo's eager backend inside the block, whatever backend the caller asks for.
+
+    What a compiled form's reference case tests is that the step traces (``fullgraph=True``) and
+    computes the same maths; inductor's fusion costs tens of seconds per graph on CPU and is tested
+    once, in test_compile.py. torch.compile is patched rather than a package setting, so that this
+    does not depend on how the package keeps its graphs."""
+    real = torch.compile
+
+    def compile_eager(model=None, **kwargs):
+        return real(model, **{**kwargs, "backend": "eager"})
+
+    torch.compile = compile_eager
+    try:
+        yield
+    finally:
+        torch.compile = real
+
+
+def run_against_reference(name: str, nesterov: bool, form: str, steps: int = 4):
+    """``steps`` steps of optimizer ``name`` in step form ``form`` (capabilities.FORM_KWARGS) and of
+    :class:`RefOptimizer` on two float64 copies of TinyNet, lr 0.03, weight decay 0.1, float64
+    Newton-Schulz; returns ``(opt, ref, model, ref_model)``. In the batched forms TinyNet's down
+    (12 x 36) and conv view ride transposed in the up (36 x 12) bucket where the rule allows it."""
+    cap = CAPABILITIES[name]
+    model = make_model()
+    ref_model = copy.deepcopy(model)
+    kw = dict(lr=0.03, weight_decay=0.1, **FORM_KWARGS[form])
+    if cap.newton_schulz:
+        kw["ns_dtype"] = torch.float64
+    if cap.nesterov:
+        kw["nesterov"] = nesterov
+    ref = RefOptimizer(kinds_of(ref_model), meqmuon.rules_of(name), lr=0.03, nesterov=nesterov,
+                       eq_mode=MUONEQ_MODE.get(name))
+    with dynamo_eager_backend() if "compile" in form else contextlib.nullcontext():
+        opt = meqmuon.build_optimizer(name, model, **kw)
+        for ids in batches(steps):
+            for m in (model, ref_model):
+                m.zero_grad()
+                loss_fn(m, ids).backward()
+            opt.step()
+            ref.step()
+    return opt, ref, model, ref_model
+
+
+def assert_parameters_close(model, ref_model, atol: float) -> None:
+    """Every parameter of ``model`` within ``atol`` of ``ref_model``'s, and the steps moved them."""
+    for (n, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=atol, rtol=0), (n, (p - q).abs().max().item())
+    start = make_model(dtype=next(model.parameters()).dtype)
+    assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), start.parameters(), strict=True)) > 1e-2
+
+
+def compare_scheduled_ns(name: str, ns_schedule_fn: Callable, steps: int = 3, foreach: bool = False, **kw):
+    """``steps`` steps of ``name`` with float32 Newton-Schulz against RefOptimizer whose ``ns`` is
+    ``ns_schedule_fn(H, step)`` (MuonEq's equilibration or Polar Express's schedule inside it), to
+    1e-3 (float32 rounding in NS is ~1e-6 here; 1e-3 is the bound these checks were set with)."""
+    global ns
+    model = make_model()
+    ref_model = copy.deepcopy(model)
+    opt = meqmuon.build_optimizer(name, model, lr=0.03, ns_dtype=torch.float32, foreach=foreach, **kw)
+    rules = dict(meqmuon.rules_of(name))
+    if rules["hidden"] == "muoneq_hidden":
+        rules["hidden"] = "moonlight_hidden"  # the reference's Muon, with E applied in ns() below
+    ref = RefOptimizer(kinds_of(ref_model), rules, lr=0.03)
+    real_ns = ns
+    try:
+        for step, ids in enumerate(batches(steps), start=1):
+            ns = lambda H, steps=5, step=step: ns_schedule_fn(H, step)  # noqa: E731
+            for m in (model, ref_model):
+                m.zero_grad()
+                loss_fn(m, ids).backward()
+            opt.step()
+            ref.step()
+    finally:
+        ns = real_ns
+    assert_parameters_close(model, ref_model, atol=1e-3)
+    return opt

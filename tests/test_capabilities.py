@@ -1,8 +1,12 @@
 """The capability table (capabilities.py) covers every registered optimizer and says consistent things.
 
 The parametrised tests read their optimizer names from the table; a registered optimizer without a
-row would silently run in none of them, so this file fails instead.
+row would silently run in none of them, so this file fails instead. Likewise each rule family's file
+names its optimizers: the families' float64 reference tests together must run every optimizer in
+every step form, each in one family, or an optimizer added later could go untested.
 """
+
+import importlib
 
 from capabilities import (
     ALL,
@@ -14,7 +18,9 @@ from capabilities import (
     NEWTON_SCHULZ,
     ONE_PER_HIDDEN_RULE,
     STATED,
+    covered,
     ddp_gathers,
+    every_form,
     having,
     runs,
 )
@@ -67,3 +73,15 @@ def test_stated_columns_use_known_words_and_agree_with_each_other():
     assert ddp_gathers() == {"muon": 3, "normuon": 4, "meqmuon": 4}
     assert runs("ddp", "ddp-compile") == ["muon", "normuon", "meqmuon", "meqmuon+compile"]
     assert runs("experts-fsdp2", "experts-fsdp2-batched") == ["muon+foreach", "normuon", "meqmuon"]
+
+
+#: The rule families' test files, each holding its optimizers' float64 reference test (``CASES``).
+FAMILIES = ("test_meqmuon", "test_muon", "test_normuon", "test_scale", "test_adamw")
+
+
+def test_the_rule_families_run_every_optimizer_in_every_form():
+    pairs = {f: covered(importlib.import_module(f).CASES) for f in FAMILIES}
+    union = set().union(*pairs.values())
+    assert union == set(every_form()), (sorted(set(every_form()) - union), sorted(union - set(every_form())))
+    names = [{n for n, _ in p} for p in pairs.values()]
+    assert sum(map(len, names)) == len(set().union(*names)) == len(ALL)  # each optimizer in one family

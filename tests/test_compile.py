@@ -1,5 +1,5 @@
 """``compile=True`` (``optim/compiled.py``; the hidden rules' compiled form is the driver's bucket body,
-``optim/hidden.py``): same maths as eager; no recompiles when lr / weight decay change; one graph per
+``optim/driver.py``): same maths as eager; no recompiles when lr / weight decay change; one graph per
 bucket, however many buckets.
 
 Equality: the compiled kernels fuse the same expressions; in float64 (model and Newton-Schulz, so
@@ -268,3 +268,20 @@ def test_batched_compile_moe_like_model(monkeypatch):
         return TinyMoE().to(torch.float64)
 
     _compare_many_buckets(monkeypatch, build, 12)
+
+
+def test_compile_names_the_rules_that_run_eagerly():
+    """AdamW and SCALE have no compiled form yet: ``compile=True`` says which rules run eagerly, for which
+    kinds, instead of compiling them silently not; an optimizer made only of momentum rules says nothing."""
+    import warnings
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match=r"rules without a compiled form run eagerly: 'adamw' \(embedding, head, "
+                                         r"vector\)"):
+        meqmuon.Muon(meqmuon.param_groups(model), compile=True)
+    with pytest.warns(UserWarning, match="'scale_row' \\(hidden\\)"):
+        meqmuon.build_optimizer("scale", model, compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        meqmuon.MeqMuon(meqmuon.param_groups(model), compile=True)
+        meqmuon.Muon(meqmuon.param_groups(model))

@@ -201,13 +201,16 @@ def test_process_group_none_without_distributed_is_single_process():
 
 def _ddp_worker(rank, name):
     ns_count = [0]
-    real_ns = NS.orthogonalize
+    real_ns = {fn: getattr(F, fn) for fn in ("orthogonalize", "orthogonalize_stack")}
 
-    def counting_ns(x, *args, **kw):  # a stack (k, m, n)
-        ns_count[0] += x.shape[0]
-        return real_ns(x, *args, **kw)
+    def counting(fn):
+        def count(x, *args, **kw):  # a stack (k, m, n)
+            ns_count[0] += x.shape[0]
+            return real_ns[fn](x, *args, **kw)
+        return count
 
-    NS.orthogonalize = counting_ns
+    for fn in real_ns:  # the per-matrix form and the batched one
+        setattr(F, fn, counting(fn))
     equilibrated = []
     real_eq = B.equilibrate_step_
 
@@ -400,12 +403,15 @@ def test_fsdp2_equals_unsharded(tmp_path):
 
 
 def test_one_newton_schulz_dispatcher_batched_equals_per_matrix():
-    """``newton_schulz.orthogonalize``, the one dispatcher: a stack as one batched call (the batched step,
+    """The driver's body chooses the Newton-Schulz form: a stack as one batched call (the batched step,
     and FSDP2 owners on batching devices) equals the per-matrix iteration (the per-tensor step)."""
+    from meqmuon.optim.driver import HiddenRule, directions
+
     group = {"ns_steps": 5, "ns_coefficients": F.NS_COEFFICIENTS, "ns_dtype": torch.float64}
     stack = torch.randn(3, 7, 12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    per_matrix = NS.orthogonalize(stack, group, batched=False)
-    batched = NS.orthogonalize(stack.clone(), group, batched=True)
+    rule = HiddenRule()
+    ((per_matrix,),) = directions(rule, [(stack, 3, {})], group, None, batched=False, ns_dtype=torch.float64)
+    ((batched,),) = directions(rule, [(stack.clone(), 3, {})], group, None, batched=True, ns_dtype=torch.float64)
     assert torch.allclose(batched, per_matrix, rtol=0, atol=1e-12)
     assert not torch.equal(per_matrix, stack)  # the per-matrix form leaves its input alone
 

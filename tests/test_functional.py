@@ -126,6 +126,22 @@ def test_rms_normalize_matches_eq10():
     assert torch.allclose(F.rms_normalize(b), expected, atol=1e-14)
 
 
+def test_eq9_and_eq10_on_stacks_with_a_scale_match_the_equations():
+    """The one implementation of eq. 9 and eq. 10 serves every form: on a stack each member is normalised
+    alone, ``scale`` multiplies the result, ``inplace`` writes it into the (float64) input, and a zero
+    member stays zero."""
+    X = torch.stack([imbalanced(9, 4, seed=s) for s in range(3)])
+    X[1] = 0.0
+    want = torch.stack([0.3 * ref_col_norm(ref_row_norm(x)) for x in X])
+    assert torch.allclose(F.equilibrate(X, scale=0.3), want, atol=1e-13, rtol=0)
+    V = torch.stack([rand(11), torch.zeros(11, dtype=torch.float64), rand(11)])
+    want = torch.stack([0.3 * v / (torch.linalg.norm(v) / math.sqrt(11)) for v in V]).nan_to_num(0.0)
+    scratch = V.clone()
+    out = F.rms_normalize(scratch, scale=0.3, inplace=True)
+    assert out.data_ptr() == scratch.data_ptr() and torch.allclose(out, want, atol=1e-14, rtol=0)
+    assert torch.equal(F.rms_normalize(V, scale=0.3), out) and not torch.equal(V, out)  # else a copy
+
+
 @pytest.mark.parametrize("shape", [(12, 5), (5, 12), (8, 8)])
 def test_orthogonalize_matches_eq3_in_float64(shape):
     H = rand(*shape, seed=3)

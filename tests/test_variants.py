@@ -4,7 +4,7 @@ Two variants of at most 15 lines each, written as a researcher would: :class:`Bo
 only: MeqMuon with two-sided normalisation after Newton-Schulz, ``rho N_c(N_r(U))``) and
 :class:`RowEqMoonlight` (``pre`` and ``post``: rows of the Newton-Schulz input to unit norm, then
 Moonlight's ``rho sqrt(max(m, n)) U``). Neither says anything about buckets, transposition, views,
-distribution or compilation; the driver does (``optim/hidden.py``).
+distribution or compilation; the driver does (``optim/driver.py``).
 
 What is verified:
 

@@ -8,7 +8,8 @@ What is proven:
   per-tensor and batched, with float32 Newton-Schulz, to 1e-5 relative (the issue's bound; the views
   run the very same code on the same bits, so the difference is 0 in practice). The reference
   optimizers hold the separate 2-D matrices, so this also holds each view to the float64
-  references that the 2-D rules are tested against (references.py, test_optimizers.py).
+  references that the 2-D rules are tested against (references.py, the rule families' files
+  test_meqmuon.py, test_muon.py, test_normuon.py, test_scale.py, test_adamw.py).
 - State: one tensor per parameter (momentum shaped like it; MeqMuon's counter and NorMuon's second
   moment one entry per matrix / per matrix row), round-tripping ``state_dict`` through
   ``torch.load(weights_only=True)``; selection counts per matrix; the memory prediction equals the

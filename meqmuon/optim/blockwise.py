@@ -12,7 +12,7 @@ module computes the same update in two passes over blocks of rows small enough t
    block: ``W_b <- (1 - lr wd) W_b - lr rho (X_b / r_b) / c``.
 
 The result equals ``functional.equilibrate`` followed by the step except for the summation order
-of the column sums (float rounding; ``tests/test_optimizers.py`` checks it against a float64
+of the column sums (float rounding; ``tests/test_blockwise.py`` checks it against a float64
 reference written from eq. 9).
 """
 

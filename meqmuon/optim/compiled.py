@@ -1,7 +1,9 @@
-"""The generic part of ``compile=True``: compiling a bucket's step, once, without recompiles.
+"""``compile=True``: a bucket's step, momentum to update, compiled once, without recompiles.
 
-The hidden rules' compiled form is the driver's own bucket body (``hidden.py``), the elementwise
-rules' their ``compiled_bucket`` (``rules/``); this module only compiles and caches. Hyperparameters
+The hidden rules' compiled form is the driver's own body (:func:`meqmuon.optim.driver.directions`)
+wrapped with momentum and the update (:func:`_hidden_bucket`), the elementwise rules' their
+``direction`` of a stack likewise (:func:`_elementwise_bucket`); :func:`momentum_step` runs either per
+bucket. Hyperparameters
 (lr, weight decay, momentum, rho) enter the graphs as 0-D float64 CPU tensors (:func:`scalar`), not
 Python floats, so a schedule that changes them every step does not recompile (Python floats would be
 guarded as constants; tested with ``torch._dynamo`` counters). The graphs are ``fullgraph=True``;
@@ -18,7 +20,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["BACKEND", "bucket_step", "scalar"]
+from .. import functional as F
+from . import driver
+
+__all__ = ["BACKEND", "bucket_step", "momentum_step", "scalar"]
 
 def scalar(x: float) -> Tensor:
     """A 0-D float64 CPU tensor: a graph input whose value may change without recompiling."""
@@ -31,7 +36,7 @@ _bucket_graphs: dict[tuple, object] = {}
 
 
 def bucket_step(label: str, fn: Callable[..., Any], key: tuple, *args: object, **static: object) -> Any:
-    """Run ``fn`` (a rule's ``compiled_bucket``, named ``label``) compiled for the bucket ``key``.
+    """Run ``fn`` (a bucket body of this module, for the rule named ``label``) compiled for the bucket ``key``.
 
     ``args`` are the bucket's tensor lists and the 0-D hyperparameter tensors; ``static`` the rule's
     Python constants. One graph per bucket, compiled once, with no recompile limit on the number of
@@ -59,3 +64,70 @@ def bucket_step(label: str, fn: Callable[..., Any], key: tuple, *args: object, *
         clone.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **static}
         graph = _bucket_graphs[full] = torch.compile(clone, fullgraph=True, backend=BACKEND)
     return graph(*args)
+
+
+def _hidden_bucket(params, grads, bufs, states, steps, lr, wd, mu, scale, *, rule, plain, nesterov, batched, group):
+    """A hidden rule's step of one bucket, momentum to update (:func:`driver.directions` in between)."""
+    grads = [g.to(b.dtype) for g, b in zip(grads, bufs, strict=True)]
+    if batched:  # the per-tensor form's momentum is updated before (and its buffers are owners' too)
+        F.momentum_(bufs, grads, mu)
+    inputs = [x.reshape(x.shape[0], -1) for x in F.direction_input(grads, bufs, mu, nesterov)]
+    X = torch.stack(inputs[:plain] + [x.mT for x in inputs[plain:]])
+    state = {k: torch.stack(v) for k, v in states.items()}
+    if steps is not None:
+        state["step"] = steps
+    (D,) = driver.directions(rule, [(X, plain, state)], group, None, batched=batched, ns_dtype=group["ns_dtype"])
+    for k, v in states.items():
+        torch._foreach_copy_(v, list(state[k].to(v[0].dtype).unbind(0)))
+    rows = [r for d in D for r in d.unbind(0)]
+    F.decay_and_update_(params, [d.reshape(p.shape) for d, p in zip(rows, params, strict=True)], lr, wd, scale)
+
+
+def _elementwise_bucket(params, grads, bufs, lr, wd, mu, rho, *, rule, shape, nesterov):
+    """An elementwise momentum rule's step of one bucket: momentum, :meth:`direction` of the stack, update."""
+    grads = [g.to(b.dtype) for g, b in zip(grads, bufs, strict=True)]
+    F.momentum_(bufs, grads, mu)
+    inputs = F.direction_input(grads, bufs, mu, nesterov)
+    X = torch.stack([x.reshape(shape) for x in inputs]).to(F._stat_dtype(inputs[0]))
+    D = rule.direction(X, {"rho": rho}, None, shape)
+    F.decay_and_update_(params, [d.reshape(p.shape) for d, p in zip(D.unbind(0), params, strict=True)], lr, wd, 1.0)
+
+
+def owner_directions(W, state, *, rule, n, batched, group):
+    """FSDP2 owners' :func:`driver.directions` of whole matrices (with their state columns)."""
+    (D,) = driver.directions(rule, [(W[..., :n], W.shape[0], state)], group, None, batched=batched,
+                             ns_dtype=group["ns_dtype"])
+    return D
+
+
+def momentum_step(rule, items, group: dict, ctx, *, per_tensor: bool) -> None:
+    """A momentum rule's compiled step: per shape bucket, or for a hidden rule with ``per_tensor`` per
+    matrix (momentum already updated; same-shape matrices share a graph), so that a matrix's bits do not
+    depend on its neighbours (the DDP owners rely on it). Batched: one process, no capture hook."""
+    if not per_tensor and ctx.split.world_size > 1:
+        raise NotImplementedError(
+            "compile=True with foreach=True is one process only (DDP/FSDP2 gather between the directions and "
+            "the update); use foreach=True without compile, or compile=True with foreach=False")
+    if not per_tensor and ctx.capture is not None:
+        raise NotImplementedError("the capture hook needs the eager step: build the optimizer without compile=True")
+    lr, wd, mu = (scalar(group[k]) for k in ("lr", "weight_decay", "momentum"))
+    if not rule.needs_ns:
+        for b in driver.make_buckets(items, matrix=rule.needs_matrix, transpose=False):
+            bucket_step(rule.name, _elementwise_bucket, b.key, [it.param.detach() for it in b.items],
+                        [it.grad for it in b.items], [it.state["momentum_buffer"] for it in b.items], lr, wd, mu,
+                        scalar(group["rho"]), rule=rule, shape=tuple(b.global_shape), nesterov=group["nesterov"])
+        return
+    static = {k: group[k] for k in rule.hyperparameters if k != "momentum"}
+    static["ns_dtype"] = driver._ns_dtype(group, items[0].param, ctx)
+    buckets = [driver.make_buckets([it], matrix=True, transpose=False)[0] for it in items] if per_tensor else \
+        driver.make_buckets(items, matrix=True, transpose=rule.transposes)
+    per_matrix = {k: how for k, how in rule.state_views.items() if how in ("rows", "counter", "step")}
+    for b in buckets:
+        states = {k: [it.state[k] for it in b.items] for k, how in per_matrix.items() if how != "step"}
+        steps = next((torch.tensor([it.state[k] for it in b.items], device=b.items[0].param.device)
+                      for k, how in per_matrix.items() if how == "step"), None)
+        bucket_step(rule.name, _hidden_bucket, (b.key, id(rule), tuple(it.param.ndim for it in b.items)),
+                    [it.param.detach() for it in b.items], [it.grad for it in b.items],
+                    [it.state["momentum_buffer"] for it in b.items], states, steps, lr, wd, mu,
+                    scalar(rule.lr_scale(*b.global_shape, group)), rule=rule, plain=b.plain,
+                    nesterov=group["nesterov"], batched=not per_tensor, group=static)

@@ -9,7 +9,6 @@ groups of one ``torch.optim.Optimizer``, LR schedulers, ``state_dict``/``load_st
 from __future__ import annotations
 
 import warnings
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -17,10 +16,11 @@ import torch
 from torch.optim import Optimizer
 
 from .distributed import LocalSplit, is_dtensor, local, replicated_splitter, resolve_process_group, splitter_for
+from .driver import step_foreach_calls
 from .groups import KINDS, infer_kind
-from .inputs import check_unique_params, listed_params, validate_group, with_floats, wrong_params
+from .inputs import FLOAT_KEYS, check_unique_params, listed_params, validate_group, with_floats, wrong_params
+from .rule import Item, Rule, StepContext
 from .rules import RULES
-from .step import Item, Rule, StepContext, step_foreach_calls
 from .views import Layout, group_layout, normalise_group_views
 
 
@@ -35,19 +35,47 @@ def _held(p: torch.Tensor) -> slice:
     return slice(start, start + p.to_local().shape[0])
 
 
-def _matrix_items(rule: Rule, layout: Layout, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
-                  name: str, kind: str, held: slice) -> list[Item]:
-    """One item per matrix of ``param`` (:meth:`Layout.matrices`): the matrix, its gradient and its
-    state as views (``rule.state_views`` says how each state tensor divides), named ``name[e]#j``.
-    Under FSDP2 ``param`` is the local shard of a stack, whose matrices (``held``) are whole."""
-    pieces = {"param": layout.matrices, "rows": layout.row_pieces, "counter": layout.counters}
-    per_key = {k: pieces[how](local(state[k])) for k, how in rule.state_views.items() if how in pieces}
-    items = []
-    for j, (p, g, label) in enumerate(zip(layout.matrices(param), layout.matrices(grad), layout.labels(held),
-                                          strict=True)):
-        sub = {"step": state["step"], **{k: v[j] for k, v in per_key.items()}}
-        items.append(Item(p, g, sub, name + label, p.shape, kind))
-    return items
+#: What :func:`splitter_for` returns for a group of plain tensors: the step's splitter is theirs.
+_PLAIN = LocalSplit()
+
+
+class _Entry:
+    """One parameter of a param group as the step sees it, prepared once (:meth:`RoleOptimizer._prepare`)."""
+
+    __slots__ = ("param", "state", "name", "kind", "rule", "layout", "cut", "sharded", "item")
+
+    def __init__(self, param: torch.Tensor, state: dict[str, Any], name: str, kind: str, rule: Rule,
+                 layout: Layout) -> None:
+        self.param, self.state, self.name, self.kind, self.rule, self.layout = param, state, name, kind, rule, layout
+        # A rule sees the matrices of a view; a vector rule whole tensors, or each vector of a "vectors"
+        # view unless its update is elementwise (then any view gives the same update).
+        self.cut = not layout.whole and (rule.needs_matrix or (layout.view == "vectors" and not rule.elementwise))
+        self.sharded = is_dtensor(param)
+        if self.sharded and self.cut and (not layout.batch or layout.folded):  # FSDP2 cuts dim 0
+            raise NotImplementedError(
+                f"{name}: view {layout.view!r}{' with a split' if layout.split else ''}"
+                f"{' with folds' if layout.folded else ''} under FSDP2 would need "
+                "the rows of a matrix from several shards; give its group views='matrix' / splits=None, or "
+                "keep this parameter unsharded")
+        #: A whole plain tensor is one item for good: each step only sets its gradient.
+        self.item = None if self.cut or self.sharded else Item(param, None, state, name, param.shape, kind)
+
+    def items(self, grad: torch.Tensor) -> list[Item]:
+        """This step's items of a parameter that is not one whole plain tensor: its local shard (FSDP2)
+        and/or one item per matrix of its view (:meth:`Layout.matrices`), with the state as local views
+        (``rule.state_views`` says how each state tensor divides), named ``name[e]#j``."""
+        param, grad = (self.param.to_local(), grad.to_local()) if self.sharded else (self.param, grad)
+        state = {k: local(v) for k, v in self.state.items()}
+        if not self.cut:
+            return [Item(param, grad, state, self.name, self.param.shape, self.kind)]
+        layout = self.layout
+        pieces = {"param": layout.matrices, "rows": layout.row_pieces, "counter": layout.counters}
+        per_key = {k: pieces[how](state[k]) for k, how in self.rule.state_views.items() if how in pieces}
+        labels = layout.labels(_held(self.param))
+        return [Item(p, g, {"step": state["step"], **{k: v[j] for k, v in per_key.items()}}, self.name + label,
+                     p.shape, self.kind)
+                for j, (p, g, label) in enumerate(zip(layout.matrices(param), layout.matrices(grad), labels,
+                                                      strict=True))]
 
 
 class RoleOptimizer(Optimizer):
@@ -79,12 +107,21 @@ class RoleOptimizer(Optimizer):
             raise ValueError(f"Invalid compile: {compile!r} (expected True or False)")
         self._compile = compile
         self._rules = self._rule_table(rules)
+        eager: dict[str, list[str]] = {}
+        for kind, rule in self._rules.items():
+            if not rule.compiles:
+                eager.setdefault(rule.name, []).append(kind)
+        if compile and eager:
+            warnings.warn(f"{type(self).__name__}(compile=True) compiles the momentum rules; rules without a compiled "
+                          "form run eagerly: " + "; ".join(f"{r!r} ({', '.join(k)})" for r, k in eager.items()),
+                          UserWarning, stacklevel=3)
         self._warned_inferred = False
         self._warned_traced = False
         self._capture_hook: Callable[[str, str, str, torch.Tensor], None] | None = None
         self._process_group = resolve_process_group(process_group)
         #: The batched step's persistent buffers (see ``step.workspace``); not optimizer state.
         self._workspace: dict = {}
+        self._init_step_cache()
         super().__init__(params, defaults)
 
     # ---- pickling and deepcopy -------------------------------------------------------------
@@ -108,14 +145,23 @@ class RoleOptimizer(Optimizer):
                 "_rules": self._rules}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy's settings (:meth:`__getstate__`), or, from ``load_state_dict``, new state and param
+        groups for this optimizer, which keeps its settings and hook and prepares its next step anew."""
         super().__setstate__(state)
-        self.__dict__.setdefault("_compile", False)
+        for key, value in (("_compile", False), ("_warned_inferred", False), ("_warned_traced", False),
+                           ("_capture_hook", None), ("_workspace", {})):
+            self.__dict__.setdefault(key, value)
         self.__dict__.setdefault("_rules", self._rule_table(None))
-        self.__dict__.setdefault("_warned_inferred", False)
-        self._warned_traced = False
-        self._capture_hook = None
-        self._workspace = {}
-        self._process_group = resolve_process_group(None)
+        self.__dict__.setdefault("_process_group", resolve_process_group(None))
+        self._init_step_cache()
+
+    def _init_step_cache(self) -> None:
+        """The step's kept objects: the plan of the param groups (:meth:`_plan`), the rule calls' contexts
+        and the single process's splitter; none of it is state."""
+        self._plan_key: tuple | None = None
+        self._plan_cache: list = []
+        self._contexts: list[StepContext] = []
+        self._local = LocalSplit()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's ``load_state_dict``, which casts every state tensor but ``step`` to its parameter's
@@ -161,6 +207,7 @@ class RoleOptimizer(Optimizer):
         if isinstance(param_group, dict) and "params" in param_group:  # else torch's own error
             check_unique_params([*self.param_groups, listed_params(param_group)])
         super().add_param_group(param_group)
+        self._plan_key = None
         try:
             self._check_group(self.param_groups[-1])
         except Exception:
@@ -208,59 +255,41 @@ class RoleOptimizer(Optimizer):
 
     # ---- stepping --------------------------------------------------------------------------
 
-    def _group_items(self, group: dict[str, Any]) -> dict[tuple[Rule, bool], list[Item]]:
-        """Items with a gradient, by rule and by whether they are whole local matrices of sharded
-        (DTensor) stacks. Counts each stepped parameter's ``step``; creates the state of every
-        parameter of the group, gradient or not, so that the state is the same on every rank (a
-        ``torch.distributed.checkpoint`` save needs that; microsoft/dion#89). A parameter whose view
-        is not one whole matrix (:mod:`.views`) becomes one item per matrix, each a view of it and of
-        its state; DTensors are unwrapped to their local shards here."""
-        out: dict[tuple[Rule, bool], list[Item]] = defaultdict(list)
-        kind = group.get("kind")
-        names = group.get("names")
-        for i, p in enumerate(group["params"]):
-            name = names[i] if names else f"params[{i}]"
-            pkind = kind or infer_kind(p)
-            rule = self._rule_for(pkind)
-            layout = group_layout(group, i, p.shape, name)
-            state = self.state[p]
-            if not state:
-                rule.init_state(p, state, group, layout)
-            g = p.grad
-            if g is None:
-                continue
-            if g.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients ({name})")
-            state["step"] += 1
-            sharded = is_dtensor(p)
-            param, grad = (p.to_local(), g.to_local()) if sharded else (p, g)
-            # A rule sees the matrices of a view; a vector rule whole tensors, or each vector of a
-            # "vectors" view unless its update is elementwise (then any view gives the same update).
-            cut = rule.needs_matrix or (layout.view == "vectors" and not rule.elementwise)
-            if layout.whole or not cut:
-                out[(rule, False)].append(Item(param, grad, state, name, p.shape, pkind))
-                continue
-            if sharded and (not layout.batch or layout.folded):  # FSDP2 cuts dim 0: a matrix's rows are not all here
-                raise NotImplementedError(
-                    f"{name}: view {layout.view!r}{' with a split' if layout.split else ''}"
-                    f"{' with folds' if layout.folded else ''} under FSDP2 would need "
-                    "the rows of a matrix from several shards; give its group views='matrix' / splits=None, or "
-                    "keep this parameter unsharded")
-            out[(rule, sharded)].extend(_matrix_items(rule, layout, param, grad, state, name, pkind, _held(p)))
-        return out
-    @staticmethod
-    def _batched(group: dict[str, Any], items: list[Item]) -> bool:
-        """``foreach`` as in torch.optim: ``None`` takes the batched path where every parameter is on a
-        CUDA device (launch-bound there) and the per-tensor path elsewhere (faster on CPU;
-        docs/benchmarks.md); ``True``/``False`` force one. DTensor (FSDP2/HSDP) groups take it too."""
-        foreach = group.get("foreach")
-        if foreach is None:
-            return all(it.param.device.type == "cuda" for it in items)
-        return foreach
+    def _prepare(self) -> list[tuple[dict[str, Any], list[_Entry], LocalSplit | None, bool]]:
+        """What the step needs of the param groups, made once and kept while they and the state are the
+        same objects: per group its entries, its splitter (``None``: the step's splitter of plain tensors)
+        and whether ``foreach=None`` takes the batched path (every parameter on a CUDA device, where a
+        step is launch-bound; the per-tensor path is faster on CPU, docs/benchmarks.md).
 
-    def _splitter(self, group: dict[str, Any], replicated: LocalSplit | None = None) -> LocalSplit:
-        """The work splitter of ``group``; ``replicated`` is the step's splitter for plain tensors."""
-        return splitter_for(group["params"], replicated or replicated_splitter(self._process_group))
+        Creates the state of every parameter, gradient or not, so that the state is the same on every
+        rank (a ``torch.distributed.checkpoint`` save needs that; microsoft/dion#89).
+        """
+        plan = []
+        for group in self.param_groups:
+            kind, names = group.get("kind"), group.get("names")
+            entries = []
+            for i, p in enumerate(group["params"]):
+                name = names[i] if names else f"params[{i}]"
+                pkind = kind or infer_kind(p)
+                rule = self._rules[pkind]
+                layout = group_layout(group, i, p.shape, name)
+                state = self.state[p]
+                if not state:
+                    rule.init_state(p, state, group, layout)
+                entries.append(_Entry(p, state, name, pkind, rule, layout))
+            split = splitter_for(group["params"], _PLAIN)
+            cuda = all(p.device.type == "cuda" for p in group["params"])
+            plan.append((group, entries, None if split is _PLAIN else split, cuda))
+        return plan
+
+    def _plan(self) -> list[tuple[dict[str, Any], list[_Entry], LocalSplit | None, bool]]:
+        """:meth:`_prepare`'s plan, remade when a param group, its parameters or the state changed."""
+        key = (id(self.state), len(self.state), *(id(g) for g in self.param_groups),
+               *(id(p) for g in self.param_groups for p in g["params"]))
+        if key != self._plan_key:
+            self._plan_cache = self._prepare()  # which creates state: the key is taken after it
+            self._plan_key = (id(self.state), len(self.state), *key[2:])
+        return self._plan_cache
 
     def step(self, closure=None):  # noqa: D401 - torch signature
         """Perform one optimisation step (no host-device synchronisation).
@@ -298,32 +327,71 @@ class RoleOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # One splitter for all plain-tensor groups of the step, so that DDP owner loads balance
-        # across groups (the embedding and the head land on different ranks).
-        replicated = replicated_splitter(self._process_group)
-        # Batched calls: plain-tensor groups with the same rule and the same hyperparameter values
-        # (the embedding and head groups, say) are one call, so that they share shape buckets.
+        # One splitter for all plain-tensor groups of the step, so that DDP owner loads balance across
+        # groups (the embedding and the head land on different ranks).
+        replicated = self._local if self._process_group is None else replicated_splitter(self._process_group)
+        # Batched calls: plain-tensor groups with the same rule and the same hyperparameter values (the
+        # embedding and head groups, say) are one call, so that they share shape buckets.
         batched: dict[tuple, tuple[Rule, dict, list[Item], LocalSplit, str]] = {}
-        for group in self.param_groups:
-            group = with_floats(group)
-            group_split = self._splitter(group, replicated)
-            for (rule, whole), items in self._group_items(group).items():
+        calls = 0
+        plan = self._plan()
+        for group, entries, group_split, cuda in plan:
+            if any(isinstance(group.get(k), torch.Tensor) for k in FLOAT_KEYS) or any(
+                    isinstance(b, torch.Tensor) for b in group.get("betas", ())):
+                group = with_floats(group)
+            by_rule: dict[tuple[Rule, bool], list[Item]] = {}
+            for e in entries:  # the items with a gradient, by rule and whether whole local matrices of shards
+                g = e.param.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients ({e.name})")
+                e.state["step"] += 1
+                if e.item is not None:
+                    e.item.grad = g
+                    by_rule.setdefault((e.rule, False), []).append(e.item)
+                else:
+                    by_rule.setdefault((e.rule, e.sharded and e.cut), []).extend(e.items(g))
+            foreach = group.get("foreach")
+            for (rule, whole), items in by_rule.items():
                 # Whole local matrices of a sharded stack (FSDP2 experts) need no other rank.
-                split = LocalSplit() if whole else group_split
-                kind = group.get("kind") or infer_kind(items[0].param)
-                if not self._batched(group, items):
-                    rule.step(items, group, StepContext(self._capture_hook, kind, split, self._compile))
+                split = LocalSplit() if whole else group_split or replicated
+                kind = group.get("kind") or items[0].kind
+                if not (cuda if foreach is None else foreach):
+                    rule.step(items, group, self._context(calls, kind, split))
+                    calls += 1
                     continue
                 values = sorted({"lr", "weight_decay", *rule.hyperparameters})
                 key = (rule.name, *(repr(group[k]) for k in values))
                 if split is not replicated:  # DTensor groups follow their own mesh: never merged
                     key += (id(split),)
                 batched.setdefault(key, (rule, group, [], split, kind))[2].extend(items)
-        step_foreach_calls([(rule, items, group, StepContext(self._capture_hook, kind, split, self._compile,
-                                                             self._workspace, call=i))
-                            for i, (rule, group, items, split, kind) in enumerate(batched.values())])
-        replicated.finish()  # wait for the owners' broadcasts (DDP)
+        if batched:
+            step_foreach_calls([(rule, items, group, self._context(calls + i, kind, split, call=i))
+                                for i, (rule, group, items, split, kind) in enumerate(batched.values())])
+        if replicated is not self._local:
+            replicated.finish()  # wait for the owners' broadcasts (DDP)
+        for _, entries, _, _ in plan:  # a kept item must not keep its gradient alive past zero_grad()
+            for e in entries:
+                if e.item is not None:
+                    e.item.grad = None
         return loss
+
+    def _splitter(self, group: dict[str, Any]) -> LocalSplit:
+        """The work splitter of ``group`` in a step (introspection; the step takes it from its plan)."""
+        split = splitter_for(group["params"], _PLAIN)
+        if split is not _PLAIN:
+            return split
+        return self._local if self._process_group is None else replicated_splitter(self._process_group)
+
+    def _context(self, i: int, kind: str, split: LocalSplit, call: int = 0) -> StepContext:
+        """The ``i``-th rule call's context of this step, kept between steps (its workspace is the
+        optimizer's; ``call`` numbers the batched calls, whose input stacks are their own)."""
+        while len(self._contexts) <= i:
+            self._contexts.append(StepContext(workspace=self._workspace))
+        ctx = self._contexts[i]
+        ctx.capture, ctx.kind, ctx.split, ctx.compile, ctx.call = self._capture_hook, kind, split, self._compile, call
+        return ctx
 
     def workspace_bytes(self) -> int:
         """Bytes held by the batched step's persistent buffers (at most one stack per shape bucket,

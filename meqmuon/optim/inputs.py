@@ -109,7 +109,7 @@ def _number(
 
 
 #: The hyperparameters that may be 0-D CPU tensors (:func:`_number`); ``betas`` holds two of them.
-_FLOAT_KEYS = ("lr", "weight_decay", "momentum", "rho", "beta2", "eps")
+FLOAT_KEYS = ("lr", "weight_decay", "momentum", "rho", "beta2", "eps")
 
 
 def with_floats(group: dict[str, Any]) -> dict[str, Any]:
@@ -117,7 +117,7 @@ def with_floats(group: dict[str, Any]) -> dict[str, Any]:
 
     The group keeps the tensor, so what a scheduler wrote into it (``fill_``) is what the next step reads.
     """
-    floats = {k: float(group[k]) for k in _FLOAT_KEYS if isinstance(group.get(k), torch.Tensor)}
+    floats = {k: float(group[k]) for k in FLOAT_KEYS if isinstance(group.get(k), torch.Tensor)}
     betas = group.get("betas")
     if isinstance(betas, tuple | list) and any(isinstance(b, torch.Tensor) for b in betas):
         floats["betas"] = tuple(float(b) for b in betas)

@@ -76,7 +76,7 @@ class MeqMuon(RoleOptimizer):
             An explicit dtype is always used.
         state_dtype: dtype of the momentum buffers (default: the parameter's dtype).
         foreach: ``None`` (default): the batched step (shape buckets, ``torch._foreach_*``; see
-            ``optim/buckets.py``) where all parameters of a group are on CUDA, the per-tensor step
+            ``optim/driver.py``) where all parameters of a group are on CUDA, the per-tensor step
             elsewhere; ``True``/``False`` force one, as in torch.optim. Every optimizer here takes it.
         process_group: group over which the Newton-Schulz work of hidden matrices is split (DDP);
             ``None``: the default group if ``torch.distributed`` is initialised, else one process.

@@ -2,11 +2,11 @@
 
 An optimizer in this package is an assignment of rules to parameter kinds (see ``presets.py``),
 by name through :data:`RULES`, or by instance through ``rules={kind: rule}``. The hidden-matrix rules
-are :class:`~meqmuon.optim.hidden.HiddenRule` s, ``pre``/``post`` around the driver's Newton-Schulz:
+are :class:`~meqmuon.optim.driver.HiddenRule` s, ``pre``/``post`` around the driver's Newton-Schulz:
 ``meqmuon.py`` (MeqMuon, eq. 8), ``muon.py`` (Moonlight's Muon, MuonEq), ``normuon.py``. The
 elementwise rules hold their per-tensor, batched and compiled forms side by side: ``normalize.py``
 (MeqMuon's embedding/head and vector rules, eq. 9 and 10), ``adam.py`` (AdamW, SCALE's Adam) and
-``scale.py``. The machinery they share is ``../hidden.py`` and ``../step.py``.
+``scale.py``. The machinery they share is ``../driver.py`` (momentum rules) and ``../rule.py``.
 
 Every rule applies decoupled weight decay and its step the same way,
 
@@ -18,7 +18,7 @@ where ``D`` is the rule's direction and ``scale`` its multiplier (``rho`` for Me
 
 from __future__ import annotations
 
-from ..step import Rule
+from ..rule import Rule
 from .adam import AdamScale, AdamW
 from .meqmuon import MeqHidden
 from .muon import MoonlightHidden, MuonEqHidden

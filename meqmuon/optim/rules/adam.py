@@ -10,9 +10,8 @@ import torch
 from torch import Tensor
 
 from ... import functional as F
-from ..buckets import make_buckets
-from ..distributed import local
-from ..step import Rule, buffer, grads_like, state_dtype
+from ..driver import buffer, grads_like, make_buckets
+from ..rule import Rule, state_dtype
 
 
 class AdamW(Rule):
@@ -55,7 +54,7 @@ class AdamW(Rule):
             t = st["step"]
             if wd != 0:
                 F.decay_([it.param], 1.0 - lr * wd)
-            m, v = local(st["exp_avg"]), local(st["exp_avg_sq"])
+            m, v = st["exp_avg"], st["exp_avg_sq"]
             g = it.grad.to(m.dtype)
             m.lerp_(g, 1.0 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
@@ -77,8 +76,8 @@ class AdamW(Rule):
         eps, lr = group["eps"], group["lr"]
         for b in make_buckets(items, matrix=False, transpose=False, by_shape=False):
             params = [it.param for it in b.items]
-            ms = [local(it.state["exp_avg"]) for it in b.items]
-            vs = [local(it.state["exp_avg_sq"]) for it in b.items]
+            ms = [it.state["exp_avg"] for it in b.items]
+            vs = [it.state["exp_avg_sq"] for it in b.items]
             grads = grads_like(b.items, ms)
             if group["weight_decay"] != 0:
                 F.decay_(params, 1.0 - lr * group["weight_decay"])

@@ -1,5 +1,5 @@
 """MeqMuon's rule for hidden matrices (paper *MeqMuon: Matrix-Equilibrating Muon for LLM Pretraining*,
-Algorithm 1, eq. 8), a :class:`~meqmuon.optim.hidden.HiddenRule`: the driver orthogonalises, ``post``
+Algorithm 1, eq. 8), a :class:`~meqmuon.optim.driver.HiddenRule`: the driver orthogonalises, ``post``
 normalises. The embedding/head (eq. 9) and vector (eq. 10) rules are in ``normalize.py``.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ... import functional as F
-from ..hidden import HiddenRule
+from ..driver import HiddenRule
 
 
 class MeqHidden(HiddenRule):

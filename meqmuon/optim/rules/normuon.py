@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..hidden import HiddenRule
+from ..driver import HiddenRule
 from .muon import MoonlightHidden
 
 # NorMuon's epsilons (zichongli5/NorMuon d45c9a4, normuon.py): 1e-10 in the row scaling and in the

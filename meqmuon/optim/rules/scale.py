@@ -13,9 +13,8 @@ import torch
 from torch import Tensor
 
 from ... import functional as F
-from ..buckets import make_buckets, matrix_shape
-from ..distributed import local
-from ..step import Rule, apply_update, grads_like, stack_tensors, state_dtype
+from ..driver import apply_update, grads_like, make_buckets, matrix_shape, stack_tensors, unstack
+from ..rule import Rule, state_dtype
 
 # SCALE divides by the slice RMS clamped at this value (OptimAI-Lab/Minimalist_LLM_Pretraining
 # f5bd4e7, mem_eff_pt/pt_scale/scale_optimizer.py: ``.clamp_min(1e-8)``).
@@ -79,7 +78,7 @@ class _ScaleRaw(Rule):
             G = stack_tensors(ctx, self.name, b, [it.grad for it in b.items])
             G.div_(type(self).divisor(G, ctx.split.psum, b.global_shape[0]))
             params += [it.param for it in b.items]
-            directions += b.unstack(G)
+            directions += unstack(b, G)
         F.decay_and_update_(params, directions, group["lr"], group["weight_decay"], [1.0] * len(params))
 
 
@@ -122,19 +121,19 @@ class ScaleHead(Rule):
         ctx.emit(items, [it.grad for it in items], "gradient")
         directions = []
         for it in items:
-            m = local(it.state["momentum_buffer"])
+            m = it.state["momentum_buffer"]
             m.lerp_(it.grad.to(m.dtype), 1.0 - group["momentum"])
             directions.append(_scale_row(m))
         apply_update(items, directions, [1.0] * len(items), group)
 
     def step_foreach(self, items, group, ctx):
         ctx.emit(items, [it.grad for it in items], "gradient")
-        ms = [local(it.state["momentum_buffer"]) for it in items]
+        ms = [it.state["momentum_buffer"] for it in items]
         torch._foreach_lerp_(ms, grads_like(items, ms), 1.0 - group["momentum"])
         params, directions = [], []
         for b in make_buckets(items, matrix=True, transpose=False):
-            M = stack_tensors(ctx, self.name, b, [local(it.state["momentum_buffer"]) for it in b.items])
+            M = stack_tensors(ctx, self.name, b, [it.state["momentum_buffer"] for it in b.items])
             M.div_(_row_rms_divisor(M))
             params += [it.param for it in b.items]
-            directions += b.unstack(M)
+            directions += unstack(b, M)
         F.decay_and_update_(params, directions, group["lr"], group["weight_decay"], [1.0] * len(params))

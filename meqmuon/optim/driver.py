@@ -1,0 +1,519 @@
+"""The one driver of the momentum rules: momentum, shape stacks, the Newton-Schulz seam, the split over
+ranks and the update, in every form.
+
+A momentum rule updates ``B <- mu B + G`` (paper eq. 6; Moonlight's convention), takes the direction
+input ``X = G + mu B`` with Nesterov (else ``B``), turns it into a direction ``D`` and steps
+``W <- (1 - lr wd) W - lr s D``. A hidden rule (:class:`HiddenRule`) is two functions over a stack of
+``K`` matrices ``(K, m, n)``, each in its own orientation, cut at Newton-Schulz as microsoft/dion cuts
+its Muon into pre- and post-orthogonalisation:
+
+    X = rule.pre(X, group)      the Newton-Schulz input (default: unchanged; MuonEq equilibrates)
+    U = Orth(X)                 quintic Newton-Schulz (paper eq. 3): the driver's
+    D = rule.post(U, group)     the direction (MeqMuon: eq. 8; NorMuon: its row normalisation)
+    s = rule.lr_scale(m, n, group)     a step multiplier (1 unless the rule says otherwise)
+
+Everything else happens here, once, for every rule: momentum, stacking by shape, which members share a
+Newton-Schulz stack transposed (:func:`directions` hands ``pre`` and ``post`` each orientation apart, so
+no rule sees a transposed member), the Newton-Schulz form, the DDP split and gather, the FSDP2
+all-to-all (``sharded.py``) and the update. The forms are one body, :func:`directions`:
+
+- per-tensor (``foreach=False``, :meth:`HiddenRule.update`): each matrix a stack of one, made just
+  before its Newton-Schulz and applied just after, so no model-sized temporary exists (on CPU fresh
+  temporaries cost page faults), Newton-Schulz with fused ``addmm`` matrix by matrix;
+- batched (``foreach=True``, :func:`step_foreach_calls`): one stack per shape bucket, one batched
+  Newton-Schulz per bucket, ``post`` once for all stacks, one update for all calls;
+- compiled (``compile=True``): the same body per bucket under ``torch.compile`` (``compiled.py``).
+
+State: a rule that keeps per-matrix state names it in ``state_views`` (``"rows"``: one float per matrix
+row, NorMuon's second moment; ``"counter"``: one int64 per matrix, MeqMuon's selection count;
+``"step"``: the step count, read only) and receives ``state``, a dict of stacks ``(K, ...)`` in the order
+of ``X``/``U``, in ``pre(X, group, state)`` and ``post(U, group, state)``; it updates them in place.
+
+The elementwise momentum rules (``rules/normalize.py``, MeqMuon's eq. 9 and 10) give a direction of
+the direction-input stack, :meth:`MomentumRule.directions_foreach`, and a per-tensor ``update``.
+No rule makes a host-device sync: step counters are Python ints, choices are tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+from torch import Tensor
+
+from .. import functional as F
+from ..precision import resolve_ns_dtype
+from . import compiled
+from .distributed import state_like
+from .newton_schulz import ns_flops
+from .rule import ELEMENTWISE_COST, Item, Rule, StepContext, state_dtype
+from .views import Layout
+
+__all__ = ["Bucket", "HiddenRule", "MomentumRule", "directions", "make_buckets", "matrix_shape",
+           "step_foreach_calls"]
+
+
+# ---- shape buckets ---------------------------------------------------------------------------------
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """The matrix an optimizer sees for a tensor of ``shape``: ``(shape[0], prod(rest))``."""
+    return (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
+
+
+class Bucket(NamedTuple):
+    """Same-shape members of one rule call, stacked as ``(len(items), *shape)``: ``items[:plain]`` as they
+    are, ``items[plain:]`` transposed. ``shape``: one member's (local) matrix view for matrix rules, else
+    its own shape; ``global_shape`` the same unsharded; ``key`` what it was grouped by (stable across
+    steps and ranks: workspaces use it)."""
+
+    items: list[Item]
+    plain: int
+    shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    key: tuple
+
+
+def make_buckets(items: Sequence[Item], *, matrix: bool, transpose: bool, by_shape: bool = True) -> list[Bucket]:
+    """Group ``items`` into buckets in first-appearance order: the one place that groups by shape.
+
+    The batched step works on stacks of same-shape tensors, so that momentum, Newton-Schulz, statistics
+    and the update are a few kernels per bucket instead of per parameter (on a GPU a step is
+    launch-bound; karpathy/nanochat, modded-nanogpt and microsoft/dion's megabatch group by shape too).
+
+    Args:
+        matrix: stack matrix views ``(shape[0], prod(rest))`` (matrix rules); else the tensors' shapes.
+        transpose: let an ``(n, m)`` member join an ``(m, n)`` bucket transposed (Llama's ``down_proj``
+            with ``gate_proj``); the first member of a key fixes the orientation (the parameter order,
+            identical on every rank).
+        by_shape: ``False`` groups by dtype and device only (AdamW's ``torch._foreach_*`` step).
+    """
+    found: dict[tuple, list[Item]] = {}
+    flipped: dict[tuple, list[Item]] = {}
+    orientation: dict[tuple, tuple[int, ...]] = {}
+    for it in items:  # a matrix rule's tensors are >= 2-D: its view is matrix_shape's
+        gshape = (it.shape[0], math.prod(it.shape[1:])) if matrix else tuple(it.shape)
+        key = (it.param.dtype, it.param.device)
+        if by_shape:
+            key += (tuple(sorted(gshape)) if transpose else gshape,)
+        first = orientation.setdefault(key, gshape)
+        (found if not by_shape or gshape == first else flipped).setdefault(key, []).append(it)
+    return [Bucket(members + flipped.get(key, []), len(members), *(
+        (s[0], math.prod(s[1:])) if matrix else tuple(s) for s in (members[0].param.shape, members[0].shape)), key)
+        for key, members in found.items()]
+
+
+def unstack(bucket: Bucket, stacks: Tensor | Sequence[Tensor], start: int = 0) -> list[Tensor]:
+    """Members ``start..`` of a stack (or consecutive stacks) of directions, each row one member's
+    direction in its own orientation, as views in the members' shapes (contiguous rows)."""
+    rows = [r for s in ([stacks] if isinstance(stacks, Tensor) else stacks) for r in s.unbind(0)]
+    return [t.view(it.param.shape) for t, it in zip(rows, bucket.items[start:], strict=True)]
+
+
+# ---- buffers -------------------------------------------------------------------------------------
+
+
+def buffer(scratch: dict[tuple, Tensor], role: str, shape: Sequence[int], dtype: torch.dtype = torch.float32,
+           device: torch.device | None = None, zero: bool = False) -> Tensor:
+    """A tensor for ``role`` kept in ``scratch`` (a step's, or the optimizer's workspace) and reused."""
+    key = (role, tuple(shape), dtype, device)
+    t = scratch.get(key)
+    if t is None:
+        t = scratch[key] = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+    return t
+
+
+def grads_like(items: Sequence[Item], like: Sequence[Tensor]) -> list[Tensor]:
+    """The items' gradients in the dtypes of ``like`` (their momentum buffers, say)."""
+    return [it.grad if it.grad.dtype == b.dtype else it.grad.to(b.dtype) for it, b in zip(items, like, strict=True)]
+
+
+def direction_input(it: Item, group: dict, rows: slice = slice(None), out: Tensor | None = None) -> Tensor:
+    """Rows ``rows`` of one item's direction input (:func:`F.direction_input`), into ``out`` if given:
+    made on demand, so that no model-sized temporary exists and DDP owners make only their own."""
+    b, g = it.state["momentum_buffer"], it.grad
+    if rows != slice(None):  # a 0-D parameter (a vector of one element) cannot be sliced
+        b, g = b[rows], g[rows]
+    g = g if g.dtype == b.dtype else g.to(b.dtype)
+    return F.direction_input([g], [b], group["momentum"], group["nesterov"], None if out is None else [out])[0]
+
+
+def stack_inputs(ctx: StepContext, name: str, bucket: Bucket, lo: int, hi: int, dtype: torch.dtype) -> Tensor:
+    """The direction inputs of members ``lo..hi`` (made by :func:`step_foreach_calls`, handed over and let
+    go here), stacked (cast to ``dtype``) in the bucket's persistent workspace, in the bucket's
+    orientation: one ``stack`` reads the transposed members as strided views."""
+    items = bucket.items[lo:hi]
+    xs = [ctx.inputs.pop(id(it)) for it in items]
+    if len(bucket.shape) == 2:
+        xs = [x.reshape(x.shape[0], -1) if x.ndim > 2 else x for x in xs]
+    cut = max(0, bucket.plain - lo)
+    out = buffer(ctx.workspace, (name, "inputs", ctx.call, bucket.key, lo), (hi - lo, *bucket.shape), dtype,
+                 items[0].param.device)
+    return torch.stack([*xs[:cut], *(x.mT for x in xs[cut:])], out=out)
+
+
+def stack_tensors(ctx: StepContext, name: str, bucket: Bucket, tensors: Sequence[Tensor]) -> Tensor:
+    """``tensors`` (one per member, not transposed) stacked in the bucket's workspace, at least float32."""
+    t0 = tensors[0]
+    out = buffer(ctx.workspace, (name, "inputs", ctx.call, bucket.key), (len(tensors), *bucket.shape),
+                 torch.promote_types(t0.dtype, torch.float32), t0.device)
+    return torch.stack([t.reshape(bucket.shape) for t in tensors], out=out)
+
+
+def apply_update(items: Sequence[Item], directions: Sequence[Tensor], scales: Sequence[float], group: dict,
+                 scratch: dict | None = None) -> None:
+    """``W <- (1 - lr wd) W - lr s D`` for each item (:func:`F.decay_and_update_`), mixed dtypes in the wider
+    one as torch.optim.Muon's bf16 update of float32 weights; a narrower direction goes through a buffer
+    of ``scratch``, since ``p.add_(d)`` would cast it through a fresh parameter-sized temporary. Same bits."""
+    for it, d, s in zip(items, directions, scales, strict=True):
+        p = it.param
+        d = d.reshape(p.shape)
+        if scratch is not None and d.dtype != p.dtype and torch.promote_types(d.dtype, p.dtype) == p.dtype:
+            d = buffer(scratch, "direction", p.shape, p.dtype, p.device).copy_(d)
+        F.decay_and_update_([p], [d], group["lr"], group["weight_decay"], [s])
+
+
+# ---- the momentum rules --------------------------------------------------------------------------
+
+
+#: One bucket's batched result: its direction stack (this rank's members, bucket orientation) and
+#: the per-member state the owner changed (stacks, gathered with it).
+Directions = tuple[Tensor | list[Tensor], list[Tensor]]
+
+
+class MomentumRule(Rule):
+    """Momentum ``B <- mu B + G`` on every rank for every parameter, then the direction and the step on
+    the owned ones. Under DDP each parameter (per-tensor) or each slice of a bucket (batched) has one
+    owner rank, which computes it; the owners' parameters are broadcast (per-tensor) or their
+    directions gathered (batched), with the ``owner_state`` the rule changed."""
+
+    hyperparameters = ("momentum", "nesterov")
+    state_views = {"momentum_buffer": "param"}
+    #: Per-parameter state besides the momentum that the direction changes (sent by owners).
+    owner_state: ClassVar[tuple[str, ...]] = ()
+    #: Split the work over DDP ranks; False where repeating it is cheaper than sending it.
+    split_work: ClassVar[bool] = True
+    #: Batched path: may an ``(n, m)`` member join an ``(m, n)`` bucket transposed?
+    transposes: ClassVar[bool] = False
+    #: The direction passes through Newton-Schulz (hidden rules).
+    needs_ns: ClassVar[bool] = False
+    compiles = True
+
+    def state_elements(self, layout: Layout) -> int:
+        return math.prod(layout.batch) * layout.rows * layout.cols
+
+    def init_state(self, p, state, group, layout):
+        state["momentum_buffer"] = torch.zeros_like(p, dtype=state_dtype(p, group),
+                                                    memory_format=torch.preserve_format)
+        state["step"] = 0
+
+    def cost(self, shape: Sequence[int], group: dict) -> float:
+        """Estimated cost of one parameter's direction, for balancing DDP owners."""
+        return ELEMENTWISE_COST * math.prod(shape)
+
+    def update(self, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
+        """Per-tensor form: the directions of ``items`` (momentum already updated) and their steps."""
+        raise NotImplementedError
+
+    def direction(self, X: Tensor, group: dict, psum: F.PSum, shape: tuple[int, ...]) -> Tensor:
+        """An elementwise rule's direction of a stack ``X`` ``(K, *shape)`` of direction inputs (float32 or
+        float64, scratch: may be the result), its step multiplier folded in (the step adds it with ``s = 1``);
+        ``psum`` sums statistics over row shards (FSDP2), ``shape`` is one member's unsharded shape."""
+        raise NotImplementedError
+
+    def directions_foreach(self, buckets: list[Bucket], ranges: list[tuple[int, int]], group: dict,
+                           ctx: StepContext) -> list[Directions]:
+        """Batched form: the directions of members ``lo..hi`` of each bucket (momentum already updated);
+        here :meth:`direction` of each bucket's stack."""
+        return [(self.direction(stack_inputs(ctx, self.name, b, lo, hi, F._stat_dtype(b.items[0].param)), group,
+                                ctx.split.psum, b.global_shape), [])
+                for b, (lo, hi) in zip(buckets, ranges, strict=True)]
+
+    def step(self, items, group, ctx):
+        if ctx.split.sharded and self.needs_ns:  # FSDP2: whole matrices meet at owners, a bucket at a time
+            step_foreach_calls([(self, items, group, ctx)])
+            return
+        bufs = [it.state["momentum_buffer"] for it in items]
+        F.momentum_(bufs, [it.grad if it.grad.dtype == b.dtype else it.grad.to(b.dtype)
+                           for it, b in zip(items, bufs, strict=True)], group["momentum"], fused=True)
+        if ctx.capture is not None:
+            ctx.emit(items, [direction_input(it, group) for it in items], "momentum_input")
+        if not self.split_work or ctx.split.world_size == 1:  # one process: this rank owns all
+            self.update(items, group, ctx)
+            return
+        owners = ctx.split.owners([self.cost(it.shape, group) for it in items])
+        mine = [it for it, o in zip(items, owners, strict=True) if o == ctx.split.rank]
+        if mine:
+            self.update(mine, group, ctx)
+        ctx.split.publish([[it.param, *(it.state[k] for k in self.owner_state)] for it in items], owners)
+
+    def step_foreach(self, items, group, ctx):
+        """The batched form of this call alone; ``compile=True``: one compiled graph per bucket."""
+        if ctx.compile:
+            compiled.momentum_step(self, items, group, ctx, per_tensor=False)
+        else:
+            step_foreach_calls([(self, items, group, ctx)])
+
+    def pending_foreach(self, items: Sequence[Item], group: dict, ctx: StepContext) -> tuple[list, list, list]:
+        """The batched update of ``items`` (momentum already updated), not applied: per shape bucket the
+        directions of this rank's slice, gathered across DDP ranks (one collective per bucket).
+        Returns ``(params, directions, scales)``."""
+        if ctx.capture is not None:
+            ctx.emit(items, [ctx.inputs[id(it)] for it in items], "momentum_input")
+        buckets = make_buckets(items, matrix=self.needs_matrix, transpose=self.transposes and not ctx.split.sharded)
+        # DDP: a contiguous slice of each bucket per rank; FSDP2 ranks update their row shards of all
+        # members (a hidden rule's whole matrices meet at owners: sharded.py).
+        split = self.split_work and not ctx.split.sharded and ctx.split.world_size > 1
+        plans = [ctx.split.bucket_plan(len(b.items), self.cost(b.global_shape, group)) if split else None
+                 for b in buckets]
+        ranges = [(sum(p[: ctx.split.rank]), sum(p[: ctx.split.rank + 1])) if split else (0, len(b.items))
+                  for p, b in zip(plans, buckets, strict=True)]
+        busy = [i for i, (lo, hi) in enumerate(ranges) if hi > lo]
+        results = dict(zip(busy, self.directions_foreach([buckets[i] for i in busy], [ranges[i] for i in busy],
+                                                         group, ctx), strict=True))
+        params, dirs, scales, extras = [], [], [], []
+        for i, (bucket, plan) in enumerate(zip(buckets, plans, strict=True)):
+            D, owned = results[i] if i in results else self.empty_directions(bucket)
+            if split:  # one stack per bucket travels (a hidden rule's sides: flattened into one)
+                D = D if isinstance(D, Tensor) else torch.cat([d.flatten(1) for d in D])
+                D, *owned = ctx.split.gather([D, *owned], plan)
+            extras.append(owned)
+            params += [it.param for it in bucket.items]
+            dirs += unstack(bucket, D)
+            # A hidden rule's step multiplier (:meth:`HiddenRule.lr_scale`); the elementwise rules fold theirs in.
+            scales += [self.lr_scale(*bucket.global_shape, group) if self.needs_ns else 1.0] * len(bucket.items)
+        if self.owner_state:
+            self.store_foreach(buckets, extras)
+        return params, dirs, scales
+
+    def empty_directions(self, bucket: Bucket) -> Directions:
+        """What a rank that owns no member of ``bucket`` contributes to its gather."""
+        p = bucket.items[0].param
+        D = torch.empty((0, math.prod(bucket.shape)), dtype=p.dtype, device=p.device)
+        return D, [bucket.items[0].state[k][None][:0] for k in self.owner_state]
+
+    def store_foreach(self, buckets: list[Bucket], extras: list[list[Tensor]]) -> None:
+        """Write the gathered owner state back: ``extras[i][j]`` holds bucket ``i``'s stack of
+        ``owner_state[j]`` over all its members (one copy kernel per key)."""
+        for j, key in enumerate(self.owner_state):
+            states = [it.state[key] for b in buckets for it in b.items]
+            torch._foreach_copy_(states, [s for owned in extras for s in owned[j].to(states[0].dtype).unbind(0)])
+
+
+def step_foreach_calls(calls: Sequence[tuple[Rule, Sequence[Item], dict, StepContext]]) -> None:
+    """The batched step of several rule calls of one optimizer step (``(rule, items, group, ctx)``).
+
+    Momentum rules share kernels: every momentum buffer of every call is updated in two
+    ``torch._foreach_*`` kernels per distinct ``mu`` and every direction input made in one more (with
+    Nesterov; a transient copy of the parameters, as ``torch.optim``'s multi-tensor forms make, which
+    each bucket's stack then lets go), then each call computes its directions
+    (:meth:`MomentumRule.pending_foreach`), and all updates are applied together: one decay kernel per
+    distinct ``1 - lr wd`` and one add per distinct ``lr s``. Directions depend on gradients and momentum
+    only, so computing them all before any parameter changes gives the bits of stepping the calls one by
+    one. Other rules (Adam-type, SCALE) and ``compile=True`` step alone.
+    """
+    shared = []
+    for call in calls:
+        rule, ctx = call[0], call[3]
+        # compile=True: one graph per bucket, momentum inside; FSDP2's hidden owners compile their part
+        if isinstance(rule, MomentumRule) and (not ctx.compile or (ctx.split.sharded and rule.needs_ns)):
+            shared.append(call)
+        else:
+            call[0].step_foreach(*call[1:])
+    by_mu: dict[tuple[float, bool], tuple[list[Item], list[Tensor], list[Tensor]]] = {}
+    for _, items, group, _ in shared:
+        members, bufs, grads = by_mu.setdefault((group["momentum"], group["nesterov"]), ([], [], []))
+        for it in items:
+            b = it.state["momentum_buffer"]
+            members.append(it)
+            bufs.append(b)
+            grads.append(it.grad if it.grad.dtype == b.dtype else it.grad.to(b.dtype))
+    inputs: dict[int, Tensor] = {}
+    for (mu, nesterov), (members, bufs, grads) in by_mu.items():
+        F.momentum_(bufs, grads, mu)
+        inputs.update(zip(map(id, members), F.direction_input(grads, bufs, mu, nesterov), strict=True))
+    for call in shared:
+        call[3].inputs = inputs
+    params, dirs, lrs, wds, scales = [], [], [], [], []
+    for rule, items, group, ctx in shared:
+        ps, ds, ss = rule.pending_foreach(items, group, ctx)
+        params += ps
+        dirs += ds
+        scales += ss
+        lrs += [group["lr"]] * len(ps)
+        wds += [group["weight_decay"]] * len(ps)
+    inputs.clear()  # what DDP ranks did not stack: not kept past the step
+    F.decay_and_update_(params, dirs, lrs, wds, scales)
+
+
+# ---- hidden matrices: the seam -------------------------------------------------------------------
+
+
+class HiddenRule(MomentumRule):
+    """A rule for hidden matrices: ``post(Orth(pre(X)))`` (see the module docstring).
+
+    Subclass it, set ``name`` and override :meth:`post` (and :meth:`pre` if the rule changes the
+    Newton-Schulz input); pass an instance as ``rules={"hidden": MyRule()}`` to any optimizer.
+    """
+
+    needs_matrix = True
+    needs_ns = True
+    hyperparameters = ("momentum", "nesterov", "rho", "ns_steps", "ns_coefficients", "ns_dtype")
+    #: May an ``(n, m)`` matrix share the Newton-Schulz stack of ``(m, n)`` matrices, transposed? Exact for
+    #: every rule (``pre``/``post`` see each orientation apart); it saves a Newton-Schulz stack and costs a
+    #: second ``pre``/``post`` call. Per-row state cannot: its rows would change length.
+    transposes: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.owner_state = tuple(k for k, how in cls.state_views.items() if how in ("rows", "counter"))
+        if cls.transposes and "rows" in cls.state_views.values():
+            raise TypeError(f"{cls.__name__}: per-row state needs transposes = False (rows would change length)")
+
+    def pre(self, X: Tensor, group: dict, state: dict[str, Tensor] | None = None) -> Tensor:
+        """The Newton-Schulz input from the direction input ``X`` ``(K, m, n)``: here ``X``. Must not
+        write into ``X`` (without Nesterov it is the momentum buffer)."""
+        return X
+
+    def post(self, U: Tensor, group: dict, state: dict[str, Tensor] | None = None) -> Tensor:
+        """The direction ``D`` ``(K, m, n)`` from ``U = Orth(X)``: here ``U``."""
+        return U
+
+    def post_all(self, Us: list[Tensor], group: dict, states: list[dict[str, Tensor]]) -> list[Tensor]:
+        """:meth:`post` of every stack of a call (one per shape and orientation), called once: here one
+        ``post`` each. A rule whose statistics can be taken for all matrices in a fixed number of kernels
+        (MeqMuon's eq. 8) overrides it: on a GPU a step is launch-bound."""
+        if type(self).post is HiddenRule.post:
+            return Us
+        return [self.post(U, group, st) if st else self.post(U, group) for U, st in zip(Us, states, strict=True)]
+
+    def lr_scale(self, m: int, n: int, group: dict) -> float:
+        """A step multiplier ``s`` of an ``m x n`` matrix, applied inside the update (``-lr s D``) instead
+        of as a pass over ``D``; 1 here."""
+        return 1.0
+
+    # ---- what the engine and the driver ask of every hidden rule ---------------------------------
+
+    def state_elements(self, layout):
+        return super().state_elements(layout) + sum(
+            math.prod(layout.rows_shape) for how in self.state_views.values() if how == "rows")
+
+    def init_state(self, p, state, group, layout):
+        super().init_state(p, state, group, layout)
+        for key, how in self.state_views.items():
+            if how == "rows":
+                state[key] = state_like(p, layout.rows_shape, torch.promote_types(p.dtype, torch.float32))
+            elif how == "counter":  # a whole matrix's counter is a plain tensor even under FSDP2
+                state[key] = state_like(p, layout.counter_shape, torch.int64) if layout.batch else torch.zeros(
+                    layout.counter_shape, dtype=torch.int64, device=p.device)
+
+    def cost(self, shape, group):
+        return ns_flops(*matrix_shape(shape), group["ns_steps"]) + super().cost(shape, group)
+
+    def update(self, items, group, ctx):
+        """Per-tensor form: every matrix a stack of one, made just before its Newton-Schulz."""
+        if ctx.compile:
+            compiled.momentum_step(self, items, group, ctx, per_tensor=True)
+            return
+        scratch: dict[tuple, Tensor] = {}
+        per_matrix = [(k, how) for k, how in self.state_views.items() if how in ("rows", "counter", "step")]
+        mu, nesterov = group["momentum"], group["nesterov"]
+        for it in items:
+            b, g, shape = it.state["momentum_buffer"], it.grad, it.shape
+            g = g if g.dtype == b.dtype else g.to(b.dtype)
+            (x,) = F.direction_input([g], [b], mu, nesterov, [buffer(scratch, "nesterov", b.shape, b.dtype, b.device)])
+            X = x.reshape(x.shape[0], -1) if x.ndim > 2 else x
+            state = {k: torch.tensor([it.state[k]], device=b.device) if how == "step" else it.state[k][None]
+                     for k, how in per_matrix}
+            ((D,),) = directions(self, [(X[None], 1, state)], group, ctx, batched=False, scratch=scratch)
+            apply_update([it], [D[0]], [self.lr_scale(shape[0], math.prod(shape[1:]), group)], group, scratch)
+
+    def directions_foreach(self, buckets, ranges, group, ctx):
+        """Batched form: per bucket the stack of members ``lo..hi``, then :func:`directions` of all."""
+        # Per-matrix values (counters, steps) of all buckets in one stack, each bucket's a view of it.
+        mine = [it for b, (lo, hi) in zip(buckets, ranges, strict=True) for it in b.items[lo:hi]]
+        device = mine[0].param.device
+        scalars = {k: torch.tensor([it.state[k] for it in mine], device=device) if how == "step" else
+                   torch.stack([it.state[k] for it in mine]) for k, how in self.state_views.items()
+                   if how in ("counter", "step")}
+        stacks, o = [], 0
+        for b, (lo, hi) in zip(buckets, ranges, strict=True):
+            items = b.items[lo:hi]
+            carry = ctx.split.sharded or type(self).pre is not HiddenRule.pre  # pre works in float32
+            dtype = F._stat_dtype(items[0].param) if carry else _ns_dtype(group, items[0].param, ctx)
+            state = {k: torch.stack([it.state[k] for it in items]) for k, how in self.state_views.items()
+                     if how == "rows"}
+            state.update({k: v[o : o + hi - lo] for k, v in scalars.items()})
+            stacks.append((stack_inputs(ctx, self.name, b, lo, hi, dtype), max(0, min(b.plain - lo, hi - lo)), state))
+            o += hi - lo
+        if ctx.split.sharded:
+            from .sharded import hidden_at_owners  # it needs this module: imported where used
+
+            ds = [hidden_at_owners(self, X, state, b.global_shape[0], group, ctx)
+                  for (X, _, state), b in zip(stacks, buckets, strict=True)]
+        else:
+            ds = directions(self, stacks, group, ctx, batched=True, dtype=buckets[0].items[0].param.dtype)
+        return [(D, [state[k] for k in self.owner_state]) for D, (_, _, state) in zip(ds, stacks, strict=True)]
+
+
+
+def _ns_dtype(group: dict, x: Tensor, ctx: StepContext) -> torch.dtype:
+    """The Newton-Schulz dtype of ``x`` under ``group``'s ``ns_dtype`` (:func:`resolve_ns_dtype`: ``None``
+    follows the device's native bf16), resolved once per optimizer and kept in its workspace."""
+    key = ("ns_dtype", group["ns_dtype"], x.device)
+    dtype = ctx.workspace.get(key)
+    if dtype is None:
+        dtype = ctx.workspace[key] = resolve_ns_dtype(group["ns_dtype"], x.device)
+    return dtype
+
+
+#: One stack for :func:`directions`: direction inputs ``(K, m, n)`` in the bucket's orientation, the
+#: number of members stored as they are (the rest transposed), and the members' state stacks.
+Stack = tuple[Tensor, int, dict[str, Tensor]]
+
+
+def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: StepContext | None, *, batched: bool,
+               scratch: dict | None = None, dtype: torch.dtype | None = None,
+               ns_dtype: torch.dtype | None = None) -> list[list[Tensor]]:
+    """``pre -> Newton-Schulz -> post`` of stacks of direction inputs: the body of every form.
+
+    ``pre`` and ``post`` see each side of a stack (members as they are, members transposed) in its own
+    orientation, a transposed view, no copy; Newton-Schulz runs whole stacks, ``batched`` as one
+    batched call (the batched form; ``X`` is scratch) or matrix by matrix with fused ``addmm`` (the
+    per-tensor form and the distributed owners: a matrix's bits never depend on its neighbours, which
+    the bit-exact DDP split relies on); ``post`` runs once, after every stack's Newton-Schulz
+    (:meth:`HiddenRule.post_all`). State stacks are handed over as views per side and updated in place.
+    ``scratch``: the per-tensor form's buffers. ``dtype``: the parameters' dtype, to which a narrower
+    (bf16) direction is cast. ``ns_dtype``: given by compiled graphs, which have no ``ctx``.
+
+    Returns:
+        per stack, one contiguous stack per side, each member's direction in its own orientation.
+    """
+    us, states, owner = [], [], []
+    for i, (X, plain, state) in enumerate(stacks):
+        k = X.shape[0]
+        sides = [(s, flip) for s, flip in ((slice(0, plain), False), (slice(plain, k), True)) if s.stop > s.start]
+        views = [{key: v[s] for key, v in state.items()} for s, _ in sides]
+        if type(rule).pre is not HiddenRule.pre:
+            ys = [rule.pre(X[s].mT if flip else X[s], group, *([st] if st else []))
+                  for (s, flip), st in zip(sides, views, strict=True)]
+            ys = [y.mT if flip else y for y, (_, flip) in zip(ys, sides, strict=True)]
+            X = torch.cat(ys) if len(ys) > 1 else ys[0]
+        dt = ns_dtype or _ns_dtype(group, X, ctx)
+        if batched:
+            U = F.orthogonalize_stack(X.to(dt), group["ns_steps"], group["ns_coefficients"], inplace=True)
+        else:
+            out = None if scratch is None else buffer(scratch, "ns", X.shape, dt, X.device)
+            U = F.orthogonalize(X, group["ns_steps"], group["ns_coefficients"], dt, workspace=scratch, out=out)
+        us += [U[s].mT if flip else U[s] for s, flip in sides]
+        states += views
+        owner += [i] * len(sides)
+    ds = rule.post_all(us, group, states)
+    # One copy at most per side: the cast of a narrower direction and the transposed side's layout.
+    narrower = dtype is not None and ds[0].dtype.itemsize < dtype.itemsize
+    result: list[list[Tensor]] = [[] for _ in stacks]
+    for i, d in zip(owner, ds, strict=True):
+        result[i].append(d.to(dtype, memory_format=torch.contiguous_format) if narrower else d.contiguous())
+    return result

@@ -1,0 +1,63 @@
+"""FSDP2 at the Newton-Schulz seam: a hidden rule's row shards meet as whole matrices at owner ranks.
+
+Under FSDP2 every rank holds a row shard of each matrix; Newton-Schulz and a hidden rule's ``pre`` and
+``post`` need whole matrices. :func:`hidden_at_owners` sends a bucket's row shards to owner ranks by one
+``all_to_all_single`` (:meth:`ShardedSplit.at_owners`), runs the driver's body
+(:func:`meqmuon.optim.driver.directions`) there, and brings the rows of the directions back by a
+second one (microsoft/dion ``megabatch_base.py`` does the same for Newton-Schulz), so a rule never needs
+a sum over shards. Per-row state travels as extra columns of the rows, per-matrix state as a column of
+all rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import compiled, driver
+from .newton_schulz import batched_ns, ns_flops
+
+__all__ = ["hidden_at_owners"]
+
+
+def hidden_at_owners(rule: driver.HiddenRule, X: Tensor, state: dict[str, Tensor], m: int, group: dict,
+                     ctx) -> list[Tensor]:
+    """Row shards ``X`` ``(k, rows, n)`` of ``k`` matrices with ``m`` rows -> whole matrices at owner ranks
+    -> :func:`driver.directions` there -> the rows of ``D`` back; ``state`` is updated in place."""
+    k, rows, n = X.shape
+    keys = list(state)
+    per_row = [rule.state_views[key] == "rows" for key in keys]
+    ns_dtype = driver._ns_dtype(group, X, ctx)
+    dtype = X.dtype if keys else ns_dtype
+    out_dtype = torch.promote_types(dtype, torch.float32)
+
+    def columns(st: dict[str, Tensor], j: int, length: int, dt: torch.dtype) -> list[Tensor]:
+        return [st[key].to(dt)[..., None] if row else st[key].to(dt)[:, None, None].expand(j, length, 1)
+                for key, row in zip(keys, per_row, strict=True)]
+
+    def whole(W: Tensor) -> Tensor:
+        j = W.shape[0]
+        st = {key: _column(W, n + i, row, state[key].dtype)
+              for i, (key, row) in enumerate(zip(keys, per_row, strict=True))}
+        batched = batched_ns(W.device)
+        if ctx.compile:  # the owners' directions as one graph per stack shape
+            static = {key: group[key] for key in rule.hyperparameters if key != "momentum"}
+            static["ns_dtype"] = ns_dtype
+            D = compiled.bucket_step(rule.name, compiled.owner_directions, (tuple(W.shape), W.dtype, id(rule)), W, st,
+                                     rule=rule, n=n, batched=batched, group=static)
+        else:
+            (D,) = driver.directions(rule, [(W[..., :n], j, st)], group, ctx, batched=batched,
+                                     scratch=ctx.split.workspace)
+        return torch.cat([D[0].reshape(j, m, n).to(out_dtype), *columns(st, j, m, out_dtype)], dim=-1)
+
+    send = torch.cat([X.to(dtype), *columns(state, k, rows, dtype)], dim=-1)
+    back = ctx.split.at_owners(send, whole, m, n + len(keys), out_dtype, ns_flops(m, n, group["ns_steps"]))
+    for i, (key, row) in enumerate(zip(keys, per_row, strict=True)):
+        state[key].copy_(_column(back[:, :rows] if row else back, n + i, row, state[key].dtype))
+    return [back[:, :rows, :n]]
+
+
+def _column(W: Tensor, c: int, per_row: bool, dtype: torch.dtype) -> Tensor:
+    """State carried as column ``c`` of row stacks ``W`` ``(k, rows, width)``: per row, or per matrix (row 0)."""
+    v = W[..., c] if per_row else W[:, 0, c]
+    return v.to(dtype) if dtype.is_floating_point else v.round().to(dtype)
