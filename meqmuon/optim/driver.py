@@ -93,15 +93,15 @@ def make_buckets(items: Sequence[Item], *, matrix: bool, transpose: bool, by_sha
     found: dict[tuple, list[Item]] = {}
     flipped: dict[tuple, list[Item]] = {}
     orientation: dict[tuple, tuple[int, ...]] = {}
-    for it in items:  # a matrix rule's tensors are >= 2-D: its view is matrix_shape's
-        gshape = (it.shape[0], math.prod(it.shape[1:])) if matrix else tuple(it.shape)
+    for it in items:
+        gshape = matrix_shape(it.shape) if matrix else tuple(it.shape)
         key = (it.param.dtype, it.param.device)
         if by_shape:
             key += (tuple(sorted(gshape)) if transpose else gshape,)
         first = orientation.setdefault(key, gshape)
         (found if not by_shape or gshape == first else flipped).setdefault(key, []).append(it)
     return [Bucket(members + flipped.get(key, []), len(members), *(
-        (s[0], math.prod(s[1:])) if matrix else tuple(s) for s in (members[0].param.shape, members[0].shape)), key)
+        matrix_shape(s) if matrix else tuple(s) for s in (members[0].param.shape, members[0].shape)), key)
         for key, members in found.items()]
 
 
@@ -284,8 +284,9 @@ class MomentumRule(Rule):
             dirs += unstack(bucket, D)
             # A hidden rule's step multiplier (:meth:`HiddenRule.lr_scale`); the elementwise rules fold theirs in.
             scales += [self.lr_scale(*bucket.global_shape, group) if self.needs_ns else 1.0] * len(bucket.items)
-        if self.owner_state:
-            self.store_foreach(buckets, extras)
+        for j, key in enumerate(self.owner_state):  # the gathered owner state back: one copy kernel per key
+            states = [it.state[key] for b in buckets for it in b.items]
+            torch._foreach_copy_(states, [s for owned in extras for s in owned[j].to(states[0].dtype).unbind(0)])
         return params, dirs, scales
 
     def empty_directions(self, bucket: Bucket) -> Directions:
@@ -294,12 +295,6 @@ class MomentumRule(Rule):
         D = torch.empty((0, math.prod(bucket.shape)), dtype=p.dtype, device=p.device)
         return D, [bucket.items[0].state[k][None][:0] for k in self.owner_state]
 
-    def store_foreach(self, buckets: list[Bucket], extras: list[list[Tensor]]) -> None:
-        """Write the gathered owner state back: ``extras[i][j]`` holds bucket ``i``'s stack of
-        ``owner_state[j]`` over all its members (one copy kernel per key)."""
-        for j, key in enumerate(self.owner_state):
-            states = [it.state[key] for b in buckets for it in b.items]
-            torch._foreach_copy_(states, [s for owned in extras for s in owned[j].to(states[0].dtype).unbind(0)])
 
 
 def step_foreach_calls(calls: Sequence[tuple[Rule, Sequence[Item], dict, StepContext]]) -> None:
