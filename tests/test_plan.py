@@ -100,3 +100,18 @@ def test_no_gradient_is_kept_alive(foreach):
     model.zero_grad(set_to_none=True)
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_load_state_dict_keeps_the_capture_hook():
+    """``load_state_dict`` goes through ``__setstate__``: the optimizer keeps its own settings and hook."""
+    model = _model()
+    opt = meqmuon.MeqMuon(_groups(model), lr=1e-2)
+    seen = []
+    opt.set_capture_hook(lambda name, kind, what, x: seen.append(what))
+    _backward(model, 0)
+    opt.step()
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    seen.clear()
+    _backward(model, 1)
+    opt.step()
+    assert seen and set(seen) == {"momentum_input"}
