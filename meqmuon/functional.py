@@ -123,8 +123,13 @@ def ns_schedule(coefficients: Any, steps: int) -> tuple[tuple[tuple[float, float
 
 
 #: :func:`ns_schedule` computed once per ``(coefficients, steps)``: a step asks for it per matrix.
-#: Lists are unhashable: callers pass ``canonical_coefficients`` of them.
 _cached_schedule = functools.lru_cache(maxsize=64)(ns_schedule)
+
+
+def _schedule(coefficients: Any, steps: int) -> tuple[tuple[tuple[float, float, float], ...], float]:
+    """:func:`ns_schedule`, cached; lists (unhashable) are looked up as their tuples."""
+    hashable = isinstance(coefficients, str) or not any(isinstance(t, list) for t in (coefficients, *coefficients))
+    return _cached_schedule(coefficients if hashable else canonical_coefficients(coefficients), steps)
 
 
 def canonical_coefficients(coefficients: Any) -> Coefficients:
@@ -213,13 +218,13 @@ def orthogonalize(
             f"orthogonalize: out must be a contiguous {tuple(x.shape)} tensor of dtype {dtype}, "
             f"got {tuple(out.shape)} {out.dtype} (contiguous={out.is_contiguous()})"
         )
-    hashable = isinstance(coefficients, str) or not any(isinstance(t, list) for t in (coefficients, *coefficients))
-    schedule = _cached_schedule(coefficients if hashable else canonical_coefficients(coefficients), steps)
+    if x.ndim > 2 and batched:
+        stack = x.reshape(-1, *x.shape[-2:]).to(dtype, copy=True)
+        X = orthogonalize_stack(stack, steps, coefficients, eps, inplace=True).reshape(x.shape)
+        return X if out is None else out.copy_(X)
+    schedule = _schedule(coefficients, steps)
     if x.ndim == 2:
         return _orthogonalize_matrix(x, schedule, dtype, eps, workspace, out)
-    if batched:
-        X = _iterate_stack(x.reshape(-1, *x.shape[-2:]).to(dtype, copy=True), schedule, eps).reshape(x.shape)
-        return X if out is None else out.copy_(X)
     # One matrix at a time with fused addmm, exactly torch.optim.Muon's iteration: faster on CPU than
     # one batched call (docs/benchmarks.md). It also makes each matrix's bits independent of the
     # batch it travels in, which the DDP split relies on for bit-exactness with one process (a
@@ -288,14 +293,8 @@ def orthogonalize_stack(
     """
     if x.ndim != 3 or steps < 1:
         raise ValueError(f"orthogonalize_stack needs a (K, m, n) stack and steps >= 1, got {tuple(x.shape)}, {steps}")
-    hashable = isinstance(coefficients, str) or not any(isinstance(t, list) for t in (coefficients, *coefficients))
-    schedule = _cached_schedule(coefficients if hashable else canonical_coefficients(coefficients), steps)
-    return _iterate_stack(x if inplace else x.clone(), schedule, eps)
-
-
-def _iterate_stack(X: Tensor, schedule: tuple[tuple[tuple[float, float, float], ...], float], eps: float) -> Tensor:
-    """The stack iteration of :func:`orthogonalize_stack`, normalising ``X`` in place first."""
-    coefficients, scale = schedule
+    X = x if inplace else x.clone()
+    coefficients, scale = _schedule(coefficients, steps)
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
     X.div_((norm if scale == 1.0 else norm.mul_(scale)).clamp_(min=eps))
     tall = X.shape[-2] > X.shape[-1]

@@ -66,12 +66,24 @@ def bucket_step(label: str, fn: Callable[..., Any], key: tuple, *args: object, *
     return graph(*args)
 
 
+def static_group(rule, group: dict, ns_dtype: torch.dtype) -> dict:
+    """The hyperparameters a hidden rule's graph bakes in (all but ``momentum``, a graph input), with the
+    Newton-Schulz dtype resolved."""
+    return {**{k: group[k] for k in rule.hyperparameters if k != "momentum"}, "ns_dtype": ns_dtype}
+
+
+def _momentum_inputs(grads, bufs, mu, nesterov, *, update: bool = True) -> list[Tensor]:
+    """``B <- mu B + G`` in place (unless the momentum is already updated), then the direction inputs."""
+    grads = [g.to(b.dtype) for g, b in zip(grads, bufs, strict=True)]
+    if update:
+        F.momentum_(bufs, grads, mu)
+    return F.direction_input(grads, bufs, mu, nesterov)
+
+
 def _hidden_bucket(params, grads, bufs, states, steps, lr, wd, mu, scale, *, rule, plain, nesterov, batched, group):
     """A hidden rule's step of one bucket, momentum to update (:func:`driver.directions` in between)."""
-    grads = [g.to(b.dtype) for g, b in zip(grads, bufs, strict=True)]
-    if batched:  # the per-tensor form's momentum is updated before (and its buffers are owners' too)
-        F.momentum_(bufs, grads, mu)
-    inputs = [x.reshape(x.shape[0], -1) for x in F.direction_input(grads, bufs, mu, nesterov)]
+    # the per-tensor form's momentum is updated before (and its buffers are owners' too)
+    inputs = [x.reshape(x.shape[0], -1) for x in _momentum_inputs(grads, bufs, mu, nesterov, update=batched)]
     X = torch.stack(inputs[:plain] + [x.mT for x in inputs[plain:]])
     state = {k: torch.stack(v) for k, v in states.items()}
     if steps is not None:
@@ -85,9 +97,7 @@ def _hidden_bucket(params, grads, bufs, states, steps, lr, wd, mu, scale, *, rul
 
 def _elementwise_bucket(params, grads, bufs, lr, wd, mu, rho, *, rule, shape, nesterov):
     """An elementwise momentum rule's step of one bucket: momentum, :meth:`direction` of the stack, update."""
-    grads = [g.to(b.dtype) for g, b in zip(grads, bufs, strict=True)]
-    F.momentum_(bufs, grads, mu)
-    inputs = F.direction_input(grads, bufs, mu, nesterov)
+    inputs = _momentum_inputs(grads, bufs, mu, nesterov)
     X = torch.stack([x.reshape(shape) for x in inputs]).to(F._stat_dtype(inputs[0]))
     D = rule.direction(X, {"rho": rho}, None, shape)
     F.decay_and_update_(params, [d.reshape(p.shape) for d, p in zip(D.unbind(0), params, strict=True)], lr, wd, 1.0)
@@ -117,8 +127,7 @@ def momentum_step(rule, items, group: dict, ctx, *, per_tensor: bool) -> None:
                         [it.grad for it in b.items], [it.state["momentum_buffer"] for it in b.items], lr, wd, mu,
                         scalar(group["rho"]), rule=rule, shape=tuple(b.global_shape), nesterov=group["nesterov"])
         return
-    static = {k: group[k] for k in rule.hyperparameters if k != "momentum"}
-    static["ns_dtype"] = driver._ns_dtype(group, items[0].param, ctx)
+    static = static_group(rule, group, driver._ns_dtype(group, items[0].param, ctx))
     buckets = [driver.make_buckets([it], matrix=True, transpose=False)[0] for it in items] if per_tensor else \
         driver.make_buckets(items, matrix=True, transpose=rule.transposes)
     per_matrix = {k: how for k, how in rule.state_views.items() if how in ("rows", "counter", "step")}

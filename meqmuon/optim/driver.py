@@ -105,23 +105,23 @@ def make_buckets(items: Sequence[Item], *, matrix: bool, transpose: bool, by_sha
         for key, members in found.items()]
 
 
-def unstack(bucket: Bucket, stacks: Tensor | Sequence[Tensor], start: int = 0) -> list[Tensor]:
-    """Members ``start..`` of a stack (or consecutive stacks) of directions, each row one member's
+def unstack(bucket: Bucket, stacks: Tensor | Sequence[Tensor]) -> list[Tensor]:
+    """The members' rows of a stack (or consecutive stacks) of directions, each row one member's
     direction in its own orientation, as views in the members' shapes (contiguous rows)."""
     rows = [r for s in ([stacks] if isinstance(stacks, Tensor) else stacks) for r in s.unbind(0)]
-    return [t.view(it.param.shape) for t, it in zip(rows, bucket.items[start:], strict=True)]
+    return [t.view(it.param.shape) for t, it in zip(rows, bucket.items, strict=True)]
 
 
 # ---- buffers -------------------------------------------------------------------------------------
 
 
 def buffer(scratch: dict[tuple, Tensor], role: str, shape: Sequence[int], dtype: torch.dtype = torch.float32,
-           device: torch.device | None = None, zero: bool = False) -> Tensor:
+           device: torch.device | None = None) -> Tensor:
     """A tensor for ``role`` kept in ``scratch`` (a step's, or the optimizer's workspace) and reused."""
     key = (role, tuple(shape), dtype, device)
     t = scratch.get(key)
     if t is None:
-        t = scratch[key] = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+        t = scratch[key] = torch.empty(shape, dtype=dtype, device=device)
     return t
 
 
@@ -236,8 +236,7 @@ class MomentumRule(Rule):
             step_foreach_calls([(self, items, group, ctx)])
             return
         bufs = [it.state["momentum_buffer"] for it in items]
-        F.momentum_(bufs, [it.grad if it.grad.dtype == b.dtype else it.grad.to(b.dtype)
-                           for it, b in zip(items, bufs, strict=True)], group["momentum"], fused=True)
+        F.momentum_(bufs, grads_like(items, bufs), group["momentum"], fused=True)
         if ctx.capture is not None:
             ctx.emit(items, [direction_input(it, group) for it in items], "momentum_input")
         if not self.split_work or ctx.split.world_size == 1:  # one process: this rank owns all
@@ -414,11 +413,9 @@ class HiddenRule(MomentumRule):
             return
         scratch: dict[tuple, Tensor] = {}
         per_matrix = [(k, how) for k, how in self.state_views.items() if how in ("rows", "counter", "step")]
-        mu, nesterov = group["momentum"], group["nesterov"]
         for it in items:
-            b, g, shape = it.state["momentum_buffer"], it.grad, it.shape
-            g = g if g.dtype == b.dtype else g.to(b.dtype)
-            (x,) = F.direction_input([g], [b], mu, nesterov, [buffer(scratch, "nesterov", b.shape, b.dtype, b.device)])
+            b, shape = it.state["momentum_buffer"], it.shape
+            x = direction_input(it, group, out=buffer(scratch, "nesterov", b.shape, b.dtype, b.device))
             X = x.reshape(x.shape[0], -1) if x.ndim > 2 else x
             state = {k: torch.tensor([it.state[k]], device=b.device) if how == "step" else it.state[k][None]
                      for k, how in per_matrix}

@@ -41,8 +41,7 @@ def hidden_at_owners(rule: driver.HiddenRule, X: Tensor, state: dict[str, Tensor
               for i, (key, row) in enumerate(zip(keys, per_row, strict=True))}
         batched = batched_ns(W.device)
         if ctx.compile:  # the owners' directions as one graph per stack shape
-            static = {key: group[key] for key in rule.hyperparameters if key != "momentum"}
-            static["ns_dtype"] = ns_dtype
+            static = compiled.static_group(rule, group, ns_dtype)
             D = compiled.bucket_step(rule.name, compiled.owner_directions, (tuple(W.shape), W.dtype, id(rule)), W, st,
                                      rule=rule, n=n, batched=batched, group=static)
         else:
