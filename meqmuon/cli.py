@@ -65,6 +65,19 @@ def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _csv_numbers(text: str, flag: str, kind: type) -> list[Any]:
+    """A comma-separated list of numbers; a bad item is an error naming the flag and the item."""
+    out = []
+    for item in _csv(text):
+        try:
+            out.append(kind(item))
+        except ValueError:
+            what = "a number" if kind is float else "a whole number"
+            raise ValueError(f"{flag}: {item!r} is not {what} (in {text!r}; comma-separated, e.g. "
+                             f"{'1e-3,2e-3' if kind is float else '0,1,2'})") from None
+    return out
+
+
 def _add_run_args(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
     """Flags shared by train/compare/sweep. Defaults are SUPPRESSed so that only given flags override."""
     from meqmuon.optim.registry import REGISTRY
@@ -105,7 +118,8 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
     g.add_argument("--device", default=S, help="auto (cuda:LOCAL_RANK if available), cpu, cuda:0, ...")
     g.add_argument("--compile", action="store_true", default=S, help="torch.compile the model")
     g.add_argument("--threads", type=int, default=S,
-                   help="CPU threads for the run (default: torch's, one per core); 1 on a CPU shared with other jobs")
+                   help="CPU threads for the run (default 1 on CPU: 2+ threads stall when other jobs share the "
+                        "cores; more are faster on idle cores)")
     g.add_argument("--out", default=S, help="run directory" + (" for all runs" if compare else ""))
     g.add_argument("--eval-every", type=int, default=S,
                    help="evaluate every N updates (and at the end); default: ~20 evaluations per run, fewer "
@@ -144,6 +158,7 @@ def _base_dict(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from meqmuon.train.checkpoint import list_checkpoints
     from meqmuon.train.config import config_from_dict, load_config_file, run_dir_of
     from meqmuon.train.loop import train
 
@@ -158,6 +173,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
             for per_invocation in ("stop_at_step", "resume", "quiet", "out"):
                 saved.pop(per_invocation, None)
             d = {**saved, **_base_dict(args), **over}
+        if d["resume"] == "auto" and int(os.environ.get("RANK", "0")) == 0 and not list_checkpoints(run_dir):
+            # A job script that always passes --resume auto must be able to start the run, so this is
+            # not an error; but a mistyped --out would otherwise start a new run silently.
+            print(f"meqmuon: note: --resume auto found no checkpoint in {run_dir}; starting a new run there",
+                  file=sys.stderr)
     summary = train(config_from_dict(d))
     if summary.get("finished"):
         keys = ("val_loss", "val_ppl", "val_bpb", "tokens", "tokens_per_s", "optimizer_state_mib", "run_dir")
@@ -226,11 +246,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from meqmuon.train.config import config_from_dict, config_to_dict, validate_config
 
     optimizers = _check_optimizers(_csv(args.optimizers))
-    try:
-        lrs = [float(x) for x in _csv(args.lrs)]
-        seeds = [int(x) for x in _csv(args.seeds)]
-    except ValueError as e:
-        raise ValueError(f"--lrs/--seeds: {e}") from None
+    lrs = _csv_numbers(args.lrs, "--lrs", float)
+    seeds = _csv_numbers(args.seeds, "--seeds", int)
     over = _overrides(args)
     out = Path(over.pop("out", "runs/sweep"))
     base = config_from_dict({**config_to_dict(demo_config()), **_base_dict(args), **over})
@@ -259,16 +276,25 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     was_complete = (out / MANIFEST).is_file()
+    builtin = args.tokenizer is not None and args.tokenizer.lower() == "builtin"
     if [d.lower() for d in args.data] == ["pysrc"]:  # the named corpus: its own files, the built-in BPE by default
         from meqmuon.train.data import cache_root
         from meqmuon.train.pysrc import prepare_pysrc
 
-        m = prepare_pysrc(out, cache=cache_root(None), tokenizer_name=args.tokenizer, vocab_size=args.vocab_size,
-                          val_fraction=args.val_fraction, progress=not args.quiet)[0].manifest
+        m = prepare_pysrc(out, cache=cache_root(args.cache_dir), tokenizer_name=None if builtin else args.tokenizer,
+                          vocab_size=args.vocab_size, val_fraction=args.val_fraction,
+                          progress=not args.quiet)[0].manifest
     elif args.tokenizer is None:
-        raise ValueError("prepare --data PATH... needs --tokenizer (a hub id or save_pretrained directory)")
+        raise ValueError("prepare --data PATH... needs --tokenizer: a hub id, a save_pretrained directory, or "
+                         "builtin (a byte-level BPE trained on the files' train documents, offline)")
     else:
-        m = prepare(args.data, args.tokenizer, out, val_fraction=args.val_fraction, val_tokens=args.val_tokens,
+        tokenizer: Any = args.tokenizer
+        if builtin:  # trained on the files (or reused from the data cache), as `train --data PATHS` does
+            from meqmuon.train.data import local_bpe
+
+            tokenizer = local_bpe(args.data, vocab_size=args.vocab_size, val_fraction=args.val_fraction,
+                                  cache_dir=args.cache_dir)
+        m = prepare(args.data, tokenizer, out, val_fraction=args.val_fraction, val_tokens=args.val_tokens,
                     workers=args.workers, max_tokens=args.max_tokens, chunk_bytes=int(args.chunk_mb * 2**20),
                     progress=not args.quiet)
     if was_complete and not args.quiet:
@@ -293,8 +319,12 @@ def _add_prepare_parser(sub: Any) -> None:
     p.add_argument("--data", nargs="+", required=True, metavar="PATH",
                    help="files and directories, or pysrc (the Python-sources corpus, ~44M tokens)")
     p.add_argument("--tokenizer", default=None, metavar="NAME_OR_DIR",
-                   help="HF hub id or save_pretrained directory (required but for pysrc: default the built-in BPE)")
-    p.add_argument("--vocab-size", type=int, default=4096, help="built-in BPE vocabulary for pysrc (4096)")
+                   help="HF hub id, save_pretrained directory, or builtin: a byte-level BPE trained on the train "
+                        "documents (offline; cached, shared with `train --data PATHS`); required but for pysrc, "
+                        "whose default is builtin")
+    p.add_argument("--vocab-size", type=int, default=4096, help="built-in BPE vocabulary (4096)")
+    p.add_argument("--cache-dir", default=None,
+                   help="where the built-in BPE is cached (default ~/.cache/meqmuon or $MEQMUON_CACHE)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (new, or an unfinished preparation)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: every core)")
     p.add_argument("--val-fraction", type=float, default=0.05,
@@ -407,7 +437,9 @@ def _resume_command(args: argparse.Namespace, argv: list[str], stop: Any) -> str
     running the same command again (finished runs are reused, the stopped one resumes with ``auto``)."""
     launcher = "torchrun ... -m meqmuon" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "meqmuon"
     if args.command == "train":
-        return f"{launcher} train --out {shlex.quote(str(stop.run_dir))} --resume auto"
+        # --threads is stored in config.json and reused, but is shown so the line says how the run continues.
+        threads = f" --threads {args.threads}" if getattr(args, "threads", None) is not None else ""
+        return f"{launcher} train --out {shlex.quote(str(stop.run_dir))} --resume auto{threads}"
     return f"{launcher} {shlex.join(argv)}"
 
 

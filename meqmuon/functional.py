@@ -127,7 +127,13 @@ _cached_schedule = functools.lru_cache(maxsize=64)(ns_schedule)
 
 
 def _schedule(coefficients: Any, steps: int) -> tuple[tuple[tuple[float, float, float], ...], float]:
-    """:func:`ns_schedule`, cached; lists (unhashable) are looked up as their tuples."""
+    """:func:`ns_schedule`, cached; lists (unhashable) are looked up as their tuples.
+
+    Under ``torch.compile`` the schedule is computed directly: Dynamo runs plain Python once, at
+    trace time, so the cache saves nothing there, and tracing through an ``lru_cache`` wrapper makes
+    Dynamo print an 8-line warning on every ``compile=True`` optimizer (``tests/test_compile.py``)."""
+    if torch.compiler.is_compiling():
+        return ns_schedule(coefficients, steps)
     hashable = isinstance(coefficients, str) or not any(isinstance(t, list) for t in (coefficients, *coefficients))
     return _cached_schedule(coefficients if hashable else canonical_coefficients(coefficients), steps)
 

@@ -117,21 +117,70 @@ def test_stop_then_bare_resume_auto_and_protection_of_existing_runs(cache, tmp_p
 
 def test_corrupt_checkpoint_is_reported_and_kept(cache, tmp_path, capsys):
     run = tmp_path / "run"
-    assert main(small(cache, run, "--stop-at-step", "2")) == 0
-    ckpt = run / "checkpoints" / "step_0000002.pt"
+    assert main(small(cache, run, "--stop-at-step", "2", "--save-every", "100")) == 0
+    (ckpt,) = (run / "checkpoints").iterdir()
     ckpt.write_bytes(ckpt.read_bytes()[:1000])  # truncated, as after a disk-full copy
     before = snapshot(run)
     assert main(["train", "--out", str(run), "--resume", "auto", "--quiet"]) == 1
-    assert "cannot read checkpoint" in one_error_line(capsys)
+    assert f"cannot read checkpoint {ckpt}: truncated or damaged" in one_error_line(capsys)
     assert snapshot(run) == before
 
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint at all")
     assert main(small(cache, tmp_path / "other", "--resume", str(garbage))) == 1
-    assert "cannot read checkpoint" in one_error_line(capsys)
+    line = one_error_line(capsys)
+    assert f"cannot read checkpoint {garbage}:" in line and len(line) < 120 + len(str(garbage)), line
 
     assert main(small(cache, tmp_path / "other", "--resume", str(tmp_path / "missing.pt"))) == 1
     assert "--resume path does not exist" in one_error_line(capsys)
+
+
+def test_resume_auto_skips_a_corrupt_newest_checkpoint(cache, tmp_path, capsys):
+    """The newest checkpoint truncated (as a full disk or a bad copy leaves it): ``--resume auto`` warns
+    once, naming it, and continues from the older kept one, bit for bit (the final validation loss and
+    every logged loss equal an uninterrupted run's). With no readable checkpoint left the error is one
+    short line naming the file, not torch's ~400 characters of zip-reader advice."""
+    straight = tmp_path / "straight"
+    assert main(small(cache, straight)) == 0
+    run = tmp_path / "run"
+    assert main(small(cache, run, "--save-every", "1", "--stop-at-step", "3")) == 0
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["step_0000002.pt", "step_0000003.pt"]
+    newest = run / "checkpoints" / "step_0000003.pt"
+    newest.write_bytes(newest.read_bytes()[:2000])
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume", "auto", "--quiet"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("meqmuon: warning: skipping unreadable checkpoint "), err
+    assert str(newest) in err[0] and "truncated or damaged" in err[0] and "step_0000002.pt" in err[0]
+    assert err[0].endswith("; resuming from step_0000002.pt") and len(err[0]) < 150 + len(str(newest)), err[0]
+    got, want = (json.loads((d / "summary.json").read_text()) for d in (run, straight))
+    assert got["val_loss"] == want["val_loss"]
+    losses = [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
+    assert losses == [(r["step"], r["loss"]) for r in read_metrics(straight / "metrics.jsonl") if r["kind"] == "train"]
+
+    # Nothing readable: one short line naming the newest file; nothing touched.
+    only = tmp_path / "only"
+    assert main(small(cache, only, "--save-every", "100", "--stop-at-step", "2")) == 0
+    (ckpt,) = (only / "checkpoints").iterdir()
+    ckpt.write_bytes(ckpt.read_bytes()[:2000])
+    before = snapshot(only)
+    capsys.readouterr()
+    assert main(["train", "--out", str(only), "--resume", "auto", "--quiet"]) == 1
+    line = one_error_line(capsys)
+    assert line == (f"meqmuon: error: cannot read checkpoint {ckpt}: "
+                    "truncated or damaged (not a complete torch zip file)")
+    assert snapshot(only) == before
+
+
+def test_resume_auto_without_a_run_says_so_and_starts_one(cache, tmp_path, capsys):
+    """``--resume auto`` where there is no checkpoint (a first launch of a job script, or a mistyped
+    ``--out``) starts a new run, with one line saying that none was found there."""
+    run = tmp_path / "typo"
+    assert main(small(cache, run, "--steps", "2", "--resume", "auto")) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"meqmuon: note: --resume auto found no checkpoint in {run}; starting a new run there"]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
 
 
 def test_checkpoint_of_another_model_is_rejected(cache, tmp_path, capsys):
@@ -165,6 +214,15 @@ def test_plot_and_sweep(cache, tmp_path, capsys):
     # One seed: no interval ("-"), and no MeqMuon in the sweep: no paired difference ("-").
     assert f"| adamw | {best['lr']:g} | 1 | {losses[best['lr']]:.4f} | - | - | - | - |" in table
     assert (out / "val_ppl.png").read_bytes()[:4] == b"\x89PNG"
+    # The best lr is at an edge of this 2-lr grid, and each run evaluated once: sweep.md (which the
+    # command prints) says both.
+    edge = ("adamw: the best lr 0.001 is the smallest of the grid (0.001, 0.003); the optimum may lie below it: "
+            "try 0.00033 next." if best["lr"] == 1e-3 else
+            "adamw: the best lr 0.003 is the largest of the grid (0.001, 0.003); the optimum may lie above it: "
+            "try 0.009 next.")
+    printed = capsys.readouterr().out
+    assert f"- {edge}" in table and edge in printed
+    assert "- val_ppl.png: one evaluation per run (at the end): --eval-every N draws curves" in table
     assert main(["plot", str(out / "adamw-lr0.001-s0" / "metrics.jsonl"), str(out / "adamw-lr0.003-s0"),
                  "--out", str(tmp_path / "p.png"), "--metric", "loss"]) == 0
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
@@ -286,8 +344,14 @@ ERROR_PATHS = [
     (["compare", "--seeds", "0"], 2, "argument --seeds: expected a number of seeds >= 1"),
     (["sweep", "--optimizers", "muon", "--lrs", "-1e-3"], 1, "lr must be a positive number, got -0.001"),
     (["sweep", "--optimizers", "muon"], 2, "the following arguments are required: --lrs"),
-    (["prepare", "--data", "{data}", "--tokenizer", "builtin", "--out", "{tmp}/p"], 1,
-     "--tokenizer builtin: the built-in BPE is trained on a run's own training text"),
+    (["sweep", "--optimizers", "muon", "--lrs", "1e-3,abc"], 1,
+     "--lrs: 'abc' is not a number (in '1e-3,abc'; comma-separated, e.g. 1e-3,2e-3)"),
+    (["sweep", "--optimizers", "muon", "--lrs", "1e-3", "--seeds", "0,1.5"], 1, "--seeds: '1.5' is not a whole number"),
+    (["prepare", "--data", "{data}", "--tokenizer", "builtin", "--out", "{tmp}/p", "--cache-dir", "{tmp}/cache",
+      "--quiet"], 1,
+     "no validation documents: every document went to the train split"),
+    (["prepare", "--data", "{data}", "--out", "{tmp}/p"], 1,
+     "prepare --data PATH... needs --tokenizer: a hub id, a save_pretrained directory, or builtin"),
     (["prepare", "--data", "{data}", "--tokenizer", "{tmp}/tok", "--out", "{tmp}/p"], 1,
      "tokenizer directory does not exist"),
     (["prepare", "--data", "{tmp}/none.jsonl", "--tokenizer", "gpt2", "--out", "{tmp}/p"], 1,
@@ -297,7 +361,7 @@ ERROR_PATHS = [
     (["plot", "{run}", "--metric", "foo"], 1, "unknown metric 'foo'; valid: val_ppl"),
     (["diagnose", "imbalance", "--run", "/nonexistent"], 1, "run directory does not exist: /nonexistent"),
     (["diagnose", "imbalance", "--run", "{run}", "--layers", "3"], 1, "no captured matrix matches --layers 3"),
-    (["diagnose", "imbalance", "--run", "{adamw}"], 1, "no capture for step(s) any"),
+    (["diagnose", "imbalance", "--run", "{adamw}"], 1, "/adamw/captures: train with --capture-steps to record"),
     (["diagnose", "ns-trajectory", "--run", "{run}", "--layer", "9"], 1,
      "no hidden matrix of layer 9 captured at step 1"),
     (["diagnose", "selection", "--run", "{adamw}"], 1, "only MeqMuon-type runs"),

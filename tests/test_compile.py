@@ -285,3 +285,45 @@ def test_compile_names_the_rules_that_run_eagerly():
         warnings.simplefilter("error")
         meqmuon.MeqMuon(meqmuon.param_groups(model), compile=True)
         meqmuon.Muon(meqmuon.param_groups(model))
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_compiled_step_warns_nothing_from_our_code(foreach):
+    """A ``compile=True`` step emits no warning (``warnings`` or dynamo's log) that points at this
+    package. Dynamo's ``warn_once`` remembers each message for the process, and ``_fresh_compile``
+    does not forget it, so its memory is cleared first: otherwise a warning printed by an earlier test
+    would be silenced here and the test could not fail. Before the fix, tracing ``_schedule``'s
+    ``lru_cache`` printed "Dynamo detected a call to a `functools.lru_cache`-wrapped function at
+    'functional.py:132'"."""
+    import logging
+    import pathlib
+    import warnings
+
+    from torch._dynamo import utils as dynamo_utils
+
+    package = str(pathlib.Path(meqmuon.__file__).parent)
+    _fresh_compile()
+    dynamo_utils.warn_once_cache.clear()
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = Keep(level=logging.WARNING)
+    log = logging.getLogger("torch")
+    log.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = make_model(dtype=torch.float32)
+            opt = meqmuon.MeqMuon(meqmuon.param_groups(model), lr=0.02, ns_dtype=torch.float32,
+                                  foreach=foreach, compile=True)
+            _run(model, opt, _sched(opt), 2)
+    finally:
+        log.removeHandler(handler)
+    ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+            if w.filename.startswith(package) or package in str(w.message) or "meqmuon" in str(w.message)]
+    ours += [r.getMessage() for r in records if package in r.getMessage() or "meqmuon" in r.getMessage()]
+    assert not ours, ours
+    assert all(torch.isfinite(p).all() for p in model.parameters())

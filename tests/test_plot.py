@@ -109,3 +109,32 @@ def test_plot_command_names_and_titles_its_output_from_the_runs(tmp_path, monkey
     assert default_output(["runs/compare"], "val_ppl") == want
     assert default_title(["runs/compare/adamw"]) == "llama-tiny: validation perplexity (runs/compare/adamw)"
     assert plot_mod.run_label(Path("runs/compare/adamw/metrics.jsonl")) == "adamw (lr 0.003)"
+
+
+def test_an_optimizer_has_one_colour_in_every_figure(tmp_path, figures):
+    """The demo's figure (runs in the demo's order), ``meqmuon plot`` over the shell's alphabetical
+    glob, and a seed-band figure draw each optimizer in the same colour; a second lr of one optimizer
+    keeps its colour with another line style; an unknown optimizer gets a colour nobody else has."""
+    from matplotlib.colors import to_hex
+
+    demo_order = ["adamw", "muon", "normuon", "meqmuon"]
+    runs = {o: fake_run(tmp_path / o, o, 1e-2, [600.0, 300.0 + i]) for i, o in enumerate(demo_order)}
+
+    def colours(fig):
+        lines = fig.axes[0].get_lines()
+        return {line.get_label().split(" ")[0].rstrip(":"): to_hex(line.get_color()) for line in lines}
+
+    plot_runs([runs[o] for o in demo_order], tmp_path / "demo.png")
+    plot_runs([runs[o] for o in sorted(demo_order)], tmp_path / "glob.png")
+    plot_seed_bands({o: [runs[o]] for o in reversed(demo_order)}, tmp_path / "bands.png")
+    demo, glob_order, bands = (colours(f) for f in figures)
+    assert demo == glob_order == {o: to_hex(c) for o, c in bands.items()} and len(set(demo.values())) == 4
+    assert demo["meqmuon"] == to_hex("C3") and demo["adamw"] == to_hex("C0")
+
+    other = fake_run(tmp_path / "meq2", "meqmuon", 3e-2, [500.0, 250.0])
+    odd = fake_run(tmp_path / "odd", "lion", 1e-3, [500.0, 250.0])
+    plot_runs([runs["meqmuon"], other, odd, runs["adamw"]], tmp_path / "mixed.png")
+    lines = figures[-1].axes[0].get_lines()
+    assert to_hex(lines[0].get_color()) == to_hex(lines[1].get_color()) == to_hex("C3")
+    assert lines[0].get_linestyle() != lines[1].get_linestyle()
+    assert to_hex(lines[2].get_color()) not in {to_hex("C3"), to_hex("C0")}

@@ -105,7 +105,7 @@ def test_sigterm_at_a_random_update_then_resume_auto_is_bit_exact(cache, tmp_pat
     assert lines == [f"meqmuon: stopped by SIGTERM after step {stopped} of {STEPS} (checkpoint "
                      f"{run / 'checkpoints' / f'step_{stopped:07d}.pt'}); resume with: "
                      + ("meqmuon" if world == 1 else "torchrun ... -m meqmuon")
-                     + f" train --out {run} --resume auto"], (k, err)
+                     + f" train --out {run} --resume auto --threads 1"], (k, err)
     assert not (run / "summary.json").exists()
 
     codes, errs = finish(launch(["train", "--out", str(run), "--resume", "auto", "--quiet"], world))

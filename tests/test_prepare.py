@@ -347,3 +347,45 @@ def test_bad_line_number_in_a_later_chunk(tok_dir, tmp_path):
     with pytest.raises(ValueError, match=r"big\.jsonl:251: expected a JSON object"):
         prep.prepare([tmp_path / "big.jsonl"], str(tok_dir), tmp_path / "o", workers=1, chunk_bytes=20_000,
                        progress=False)
+
+
+# ---------------------------------------------------------------- the built-in BPE, offline
+
+
+def test_prepare_tokenizer_builtin_trains_once_and_matches_train(tmp_path, capsys, monkeypatch):
+    """``prepare --data FILE.txt --tokenizer builtin`` trains the byte-level BPE on the file's train
+    documents (no hub), caches it where ``train --data FILE.txt`` looks for it (the same fingerprint,
+    so both runs see the same token ids), and a second preparation reuses it instead of training
+    again. A .txt file is cut into documents at blank lines."""
+    import meqmuon.train.data as data_mod
+
+    text = tmp_path / "corpus.txt"
+    docs = _docs(120, 7)
+    text.write_text("\n\n".join(d.replace(". Document", ".\nDocument") for d in docs) + "\n")  # 2 lines each
+    cache = tmp_path / "cache"
+    out = tmp_path / "prepared"
+    assert main(["prepare", "--data", str(text), "--tokenizer", "builtin", "--vocab-size", "512", "--out", str(out),
+                 "--cache-dir", str(cache), "--workers", "1", "--quiet"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    manifest = json.loads((out / shards.MANIFEST).read_text())
+    assert line["documents"] + line["val_documents"] == len(docs)  # one document per blank-line block
+    (bpe_file,) = cache.rglob("tokenizer-bpe512.json")
+    built = build_data(str(text), seq_len=32, cache_dir=cache, val_tokens=256, vocab_size=512)
+    assert manifest["tokenizer"]["fingerprint"] == built.tokenizer.fingerprint == line["tokenizer"]
+    on_prepared = build_data(str(out), seq_len=32, cache_dir=cache, val_tokens=256)
+    assert line["shards"] == 1 and "(local, 1 shard):" in on_prepared.description  # not "1 shards"
+
+    # The second time, the cached BPE is loaded: training it again would fail here.
+    monkeypatch.setattr(data_mod, "load_or_train_bpe", lambda texts, v, f: (
+        pytest.fail("retrained") if not f.is_file() else load_tokenizer_file(f)))
+    again = tmp_path / "again"
+    assert main(["prepare", "--data", str(text), "--tokenizer", "builtin", "--vocab-size", "512", "--out",
+                 str(again), "--cache-dir", str(cache), "--workers", "1", "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokenizer"] == line["tokenizer"]
+    assert list(cache.rglob("tokenizer-bpe512.json")) == [bpe_file]
+
+
+def load_tokenizer_file(path):
+    from meqmuon.train.tokenizer import BPETokenizer
+
+    return BPETokenizer.load(path)

@@ -15,7 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from meqmuon.train.compare import best_lrs, format_compare_seeds_table, format_sweep_table, summarize_seeds
+from meqmuon.train.compare import (
+    best_lrs,
+    format_compare_seeds_table,
+    format_sweep_table,
+    grid_edge_notes,
+    summarize_seeds,
+)
 from meqmuon.train.plot import plot_seed_bands
 
 T2 = 4.302652729749464  # t_{0.975, 2} = sqrt(2 * 0.95^2 / (1 - 0.95^2))
@@ -120,3 +126,21 @@ def test_seed_band_plot_is_written_and_refuses_mismatched_evaluations(tmp_path):
         plot_seed_bands({"a": [a0, odd]}, tmp_path / "q.png")
     with pytest.raises(ValueError, match="at least one run"):
         plot_seed_bands({"a": []}, tmp_path / "q.png")
+
+
+def test_a_best_lr_at_the_grid_edge_is_named_with_the_next_lr_to_try():
+    """Both optimizers of ``grid()`` are best at 3e-2, the larger of {1e-2, 3e-2}: the note names the
+    next lr one grid step further (x3). Best in the middle of a 3-lr grid: no note; best at the
+    smallest: the step below (1e-3, 2e-3, 4e-3 -> 5e-4); one lr is no grid: no note."""
+    rows = grid()
+    assert grid_edge_notes(rows, summarize_seeds(rows)) == [
+        f"{o}: the best lr 0.03 is the largest of the grid (0.01, 0.03); the optimum may lie above it: try 0.09 next."
+        for o in ("muon", "meqmuon")]
+    middle = [row("adamw", 1e-3, 0, 6.0), row("adamw", 2e-3, 0, 5.0), row("adamw", 4e-3, 0, 5.5)]
+    assert grid_edge_notes(middle, summarize_seeds(middle)) == []
+    low = [row("adamw", 4e-3, 0, 6.0), row("adamw", 2e-3, 0, 5.5), row("adamw", 1e-3, 0, 5.0)]
+    assert grid_edge_notes(low, summarize_seeds(low)) == [
+        "adamw: the best lr 0.001 is the smallest of the grid (0.001, 0.002, 0.004); the optimum may lie below it: "
+        "try 0.0005 next."]
+    one = [row("adamw", 1e-3, 0, 5.0)]
+    assert grid_edge_notes(one, summarize_seeds(one)) == []

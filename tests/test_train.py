@@ -449,3 +449,24 @@ def test_ddp_two_processes_match_single_process(cache, tmp_path):
             for name, t in value.items():
                 if isinstance(t, torch.Tensor):
                     torch.testing.assert_close(c2[key][name], t, rtol=0, atol=1e-4, msg=f"{key}/{name}")
+
+
+def test_train_uses_one_cpu_thread_unless_told(monkeypatch):
+    """``train`` on a CPU runs with 1 intra-op thread by default (2 threads stalled 5x on 2 shared
+    cores, docs/benchmarks.md), ``threads=N`` is honoured, torch's setting is restored afterwards, and
+    a GPU run keeps torch's default."""
+    from meqmuon.train import loop
+
+    seen = []
+    monkeypatch.setattr(loop, "_train", lambda cfg, *a: seen.append(torch.get_num_threads()) or {})
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        train(TrainConfig(device="cpu"))
+        train(TrainConfig(device="cpu", threads=2))
+        assert seen == [1, 2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert loop.run_threads(TrainConfig(), torch.device("cpu")) == 1
+    assert loop.run_threads(TrainConfig(threads=3), torch.device("cpu")) == 3
+    assert loop.run_threads(TrainConfig(), torch.device("cuda", 0)) is None

@@ -46,9 +46,12 @@ def load_captures(run_dir: str | Path, steps: Iterable[int] | None = None) -> di
     available = captured_steps(run_dir)
     wanted = available if steps is None else [int(s) for s in steps]
     missing = [s for s in wanted if s not in available]
+    folder = Path(run_dir) / "captures"
+    if not available:
+        raise FileNotFoundError(f"no captures in {folder}: train with --capture-steps to record them")
     if missing or not wanted:
         raise FileNotFoundError(
-            f"no capture for step(s) {missing or 'any'} in {Path(run_dir) / 'captures'}; captured steps: {available}. "
-            "Train with --capture-steps to record them."
+            f"no capture for step{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} in {folder}; "
+            f"captured steps: {', '.join(map(str, available))} (train with --capture-steps to record others)"
         )
     return {s: torch.load(capture_path(run_dir, s), weights_only=True) for s in wanted}

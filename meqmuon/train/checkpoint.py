@@ -34,6 +34,7 @@ __all__ = [
     "list_checkpoints",
     "latest_checkpoint",
     "find_checkpoint",
+    "load_latest_readable",
     "save_checkpoint",
     "load_checkpoint",
     "rng_state",
@@ -130,8 +131,41 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     try:
         ckpt = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, bad pickle, not a torch file: all mean "corrupt"
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"cannot read checkpoint {p} (corrupt or not a meqmuon checkpoint): {msg}") from None
+        raise CheckpointError(f"cannot read checkpoint {p}: {_reason(e)}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{p} is not a {FORMAT} checkpoint")
     return ckpt
+
+
+def _reason(e: Exception) -> str:
+    """A few words for why ``torch.load`` failed. torch's own messages run to ~400 characters (the zip
+    reader's advice, the ``weights_only`` history), which buried the file name in one line of text."""
+    text = str(e)
+    if "zip archive" in text or "central directory" in text or isinstance(e, EOFError):
+        return "truncated or damaged (not a complete torch zip file)"
+    if "Weights only load failed" in text:
+        return "not a weights-only torch file (not a meqmuon checkpoint)"
+    first = " ".join(text.split()) or type(e).__name__
+    return first if len(first) <= 100 else first[:97] + "..."
+
+
+def load_latest_readable(run_dir: str | Path) -> tuple[Path | None, dict[str, Any] | None, list[tuple[Path, str]]]:
+    """``--resume auto``: the newest checkpoint of ``run_dir`` that loads, newest first.
+
+    Returns ``(path, checkpoint, skipped)``: ``skipped`` lists ``(path, error)`` of the newer
+    checkpoints that could not be read (the caller warns about them); ``(None, None, [])`` when the
+    run has no checkpoint. Why fall back: a crash or a full disk can leave the newest file damaged
+    (``save_checkpoint`` renames atomically, but a disk or a copy can still truncate it), and the
+    older kept checkpoint continues the run bit for bit from its own step. When none is readable the
+    newest one's error is raised.
+    """
+    skipped: list[tuple[Path, str]] = []
+    for _, path in reversed(list_checkpoints(run_dir)):
+        try:
+            return path, load_checkpoint(path), skipped
+        except CheckpointError as e:
+            skipped.append((path, str(e)))
+    if skipped:
+        raise CheckpointError(skipped[0][1] + (f" (and the {len(skipped) - 1} older checkpoint(s) of the run)"
+                                               if len(skipped) > 1 else ""))
+    return None, None, []

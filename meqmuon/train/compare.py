@@ -34,7 +34,7 @@ from meqmuon.optim.registry import spec
 from meqmuon.train.config import TrainConfig, fill_model_defaults, resolve_numerics, run_name
 from meqmuon.train.loop import train
 from meqmuon.train.metrics import write_json
-from meqmuon.train.plot import plot_runs, plot_seed_bands
+from meqmuon.train.plot import one_point_note, plot_runs, plot_seed_bands
 from meqmuon.train.stats import mean_interval, paired_difference
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "format_sweep_table",
     "REFERENCE",
     "best_lrs",
+    "grid_edge_notes",
     "summarize_seeds",
     "format_seed_summary",
     "format_compare_seeds_table",
@@ -277,12 +278,35 @@ def run_sweep(optimizers: list[str], lrs: list[float], seeds: list[int], base: T
         raise ValueError(f"no finished run of this grid in {out_dir}")
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize_seeds(rows)
+    notes = grid_edge_notes(rows, summary)
+    best = {(s["optimizer"], s["lr"]) for s in summary}
+    if note := one_point_note([Path(r["run_dir"]) for r in rows if (r["optimizer"], r["lr"]) in best]):
+        notes.append(f"val_ppl.png: {note} (one dot per optimizer).")
+    notes_md = "\n\n" + "\n".join(f"- {n}" for n in notes) if notes else ""
     gone = f"\n\nNot finished ({len(missing)}): {', '.join(missing)}\n" if missing else "\n"
-    (out_dir / "sweep.md").write_text(format_sweep_table(rows, summary) + gone)
+    (out_dir / "sweep.md").write_text(format_sweep_table(rows, summary) + notes_md + gone)
     extra = {"missing": missing} if missing else {}
     write_json(out_dir / "results.json", {"runs": rows, "summary": summary, **extra})
     _plot_summary(rows, summary, out_dir / "val_ppl.png", f"{base.model}: validation perplexity at the best lr")
     return rows
+
+
+def grid_edge_notes(rows: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]]) -> list[str]:
+    """One sentence per optimizer whose best lr is the smallest or largest of its (2+ lr) grid: the
+    optimum may lie outside the grid, so the sentence names the next lr to try, one grid step further
+    (the ratio between the edge and its neighbour, so 1e-3,2e-3,4e-3 -> 8e-3)."""
+    notes = []
+    for s in summary:
+        grid = sorted({r["lr"] for r in rows if r["optimizer"] == s["optimizer"]})
+        if len(grid) < 2 or s["lr"] not in (grid[0], grid[-1]):
+            continue
+        low = s["lr"] == grid[0]
+        step = grid[1] / grid[0] if low else grid[-1] / grid[-2]
+        nxt = float(f"{(s['lr'] / step if low else s['lr'] * step):.2g}")
+        notes.append(f"{s['optimizer']}: the best lr {s['lr']:g} is the {'smallest' if low else 'largest'} of the "
+                     f"grid ({', '.join(f'{x:g}' for x in grid)}); the optimum may lie "
+                     f"{'below' if low else 'above'} it: try {nxt:g} next.")
+    return notes
 
 
 #: The optimizer every other one is compared against, seed by seed.

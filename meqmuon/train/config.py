@@ -116,7 +116,7 @@ class TrainConfig:
     tf32: bool = True  # CUDA: TF32 float32 matmuls (torch.set_float32_matmul_precision("high")); no effect on CPU
     device: str = "auto"  # "auto" -> cuda:LOCAL_RANK if available, else cpu
     compile: bool = False
-    threads: int | None = None  # CPU intra-op threads (torch.set_num_threads) during the run; None -> torch's default
+    threads: int | None = None  # CPU intra-op threads (torch.set_num_threads) during the run; None -> 1 on CPU
     # evaluation, checkpoints, logging
     out: str | None = None  # None -> runs/<model>-<optimizer>-lr<lr>-s<seed>
     eval_every: int | None = None  # None -> default_eval_every: ~20 evaluations, at most ~10 % of the compute

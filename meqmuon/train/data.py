@@ -95,6 +95,7 @@ __all__ = [
     "data_source",
     "DEFAULT_CACHE_DIR",
     "cache_root",
+    "local_bpe",
     "encode_documents",
     "pack_documents",
     "num_sequences",
@@ -469,7 +470,8 @@ def build_data(
                 raise ValueError(f"{prepared.dir} was prepared with tokenizer {tokenizer.name!r} (fingerprint "
                                  f"{tokenizer.fingerprint}), not {tokenizer_name!r} ({given.fingerprint}); leave "
                                  "out --tokenizer or prepare the data again with this one")
-        what = f"prepared data {prepared.dir} ({prepared.source}, {len(prepared.manifest['train']['shards'])} shards)"
+        n = len(prepared.manifest["train"]["shards"])
+        what = f"prepared data {prepared.dir} ({prepared.source}, {n} shard{'' if n == 1 else 's'})"
         return _bundle(prepared, tokenizer, what, source, **common)
     if source == "pysrc":
         from meqmuon.train import pysrc
@@ -484,7 +486,7 @@ def build_data(
         files: list[Path] = []
     else:
         files = _corpus.expand_paths(paths)
-        key = f"local-{_sha12(_stats(files))}-vf{val_fraction}"
+        key = _local_key(files, val_fraction)
         what = f"{len(files)} local file(s) ({key})"
         # Documents in memory only to train a BPE on them; a given tokenizer streams the files.
         docs = _corpus.local_documents(files)[1] if tokenizer_name is None else []
@@ -511,6 +513,27 @@ def build_data(
                             progress=sys.stderr.isatty())
         prepared = _shards.PreparedData(out)
     return _bundle(prepared, tokenizer, what, source, **common)
+
+
+def _local_key(files: Sequence[Path], val_fraction: float) -> str:
+    """The cache key of local files: their paths, sizes and mtimes, and the held-out share."""
+    return f"local-{_sha12(_stats(files))}-vf{val_fraction}"
+
+
+def local_bpe(paths: str | Path | Sequence[str | Path], *, vocab_size: int = 4096, val_fraction: float = 0.05,
+              cache_dir: str | Path | None = None) -> TextTokenizer:
+    """The built-in BPE of local files, as ``train --data PATHS`` without ``--tokenizer`` uses it:
+    trained on their train documents (the same hash split) and cached under the files' data key, so
+    ``meqmuon prepare --tokenizer builtin`` and ``train`` train it once and share it. A cached BPE is
+    loaded without reading the files; otherwise every document is read into memory to train it."""
+    files = _corpus.expand_paths(_paths(paths))
+    bpe_file = cache_root(cache_dir) / _local_key(files, val_fraction) / f"tokenizer-bpe{vocab_size}.json"
+    if bpe_file.is_file():
+        return load_or_train_bpe([], vocab_size, bpe_file)
+    train_docs, val_docs = _corpus.split_documents(_corpus.local_documents(files)[1], val_fraction)
+    if not train_docs:
+        raise ValueError(f"no train documents to train the built-in BPE on in {len(files)} local file(s)")
+    return load_or_train_bpe(train_docs, vocab_size, bpe_file)
 
 
 def _bundle(prepared: _shards.PreparedData, tokenizer: TextTokenizer, what: str, source: str, *, seq_len: int,

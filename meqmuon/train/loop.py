@@ -51,9 +51,9 @@ from meqmuon.train.config import ResolvedConfig, TrainConfig, run_dir_of, valida
 from meqmuon.train.evaluate import causal_lm_loss, evaluate
 from meqmuon.train.metrics import MetricsLogger, truncate_metrics, write_json
 from meqmuon.train.preempt import SIGNALS, RunInterrupted, StopSignals
-from meqmuon.train.run import Run, WarmupCosine, build_run
+from meqmuon.train.run import Run, WarmupCosine, build_run, device_of
 
-__all__ = ["TrainingDiverged", "WarmupCosine", "train", "run_dir_of", "write_json"]
+__all__ = ["TrainingDiverged", "WarmupCosine", "train", "run_dir_of", "run_threads", "write_json"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -102,10 +102,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     rank, world, local_rank, own_pg = _init_distributed()
     matmul_precision = torch.get_float32_matmul_precision()  # process-global: restored on return
     threads = torch.get_num_threads()
-    if cfg.threads is not None:
-        # On a CPU shared with other jobs, fewer threads than cores avoids OpenMP's oversubscription
-        # stalls (docs/benchmarks.md, "design measurements").
-        torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(run_threads(cfg, device_of(cfg, local_rank)) or threads)
     try:
         return _train(cfg, rank, world, local_rank)
     finally:
@@ -113,6 +110,21 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         torch.set_num_threads(threads)
         if own_pg and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def run_threads(cfg: TrainConfig, device: torch.device) -> int | None:
+    """CPU intra-op threads of a run: ``cfg.threads`` when given, else 1 on a CPU device, else None
+    (torch's default, one per core; a GPU run's host threads hardly matter).
+
+    Why 1 on CPU: with torch's default of one thread per core, a run whose cores another job also
+    uses stalls in OpenMP's barriers (every op waits for its slowest thread): a 20-update llama-tiny
+    run took 109 s at 2 threads against 17-23 s at 1 while other test runs shared the 2 cores, and
+    ``compare``/``sweep``/``ablation`` have used 1 thread for that reason since the demo was first
+    timed. On an idle machine 2 threads are ~1.3x faster; ``--threads N`` asks for them
+    (docs/benchmarks.md, "Threads of `meqmuon train`")."""
+    if cfg.threads is not None:
+        return cfg.threads
+    return 1 if device.type == "cpu" else None
 
 
 def _train(cfg: TrainConfig, rank: int, world: int, local_rank: int) -> dict[str, Any]:
@@ -309,7 +321,8 @@ def _open_log(run: Run) -> tuple[MetricsLogger, bool]:
     _log(f"[meqmuon] {c.model} ({run.n_params:,} params) | {c.optimizer} lr={c.lr:g} wd={c.weight_decay:g} | "
          f"{c.steps} steps x {c.global_batch} x {c.seq_len} = {c.tokens:,} tokens | world {run.world}, "
          f"micro-batch {c.micro_batch}, accum {c.accumulation(run.world)} | {run.device} {c.precision} "
-         f"(NS {c.optimizer_args.get('ns_dtype', '-')}, CPU {c.numerics['cpu_capability']}) | {run_dir}"
+         f"(NS {c.optimizer_args.get('ns_dtype', '-')}, CPU {c.numerics['cpu_capability']}, "
+         f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}) | {run_dir}"
          + (f" | resumed at step {run.step}" if run.step else ""), quiet)
     _log(f"[meqmuon] data: {run.data.description}", quiet)
     return logger, quiet

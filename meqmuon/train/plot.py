@@ -25,8 +25,8 @@ from typing import Any
 
 from meqmuon.train.metrics import read_metrics
 
-__all__ = ["METRICS", "plot_runs", "plot_seed_bands", "run_label", "metrics_files", "default_output",
-           "default_title", "log_ticks", "token_label"]
+__all__ = ["METRICS", "ONE_POINT_NOTE", "OPTIMIZER_COLORS", "one_point_note", "plot_runs", "plot_seed_bands",
+           "run_label", "metrics_files", "default_output", "default_title", "log_ticks", "token_label"]
 
 #: metric name -> (record kind, y-axis label)
 METRICS = {
@@ -35,6 +35,40 @@ METRICS = {
     "val_bpb": ("eval", "validation bits per byte"),
     "loss": ("train", "train loss (nats/token)"),
 }
+
+
+#: One colour per optimizer name, in every figure (the demo's, ``meqmuon plot``'s, a sweep's): the
+#: colour used to follow the order of the runs, so ``meqmuon plot runs/compare/*/metrics.jsonl`` (the
+#: shell's alphabetical order) drew MeqMuon in Muon's colour of the demo's figure. matplotlib's tab10
+#: colours, the demo's four first in the demo's order.
+OPTIMIZER_COLORS = {
+    "adamw": "C0", "muon": "C1", "normuon": "C2", "meqmuon": "C3", "scale": "C4", "muoneq-r": "C5",
+    "muoneq-c": "C6", "muoneq-rc": "C7", "meqmuon-only-hidden": "C8", "meqmuon-only-embedding": "C9",
+    "meqmuon-only-vector": "black",
+}
+_LINESTYLES = ("-", "--", ":", "-.")
+
+
+def _styles(optimizers: Sequence[str | None]) -> list[dict[str, Any]]:
+    """``plot`` keywords per curve: the optimizer's colour from :data:`OPTIMIZER_COLORS`; a second run
+    of the same optimizer (another lr) keeps the colour with another line style; a run of unknown
+    optimizer takes a colour no other curve uses."""
+    spare = iter([f"C{i}" for i in range(10) if f"C{i}" not in {OPTIMIZER_COLORS.get(o) for o in optimizers}]
+                 + ["gray", "olive", "teal", "navy"] * len(optimizers))
+    seen: dict[str, int] = {}
+    out = []
+    for o in optimizers:
+        if o in OPTIMIZER_COLORS:
+            k = seen[o] = seen.get(o, -1) + 1
+            out.append({"color": OPTIMIZER_COLORS[o], "linestyle": _LINESTYLES[k % len(_LINESTYLES)]})
+        else:
+            out.append({"color": next(spare)})
+    return out
+
+
+def _optimizer(metrics_path: Path) -> str | None:
+    name = _config(metrics_path).get("optimizer")
+    return name if isinstance(name, str) else None
 
 
 def _config(metrics_path: Path) -> dict[str, Any]:
@@ -125,10 +159,25 @@ def plot_runs(paths: Sequence[str | Path], out: str | Path, *, metric: str = "va
         raise ValueError(f"{len(labels)} labels for {len(files)} runs")
     labels = list(labels) if labels is not None else _labels(files)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for f, label in zip(files, labels, strict=True):
+    for f, label, style in zip(files, labels, _styles([_optimizer(f) for f in files]), strict=True):
         xs, ys = _series(f, metric)
-        ax.plot(xs, ys, marker="o" if kind == "eval" else None, markersize=3, label=label)
-    return _finish(fig, ax, plt, ylabel, title, out)
+        ax.plot(xs, ys, marker="o" if kind == "eval" else None, markersize=3, label=label, **style)
+    parts = [t for t in (title, one_point_note(files, metric)) if t]
+    return _finish(fig, ax, plt, ylabel, "; ".join(parts) or None, out)
+
+
+#: What a figure of runs with one evaluation each says (a 20-update run evaluates only at the end).
+ONE_POINT_NOTE = "one evaluation per run (at the end): --eval-every N draws curves"
+
+
+def one_point_note(paths: Sequence[str | Path], metric: str = "val_ppl") -> str | None:
+    """:data:`ONE_POINT_NOTE` when every run has at most one value of ``metric``, else None: such a
+    figure is one dot per run, which reads as a broken plot unless it says why."""
+    if METRICS.get(metric, ("eval",))[0] != "eval":
+        return None
+    counts = [sum(1 for r in read_metrics(_metrics_file(p)) if r.get("kind") == "eval"
+                  and isinstance(r.get(metric), int | float)) for p in paths]
+    return ONE_POINT_NOTE if counts and max(counts) <= 1 else None
 
 
 def _metrics_file(p: str | Path) -> Path:
@@ -177,15 +226,17 @@ def plot_seed_bands(groups: Mapping[str, Sequence[str | Path]], out: str | Path,
         series[label] = (xs, [[c[1][i] for c in curves] for i in range(len(xs))])
     fig, ax = plt.subplots(figsize=(7, 4.5))
     most = max(len(runs) for runs in groups.values())
-    for label, (xs, per_x) in series.items():
+    styles = _styles([_optimizer(_metrics_file(runs[0])) for runs in groups.values()])
+    for (label, (xs, per_x)), style in zip(series.items(), styles, strict=True):
         n = len(per_x[0])
         mean = [sum(v) / n for v in per_x]
         (line,) = ax.plot(xs, mean, marker="o" if kind == "eval" else None, markersize=3,
-                          label=f"{label}: mean of {n} seed{'s' if n > 1 else ''}")
+                          label=f"{label}: mean of {n} seed{'s' if n > 1 else ''}", **style)
         if n > 1:
             ax.fill_between(xs, [min(v) for v in per_x], [max(v) for v in per_x], color=line.get_color(), alpha=0.2,
                             linewidth=0)
-    parts = [t for t in (title, "band: min-max over seeds" if most > 1 else None) if t]
+    note = one_point_note([runs[0] for runs in groups.values()], metric)
+    parts = [t for t in (title, "band: min-max over seeds" if most > 1 and not note else None, note) if t]
     return _finish(fig, ax, plt, ylabel, "; ".join(parts) or None, out)
 
 

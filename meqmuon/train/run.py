@@ -28,6 +28,7 @@ from meqmuon.train.checkpoint import (
     find_checkpoint,
     latest_checkpoint,
     load_checkpoint,
+    load_latest_readable,
     set_rng_state,
 )
 from meqmuon.train.config import IDENTITY_KEYS, ResolvedConfig, TrainConfig, optimizer_kwargs, resolve
@@ -108,7 +109,7 @@ def build_run(cfg: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
 
     device = device_of(cfg, local_rank)
     plan = resolve(cfg, device=device, world_size=world)
-    ckpt_path, ckpt = _checkpoint_to_resume(plan)
+    ckpt_path, ckpt = _checkpoint_to_resume(plan, announce=rank == 0)
     seed_all(plan.seed)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high" if plan.tf32 else "highest")
@@ -139,10 +140,23 @@ def build_run(cfg: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
     return run
 
 
-def _checkpoint_to_resume(cfg: ResolvedConfig) -> tuple[Path | None, dict[str, Any] | None]:
-    """The checkpoint ``--resume`` names (``None`` without it); refuses an existing run without it."""
+def _checkpoint_to_resume(cfg: ResolvedConfig, announce: bool = True) -> tuple[Path | None, dict[str, Any] | None]:
+    """The checkpoint ``--resume`` names (``None`` without it); refuses an existing run without it.
+
+    ``auto`` takes the newest readable checkpoint: an unreadable newer one is skipped with one warning
+    line naming it (``announce``: rank 0 prints, every rank skips the same files).
+    """
     run_dir = cfg.run_dir
-    path = find_checkpoint(cfg.resume, run_dir) if cfg.resume else None
+    if cfg.resume == "auto":
+        path, ckpt, skipped = load_latest_readable(run_dir)
+        if announce:
+            for bad, why in skipped:
+                why = why.removeprefix(f"cannot read checkpoint {bad}: ")
+                print(f"meqmuon: warning: skipping unreadable checkpoint {bad}: {why}; resuming from "
+                      f"{path.name if path is not None and path.parent == bad.parent else path}", file=sys.stderr)
+        if path is not None:
+            return path, ckpt
+    path = find_checkpoint(cfg.resume, run_dir) if cfg.resume and cfg.resume != "auto" else None
     if path is None and (latest_checkpoint(run_dir) is not None or (run_dir / "summary.json").exists()):
         raise CheckpointError(f"run directory {run_dir} already holds a run; pass --resume auto to continue it "
                               "or choose another --out")

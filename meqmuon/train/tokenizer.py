@@ -194,10 +194,9 @@ def load_tokenizer(name: str | Path) -> TextTokenizer:
     name = str(name)
     if name == "builtin":
         # Asking the hub for a model called "builtin" would retry for a minute and then fail.
-        raise ValueError("--tokenizer builtin: the built-in BPE is trained on a run's own training text, so there "
-                         "is no saved tokenizer to load; `meqmuon train --data PATHS` without --tokenizer trains it "
-                         "and prepares the files into the data cache itself; `meqmuon prepare` needs a hub id or a "
-                         "tokenizer directory (e.g. the tokenizer/ folder of a prepared directory)")
+        raise ValueError("the built-in BPE is trained on a corpus's own train documents, so there is no saved "
+                         "tokenizer called 'builtin' to load: `meqmuon train` (without --tokenizer) and `meqmuon "
+                         "prepare --tokenizer builtin` train it on their data")
     path = Path(name).expanduser()
     if not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
         raise ValueError(f"tokenizer directory does not exist: {name} (a hub id has the form NAME or ORG/NAME)")
