@@ -172,7 +172,8 @@ def _gather_slices(rule, bucket, members, counts, ctx) -> None:
         stacks.append(torch.stack([it.state[key].reshape(-1) for it in members]) if members else
                       s0.new_empty((0, s0.numel())))
     full: list[Tensor] = [None] * len(stacks)  # type: ignore[list-item]
-    for dtype in {s.dtype for s in stacks}:  # one gather per dtype: an int64 counter never rounds through bf16
+    # one gather per dtype (an int64 counter never rounds through bf16), in the same order on every rank
+    for dtype in dict.fromkeys(s.dtype for s in stacks):
         which = [i for i, s in enumerate(stacks) if s.dtype == dtype]
         for i, t in zip(which, ctx.split.gather([stacks[i] for i in which], counts), strict=True):
             full[i] = t
