@@ -330,3 +330,24 @@ def test_compiled_batched_step_under_ddp_and_fsdp2(tmp_path):
     results = _spawn(_compiled_worker, tmp_path, names)
     for layout in ("ddp", "fsdp2"):
         _check([res[layout] for res in results], names)
+
+
+def test_collectives_per_step_are_flat_in_depth():
+    """``benchmarks/collectives.py`` on the tiny Llama at 4 and 8 layers: the batched step's collectives
+    under FSDP2 and TP do not grow with depth (two ``all_to_all_single`` per shape bucket of row-sharded
+    hidden matrices, two for everything at owners, one all-reduce per elementwise rule's statistics)."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import collectives
+
+    args = argparse.Namespace(model="llama-tiny", layouts=["fsdp2", "tp"], optimizers=["meqmuon"], depths=[1, 2],
+                              forms=[True])
+    rows = collectives.measure(args)
+    counts = {(layout, layers): c for layout, _, _, _, _, layers, c in rows}
+    for layout in ("fsdp2", "tp"):
+        assert counts[(layout, 4)] == counts[(layout, 8)], counts
+        assert counts[(layout, 4)]["all_to_all_single"] % 2 == 0 and counts[(layout, 4)]["all_to_all_single"] > 0
+    assert "| fsdp2 | 2 | meqmuon | batched | 8 |" in collectives.table(rows)
