@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import zoo
+from capabilities import runs
 
 import meqmuon
 from meqmuon.optim.distributed import is_dtensor
@@ -35,10 +36,9 @@ from meqmuon.optim.distributed import is_dtensor
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 
 STEPS = 3
-#: Optimizers compared under every layout: every rule family (MeqMuon's three rules, Moonlight's Muon
-#: with AdamW, NorMuon's per-row state, MuonEq's pre-Newton-Schulz equilibration, SCALE's statistics).
-NAMES = ("meqmuon", "muon", "normuon", "muoneq-r", "scale")
-NAMES_TP = [*NAMES, *(n + "+foreach" for n in NAMES), "meqmuon+compile", "meqmuon+foreach+compile"]
+# Which optimizers each layout runs: the ``tp``, ``fsdp2-views``, ``fsdp2xtp`` and ``ddp-batched-compile``
+# columns of capabilities.py; together every rule family (MeqMuon's three rules, Moonlight's Muon with
+# AdamW, NorMuon's per-row state, MuonEq's pre-Newton-Schulz equilibration, SCALE's statistics).
 
 
 def _free_port() -> int:
@@ -219,7 +219,7 @@ def _check(results, names, bound=1e-6):
 def test_tensor_parallel_llama_equals_one_process(tmp_path):
     """TP on a mesh of 2 (torchtitan's plan): every rule family in every step form, and a user variant,
     equal one process fed the same gradients; a DCP save/load under TP resumes bit for bit."""
-    names = [*NAMES_TP, "variant", "variant+foreach"]
+    names = [*runs("tp", "tp-batched", "tp-compile", "tp-batched-compile"), "variant", "variant+foreach"]
     results = _spawn(_tp_worker, tmp_path, names, str(tmp_path))
     placements = results[0]["meqmuon"]["placements"]
     assert placements["model.layers.0.self_attn.q_proj.weight"] == "(Shard(dim=0),)"  # colwise
@@ -281,7 +281,7 @@ def test_fsdp2_fused_transposed_and_expert_models_equal_one_process(tmp_path):
     """FSDP2 routed by default on Phi3 (fused qkv with GQA sizes, gate_up), GPT-2 (Conv1D, fused c_attn),
     Qwen3-MoE (3-D experts), DBRX (folded 2-D experts) and GPT-OSS (interleaved gate/up): every rule
     family steps and equals one process; a split block cut by the shard boundary too."""
-    names = [*NAMES, "meqmuon+foreach", "normuon+foreach"]
+    names = runs("fsdp2-views", "fsdp2-views-batched")
     results = _spawn(_fsdp_worker, tmp_path, FSDP_MODELS, names)
     for model in FSDP_MODELS:
         _check([res[model] for res in results], _untied(model, names))
@@ -306,7 +306,7 @@ def _fsdp_tp_worker(rank, names, ckpt):
 def test_fsdp2_over_tensor_parallel_2x2_equals_one_process(tmp_path):
     """FSDP2 over TP on a 2 x 2 mesh (4 processes): ``_StridedShard`` colwise weights, ``(Shard(0), Shard(1))``
     rowwise ones, ``(Shard(0), Replicate())`` norms; equal to one process; DCP round trip bit for bit."""
-    names = ["meqmuon", "normuon+foreach", "variant", "scale"]
+    names = [*runs("fsdp2xtp", "fsdp2xtp-batched"), "variant"]
     results = _spawn(_fsdp_tp_worker, tmp_path, names, str(tmp_path), world=4)
     placements = results[0]["meqmuon"]["placements"]
     assert placements["model.layers.0.self_attn.q_proj.weight"].startswith("(_StridedShard(dim=0")
@@ -326,7 +326,7 @@ def _compiled_worker(rank, names):
 def test_compiled_batched_step_under_ddp_and_fsdp2(tmp_path):
     """``compile=True, foreach=True`` under DDP (plain tensors, the same gradients on every rank: the
     hidden buckets split in slices and gathered) and FSDP2 equals one process's eager step."""
-    names = ["meqmuon+foreach+compile", "normuon+foreach+compile"]
+    names = runs("ddp-batched-compile")
     results = _spawn(_compiled_worker, tmp_path, names)
     for layout in ("ddp", "fsdp2"):
         _check([res[layout] for res in results], names)
