@@ -351,3 +351,26 @@ def test_collectives_per_step_are_flat_in_depth():
         assert counts[(layout, 4)] == counts[(layout, 8)], counts
         assert counts[(layout, 4)]["all_to_all_single"] % 2 == 0 and counts[(layout, 4)]["all_to_all_single"] > 0
     assert "| fsdp2 | 2 | meqmuon | batched | 8 |" in collectives.table(rows)
+
+
+def _mixed_worker(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    sharded = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Shard(1)]))
+    plain = torch.nn.Parameter(torch.randn(4, 4))
+    opt = meqmuon.Muon([{"params": [sharded, plain], "kind": "hidden", "names": ["a.weight", "b.weight"]}])
+    for p in (sharded, plain):
+        p.grad = torch.zeros_like(p)
+    try:
+        opt.step()
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def test_a_group_mixing_dtensors_and_plain_tensors_names_both_and_the_way_out(tmp_path):
+    message = _spawn(_mixed_worker, tmp_path)[0]
+    assert message is not None and "b.weight" in message and "a.weight" in message and "Shard(dim=1)" in message
+    assert "group of their own" in message

@@ -329,8 +329,14 @@ class RoleOptimizer(Optimizer):
                 entries.append(entry)
                 if entry.sharded and not entry.local:
                     rows.append(p)
-            if any(is_dtensor(p) for p in group["params"]) and not all(is_dtensor(p) for p in group["params"]):
-                raise NotImplementedError("a param group mixes DTensor and plain-tensor parameters; shard all or none")
+            kinds = {is_dtensor(p): i for i, p in enumerate(group["params"])}
+            if len(kinds) == 2:
+                plain, dt = ((names[i] if names else f"params[{i}]") for i in (kinds[False], kinds[True]))
+                raise NotImplementedError(
+                    f"a param group mixes a plain tensor ({plain}) with DTensors ({dt}, placements "
+                    f"{tuple(group['params'][kinds[True]].placements)}): under FSDP2 or TP the plain one's "
+                    "gradient may differ between ranks. Shard every module of the group (fully_shard / "
+                    "parallelize_module) or none, or put the plain tensors in a group of their own")
             split = splitter_for(rows, _PLAIN) if rows else _PLAIN
             plan.append((group, entries, None if split is _PLAIN else split, cuda))
             owned.append([])
