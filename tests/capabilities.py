@@ -42,6 +42,16 @@ LAYOUTS = {
     "experts-ddp-batched": "the same with the batched step",
     "experts-fsdp2": "FSDP2 updates whole experts per rank with no collective; same state keys on every rank",
     "experts-fsdp2-batched": "the same with the batched step",
+    # tests/test_layouts.py: real models under torch's parallel APIs, the same gradients fed to one process
+    "tp": "Llama under torchtitan's TP plan (mesh of 2) equals one process to 1e-6",
+    "tp-batched": "the same with the batched step",
+    "tp-compile": "the same with compile=True",
+    "tp-batched-compile": "the same with compile=True and the batched step",
+    "fsdp2-views": "FSDP2 on Phi3, GPT-2, Qwen3-MoE, DBRX, GPT-OSS (fused, transposed, expert views) = one process",
+    "fsdp2-views-batched": "the same with the batched step",
+    "fsdp2xtp": "FSDP2 over TP on a 2 x 2 mesh (4 processes) equals one process to 1e-6",
+    "fsdp2xtp-batched": "the same with the batched step",
+    "ddp-batched-compile": "compile=True with the batched step under DDP and FSDP2 equals eager one process",
 }
 
 #: Other checks that run on some optimizers only.
@@ -76,29 +86,33 @@ STATED: dict[str, Stated] = {
     "muon": Stated(
         transposes=True,
         distributed=frozenset({"ddp", "ddp-batched", "fsdp2", "fsdp2-batched", "hsdp", "experts-ddp",
-                               "experts-fsdp2-batched"}),
+                               "experts-fsdp2-batched", "tp", "tp-batched", "fsdp2-views"}),
         ddp_gathers=3,
         checks=frozenset({"views", "own-stacks", "op-count"}),
     ),
     "normuon": Stated(
         distributed=frozenset({"ddp", "ddp-batched", "ddp-resume", "fsdp2", "fsdp2-batched", "fsdp2-dcp", "hsdp",
-                               "experts-ddp", "experts-ddp-batched", "experts-fsdp2"}),
+                               "experts-ddp", "experts-ddp-batched", "experts-fsdp2", "tp", "tp-batched",
+                               "fsdp2-views", "fsdp2-views-batched", "fsdp2xtp-batched", "ddp-batched-compile"}),
         ddp_gathers=4,
         checks=frozenset({"views", "own-stacks", "op-count"}),
     ),
-    "scale": Stated(distributed=frozenset({"fsdp2", "fsdp2-batched"}), checks=frozenset({"views"})),
+    "scale": Stated(distributed=frozenset({"fsdp2", "fsdp2-batched", "tp", "tp-batched", "fsdp2-views", "fsdp2xtp"}),
+                    checks=frozenset({"views"})),
     "meqmuon": Stated(
         transposes=True,
         distributed=frozenset({"ddp", "ddp-compile", "ddp-batched", "ddp-resume", "fsdp2", "fsdp2-compile",
                                "fsdp2-batched", "fsdp2-dcp", "hsdp", "hsdp-dcp", "experts-ddp",
-                               "experts-ddp-batched", "experts-fsdp2"}),
+                               "experts-ddp-batched", "experts-fsdp2", "tp", "tp-batched", "tp-compile",
+                               "tp-batched-compile", "fsdp2-views", "fsdp2-views-batched", "fsdp2xtp",
+                               "ddp-batched-compile"}),
         ddp_gathers=4,
         checks=frozenset({"views", "own-stacks", "op-count"}),
     ),
     "meqmuon-only-hidden": Stated(transposes=True, checks=frozenset({"views"})),
     "meqmuon-only-embedding": Stated(transposes=True),
     "meqmuon-only-vector": Stated(transposes=True),
-    "muoneq-r": Stated(checks=frozenset({"views"})),
+    "muoneq-r": Stated(distributed=frozenset({"tp", "tp-batched", "fsdp2-views"}), checks=frozenset({"views"})),
     "muoneq-c": Stated(checks=frozenset({"views"})),
     "muoneq-rc": Stated(checks=frozenset({"views"})),
 }
@@ -178,13 +192,15 @@ def having(*forms: str, check: str | None = None) -> list[str]:
 
 
 def runs(*layouts: str) -> list[str]:
-    """Run names of test_distributed.py for the given layouts, in registry order: ``name`` for a plain
-    layout, ``name+compile`` for a ``-compile`` one, ``name+foreach`` for a ``-batched`` one."""
+    """Run names of test_distributed.py and test_layouts.py for the given layouts, in registry order:
+    ``name`` for a plain layout, ``name+compile`` for a ``-compile`` one, ``name+foreach`` for a
+    ``-batched`` one, ``name+foreach+compile`` for a ``-batched-compile`` one."""
     out = []
     for n, c in CAPABILITIES.items():
         for layout in layouts:
             if layout in c.stated.distributed:
-                suffix = {"compile": "+compile", "batched": "+foreach"}.get(layout.rpartition("-")[2], "")
+                suffix = "+foreach+compile" if layout.endswith("-batched-compile") else {
+                    "compile": "+compile", "batched": "+foreach"}.get(layout.rpartition("-")[2], "")
                 out.append(n + suffix)
     return out
 

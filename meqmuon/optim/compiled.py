@@ -113,11 +113,17 @@ def owner_directions(W, state, *, rule, n, batched, group):
 def momentum_step(rule, items, group: dict, ctx, *, per_tensor: bool) -> None:
     """A momentum rule's compiled step: per shape bucket, or for a hidden rule with ``per_tensor`` per
     matrix (momentum already updated; same-shape matrices share a graph), so that a matrix's bits do not
-    depend on its neighbours (the DDP owners rely on it). Batched: one process, no capture hook."""
-    if not per_tensor and ctx.split.world_size > 1:
-        raise NotImplementedError(
-            "compile=True with foreach=True is one process only (DDP/FSDP2 gather between the directions and "
-            "the update); use foreach=True without compile, or compile=True with foreach=False")
+    depend on its neighbours (the DDP owners rely on it). Batched: no capture hook.
+
+    Batched under DDP (every rank holds every tensor): a hidden rule's bucket is split into contiguous
+    slices as the eager batched step splits it (``bucket_plan``); each rank updates the momentum of the
+    other members eagerly, runs the bucket's graph on its slice, and one ``all_gather_into_tensor`` per
+    bucket brings every slice's new parameters and owner state to every rank. An elementwise rule's
+    buckets (memory-bound) run whole on every rank. Row shards (FSDP2) never come here: the engine sends
+    their elementwise rules to the owner path under ``compile=True`` (``owners.py``)."""
+    if not per_tensor and ctx.split.sharded:
+        raise NotImplementedError("compile=True with foreach=True on row shards: the engine runs these rules at "
+                                  "owner ranks (owners.py); this call is a bug")
     if not per_tensor and ctx.capture is not None:
         raise NotImplementedError("the capture hook needs the eager step: build the optimizer without compile=True")
     lr, wd, mu = (scalar(group[k]) for k in ("lr", "weight_decay", "momentum"))
@@ -131,12 +137,49 @@ def momentum_step(rule, items, group: dict, ctx, *, per_tensor: bool) -> None:
     buckets = [driver.make_buckets([it], matrix=True, transpose=False)[0] for it in items] if per_tensor else \
         driver.make_buckets(items, matrix=True, transpose=rule.transposes)
     per_matrix = {k: how for k, how in rule.state_views.items() if how in ("rows", "counter", "step")}
+    split = not per_tensor and ctx.split.world_size > 1  # DDP: a slice of each bucket per rank
     for b in buckets:
-        states = {k: [it.state[k] for it in b.items] for k, how in per_matrix.items() if how != "step"}
-        steps = next((torch.tensor([it.state[k] for it in b.items], device=b.items[0].param.device)
-                      for k, how in per_matrix.items() if how == "step"), None)
-        bucket_step(rule.name, _hidden_bucket, (b.key, id(rule), tuple(it.param.ndim for it in b.items)),
-                    [it.param.detach() for it in b.items], [it.grad for it in b.items],
-                    [it.state["momentum_buffer"] for it in b.items], states, steps, lr, wd, mu,
-                    scalar(rule.lr_scale(*b.global_shape, group)), rule=rule, plain=b.plain,
-                    nesterov=group["nesterov"], batched=not per_tensor, group=static)
+        members, plain = b.items, b.plain
+        if split:
+            counts = ctx.split.bucket_plan(len(b.items), rule.cost(b.global_shape, group))
+            lo = sum(counts[: ctx.split.rank])
+            hi = lo + counts[ctx.split.rank]
+            members, plain = b.items[lo:hi], max(0, min(b.plain - lo, hi - lo))
+            others = b.items[:lo] + b.items[hi:]
+            bufs = [it.state["momentum_buffer"] for it in others]
+            F.momentum_(bufs, driver.grads_like(others, bufs), group["momentum"])
+        if members:
+            states = {k: [it.state[k] for it in members] for k, how in per_matrix.items() if how != "step"}
+            steps = next((torch.tensor([it.state[k] for it in members], device=members[0].param.device)
+                          for k, how in per_matrix.items() if how == "step"), None)
+            bucket_step(rule.name, _hidden_bucket, (b.key, id(rule), tuple(it.param.ndim for it in members)),
+                        [it.param.detach() for it in members], [it.grad for it in members],
+                        [it.state["momentum_buffer"] for it in members], states, steps, lr, wd, mu,
+                        scalar(rule.lr_scale(*b.global_shape, group)), rule=rule, plain=plain,
+                        nesterov=group["nesterov"], batched=not per_tensor, group=static)
+        if split:
+            _gather_slices(rule, b, members, counts, ctx)
+
+
+def _gather_slices(rule, bucket, members, counts, ctx) -> None:
+    """Every rank's slice of a bucket's new parameters and owner state, to every rank (DDP): one
+    ``all_gather_into_tensor`` of the flattened members (transposed members flatten to the same size)."""
+    p0 = bucket.items[0].param
+    stacks = [torch.stack([it.param.detach().reshape(-1) for it in members]) if members else
+              p0.new_empty((0, p0.numel()))]
+    for key in rule.owner_state:
+        s0 = bucket.items[0].state[key]
+        stacks.append(torch.stack([it.state[key].reshape(-1) for it in members]) if members else
+                      s0.new_empty((0, s0.numel())))
+    full: list[Tensor] = [None] * len(stacks)  # type: ignore[list-item]
+    # one gather per dtype (an int64 counter never rounds through bf16), in the same order on every rank
+    for dtype in dict.fromkeys(s.dtype for s in stacks):
+        which = [i for i, s in enumerate(stacks) if s.dtype == dtype]
+        for i, t in zip(which, ctx.split.gather([stacks[i] for i in which], counts), strict=True):
+            full[i] = t
+    torch._foreach_copy_([it.param.detach() for it in bucket.items],
+                         [row.view(it.param.shape) for row, it in zip(full[0].unbind(0), bucket.items, strict=True)])
+    for key, stack in zip(rule.owner_state, full[1:], strict=True):
+        torch._foreach_copy_([it.state[key] for it in bucket.items],
+                             [row.view(it.state[key].shape) for row, it in zip(stack.unbind(0), bucket.items,
+                                                                                 strict=True)])

@@ -64,6 +64,7 @@ except ImportError:  # pragma: no cover - exercised only on such builds
 __all__ = [
     "LocalSplit",
     "ReplicatedSplit",
+    "SHARDED_LAYOUTS",
     "ShardedSplit",
     "assign_counts",
     "assign_owners",
@@ -86,11 +87,17 @@ def local(t: Tensor) -> Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
-def state_like(p: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """Zeros of ``shape`` (whose first dim is ``p``'s: one entry per row, or per stacked matrix, of
-    ``p``), sharded along dim 0 like ``p`` if ``p`` is a DTensor."""
+def state_like(p: Tensor, shape: tuple[int, ...], dtype: torch.dtype, *, aligned: bool = True) -> Tensor:
+    """Zeros of ``shape`` for per-row or per-matrix state of ``p``. Under FSDP2/HSDP, where ``aligned`` (dim 0
+    of the state is dim 0 of ``p``: one entry per row, or per stacked matrix), sharded along dim 0 like
+    ``p``; any other DTensor layout (tensor parallelism, FSDP2 over TP, a transposed or folded view) gets
+    the state whole on every rank (``Replicate()``): it is small, and the owner path (``owners.py``) sends
+    the owner's new value to every rank."""
     if not is_dtensor(p):
         return torch.zeros(shape, dtype=dtype, device=p.device)
+    if not (aligned and shape[0] == p.shape[0] and tuple(p.placements) in SHARDED_LAYOUTS):
+        whole = torch.zeros(shape, dtype=dtype, device=p.device)
+        return DTensor.from_local(whole, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
     loc = torch.zeros((p.to_local().shape[0], *shape[1:]), dtype=dtype, device=p.device)
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     return DTensor.from_local(loc, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride)
@@ -307,7 +314,7 @@ class ShardedSplit(_CollectiveSplit):
 
 
 #: DTensor placements of row-sharded parameters: FSDP2 (1-D mesh) and HSDP (replicate x shard).
-_SHARDED_LAYOUTS = frozenset({(Shard(0),), (Replicate(), Shard(0))}) if Shard is not None else frozenset()
+SHARDED_LAYOUTS = frozenset({(Shard(0),), (Replicate(), Shard(0))}) if Shard is not None else frozenset()
 
 
 def splitter_for(params: Sequence[Tensor], replicated: LocalSplit) -> LocalSplit:
@@ -329,7 +336,7 @@ def splitter_for(params: Sequence[Tensor], replicated: LocalSplit) -> LocalSplit
         raise NotImplementedError("a param group mixes DTensor and plain-tensor parameters; shard all or none")
     meshes = {id(p.device_mesh) for p in params}
     for p in params:
-        if tuple(p.placements) not in _SHARDED_LAYOUTS:
+        if tuple(p.placements) not in SHARDED_LAYOUTS:
             raise NotImplementedError(
                 f"DTensor parameters must be Shard(0) on a 1-D mesh (FSDP2 fully_shard) or (Replicate(), "
                 f"Shard(0)) on a 2-D mesh (HSDP); got placements {tuple(p.placements)} on a "

@@ -398,10 +398,11 @@ class HiddenRule(MomentumRule):
         super().init_state(p, state, group, layout)
         for key, how in self.state_views.items():
             if how == "rows":
-                state[key] = state_like(p, layout.rows_shape, torch.promote_types(p.dtype, torch.float32))
+                state[key] = state_like(p, layout.rows_shape, torch.promote_types(p.dtype, torch.float32),
+                                        aligned=not layout.folded and (bool(layout.batch) or not layout.transposed))
             elif how == "counter":  # a whole matrix's counter is a plain tensor even under FSDP2
-                state[key] = state_like(p, layout.counter_shape, torch.int64) if layout.batch else torch.zeros(
-                    layout.counter_shape, dtype=torch.int64, device=p.device)
+                state[key] = state_like(p, layout.counter_shape, torch.int64, aligned=not layout.folded) \
+                    if layout.batch else torch.zeros(layout.counter_shape, dtype=torch.int64, device=p.device)
 
     def cost(self, shape, group):
         return ns_flops(*matrix_shape(shape), group["ns_steps"]) + super().cost(shape, group)

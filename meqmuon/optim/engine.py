@@ -15,10 +15,19 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
-from .distributed import LocalSplit, is_dtensor, local, replicated_splitter, resolve_process_group, splitter_for
+from .distributed import (
+    SHARDED_LAYOUTS,
+    LocalSplit,
+    is_dtensor,
+    local,
+    replicated_splitter,
+    resolve_process_group,
+    splitter_for,
+)
 from .driver import step_foreach_calls
 from .groups import KINDS, infer_kind
 from .inputs import FLOAT_KEYS, check_unique_params, listed_params, validate_group, with_floats, wrong_params
+from .owners import OwnerPlan, is_replicated
 from .rule import Item, Rule, StepContext
 from .rules import RULES
 from .views import Layout, group_layout, normalise_group_views
@@ -27,8 +36,8 @@ from .views import Layout, group_layout, normalise_group_views
 def _held(p: torch.Tensor) -> slice:
     """The indices along dim 0 of ``p`` that this rank holds: all, or under FSDP2/HSDP its
     ``Shard(0)`` piece (``torch.chunk`` sizes over the mesh's last dimension)."""
-    if not is_dtensor(p):
-        return slice(0, p.shape[0])
+    if not is_dtensor(p) or is_replicated(p):
+        return slice(None)
     mesh = p.device_mesh
     size = -(-p.shape[0] // mesh.size(mesh.ndim - 1))
     start = min(mesh.get_local_rank(mesh.ndim - 1) * size, p.shape[0])
@@ -39,32 +48,58 @@ def _held(p: torch.Tensor) -> slice:
 _PLAIN = LocalSplit()
 
 
+def _cost(rule: Rule, shape: torch.Size, group: dict[str, Any]) -> float:
+    """A parameter's estimated update cost, for balancing owners (momentum rules say; else its size)."""
+    cost = getattr(rule, "cost", None)
+    return cost(shape, group) if cost is not None else float(shape.numel())
+
+
+def _cuts(rule: Rule, layout: Layout) -> bool:
+    """A rule sees the matrices of a view; a vector rule whole tensors, or each vector of a "vectors"
+    view unless its update is elementwise (then any view gives the same update)."""
+    return not layout.whole and (rule.needs_matrix or (layout.view == "vectors" and not rule.elementwise))
+
+
+def _at_owners(p: torch.Tensor, rule: Rule, layout: Layout, compiled_batched: bool) -> bool:
+    """Whether ``p`` takes the owner path (``owners.py``): a DTensor not held whole by every rank, whose
+    rule is not elementwise, and whose layout is not FSDP2's/HSDP's row shards of whole matrices (the
+    ``sharded.py`` path: a stacked view's whole local matrices, or one matrix's rows). Under
+    ``compiled_batched`` (``compile=True`` with the batched step) row shards of the momentum rules without
+    Newton-Schulz go there too: their statistics would need sums over shards inside a graph, and at the
+    owner the graph sees whole tensors."""
+    if not is_dtensor(p) or is_replicated(p) or rule.elementwise:
+        return False
+    rows = tuple(p.placements) in SHARDED_LAYOUTS
+    if rows and compiled_batched and rule.compiles and not getattr(rule, "needs_ns", True):
+        return True
+    return not rows or (_cuts(rule, layout) and (not layout.batch or layout.folded))
+
+
 class _Entry:
     """One parameter of a param group as the step sees it, prepared once (:meth:`RoleOptimizer._prepare`)."""
 
-    __slots__ = ("param", "state", "name", "kind", "rule", "layout", "cut", "sharded", "item")
+    __slots__ = ("param", "state", "name", "kind", "rule", "layout", "cut", "sharded", "item", "local")
 
     def __init__(self, param: torch.Tensor, state: dict[str, Any], name: str, kind: str, rule: Rule,
                  layout: Layout) -> None:
         self.param, self.state, self.name, self.kind, self.rule, self.layout = param, state, name, kind, rule, layout
-        # A rule sees the matrices of a view; a vector rule whole tensors, or each vector of a "vectors"
-        # view unless its update is elementwise (then any view gives the same update).
-        self.cut = not layout.whole and (rule.needs_matrix or (layout.view == "vectors" and not rule.elementwise))
-        self.sharded = is_dtensor(param)
-        if self.sharded and self.cut and (not layout.batch or layout.folded):  # FSDP2 cuts dim 0
-            raise NotImplementedError(
-                f"{name}: view {layout.view!r}{' with a split' if layout.split else ''}"
-                f"{' with folds' if layout.folded else ''} under FSDP2 would need "
-                "the rows of a matrix from several shards; give its group views='matrix' / splits=None, or "
-                "keep this parameter unsharded")
+        self.cut = _cuts(rule, layout)
+        # A DTensor every rank holds whole (Replicate() norms under TP) steps like a plain tensor, on its local.
+        self.sharded = is_dtensor(param) and not is_replicated(param)
+        #: Steps on this rank alone (``LocalSplit``): whole local matrices of FSDP2 stacks, a DTensor held
+        #: whole by every rank, or an elementwise rule's piece of any other layout (AdamW under TP).
+        self.local = (self.sharded and self.cut) or (is_dtensor(param) and (
+            not self.sharded or tuple(param.placements) not in SHARDED_LAYOUTS))
         #: A whole plain tensor is one item for good: each step only sets its gradient.
-        self.item = None if self.cut or self.sharded else Item(param, None, state, name, param.shape, kind)
+        self.item = None if self.cut or is_dtensor(param) else Item(param, None, state, name, param.shape, kind)
 
     def items(self, grad: torch.Tensor) -> list[Item]:
         """This step's items of a parameter that is not one whole plain tensor: its local shard (FSDP2)
         and/or one item per matrix of its view (:meth:`Layout.matrices`), with the state as local views
         (``rule.state_views`` says how each state tensor divides), named ``name[e]#j``."""
-        param, grad = (self.param.to_local(), grad.to_local()) if self.sharded else (self.param, grad)
+        if is_dtensor(grad) and tuple(grad.placements) != tuple(self.param.placements):  # Partial() under TP
+            grad = grad.redistribute(grad.device_mesh, self.param.placements)
+        param, grad = local(self.param), local(grad)
         state = {k: local(v) for k, v in self.state.items()}
         if not self.cut:
             return [Item(param, grad, state, self.name, self.param.shape, self.kind)]
@@ -160,6 +195,10 @@ class RoleOptimizer(Optimizer):
         and the single process's splitter; none of it is state."""
         self._plan_key: tuple | None = None
         self._plan_cache: list = []
+        self._owners: OwnerPlan | None = None
+        self._owned: list[list[tuple[int, torch.Tensor, _Entry | None]]] = []
+        #: The splitter of the owner path's whole tensors: one for all groups, so that they share buckets.
+        self._owner_split = LocalSplit()
         self._contexts: list[StepContext] = []
         self._local = LocalSplit()
 
@@ -263,11 +302,18 @@ class RoleOptimizer(Optimizer):
 
         Creates the state of every parameter, gradient or not, so that the state is the same on every
         rank (a ``torch.distributed.checkpoint`` save needs that; microsoft/dion#89).
+
+        DTensor parameters of layouts other than FSDP2's row shards of whole matrices go to the owner
+        path (``owners.py``): :attr:`_owners` plans the exchange (a collective, once per plan) and
+        :attr:`_owned` lists per group ``(index, parameter, entry)``, the entry of the whole tensors at the
+        owner rank, ``None`` on the others.
         """
-        plan = []
+        plan, owned, at_owners = [], [], []
         for group in self.param_groups:
             kind, names = group.get("kind"), group.get("names")
-            entries = []
+            entries, rows = [], []
+            cuda = all(p.device.type == "cuda" for p in group["params"])
+            batched = cuda if group.get("foreach") is None else group["foreach"]
             for i, p in enumerate(group["params"]):
                 name = names[i] if names else f"params[{i}]"
                 pkind = kind or infer_kind(p)
@@ -276,10 +322,34 @@ class RoleOptimizer(Optimizer):
                 state = self.state[p]
                 if not state:
                     rule.init_state(p, state, group, layout)
-                entries.append(_Entry(p, state, name, pkind, rule, layout))
-            split = splitter_for(group["params"], _PLAIN)
-            cuda = all(p.device.type == "cuda" for p in group["params"])
+                if _at_owners(p, rule, layout, self._compile and batched):
+                    at_owners.append((len(plan), p, state, name, pkind, rule, layout, group))
+                    continue
+                entry = _Entry(p, state, name, pkind, rule, layout)
+                entries.append(entry)
+                if entry.sharded and not entry.local:
+                    rows.append(p)
+            kinds = {is_dtensor(p): i for i, p in enumerate(group["params"])}
+            if len(kinds) == 2:
+                plain, dt = ((names[i] if names else f"params[{i}]") for i in (kinds[False], kinds[True]))
+                raise NotImplementedError(
+                    f"a param group mixes a plain tensor ({plain}) with DTensors ({dt}, placements "
+                    f"{tuple(group['params'][kinds[True]].placements)}): under FSDP2 or TP the plain one's "
+                    "gradient may differ between ranks. Shard every module of the group (fully_shard / "
+                    "parallelize_module) or none, or put the plain tensors in a group of their own")
+            split = splitter_for(rows, _PLAIN) if rows else _PLAIN
             plan.append((group, entries, None if split is _PLAIN else split, cuda))
+            owned.append([])
+        self._owners = OwnerPlan([a[1] for a in at_owners], [a[2] for a in at_owners],
+                                 [_cost(a[5], a[1].shape, a[7]) for a in at_owners],
+                                 [a[3] for a in at_owners]) if at_owners else None
+        for index, (gi, p, state, name, pkind, rule, layout, _) in enumerate(at_owners):
+            entry = None
+            if self._owners.mine(index):
+                o = self._owners.owned[index]
+                entry = _Entry(o.whole, {**o.whole_state, "step": state["step"]}, name, pkind, rule, layout)
+            owned[gi].append((index, p, entry))
+        self._owned = owned
         return plan
 
     def _plan(self) -> list[tuple[dict[str, Any], list[_Entry], LocalSplit | None, bool]]:
@@ -335,7 +405,8 @@ class RoleOptimizer(Optimizer):
         batched: dict[tuple, tuple[Rule, dict, list[Item], LocalSplit, str]] = {}
         calls = 0
         plan = self._plan()
-        for group, entries, group_split, cuda in plan:
+        moved = self._gather_at_owners()
+        for (group, entries, group_split, cuda), owned in zip(plan, self._owned, strict=True):
             if any(isinstance(group.get(k), torch.Tensor) for k in FLOAT_KEYS) or any(
                     isinstance(b, torch.Tensor) for b in group.get("betas", ())):
                 group = with_floats(group)
@@ -349,13 +420,23 @@ class RoleOptimizer(Optimizer):
                 e.state["step"] += 1
                 if e.item is not None:
                     e.item.grad = g
-                    by_rule.setdefault((e.rule, False), []).append(e.item)
+                    by_rule.setdefault((e.rule, "split"), []).append(e.item)
                 else:
-                    by_rule.setdefault((e.rule, e.sharded and e.cut), []).extend(e.items(g))
+                    by_rule.setdefault((e.rule, "local" if e.local else "split"), []).extend(e.items(g))
+            for index, p, e in owned:  # the owner path: whole tensors, this rank's own (gathered above)
+                if e is None or p.grad is None:
+                    continue
+                e.state["step"] = self.state[p]["step"]
+                grad = self._owners.owned[index].whole_grad
+                if e.item is not None:
+                    e.item.grad = grad
+                    by_rule.setdefault((e.rule, "owner"), []).append(e.item)
+                else:
+                    by_rule.setdefault((e.rule, "owner"), []).extend(e.items(grad))
             foreach = group.get("foreach")
-            for (rule, whole), items in by_rule.items():
+            for (rule, mode), items in by_rule.items():
                 # Whole local matrices of a sharded stack (FSDP2 experts) need no other rank.
-                split = LocalSplit() if whole else group_split or replicated
+                split = {"local": LocalSplit(), "owner": self._owner_split}.get(mode) or group_split or replicated
                 kind = group.get("kind") or items[0].kind
                 if not (cuda if foreach is None else foreach):
                     rule.step(items, group, self._context(calls, kind, split))
@@ -371,17 +452,36 @@ class RoleOptimizer(Optimizer):
                                 for i, (rule, group, items, split, kind) in enumerate(batched.values())])
         if replicated is not self._local:
             replicated.finish()  # wait for the owners' broadcasts (DDP)
-        for _, entries, _, _ in plan:  # a kept item must not keep its gradient alive past zero_grad()
-            for e in entries:
-                if e.item is not None:
+        if self._owners is not None:
+            self._owners.scatter(moved)  # every rank's pieces of the owners' new parameters and state
+        for (_, entries, _, _), owned in zip(plan, self._owned, strict=True):
+            for e in [*entries, *(e for _, _, e in owned if e is not None)]:
+                if e.item is not None:  # a kept item must not keep its gradient alive past zero_grad()
                     e.item.grad = None
         return loss
 
+    def _gather_at_owners(self) -> list[int]:
+        """The owner path's first exchange (``owners.py``): the parameters with gradients, whole at their
+        owners; counts their steps. Returns their indices, for the exchange back."""
+        if self._owners is None:
+            return []
+        moved, grads = [], []
+        for owned in self._owned:
+            for index, p, _ in owned:
+                if p.grad is not None:
+                    if p.grad.is_sparse:
+                        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                    self.state[p]["step"] += 1
+                    moved.append(index)
+                    grads.append(p.grad)
+        self._owners.gather(moved, grads)
+        return moved
+
     def _splitter(self, group: dict[str, Any]) -> LocalSplit:
         """The work splitter of ``group`` in a step (introspection; the step takes it from its plan)."""
-        split = splitter_for(group["params"], _PLAIN)
-        if split is not _PLAIN:
-            return split
+        for g, _, split, _ in self._plan():
+            if g is group and split is not None:
+                return split
         return self._local if self._process_group is None else replicated_splitter(self._process_group)
 
     def _context(self, i: int, kind: str, split: LocalSplit, call: int = 0) -> StepContext:
@@ -417,7 +517,7 @@ class RoleOptimizer(Optimizer):
                 name = names[i] if names else f"group{gi}.params[{i}]"
                 counts = local(st["rows_chosen"]).reshape(-1).tolist()
                 layout = group_layout(group, i, p.shape, name)
-                labels = [""] if layout.whole else layout.labels(_held(p))
+                labels = [""] if layout.whole else layout.labels(_held(st["rows_chosen"]))
                 for label, rows in zip(labels, counts, strict=True):
                     out[name + label] = (rows, int(st["step"]) - rows)
         return out

@@ -1,0 +1,376 @@
+"""Every layout torch's parallel APIs give a transformer: the optimizer's update equals one process's.
+
+Real ``transformers`` models from tiny configs (``zoo.py``), sharded by torch itself: tensor parallelism
+with ``parallelize_module`` (the torchtitan plan: colwise q/k/v/gate/up, rowwise o/down, a vocabulary-
+parallel embedding and head) on a TP mesh of 2, FSDP2 (``fully_shard``) on the fused and transposed
+models (Phi3's ``qkv_proj`` with GQA sizes and ``gate_up_proj``, GPT-2's ``Conv1D`` ``c_attn``) and the
+experts of Qwen3-MoE, DBRX (folded) and GPT-OSS (interleaved), and FSDP2 over TP on a 2 x 2 mesh.
+
+Each worker runs the model's real forward and backward under the layout, then feeds the very same
+gradients (``full_tensor()``) to an optimizer of the unsharded model, so that the only difference left
+is the optimizer's: float32 Newton-Schulz (``ns_dtype`` pinned, whatever the CPU) and every parameter
+compared with ``full_tensor()`` after several steps. The owner path (``owners.py``) runs one process's
+code on whole tensors, so the bound is 1e-6 and the observed differences are 0 where the owner's step
+form is the reference's.
+
+Workers end with ``destroy_process_group`` and ``os._exit`` (gloo may abort at interpreter exit).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import zoo
+from capabilities import runs
+
+import meqmuon
+from meqmuon.optim.distributed import is_dtensor
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+
+STEPS = 3
+# Which optimizers each layout runs: the ``tp``, ``fsdp2-views``, ``fsdp2xtp`` and ``ddp-batched-compile``
+# columns of capabilities.py; together every rule family (MeqMuon's three rules, Moonlight's Muon with
+# AdamW, NorMuon's per-row state, MuonEq's pre-Newton-Schulz equilibration, SCALE's statistics).
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, tmp_path, *args, world=2):
+    port = _free_port()
+    mp.spawn(_entry, args=(fn, port, str(tmp_path), args, world), nprocs=world, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _entry(rank, fn, port, tmp, args, world):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(rank, *args)
+        torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+class WholeMatrixVariant(meqmuon.HiddenRule):
+    """A user's variant whose ``pre`` and ``post`` take statistics of whole matrices (a per-shard
+    computation would differ): scale the input by its mean absolute value, normalise the rows after."""
+
+    name = "whole_matrix_variant"
+
+    def pre(self, X, group, state=None):
+        return X * (1 + X.abs().mean(dim=(-2, -1), keepdim=True))
+
+    def post(self, U, group, state=None):
+        return U * U.square().mean(dim=-1, keepdim=True).add(1e-12).rsqrt()
+
+
+def _optimizer(name: str, model, **kw):
+    """``name[+foreach][+compile]``: every Muon-family optimizer with float32 Newton-Schulz; ``variant``
+    is Muon with :class:`WholeMatrixVariant` for hidden matrices."""
+    base, *flags = name.split("+")
+    if base == "variant":
+        base, kw["rules"] = "muon", {"hidden": WholeMatrixVariant()}
+    if base != "scale":
+        kw["ns_dtype"] = torch.float32
+    return meqmuon.build_optimizer(base, model, lr=0.02, weight_decay=0.1, foreach="foreach" in flags,
+                                   compile="compile" in flags, **kw)
+
+
+def tp_plan(model, mesh) -> None:
+    """torchtitan's Llama TP plan (``torchtitan/models/llama3/infra/parallelize.py``) on a transformers
+    Llama: colwise q/k/v/gate/up, rowwise o/down, a vocabulary-parallel embedding (rows) and head."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parallelize_module(model, mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    })
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, {
+            **{f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
+        })
+
+
+def fsdp(model, mesh) -> None:
+    """FSDP2 as torchtitan applies it: each decoder layer, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = getattr(getattr(model, "model", None), "layers", None) or getattr(
+        getattr(model, "transformer", None), "h", None) or []
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _batch(model_name: str, step: int) -> dict:
+    ids = torch.randint(0, zoo.VOCAB, zoo.TOKENS, generator=torch.Generator().manual_seed(100 + step))
+    return {"input_ids": ids, "labels": ids}
+
+
+def compare_under_layout(model_name: str, names, shard, steps: int = STEPS) -> dict:
+    """Per optimizer: the largest difference of any parameter from the unsharded optimizer fed the same
+    gradients, and the parameters' placements."""
+    out = {}
+    for name in names:
+        model, _ = getattr(zoo, model_name)()
+        ref = copy.deepcopy(model)
+        init = {n: p.detach().clone() for n, p in ref.named_parameters()}
+        shard(model)
+        # the reference is the eager step of one process (compile=True's graphs must equal it)
+        opt, ref_opt = _optimizer(name, model), _optimizer(name.replace("+compile", ""), ref)
+        for step in range(steps):
+            model(**_batch(model_name, step)).loss.backward()
+            grads = {n: (p.grad.full_tensor() if is_dtensor(p.grad) else p.grad) for n, p in model.named_parameters()}
+            for n, p in ref.named_parameters():
+                p.grad = grads[n].clone()
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        full = dict(model.named_parameters())
+        diff = moved = 0.0
+        for n, q in ref.named_parameters():
+            p = full[n].full_tensor() if is_dtensor(full[n]) else full[n]
+            diff = max(diff, (p.detach() - q.detach()).abs().max().item())
+            moved = max(moved, (q.detach() - init[n]).abs().max().item())
+        out[name] = {"diff": diff, "moved": moved,
+                     "placements": {n: str(tuple(p.placements)) for n, p in full.items() if is_dtensor(p)}}
+    return out
+
+
+def dcp_resume(model_name: str, name: str, shard, ckpt: str, steps: int = STEPS, save_at: int = 1) -> float:
+    """``steps`` steps uninterrupted, against ``save_at`` steps, a ``torch.distributed.checkpoint`` save
+    (``get_state_dict``: model and optimizer), a fresh model (its parameters halved, so that only the load
+    can restore them) and optimizer under the same layout, the load and the remaining steps. Returns the
+    largest difference of any parameter at the end (0.0: bit for bit)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build():
+        model, _ = getattr(zoo, model_name)()
+        shard(model)
+        return model, _optimizer(name, model)
+
+    def run(model, opt, steps):
+        for step in steps:
+            model(**_batch(model_name, step)).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    def full(model):
+        return {n: (p.full_tensor() if is_dtensor(p) else p).detach().clone() for n, p in model.named_parameters()}
+
+    model, opt = build()
+    run(model, opt, range(steps))
+    ref = full(model)
+    model, opt = build()
+    run(model, opt, range(save_at))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    model, opt = build()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    msd, osd = get_state_dict(model, opt)  # templates: DCP loads in place
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    run(model, opt, range(save_at, steps))
+    return max((p - ref[n]).abs().max().item() for n, p in full(model).items())
+
+
+def _tp_worker(rank, names, ckpt):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    out = compare_under_layout("llama", names, lambda m: tp_plan(m, mesh))
+    out["dcp"] = {n: dcp_resume("llama", n, lambda m: tp_plan(m, mesh), os.path.join(ckpt, n))
+                  for n in ("meqmuon", "normuon")}
+    return out
+
+
+def _check(results, names, bound=1e-6):
+    for r, res in enumerate(results):
+        for name in names:
+            assert res[name]["moved"] > 1e-3, name  # the optimizer really stepped
+            assert res[name]["diff"] <= bound, (name, r, res[name]["diff"])
+
+
+def test_tensor_parallel_llama_equals_one_process(tmp_path):
+    """TP on a mesh of 2 (torchtitan's plan): every rule family in every step form, and a user variant,
+    equal one process fed the same gradients; a DCP save/load under TP resumes bit for bit."""
+    names = [*runs("tp", "tp-batched", "tp-compile", "tp-batched-compile"), "variant", "variant+foreach"]
+    results = _spawn(_tp_worker, tmp_path, names, str(tmp_path))
+    placements = results[0]["meqmuon"]["placements"]
+    assert placements["model.layers.0.self_attn.q_proj.weight"] == "(Shard(dim=0),)"  # colwise
+    assert placements["model.layers.0.mlp.down_proj.weight"] == "(Shard(dim=1),)"  # rowwise
+    assert placements["model.embed_tokens.weight"] == "(Shard(dim=0),)"  # vocabulary rows
+    _check(results, names)
+    for r in range(2):
+        assert results[r]["dcp"] == {"meqmuon": 0.0, "normuon": 0.0}
+
+
+#: FSDP2 on the zoo's fused, transposed and expert models, routed by default (``param_groups``).
+FSDP_MODELS = ("phi3", "gpt2", "qwen3_moe", "dbrx", "gpt_oss")
+
+
+class _Split(torch.nn.Module):
+    """One 16 x 8 weight split (5, 11): FSDP2's shard boundary (row 8) falls inside the second block."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 8, generator=torch.Generator().manual_seed(3)))
+
+
+def _untied(model_name: str, names):
+    """SCALE refuses a tied embedding/head (GPT-2's), as the paper runs it on untied models only."""
+    return [n for n in names if not (model_name == "gpt2" and n.startswith("scale"))]
+
+
+def _split_boundary(names) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    for name in names:
+        module, ref = _Split(), _Split()
+        fully_shard(module, mesh=mesh)
+        opts = [meqmuon.build_optimizer(name, [{"params": [m.w], "kind": "hidden", "splits": [(5, 11)]}], lr=0.02,
+                                        ns_dtype=torch.float32) for m in (module, ref)]
+        for step in range(STEPS):
+            g = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+            ref.w.grad = g
+            module.w.grad = torch.distributed.tensor.distribute_tensor(g, mesh, module.w.placements)
+            for opt in opts:
+                opt.step()
+        out[name] = (module.w.full_tensor() - ref.w).abs().max().item()
+    return out
+
+
+def _fsdp_worker(rank, model_names, names):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    out = {m: compare_under_layout(m, _untied(m, names), lambda model: fsdp(model, mesh)) for m in model_names}
+    out["split_boundary"] = _split_boundary(("meqmuon", "normuon"))
+    return out
+
+
+def test_fsdp2_fused_transposed_and_expert_models_equal_one_process(tmp_path):
+    """FSDP2 routed by default on Phi3 (fused qkv with GQA sizes, gate_up), GPT-2 (Conv1D, fused c_attn),
+    Qwen3-MoE (3-D experts), DBRX (folded 2-D experts) and GPT-OSS (interleaved gate/up): every rule
+    family steps and equals one process; a split block cut by the shard boundary too."""
+    names = runs("fsdp2-views", "fsdp2-views-batched")
+    results = _spawn(_fsdp_worker, tmp_path, FSDP_MODELS, names)
+    for model in FSDP_MODELS:
+        _check([res[model] for res in results], _untied(model, names))
+    for res in results:
+        assert all(d <= 1e-6 for d in res["split_boundary"].values()), res["split_boundary"]
+
+
+def _fsdp_tp_worker(rank, names, ckpt):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def shard(model):
+        tp_plan(model, mesh["tp"])
+        fsdp(model, mesh["dp"])
+
+    out = compare_under_layout("llama", names, shard)
+    out["dcp"] = dcp_resume("llama", "meqmuon", shard, os.path.join(ckpt, "meqmuon"))
+    return out
+
+
+def test_fsdp2_over_tensor_parallel_2x2_equals_one_process(tmp_path):
+    """FSDP2 over TP on a 2 x 2 mesh (4 processes): ``_StridedShard`` colwise weights, ``(Shard(0), Shard(1))``
+    rowwise ones, ``(Shard(0), Replicate())`` norms; equal to one process; DCP round trip bit for bit."""
+    names = [*runs("fsdp2xtp", "fsdp2xtp-batched"), "variant"]
+    results = _spawn(_fsdp_tp_worker, tmp_path, names, str(tmp_path), world=4)
+    placements = results[0]["meqmuon"]["placements"]
+    assert placements["model.layers.0.self_attn.q_proj.weight"].startswith("(_StridedShard(dim=0")
+    assert placements["model.layers.0.mlp.down_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
+    _check(results, names)
+    assert all(res["dcp"] == 0.0 for res in results)
+
+
+def _compiled_worker(rank, names):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    return {"ddp": compare_under_layout("llama", names, lambda m: None),
+            "fsdp2": compare_under_layout("llama", names, lambda m: fsdp(m, mesh))}
+
+
+def test_compiled_batched_step_under_ddp_and_fsdp2(tmp_path):
+    """``compile=True, foreach=True`` under DDP (plain tensors, the same gradients on every rank: the
+    hidden buckets split in slices and gathered) and FSDP2 equals one process's eager step."""
+    names = runs("ddp-batched-compile")
+    results = _spawn(_compiled_worker, tmp_path, names)
+    for layout in ("ddp", "fsdp2"):
+        _check([res[layout] for res in results], names)
+
+
+def test_collectives_per_step_are_flat_in_depth():
+    """``benchmarks/collectives.py`` on the tiny Llama at 4 and 8 layers: the batched step's collectives
+    under FSDP2 and TP do not grow with depth (two ``all_to_all_single`` per shape bucket of row-sharded
+    hidden matrices, two for everything at owners, one all-reduce per elementwise rule's statistics)."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import collectives
+
+    args = argparse.Namespace(model="llama-tiny", layouts=["fsdp2", "tp"], optimizers=["meqmuon"], depths=[1, 2],
+                              forms=[True])
+    rows = collectives.measure(args)
+    counts = {(layout, layers): c for layout, _, _, _, _, layers, c in rows}
+    for layout in ("fsdp2", "tp"):
+        assert counts[(layout, 4)] == counts[(layout, 8)], counts
+        assert counts[(layout, 4)]["all_to_all_single"] % 2 == 0 and counts[(layout, 4)]["all_to_all_single"] > 0
+    assert "| fsdp2 | 2 | meqmuon | batched | 8 |" in collectives.table(rows)
+
+
+def _mixed_worker(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    sharded = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Shard(1)]))
+    plain = torch.nn.Parameter(torch.randn(4, 4))
+    opt = meqmuon.Muon([{"params": [sharded, plain], "kind": "hidden", "names": ["a.weight", "b.weight"]}])
+    for p in (sharded, plain):
+        p.grad = torch.zeros_like(p)
+    try:
+        opt.step()
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def test_a_group_mixing_dtensors_and_plain_tensors_names_both_and_the_way_out(tmp_path):
+    message = _spawn(_mixed_worker, tmp_path)[0]
+    assert message is not None and "b.weight" in message and "a.weight" in message and "Shard(dim=1)" in message
+    assert "group of their own" in message
