@@ -104,6 +104,10 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
                    help="CUDA: keep float32 matmuls in full float32 (default: TF32)")
     g.add_argument("--device", default=S, help="auto (cuda:LOCAL_RANK if available), cpu, cuda:0, ...")
     g.add_argument("--compile", action="store_true", default=S, help="torch.compile the model")
+    g.add_argument("--fsdp", action="store_true", default=S,
+                   help="FSDP2 (fully_shard) per decoder layer over the data-parallel ranks (torchrun)")
+    g.add_argument("--tp", type=int, default=S, metavar="N",
+                   help="tensor parallelism over N ranks (torchtitan's plan); world size = N x data-parallel ranks")
     g.add_argument("--threads", type=int, default=S,
                    help="CPU threads for the run (default: torch's, one per core); 1 on a CPU shared with other jobs")
     g.add_argument("--out", default=S, help="run directory" + (" for all runs" if compare else ""))
