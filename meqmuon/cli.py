@@ -159,11 +159,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         saved_path = run_dir / "config.json"
         if saved_path.is_file():
             saved = load_config_file(saved_path)
-            for per_invocation in ("stop_at_step", "resume", "quiet", "out"):
+            # the layout is per invocation too: a run resumes on whatever ranks and flags it is given
+            for per_invocation in ("stop_at_step", "resume", "quiet", "out", "fsdp", "tp"):
                 saved.pop(per_invocation, None)
             d = {**saved, **_base_dict(args), **over}
     summary = train(config_from_dict(d))
-    if summary.get("finished"):
+    if summary.get("finished") and os.environ.get("RANK", "0") == "0":  # one line, from rank 0 under torchrun
         keys = ("val_loss", "val_ppl", "val_bpb", "tokens", "tokens_per_s", "optimizer_state_mib", "run_dir")
         print(json.dumps({k: summary[k] for k in keys}))
     return 0
