@@ -117,6 +117,10 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
                    help="CUDA: keep float32 matmuls in full float32 (default: TF32)")
     g.add_argument("--device", default=S, help="auto (cuda:LOCAL_RANK if available), cpu, cuda:0, ...")
     g.add_argument("--compile", action="store_true", default=S, help="torch.compile the model")
+    g.add_argument("--fsdp", action="store_true", default=S,
+                   help="FSDP2 (fully_shard) per decoder layer over the data-parallel ranks (torchrun)")
+    g.add_argument("--tp", type=int, default=S, metavar="N",
+                   help="tensor parallelism over N ranks (torchtitan's plan); world size = N x data-parallel ranks")
     g.add_argument("--threads", type=int, default=S,
                    help="CPU threads for the run (default 1 on CPU: 2+ threads stall when other jobs share the "
                         "cores; more are faster on idle cores)")
@@ -170,7 +174,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         saved_path = run_dir / "config.json"
         if saved_path.is_file():
             saved = load_config_file(saved_path)
-            for per_invocation in ("stop_at_step", "resume", "quiet", "out"):
+            # the layout is per invocation too: a run resumes on whatever ranks and flags it is given
+            for per_invocation in ("stop_at_step", "resume", "quiet", "out", "fsdp", "tp"):
                 saved.pop(per_invocation, None)
             d = {**saved, **_base_dict(args), **over}
         if d["resume"] == "auto" and int(os.environ.get("RANK", "0")) == 0 and not list_checkpoints(run_dir):
@@ -179,7 +184,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             print(f"meqmuon: note: --resume auto found no checkpoint in {run_dir}; starting a new run there",
                   file=sys.stderr)
     summary = train(config_from_dict(d))
-    if summary.get("finished"):
+    if summary.get("finished") and os.environ.get("RANK", "0") == "0":  # one line, from rank 0 under torchrun
         keys = ("val_loss", "val_ppl", "val_bpb", "tokens", "tokens_per_s", "optimizer_state_mib", "run_dir")
         print(json.dumps({k: summary[k] for k in keys}))
     return 0

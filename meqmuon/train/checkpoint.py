@@ -12,7 +12,11 @@ primitives (Python's ``random`` state is a tuple of ints; NumPy's a uint32 array
 values in optimizer param groups (``ns_dtype``) are on the ``weights_only`` allow-list
 (``tests/test_train.py`` checks the round trip).
 
-Layout: ``<run>/checkpoints/step_0000123.pt``.
+Layout: ``<run>/checkpoints/step_0000123.pt``. A sharded run (``--fsdp`` / ``--tp``) writes a directory
+``<run>/checkpoints/step_0000123/`` instead: model and optimizer through ``torch.distributed.checkpoint``
+(every rank writes its shards; DCP reshards on load, so the run resumes on any layout or number of
+ranks, one process included) and ``meta.pt`` with the rest, written by rank 0. It is written as
+``.step_0000123.tmp`` and renamed when complete, so it is atomic like the single file.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +41,16 @@ __all__ = [
     "find_checkpoint",
     "load_latest_readable",
     "save_checkpoint",
+    "save_sharded_checkpoint",
     "load_checkpoint",
     "rng_state",
     "set_rng_state",
 ]
 
 FORMAT = "meqmuon-checkpoint-v1"
-_NAME = re.compile(r"^step_(\d+)\.pt$")
+_NAME = re.compile(r"^step_(\d+)(\.pt)?$")
+#: The non-DCP part of a sharded checkpoint directory.
+META = "meta.pt"
 
 
 class CheckpointError(RuntimeError):
@@ -53,8 +61,8 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def checkpoint_path(run_dir: str | Path, step: int) -> Path:
-    return checkpoint_dir(run_dir) / f"step_{step:07d}.pt"
+def checkpoint_path(run_dir: str | Path, step: int, sharded: bool = False) -> Path:
+    return checkpoint_dir(run_dir) / (f"step_{step:07d}" if sharded else f"step_{step:07d}.pt")
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
@@ -62,7 +70,8 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     d = checkpoint_dir(run_dir)
     if not d.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name))]
+    found = [(int(m.group(1)), p) for p in d.iterdir()
+             if (m := _NAME.match(p.name)) and (p.is_file() or (p / META).is_file())]
     return sorted(found)
 
 
@@ -77,6 +86,8 @@ def find_checkpoint(resume: str, run_dir: str | Path) -> Path | None:
     if resume == "auto":
         return latest_checkpoint(run_dir)
     p = Path(resume)
+    if p.is_dir() and (p / META).is_file():  # a sharded checkpoint itself
+        return p
     if p.is_dir():
         latest = latest_checkpoint(p)
         if latest is None:
@@ -121,13 +132,40 @@ def save_checkpoint(run_dir: str | Path, step: int, payload: dict[str, Any], kee
     torch.save({"format": FORMAT, "step": step, **payload}, tmp)
     os.replace(tmp, path)
     for _, old in list_checkpoints(run_dir)[:-keep]:
-        old.unlink(missing_ok=True)
+        old.unlink(missing_ok=True) if old.is_file() else shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def save_sharded_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], payload: dict[str, Any],
+                            is_main: bool, barrier: Any, keep: int = 2) -> Path:
+    """A sharded checkpoint directory (see the module docstring), written by every rank: ``state`` (the
+    model's and optimizer's ``get_state_dict``) through ``dcp.save``, ``payload`` to ``meta.pt`` by rank 0;
+    ``barrier()`` separates the writes from the rename and the pruning of older checkpoints."""
+    import torch.distributed.checkpoint as dcp
+
+    path = checkpoint_path(run_dir, step, sharded=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    dcp.save(state, checkpoint_id=str(tmp))
+    if is_main:
+        torch.save({"format": FORMAT, "step": step, **payload}, tmp / META)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+        for _, old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+    barrier()
     return path
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a checkpoint with ``weights_only=True``; unreadable or foreign files raise ``CheckpointError``."""
+    """Load a checkpoint with ``weights_only=True`` (of a sharded one: its ``meta.pt``; the model and
+    optimizer load through DCP); unreadable or foreign files raise ``CheckpointError``."""
     p = Path(path)
+    if p.is_dir():
+        p = p / META
     try:
         ckpt = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, bad pickle, not a torch file: all mean "corrupt"

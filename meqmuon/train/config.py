@@ -116,6 +116,8 @@ class TrainConfig:
     tf32: bool = True  # CUDA: TF32 float32 matmuls (torch.set_float32_matmul_precision("high")); no effect on CPU
     device: str = "auto"  # "auto" -> cuda:LOCAL_RANK if available, else cpu
     compile: bool = False
+    fsdp: bool = False  # FSDP2 (fully_shard) over the data-parallel ranks (meqmuon.train.parallel)
+    tp: int = 1  # tensor-parallel degree: torchtitan's plan on a TP mesh of this size
     threads: int | None = None  # CPU intra-op threads (torch.set_num_threads) during the run; None -> 1 on CPU
     # evaluation, checkpoints, logging
     out: str | None = None  # None -> runs/<model>-<optimizer>-lr<lr>-s<seed>
@@ -236,7 +238,7 @@ def validate_config(cfg: TrainConfig) -> None:
             raise ValueError(f"set {key} with --{key.replace('_', '-')}, not --optimizer-arg")
     _positive("lr", cfg.lr)
     for name in ("tokens", "steps", "seq_len", "global_batch", "micro_batch", "eval_every", "save_every",
-                 "val_tokens", "keep_checkpoints", "stop_at_step", "threads"):
+                 "val_tokens", "keep_checkpoints", "stop_at_step", "threads", "tp"):
         value = getattr(cfg, name)
         _positive(name, value)
         if value is not None and not isinstance(value, int):
@@ -250,6 +252,8 @@ def validate_config(cfg: TrainConfig) -> None:
     _positive("clip", cfg.clip)
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
+    if not isinstance(cfg.fsdp, bool):
+        raise ValueError(f"fsdp must be true or false, got {cfg.fsdp!r}")
     if not isinstance(cfg.tf32, bool):
         raise ValueError(f"tf32 must be true or false, got {cfg.tf32!r}")
     if cfg.resume is not None and cfg.resume != "auto" and not Path(cfg.resume).exists():
@@ -421,6 +425,8 @@ class ResolvedConfig:
     tf32: bool
     device: str
     compile: bool
+    fsdp: bool
+    tp: int
     threads: int | None
     out: str  # the run directory
     eval_every: int | None

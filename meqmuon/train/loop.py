@@ -46,7 +46,13 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from meqmuon.train.checkpoint import latest_checkpoint, list_checkpoints, rng_state, save_checkpoint
+from meqmuon.train.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    rng_state,
+    save_checkpoint,
+    save_sharded_checkpoint,
+)
 from meqmuon.train.config import ResolvedConfig, TrainConfig, run_dir_of, validate_config
 from meqmuon.train.evaluate import causal_lm_loss, evaluate
 from meqmuon.train.metrics import MetricsLogger, truncate_metrics, write_json
@@ -175,12 +181,14 @@ def _train_step(run: Run, params: list[torch.nn.Parameter], recorder: Any, step:
     all-reduce (:mod:`meqmuon.train.preempt`), so all ranks return the same ``stop``.
     """
     c, opt = run.cfg, run.opt
-    accum = c.accumulation(run.world)
+    accum = c.accumulation(run.dp)
     loss_sum = torch.zeros((), device=run.device)
     micro = run.data.train.next_batch(c.global_batch).split(c.micro_batch)
     for i, mb in enumerate(micro):
-        # Skip DDP's gradient all-reduce on all but the last micro-batch of the update.
-        sync = run.train_model.no_sync() if run.world > 1 and i < len(micro) - 1 else contextlib.nullcontext()
+        # Skip DDP's gradient all-reduce on all but the last micro-batch of the update (FSDP2 reduce-scatters
+        # every micro-batch's gradients into the sharded sum: the same sum, no unsharded copy kept).
+        ddp = run.world > 1 and not run.sharded
+        sync = run.train_model.no_sync() if ddp and i < len(micro) - 1 else contextlib.nullcontext()
         with sync:
             with run.autocast():
                 loss = causal_lm_loss(run.forward, mb.to(run.device, non_blocking=True))
@@ -195,7 +203,7 @@ def _train_step(run: Run, params: list[torch.nn.Parameter], recorder: Any, step:
         loss_t = both[0] / run.world
     else:
         loss_t, both = loss_sum / accum, None
-    grad_norm_t = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    grad_norm_t = _grad_norm([p.grad for p in params if p.grad is not None])
     loss_val, grad_norm = loss_t.item(), grad_norm_t.item()
     stop = signals.signum
     if both is not None:
@@ -216,6 +224,23 @@ def _train_step(run: Run, params: list[torch.nn.Parameter], recorder: Any, step:
     return loss_val, grad_norm, lr, stop
 
 
+def _grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The global gradient norm, plain tensors and DTensors of any mesh alike: per (mesh, placements)
+    one norm of the group's norms, ``full_tensor()`` of it, then the norm of those (``get_total_norm``
+    cannot stack DTensors of different meshes, as FSDP2 over TP has: 2-D weights, 1-D norms)."""
+    from meqmuon.optim.distributed import is_dtensor
+
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (id(g.device_mesh), tuple(g.placements)) if is_dtensor(g) else ("plain", g.device)
+        groups.setdefault(key, []).append(g)
+    norms = []
+    for gs in groups.values():
+        n = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)))
+        norms.append(n.full_tensor() if is_dtensor(n) else n)
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
 def _diverged(run: Run, step: int, loss: float, grad_norm: float) -> NoReturn:
     what = f"loss became {loss}" if not math.isfinite(loss) else f"gradient norm became {grad_norm}"
     last = latest_checkpoint(run.run_dir)
@@ -227,7 +252,8 @@ def _evaluate(run: Run, logger: MetricsLogger, at: _Progress, quiet: bool) -> di
     """Validation loss, perplexity and bits per byte on the fixed validation set, logged."""
     c = run.cfg
     res = evaluate(run.model, run.data.val, batch_size=c.micro_batch, device=run.device, autocast=run.autocast(),
-                   val_bytes=run.data.val_bytes)
+                   val_bytes=run.data.val_bytes,
+                   shard=(run.layout.dp_rank, run.layout.dp) if run.sharded else None)
     logger.log({"kind": "eval", "step": at.step, "tokens": at.tokens, **res})
     if run.is_main:
         _write_selection_counts(run, at.step)
@@ -243,11 +269,18 @@ def _save(run: Run, at: _Progress) -> Path | None:
         gathered: list[Any] = [None] * run.world
         dist.all_gather_object(gathered, rngs[0])
         rngs = gathered
+    rest = {"config": run.cfg.to_dict(), "scheduler": run.sched.state_dict(), "data": run.data.train.state_dict(),
+            "rng": rngs, "tokens": at.tokens, "world_size": run.world}
+    if run.sharded:  # every rank writes its shards (torch.distributed.checkpoint)
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(run.model, run.opt)
+        path = save_sharded_checkpoint(run.run_dir, at.step, {"model": msd, "optim": osd}, rest, run.is_main,
+                                       dist.barrier, keep=run.cfg.keep_checkpoints)
+        return path if run.is_main else None
     if not run.is_main:
         return None
-    payload = {"config": run.cfg.to_dict(), "model": run.model.state_dict(), "optimizer": run.opt.state_dict(),
-               "scheduler": run.sched.state_dict(), "data": run.data.train.state_dict(), "rng": rngs,
-               "tokens": at.tokens, "world_size": run.world}
+    payload = {**rest, "model": run.model.state_dict(), "optimizer": run.opt.state_dict()}
     return save_checkpoint(run.run_dir, at.step, payload, keep=run.cfg.keep_checkpoints)
 
 
@@ -320,7 +353,7 @@ def _open_log(run: Run) -> tuple[MetricsLogger, bool]:
     quiet = c.quiet or not run.is_main
     _log(f"[meqmuon] {c.model} ({run.n_params:,} params) | {c.optimizer} lr={c.lr:g} wd={c.weight_decay:g} | "
          f"{c.steps} steps x {c.global_batch} x {c.seq_len} = {c.tokens:,} tokens | world {run.world}, "
-         f"micro-batch {c.micro_batch}, accum {c.accumulation(run.world)} | {run.device} {c.precision} "
+         f"micro-batch {c.micro_batch}, accum {c.accumulation(run.dp)} | {run.device} {c.precision} "
          f"(NS {c.optimizer_args.get('ns_dtype', '-')}, CPU {c.numerics['cpu_capability']}, "
          f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}) | {run_dir}"
          + (f" | resumed at step {run.step}" if run.step else ""), quiet)

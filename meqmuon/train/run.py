@@ -32,6 +32,7 @@ from meqmuon.train.checkpoint import (
     set_rng_state,
 )
 from meqmuon.train.config import IDENTITY_KEYS, ResolvedConfig, TrainConfig, optimizer_kwargs, resolve
+from meqmuon.train.parallel import Layout, check_layout, shard_model
 
 __all__ = ["Run", "WarmupCosine", "build_run", "device_of", "seed_all"]
 
@@ -64,18 +65,29 @@ class Run:
     world: int
     device: torch.device
     data: Any  # meqmuon.train.data.DataBundle
-    model: torch.nn.Module
-    train_model: torch.nn.Module  # ``model``, DDP-wrapped when world > 1
+    model: torch.nn.Module  # sharded in place under --fsdp / --tp (DTensor parameters)
+    train_model: torch.nn.Module  # ``model``, DDP-wrapped when world > 1 and not sharded
     forward: torch.nn.Module  # ``train_model``, compiled with --compile
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
     n_params: int
     step: int
     tokens: int
+    layout: Layout | None = None  # world = dp x tp; None: one process or DDP
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        """DTensor parameters (--fsdp / --tp): checkpoints go through torch.distributed.checkpoint."""
+        return self.layout is not None and self.layout.sharded
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each reads its own share of the global batch (a TP group shares one)."""
+        return self.layout.dp if self.layout is not None else self.world
 
     @property
     def run_dir(self) -> Path:
@@ -108,29 +120,32 @@ def build_run(cfg: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
     from meqmuon.train.models import build_model, count_unique_params
 
     device = device_of(cfg, local_rank)
-    plan = resolve(cfg, device=device, world_size=world)
+    check_layout(world, cfg.tp, cfg.fsdp)
+    layout = Layout(world, cfg.tp, cfg.fsdp, rank)
+    plan = resolve(cfg, device=device, world_size=layout.dp)
     ckpt_path, ckpt = _checkpoint_to_resume(plan, announce=rank == 0)
     seed_all(plan.seed)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high" if plan.tf32 else "highest")
     if rank == 0:
         _warn_bf16(plan, device)
-    data = _build_data(plan, rank, world)
+    data = _build_data(plan, rank, world, layout)
     model = build_model(plan.model, vocab_size=_model_vocab(plan, data.tokenizer), seed=plan.seed, device=device)
     n_params = count_unique_params(model)
     final = plan.for_model(unique_params=n_params, data_source=data.source)
     if ckpt is not None and final.resume:
         _check_resume_config(ckpt["config"], final, ckpt_path)
     _check_capture(final, model)
+    shard_model(model, layout, final.precision, device)
     opt = build_optimizer(final.optimizer, model, **optimizer_kwargs(final))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(final.steps, final.warmup_ratio, final.min_lr_ratio))
     train_model = model
-    if world > 1:
+    if world > 1 and not layout.sharded:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     run = Run(final, rank, world, device, data, model, train_model,
-              torch.compile(train_model) if final.compile else train_model, opt, sched, n_params, 0, 0)
+              torch.compile(train_model) if final.compile else train_model, opt, sched, n_params, 0, 0, layout)
     if ckpt is not None:
         _restore(run, ckpt, ckpt_path)
     else:
@@ -163,13 +178,15 @@ def _checkpoint_to_resume(cfg: ResolvedConfig, announce: bool = True) -> tuple[P
     return path, (load_checkpoint(path) if path is not None else None)
 
 
-def _build_data(cfg: ResolvedConfig, rank: int, world: int) -> Any:
+def _build_data(cfg: ResolvedConfig, rank: int, world: int, layout: Layout) -> Any:
     from meqmuon.train.data import build_data
 
     if world > 1 and rank != 0:
         dist.barrier()  # rank 0 tokenises and caches first; the others then read the cache
+    # The data-parallel coordinate: the ranks of one tensor-parallel group read the same rows.
     data = build_data(None if cfg.data == "builtin" else cfg.data, tokenizer_name=_tokenizer_name(cfg),
-                      seq_len=cfg.seq_len, seed=cfg.seed, rank=rank, world_size=world, cache_dir=cfg.cache_dir,
+                      seq_len=cfg.seq_len, seed=cfg.seed, rank=layout.dp_rank, world_size=layout.dp,
+                      cache_dir=cfg.cache_dir,
                       val_tokens=cfg.val_tokens, vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction)
     if world > 1 and rank == 0:
         dist.barrier()
@@ -177,10 +194,18 @@ def _build_data(cfg: ResolvedConfig, rank: int, world: int) -> Any:
 
 
 def _restore(run: Run, ckpt: dict[str, Any], path: Path) -> None:
-    """Load a checkpoint's state into the freshly built run; any misfit is a :class:`CheckpointError`."""
+    """Load a checkpoint's state into the freshly built run; any misfit is a :class:`CheckpointError`.
+
+    A sharded checkpoint (a directory: :mod:`torch.distributed.checkpoint`) loads into any layout, one
+    process included: DCP reshards model and optimizer state. A single file (one process or DDP) loads
+    directly into an unsharded run, and through a DCP copy of it into a sharded one (:func:`_restore_sharded`).
+    """
     try:
-        run.model.load_state_dict(ckpt["model"])
-        run.opt.load_state_dict(ckpt["optimizer"])
+        if path.is_dir() or run.sharded:
+            _restore_sharded(run, ckpt, path)
+        else:
+            run.model.load_state_dict(ckpt["model"])
+            run.opt.load_state_dict(ckpt["optimizer"])
         run.sched.load_state_dict(ckpt["scheduler"])
         run.data.train.load_state_dict(ckpt["data"])
         rngs = ckpt["rng"]
@@ -189,6 +214,45 @@ def _restore(run: Run, ckpt: dict[str, Any], path: Path) -> None:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path} does not fit this run: {msg}") from None
     run.step, run.tokens = int(ckpt["step"]), int(ckpt["tokens"])
+
+
+def _restore_sharded(run: Run, ckpt: dict[str, Any], path: Path) -> None:
+    """Model and optimizer state through ``torch.distributed.checkpoint`` into whatever layout this run has.
+
+    A checkpoint directory is loaded as it is (``get_state_dict`` gives the templates, ``dcp.load`` reshards
+    into them, ``set_state_dict`` installs them: torchtitan's ``components/checkpoint.py`` does the same).
+    A single-file checkpoint is first written as a DCP directory by rank 0 from an unsharded copy of the
+    model and optimizer that loads it (beside the checkpoint, removed after), then loaded the same way.
+    """
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from meqmuon import build_optimizer
+    from meqmuon.train.models import build_model
+
+    source, converted = (path, None) if path.is_dir() else (None, path.with_name(f".{path.stem}.dcp"))
+    if converted is not None:
+        if run.is_main:
+            plain = build_model(run.cfg.model, vocab_size=run.model.config.vocab_size, device="cpu")
+            opt = build_optimizer(run.cfg.optimizer, plain, **optimizer_kwargs(run.cfg))
+            plain.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["optimizer"])
+            msd, osd = get_state_dict(plain, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(converted), no_dist=True)
+        if run.world > 1:
+            dist.barrier()
+        source = converted
+    msd, osd = get_state_dict(run.model, run.opt)  # templates: DCP loads into them in place
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(source))
+    set_state_dict(run.model, run.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if converted is not None:
+        if run.world > 1:
+            dist.barrier()
+        if run.is_main:
+            shutil.rmtree(converted, ignore_errors=True)
 
 
 def _check_capture(cfg: ResolvedConfig, model: torch.nn.Module) -> None:

@@ -1,0 +1,109 @@
+"""Sharding the harness's model with torch's own parallel APIs: ``--fsdp`` and ``--tp N``.
+
+``--tp N`` applies torchtitan's tensor-parallel plan (``torchtitan/models/llama3/infra/parallelize.py``)
+to the six paper models (Llama and Qwen2 in transformers): q/k/v/gate/up colwise, o/down rowwise, on
+the ``tp`` dimension of a DeviceMesh; the token embedding (rows: the vocabulary) and the LM head
+(colwise: the vocabulary) are vocabulary-parallel where that is exact: an untied model whose
+vocabulary ``N`` divides. ``--fsdp`` applies FSDP2 (``fully_shard``) per decoder layer and to the root
+over the data-parallel (``dp``) dimension, with bf16 parameters for the forward and backward and
+float32 gradient reduction when the run's precision is bf16. The mesh is ``(dp, tp)`` with
+``dp = world / N``; without ``--fsdp`` the ranks must all be tensor-parallel (``N`` = world size):
+DDP over DTensor parameters is not something torch offers.
+
+The data follow the ``dp`` coordinate: the ranks of one TP group read the same micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Layout", "check_layout", "shard_model"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A run's parallel layout: ``world = dp x tp`` ranks, this rank at ``(dp_rank, tp_rank)``."""
+
+    world: int
+    tp: int
+    fsdp: bool
+    rank: int
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def sharded(self) -> bool:
+        """Parameters are DTensors (checkpoints through ``torch.distributed.checkpoint``)."""
+        return self.fsdp or self.tp > 1
+
+
+def check_layout(world: int, tp: int, fsdp: bool, config: Any | None = None) -> None:
+    """One clear ``ValueError`` line for a layout the run cannot have (before anything is built)."""
+    if tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {tp}")
+    if (fsdp or tp > 1) and world == 1:
+        raise ValueError("--fsdp and --tp shard over ranks: launch with torchrun --nproc_per_node N (N >= 2)")
+    if world % tp:
+        raise ValueError(f"--tp {tp} does not divide the {world} ranks (world size must be a multiple of --tp)")
+    if tp > 1 and world > tp and not fsdp:
+        raise ValueError(f"--tp {tp} on {world} ranks leaves {world // tp} data-parallel groups: add --fsdp to shard "
+                         f"them (DDP over tensor-parallel parameters is not supported), or use --tp {world}")
+    if config is None or tp == 1:
+        return
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        n = getattr(config, name, None)
+        if n is not None and n % tp:
+            raise ValueError(f"--tp {tp} does not divide the model's {name} ({n}); choose a --tp that does")
+
+
+def _vocab_parallel(model: torch.nn.Module, tp: int) -> bool:
+    """Vocabulary-parallel embedding and head: exact for an untied model whose vocabulary ``tp`` divides."""
+    cfg = model.config
+    return not cfg.tie_word_embeddings and cfg.vocab_size % tp == 0
+
+
+def tp_plan(model: torch.nn.Module, mesh: Any) -> None:
+    """torchtitan's Llama TP plan on a transformers Llama/Qwen2 causal LM (``model.model.layers``)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if _vocab_parallel(model, mesh.size()):
+        parallelize_module(model, mesh, {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        })
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, {
+            **{f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
+        })
+
+
+def shard_model(model: torch.nn.Module, layout: Layout, precision: str, device: torch.device) -> Any:
+    """Shard ``model`` in place for ``layout``; returns the DeviceMesh (``None`` for an unsharded layout)."""
+    if not layout.sharded:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    check_layout(layout.world, layout.tp, layout.fsdp, model.config)
+    mesh = init_device_mesh(device.type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+    if layout.tp > 1:
+        tp_plan(model, mesh["tp"])
+    if layout.fsdp:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if precision == "bf16" else MixedPrecisionPolicy()
+        for block in model.model.layers:
+            fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
+        fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
+    return mesh
