@@ -7,7 +7,7 @@ the update-2 checkpoint, alone in a copy of the run directory, is then resumed:
   observed ~1e-7: only reduction orders differ);
 - its sharded checkpoint resumed on 4 processes in the same layout ends bit for bit where the
   uninterrupted run ended, and on 2 processes (FSDP2) and on 1 (no sharding) within 1e-5 relative;
-- the other way: one process's single-file checkpoint resumed on 2 processes with ``--tp 2``.
+- the other way: one process's single-file checkpoint resumed on 4 processes, FSDP2 over TP.
 
 Every resumed run ends at update 4 with the tokens of 4 updates: each update applied exactly once.
 """
@@ -74,9 +74,9 @@ def test_fsdp_over_tp_trains_like_one_process_and_resumes_on_any_layout(tmp_path
     assert resumed["same"]["val_loss"] == grid["val_loss"]  # the same layout: bit for bit
     for name in ("fsdp2", "one"):
         assert abs(resumed[name]["val_loss"] - grid["val_loss"]) <= 1e-5 * grid["val_loss"], (name, resumed[name])
-    _from_update_2(tmp_path, "one", "one_tp")
-    back = _train(tmp_path, "one_tp", 2, "--tp", "2", "--resume", "auto")
-    _ended_at_update_4(tmp_path, "one_tp")
+    _from_update_2(tmp_path, "one", "one_grid")
+    back = _train(tmp_path, "one_grid", 4, "--fsdp", "--tp", "2", "--resume", "auto")
+    _ended_at_update_4(tmp_path, "one_grid")
     assert abs(back["val_loss"] - one["val_loss"]) <= 1e-5 * one["val_loss"]
 
 
