@@ -158,6 +158,7 @@ class RoleOptimizer(Optimizer):
         self._workspace: dict = {}
         self._init_step_cache()
         super().__init__(params, defaults)
+        self._warn_if_no_matrix()
 
     # ---- pickling and deepcopy -------------------------------------------------------------
 
@@ -238,6 +239,36 @@ class RoleOptimizer(Optimizer):
                 raise TypeError(f"rules[{kind!r}]: {type(rule).__name__} must set a class attribute 'name'")
             table[kind] = rule
         return table
+
+    def _warn_if_no_matrix(self) -> None:
+        """A ``UserWarning`` when this optimizer orthogonalises some kind but no parameter is of that kind.
+
+        DeepSpeed ZeRO hands optimizers flat 1-D partitions: a Muon there routes every tensor to its vector
+        rule and silently runs as AdamW (deepspeedai/DeepSpeed#8438, #8441). A warning and not an error:
+        an optimizer over 1-D parameters alone is legitimate where its matrices come later
+        (``add_param_group``) or live elsewhere (torchtitan builds one optimizer per pipeline stage, and a
+        last stage may hold only the final norm and the head).
+        """
+        ns = sorted(k for k, r in self._rules.items() if getattr(r, "needs_ns", False))
+        if not ns:
+            return  # no Newton-Schulz to miss (SCALE)
+        seen: dict[str, list[tuple[int, ...]]] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                kind = group.get("kind") or infer_kind(p)
+                if kind in ns:
+                    return
+                seen.setdefault(kind, []).append(tuple(p.shape))
+        found = "; ".join(f"{len(v)} {k} of shape {', '.join(map(str, v[:3]))}{', ...' if len(v) > 3 else ''}"
+                          for k, v in seen.items())
+        rules = ", ".join(sorted({self._rules[k].name for k in seen}))
+        warnings.warn(
+            f"{type(self).__name__}: no >=2-D parameter reaches Newton-Schulz: no parameter is of kind "
+            f"{' or '.join(ns)} (found {found}), so every update is {rules}, not {type(self).__name__}. Flat 1-D "
+            "partitions (DeepSpeed ZeRO) lose the matrices: give the optimizer the model's own >=2-D parameters "
+            "(FSDP2, DDP, or ZeRO stage 0), route with meqmuon.param_groups(model), or add the hidden groups "
+            "with add_param_group.",
+            UserWarning, stacklevel=4)
 
     def _rule_for(self, kind: str) -> Rule:
         return self._rules[kind]
