@@ -204,6 +204,22 @@ def test_zero_gradient_lr0_step_changes_nothing(name, form):
     _check_zero_step(dict(model.state_dict()), before, opt)
 
 
+@pytest.mark.parametrize("name", ["meqmuon", "muon"])
+def test_zero_gradient_step_with_a_tensor_lr(name):
+    """An lr held as a 0-D tensor (a scheduler's): torch's ``_init_optim_state`` sets ``torch.tensor(0.0)``
+    for the step and puts the tensor back."""
+    model = make_model(torch.float32)
+    groups = _titan_groups(model, False)
+    lr = torch.tensor(0.02)
+    for g in groups:
+        g["lr"] = lr
+    opt = meqmuon.build_optimizer(name, groups, **{k: v for k, v in _kwargs(name).items() if k != "lr"})
+    before = _snapshot(model)
+    _init_optim_state(opt)
+    assert all(g["lr"] is lr for g in opt.param_groups)
+    _check_zero_step(dict(model.state_dict()), before, opt)
+
+
 def test_docs_torchtitan_recipe_runs_on_a_plain_model():
     """docs/torchtitan.md: section 1's function, run from the file, gives groups with torchtitan's keys
     (names without the checkpoint wrapper), survives the zero-gradient ``lr=0`` step and the flat round

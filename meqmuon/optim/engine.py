@@ -321,6 +321,10 @@ class RoleOptimizer(Optimizer):
         for optional in ("state_dtype", "foreach"):
             if optional in group:
                 keys.add(optional)
+        # Only the keys the rules read are checked; others stay in the group, unread, as in torch.optim.
+        # torchtitan puts "fused" (no fused kernel here: ignored) and "param_names" (its checkpoint keys)
+        # in every group (pytorch/torchtitan torchtitan/components/optimizer/optimizer.py,
+        # OptimizersContainer._build_param_groups); tests/test_contracts.py holds them to that.
         validate_group(group, sorted(keys))
 
     # ---- stepping --------------------------------------------------------------------------
