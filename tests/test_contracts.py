@@ -266,6 +266,11 @@ def test_no_matrix_for_newton_schulz_warns_at_construction(name):
                                          r"\(DeepSpeed ZeRO\)") as record:
         meqmuon.build_optimizer(name, flat)
     assert "1 vector of shape (4096,)" in str(record[0].message)
+    # As ZeRO passes them: bare 1-D tensors, no param_groups, kinds inferred from shape.
+    cls = REGISTRY[name].cls
+    with pytest.warns(UserWarning, match="no >=2-D parameter reaches Newton-Schulz") as record:
+        cls([torch.zeros(64, requires_grad=True), torch.zeros(32, requires_grad=True)])
+    assert any(w.filename == __file__ for w in record if "Newton-Schulz" in str(w.message)), "points at the caller"
     with warnings.catch_warnings():  # a matrix anywhere: nothing to say
         warnings.simplefilter("error")
         meqmuon.build_optimizer(name, make_model(torch.float32))

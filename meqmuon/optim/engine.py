@@ -8,6 +8,8 @@ groups of one ``torch.optim.Optimizer``, LR schedulers, ``state_dict``/``load_st
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -42,6 +44,18 @@ def _held(p: torch.Tensor) -> slice:
     size = -(-p.shape[0] // mesh.size(mesh.ndim - 1))
     start = min(mesh.get_local_rank(mesh.ndim - 1) * size, p.shape[0])
     return slice(start, start + p.to_local().shape[0])
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` of a warning raised here that names the first caller outside the package
+    (presets and ``build_optimizer`` add frames of their own)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 #: What :func:`splitter_for` returns for a group of plain tensors: the step's splitter is theirs.
@@ -268,7 +282,7 @@ class RoleOptimizer(Optimizer):
             "partitions (DeepSpeed ZeRO) lose the matrices: give the optimizer the model's own >=2-D parameters "
             "(FSDP2, DDP, or ZeRO stage 0), route with meqmuon.param_groups(model), or add the hidden groups "
             "with add_param_group.",
-            UserWarning, stacklevel=4)
+            UserWarning, stacklevel=_outside_stacklevel())
 
     def _rule_for(self, kind: str) -> Rule:
         return self._rules[kind]
