@@ -1,11 +1,12 @@
 """A transformers zoo: tiny random-init models of the kinds users train.
 
 Dense (Llama, Mistral, Qwen2, Gemma2 tied, OPT tied with learned positions), fused (Phi3, GPT-2,
-ModernBERT, DBRX split; GPT-NeoX, Falcon kept whole), MoE (Mixtral, Qwen2-MoE, Qwen3-MoE; DBRX with
+ModernBERT, DBRX split; GPT-NeoX, Falcon kept whole), Qwen3-Next (Gated-DeltaNet: conv1d split, in_proj_qkvz /
+in_proj_ba and the gated q_proj kept whole and listed), MoE (Mixtral, Qwen2-MoE, Qwen3-MoE; DBRX with
 experts folded into 2-D tensors, GPT-OSS with per-expert biases, Llama 4 with (in, out) experts),
 encoder (BERT, ModernBERT), encoder-decoder (T5), vision (ViT), vision-language (CLIP, 0-D
-``logit_scale``), state-space (Mamba, Mamba2): 22 architectures; the factories are in
-``tests/zoo.py``. No downloads. An architecture the installed transformers lacks is skipped.
+``logit_scale``), state-space (Mamba, Mamba2), hybrid linear attention (Qwen3-Next): 23 architectures; the
+factories are in ``tests/zoo.py``. No downloads. An architecture the installed transformers lacks is skipped.
 
 - Routing: every trainable tensor lands in exactly one group of :func:`meqmuon.param_groups`, with the
   kind, view, split (and folds) of the per-architecture table below (regex on the HF parameter name
@@ -312,6 +313,19 @@ def mamba2_routes(c) -> dict:  # tied embeddings / lm_head
     }
 
 
+def qwen3_next_routes(c) -> dict:  # layer 0 Gated-DeltaNet, layer 1 gated attention; MoE with a shared expert
+    key, value = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+    routes = qwen2_moe_routes(c)
+    del routes[r"self_attn\.(q|k|v)_proj\.bias$"]  # no attention biases
+    return {
+        **routes,
+        # Kept whole and listed (q, k, v, z / b, a / query, gate interleaved per head).
+        r"linear_attn\.(in_proj_qkvz|in_proj_ba|out_proj)\.weight$": HIDDEN,
+        r"linear_attn\.conv1d\.weight$": ("hidden", "matrix", (key, key, value)),  # depthwise over q | k | v
+        r"linear_attn\.(dt_bias|A_log)$": VECTOR,
+    }
+
+
 ROUTES = {
     "llama": llama_routes,
     "mistral": mistral_routes,
@@ -335,6 +349,7 @@ ROUTES = {
     "modernbert": modernbert_routes,
     "clip": clip_routes,
     "mamba2": mamba2_routes,
+    "qwen3_next": qwen3_next_routes,
 }
 
 # The embedding tensor shared with the output head (its group has ``tied=True``), or None.
@@ -543,6 +558,8 @@ FUSED = {
     "llama4": r"experts\.gate_up_proj$",
     "modernbert": r"(Wqkv|Wi)\.weight$",
     "mamba2": r"mixer\.(in_proj|conv1d)\.weight$",
+    "qwen3_next": r"(linear_attn\.(in_proj_qkvz|in_proj_ba|conv1d)\.weight|self_attn\.q_proj\.weight"
+                  r"|experts\.gate_up_proj)$",
 }
 
 

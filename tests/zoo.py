@@ -1,7 +1,7 @@
 """Tiny random-init transformers models of the kinds users train, for ``tests/test_zoo.py``.
 
-Twenty-two architectures: Llama, Mistral, Qwen2, Gemma2, Phi3, GPT-2, GPT-NeoX, Falcon, OPT, Mixtral,
-Qwen2-MoE, Qwen3-MoE, BERT, T5, ViT, Mamba, DBRX, GPT-OSS, Llama 4, ModernBERT, CLIP, Mamba2. No
+Twenty-three architectures: Llama, Mistral, Qwen2, Gemma2, Phi3, GPT-2, GPT-NeoX, Falcon, OPT, Mixtral,
+Qwen2-MoE, Qwen3-MoE, BERT, T5, ViT, Mamba, DBRX, GPT-OSS, Llama 4, ModernBERT, CLIP, Mamba2, Qwen3-Next. No
 downloads: every model is built from a config with ``torch.manual_seed(0)``, in float32, eager
 attention. Each entry of :data:`ZOO` is a factory returning ``(model, batch)``, or raising
 :class:`Missing` when the installed transformers lacks the architecture.
@@ -285,6 +285,18 @@ def mamba2() -> tuple[nn.Module, dict]:
     return _build(model_cls, config), _lm_batch()
 
 
+def qwen3_next() -> tuple[nn.Module, dict]:
+    config_cls, model_cls = _classes("Qwen3NextConfig", "Qwen3NextForCausalLM")
+    # One Gated-DeltaNet layer (fused in_proj_qkvz / in_proj_ba, depthwise conv1d over q | k | v) and one
+    # gated attention layer (q_proj holds query and gate per head); 2 key heads of 4 value heads.
+    config = config_cls(
+        **MOE, head_dim=8, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        num_experts=4, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"],
+    )
+    return _build(model_cls, config), _lm_batch()
+
+
 ZOO: dict[str, Callable[[], tuple[nn.Module, dict]]] = {
     "llama": llama,
     "mistral": mistral,
@@ -308,4 +320,5 @@ ZOO: dict[str, Callable[[], tuple[nn.Module, dict]]] = {
     "modernbert": modernbert,
     "clip": clip,
     "mamba2": mamba2,
+    "qwen3_next": qwen3_next,
 }

@@ -8,6 +8,8 @@ groups of one ``torch.optim.Optimizer``, LR schedulers, ``state_dict``/``load_st
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -42,6 +44,18 @@ def _held(p: torch.Tensor) -> slice:
     size = -(-p.shape[0] // mesh.size(mesh.ndim - 1))
     start = min(mesh.get_local_rank(mesh.ndim - 1) * size, p.shape[0])
     return slice(start, start + p.to_local().shape[0])
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` of a warning raised here that names the first caller outside the package
+    (presets and ``build_optimizer`` add frames of their own)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 #: What :func:`splitter_for` returns for a group of plain tensors: the step's splitter is theirs.
@@ -158,6 +172,7 @@ class RoleOptimizer(Optimizer):
         self._workspace: dict = {}
         self._init_step_cache()
         super().__init__(params, defaults)
+        self._warn_if_no_matrix()
 
     # ---- pickling and deepcopy -------------------------------------------------------------
 
@@ -239,6 +254,36 @@ class RoleOptimizer(Optimizer):
             table[kind] = rule
         return table
 
+    def _warn_if_no_matrix(self) -> None:
+        """A ``UserWarning`` when this optimizer orthogonalises some kind but no parameter is of that kind.
+
+        DeepSpeed ZeRO hands optimizers flat 1-D partitions: a Muon there routes every tensor to its vector
+        rule and silently runs as AdamW (deepspeedai/DeepSpeed#8438, #8441). A warning and not an error:
+        an optimizer over 1-D parameters alone is legitimate where its matrices come later
+        (``add_param_group``) or live elsewhere (torchtitan builds one optimizer per pipeline stage, and a
+        last stage may hold only the final norm and the head).
+        """
+        ns = sorted(k for k, r in self._rules.items() if getattr(r, "needs_ns", False))
+        if not ns:
+            return  # no Newton-Schulz to miss (SCALE)
+        seen: dict[str, list[tuple[int, ...]]] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                kind = group.get("kind") or infer_kind(p)
+                if kind in ns:
+                    return
+                seen.setdefault(kind, []).append(tuple(p.shape))
+        found = "; ".join(f"{len(v)} {k} of shape {', '.join(map(str, v[:3]))}{', ...' if len(v) > 3 else ''}"
+                          for k, v in seen.items())
+        rules = ", ".join(sorted({self._rules[k].name for k in seen}))
+        warnings.warn(
+            f"{type(self).__name__}: no >=2-D parameter reaches Newton-Schulz: no parameter is of kind "
+            f"{' or '.join(ns)} (found {found}), so every update is {rules}, not {type(self).__name__}. Flat 1-D "
+            "partitions (DeepSpeed ZeRO) lose the matrices: give the optimizer the model's own >=2-D parameters "
+            "(FSDP2, DDP, or ZeRO stage 0), route with meqmuon.param_groups(model), or add the hidden groups "
+            "with add_param_group.",
+            UserWarning, stacklevel=_outside_stacklevel())
+
     def _rule_for(self, kind: str) -> Rule:
         return self._rules[kind]
 
@@ -290,6 +335,10 @@ class RoleOptimizer(Optimizer):
         for optional in ("state_dtype", "foreach"):
             if optional in group:
                 keys.add(optional)
+        # Only the keys the rules read are checked; others stay in the group, unread, as in torch.optim.
+        # torchtitan puts "fused" (no fused kernel here: ignored) and "param_names" (its checkpoint keys)
+        # in every group (pytorch/torchtitan torchtitan/components/optimizer/optimizer.py,
+        # OptimizersContainer._build_param_groups); tests/test_contracts.py holds them to that.
         validate_group(group, sorted(keys))
 
     # ---- stepping --------------------------------------------------------------------------

@@ -200,6 +200,39 @@ FUSED_LAYOUTS: dict[tuple[str, str], Callable[[nn.Module, int], tuple[int, ...]]
                                               "JetMoeMoE")},
     ("JetMoeAttention", "kv_proj"): _halves,
     ("JetMoeMoA", "input_linear"): lambda parent, rows: (rows,),
+    # Qwen3-Next's Gated-DeltaNet (``Qwen3NextGatedDeltaNet.forward``): its depthwise ``conv1d`` runs over
+    # ``cat((query, key, value), -1)``, split back by ``torch.split(..., [key_dim, key_dim, value_dim])``.
+    ("Qwen3NextGatedDeltaNet", "conv1d"): lambda m, rows: (m.key_dim, m.key_dim, m.value_dim),
+}
+
+
+def _qwen3_next_qkvz(m: nn.Module) -> str:
+    r = m.num_v_heads // m.num_k_heads
+    return (f"q, k, v, z interleaved per key head ({m.num_k_heads} groups of {m.head_k_dim}, {m.head_k_dim}, "
+            f"{r * m.head_v_dim}, {r * m.head_v_dim} rows; fix_query_key_value_ordering): no row view gives a "
+            "block, kept whole")
+
+
+def _qwen3_next_ba(m: nn.Module) -> str:
+    r = m.num_v_heads // m.num_k_heads
+    return (f"b, a interleaved per key head ({m.num_k_heads} groups of {r}, {r} rows; "
+            "fix_query_key_value_ordering): no row view gives a block, kept whole")
+
+
+def _gated_query(m: nn.Module) -> str:
+    return (f"query and output gate interleaved per head ({m.config.num_attention_heads} heads of {m.head_dim}, "
+            f"{m.head_dim} rows; view(..., -1, 2 * head_dim).chunk(2)): no row view gives a block, kept whole")
+
+
+#: Fused projections whose blocks alternate per head (group) in runs of unequal or several rows: no
+#: strided view of the rows gives one block (``views.py`` cuts runs, or single rows in turn), so they
+#: stay whole and :func:`meqmuon.describe_groups` lists them with their layout. ``(parent class, module
+#: name) -> the note``. Qwen3-Next (transformers ``models/qwen3_next/modeling_qwen3_next.py``): the
+#: Gated-DeltaNet's ``in_proj_qkvz`` and ``in_proj_ba``, and the gated attention's ``q_proj``.
+INTERLEAVED_BLOCKS: dict[tuple[str, str], Callable[[nn.Module], str]] = {
+    ("Qwen3NextGatedDeltaNet", "in_proj_qkvz"): _qwen3_next_qkvz,
+    ("Qwen3NextGatedDeltaNet", "in_proj_ba"): _qwen3_next_ba,
+    ("Qwen3NextAttention", "q_proj"): _gated_query,
 }
 #: Names of projections known to be fused, for the modules whose layout is not in
 #: :data:`FUSED_LAYOUTS` (GPT-NeoX and Falcon interleave q, k, v per head; Baichuan's ``W_pack``,
@@ -212,6 +245,9 @@ FUSED_NAMES = re.compile(
 def _fused_route(mname: str, parent: nn.Module | None, view: str, rows: int) -> Route:
     leaf = mname.rsplit(".", 1)[-1]
     layout = FUSED_LAYOUTS.get((type(parent).__name__, leaf)) if parent is not None else None
+    interleaved = INTERLEAVED_BLOCKS.get((type(parent).__name__, leaf)) if parent is not None else None
+    if interleaved is not None:
+        return Route(view, note=interleaved(parent))
     if layout is not None:
         blocks = tuple(layout(parent, rows))
         if sum(blocks) == rows:  # one block: read, and not fused
