@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from meqmuon.optim.registry import DEMO_NAMES, REGISTRY
 from meqmuon.train.metrics import read_metrics
 
 __all__ = ["METRICS", "ONE_POINT_NOTE", "OPTIMIZER_COLORS", "one_point_note", "plot_runs", "plot_seed_bands",
@@ -40,12 +41,10 @@ METRICS = {
 #: One colour per optimizer name, in every figure (the demo's, ``meqmuon plot``'s, a sweep's): the
 #: colour used to follow the order of the runs, so ``meqmuon plot runs/compare/*/metrics.jsonl`` (the
 #: shell's alphabetical order) drew MeqMuon in Muon's colour of the demo's figure. matplotlib's tab10
-#: colours, the demo's four first in the demo's order.
-OPTIMIZER_COLORS = {
-    "adamw": "C0", "muon": "C1", "normuon": "C2", "meqmuon": "C3", "scale": "C4", "muoneq-r": "C5",
-    "muoneq-c": "C6", "muoneq-rc": "C7", "meqmuon-only-hidden": "C8", "meqmuon-only-embedding": "C9",
-    "meqmuon-only-vector": "black",
-}
+#: colours in the registry's order, the demo's optimizers first in the demo's order (the names live in
+#: ``meqmuon.optim.registry`` alone).
+OPTIMIZER_COLORS = dict(zip([*DEMO_NAMES, *(n for n in REGISTRY if n not in DEMO_NAMES)],
+                            [f"C{i}" for i in range(10)] + ["black"], strict=False))
 _LINESTYLES = ("-", "--", ":", "-.")
 
 
