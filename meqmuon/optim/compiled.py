@@ -95,11 +95,12 @@ def _hidden_bucket(params, grads, bufs, states, steps, lr, wd, mu, scale, *, rul
     F.decay_and_update_(params, [d.reshape(p.shape) for d, p in zip(rows, params, strict=True)], lr, wd, scale)
 
 
-def _elementwise_bucket(params, grads, bufs, lr, wd, mu, rho, *, rule, shape, nesterov):
-    """An elementwise momentum rule's step of one bucket: momentum, :meth:`direction` of the stack, update."""
+def _elementwise_bucket(params, grads, bufs, lr, wd, mu, rho, *, rule, shape, nesterov, group):
+    """An elementwise momentum rule's step of one bucket: momentum, :meth:`direction` of the stack, update;
+    ``group``: the rule's other hyperparameters, baked in."""
     inputs = _momentum_inputs(grads, bufs, mu, nesterov)
     X = torch.stack([x.reshape(shape) for x in inputs]).to(F._stat_dtype(inputs[0]))
-    D = rule.direction(X, {"rho": rho}, None, shape)
+    D = rule.direction(X, {**group, "rho": rho}, None, shape)
     F.decay_and_update_(params, [d.reshape(p.shape) for d, p in zip(D.unbind(0), params, strict=True)], lr, wd, 1.0)
 
 
@@ -122,10 +123,12 @@ def momentum_step(rule, items, group: dict, ctx, *, per_tensor: bool) -> None:
         raise NotImplementedError("the capture hook needs the eager step: build the optimizer without compile=True")
     lr, wd, mu = (scalar(group[k]) for k in ("lr", "weight_decay", "momentum"))
     if not rule.needs_ns:
+        static = {k: group[k] for k in rule.hyperparameters if k not in ("momentum", "rho", "nesterov")}
         for b in driver.make_buckets(items, matrix=rule.needs_matrix, transpose=False):
             bucket_step(rule.name, _elementwise_bucket, b.key, [it.param.detach() for it in b.items],
                         [it.grad for it in b.items], [it.state["momentum_buffer"] for it in b.items], lr, wd, mu,
-                        scalar(group["rho"]), rule=rule, shape=tuple(b.global_shape), nesterov=group["nesterov"])
+                        scalar(group["rho"]), rule=rule, shape=tuple(b.global_shape), nesterov=group["nesterov"],
+                        group=static)
         return
     static = static_group(rule, group, driver._ns_dtype(group, items[0].param, ctx))
     buckets = [driver.make_buckets([it], matrix=True, transpose=False)[0] for it in items] if per_tensor else \

@@ -47,12 +47,19 @@ from .. import functional as F
 from ..precision import resolve_ns_dtype
 from . import compiled
 from .distributed import state_like
+from .inputs import flag, float_dtype, number, positive_int
 from .newton_schulz import ns_flops
 from .rule import ELEMENTWISE_COST, Item, Rule, StepContext, state_dtype
 from .views import Layout
 
 __all__ = ["Bucket", "HiddenRule", "MomentumRule", "directions", "make_buckets", "matrix_shape",
            "step_foreach_calls"]
+
+
+#: The paper's momentum and RMS alignment (section 4: Nesterov momentum 0.95, rho = 0.2), the momentum
+#: rules' defaults.
+MOMENTUM = 0.95
+RHO = 0.2
 
 
 # ---- shape buckets ---------------------------------------------------------------------------------
@@ -189,7 +196,7 @@ class MomentumRule(Rule):
     owner rank, which computes it; the owners' parameters are broadcast (per-tensor) or their
     directions gathered (batched), with the ``owner_state`` the rule changed."""
 
-    hyperparameters = ("momentum", "nesterov")
+    defaults = {"momentum": MOMENTUM, "nesterov": True, "rho": RHO}
     state_views = {"momentum_buffer": "param"}
     #: Per-parameter state besides the momentum that the direction changes (sent by owners).
     owner_state: ClassVar[tuple[str, ...]] = ()
@@ -208,6 +215,12 @@ class MomentumRule(Rule):
         state["momentum_buffer"] = torch.zeros_like(p, dtype=state_dtype(p, group),
                                                     memory_format=torch.preserve_format)
         state["step"] = 0
+
+    def validate(self, group: dict) -> None:
+        """``momentum`` in [0, 1), ``nesterov`` a bool, ``rho`` > 0."""
+        group["momentum"] = number("momentum", group["momentum"], low=0.0, high=1.0)
+        flag("nesterov", group["nesterov"])
+        group["rho"] = number("rho", group["rho"], low=0.0, low_inclusive=False)
 
     def cost(self, shape: Sequence[int], group: dict) -> float:
         """Estimated cost of one parameter's direction, for balancing DDP owners."""
@@ -354,7 +367,7 @@ class HiddenRule(MomentumRule):
 
     needs_matrix = True
     needs_ns = True
-    hyperparameters = ("momentum", "nesterov", "rho", "ns_steps", "ns_coefficients", "ns_dtype")
+    defaults = {"ns_steps": F.NS_STEPS, "ns_coefficients": F.NS_COEFFICIENTS, "ns_dtype": None}
     #: May an ``(n, m)`` matrix share the Newton-Schulz stack of ``(m, n)`` matrices, transposed? Exact for
     #: every rule (``pre``/``post`` see each orientation apart); it saves a Newton-Schulz stack and costs a
     #: second ``pre``/``post`` call. Per-row state cannot: its rows would change length.
@@ -382,6 +395,13 @@ class HiddenRule(MomentumRule):
         if type(self).post is HiddenRule.post:
             return Us
         return [self.post(U, group, st) if st else self.post(U, group) for U, st in zip(Us, states, strict=True)]
+
+    def validate(self, group: dict) -> None:
+        """``ns_steps`` an integer >= 1, ``ns_coefficients`` a form :func:`F.ns_schedule` takes, ``ns_dtype``
+        a floating dtype or ``None``."""
+        positive_int("ns_steps", group["ns_steps"])
+        F.ns_schedule(group["ns_coefficients"], group["ns_steps"])  # raises ValueError naming the valid forms
+        float_dtype("ns_dtype", group["ns_dtype"])
 
     def lr_scale(self, m: int, n: int, group: dict) -> float:
         """A step multiplier ``s`` of an ``m x n`` matrix, applied inside the update (``-lr s D``) instead

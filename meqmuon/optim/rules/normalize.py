@@ -24,7 +24,6 @@ class Equilibrate(MomentumRule):
 
     name = "equilibrate"
     needs_matrix = True
-    hyperparameters = ("momentum", "nesterov", "rho")
 
     def direction(self, X, group, psum, shape):
         return F.equilibrate(X, psum=psum, rows=shape[0], scale=group["rho"], inplace=True)
@@ -43,7 +42,6 @@ class RmsNormalize(MomentumRule):
     cheaper than one broadcast per tensor."""
 
     name = "rms_normalize"
-    hyperparameters = ("momentum", "nesterov", "rho")
     split_work = False
 
     def direction(self, X, group, psum, shape):
