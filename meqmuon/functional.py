@@ -175,6 +175,7 @@ def orthogonalize(
     workspace: dict | None = None,
     out: Tensor | None = None,
     batched: bool = False,
+    inplace: bool = False,
 ) -> Tensor:
     r"""Approximate ``Orth(x) = P Q^T`` (for ``x = P S Q^T``) with quintic Newton-Schulz (paper eq. 3).
 
@@ -204,6 +205,8 @@ def orthogonalize(
             iteration) instead of matrix by matrix. Fewer, larger kernels: what GPUs want when
             there are many small matrices. On CPU the per-matrix loop is faster, and it
             keeps each matrix's bits independent of the batch it travels in (see below).
+        inplace: with ``batched``, ``x`` is scratch: a 3-D ``x`` in ``dtype`` is iterated in place
+            (:func:`orthogonalize_stack`) instead of copied first.
 
     Returns:
         The approximate orthogonalisation, same shape as ``x``, in ``dtype``.
@@ -219,7 +222,7 @@ def orthogonalize(
             f"got {tuple(out.shape)} {out.dtype} (contiguous={out.is_contiguous()})"
         )
     if x.ndim > 2 and batched:
-        stack = x.reshape(-1, *x.shape[-2:]).to(dtype, copy=True)
+        stack = x.reshape(-1, *x.shape[-2:]).to(dtype, copy=not inplace)
         X = orthogonalize_stack(stack, steps, coefficients, eps, inplace=True).reshape(x.shape)
         return X if out is None else out.copy_(X)
     schedule = _schedule(coefficients, steps)

@@ -247,6 +247,46 @@ def test_a_variants_own_hyperparameter_is_validated_and_unknown_keywords_raise()
         meqmuon.Muon(_groups(params), rules={"hidden": Undeclared()})
 
 
+# ---- the table of Newton-Schulz methods -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_ns_method_is_looked_up_in_the_table_in_every_form(form, monkeypatch):
+    """A method added to ``NS_METHODS`` is what every form runs: here quintic Newton-Schulz scaled by 3,
+    so the parameters move as with ``alpha = 3 * 0.5`` of :class:`Scaled` (they would move as with 0.5 if
+    any form called quintic Newton-Schulz directly)."""
+    from meqmuon.optim import compiled as C
+    from meqmuon.optim import newton_schulz as NS
+
+    monkeypatch.setattr(C, "BACKEND", "eager")
+    def tripled(X, *args, **kw):
+        return F.orthogonalize(X, *args, **kw) * 3
+
+    monkeypatch.setitem(NS.NS_METHODS, "tripled", tripled)
+    params = _tensors()
+    opt = meqmuon.Muon(_scaled_groups(params, None), lr=LR, weight_decay=WD, momentum=MU, ns_dtype=torch.float32,
+                       rules={"hidden": Scaled()}, ns_method="tripled", **FORMS[form])
+    for step in range(STEPS):
+        for i, p in enumerate(params):
+            p.grad = _grad(i, step).to(p.dtype)
+        opt.step()
+    for i, (p, q) in enumerate(zip(params, _scaled_reference([1.5] * 6), strict=True)):
+        assert torch.allclose(p.double(), q, rtol=0, atol=1e-5), (form, i, (p.double() - q).abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["meqmuon", "muon", "normuon", "muoneq-r", "meqmuon-only-hidden"])
+def test_every_muon_family_optimizer_takes_ns_method_and_refuses_an_unknown_one(name):
+    params = _tensors()
+    assert "ns_method" in meqmuon.valid_hyperparameters(name)
+    opt = meqmuon.build_optimizer(name, _groups(params), ns_method="quintic")
+    assert opt.param_groups[0]["ns_method"] == "quintic"
+    assert meqmuon.build_optimizer(name, _groups(params)).param_groups[0]["ns_method"] == "quintic"
+    with pytest.raises(ValueError, match=r"Invalid ns_method: 'gram' \(known methods: quintic\)"):
+        meqmuon.build_optimizer(name, _groups(params), ns_method="gram")
+    with pytest.raises(ValueError, match=r"Invalid ns_method: 'cubic'"):
+        meqmuon.build_optimizer(name, [{**_groups(params)[0], "ns_method": "cubic"}])
+
+
 # ---- 2 gloo ranks: DDP and FSDP2 -----------------------------------------------------------------
 
 

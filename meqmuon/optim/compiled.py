@@ -1,6 +1,6 @@
 """``compile=True``: a bucket's step, momentum to update, compiled once, without recompiles.
 
-The hidden rules' compiled form is the driver's own body (:func:`meqmuon.optim.driver.directions`)
+The hidden rules' compiled form is the driver's own body (:func:`meqmuon.optim.newton_schulz.directions`)
 wrapped with momentum and the update (:func:`_hidden_bucket`), the elementwise rules' their
 ``direction`` of a stack likewise (:func:`_elementwise_bucket`); :func:`momentum_step` runs either per
 bucket. Hyperparameters
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
-from . import driver
+from .newton_schulz import directions, make_buckets, resolve_dtype
 
 __all__ = ["BACKEND", "bucket_step", "momentum_step", "scalar"]
 
@@ -81,14 +81,14 @@ def _momentum_inputs(grads, bufs, mu, nesterov, *, update: bool = True) -> list[
 
 
 def _hidden_bucket(params, grads, bufs, states, steps, lr, wd, mu, scale, *, rule, plain, nesterov, batched, group):
-    """A hidden rule's step of one bucket, momentum to update (:func:`driver.directions` in between)."""
+    """A hidden rule's step of one bucket, momentum to update (:func:`newton_schulz.directions` in between)."""
     # the per-tensor form's momentum is updated before (and its buffers are owners' too)
     inputs = [x.reshape(x.shape[0], -1) for x in _momentum_inputs(grads, bufs, mu, nesterov, update=batched)]
     X = torch.stack(inputs[:plain] + [x.mT for x in inputs[plain:]])
     state = {k: torch.stack(v) for k, v in states.items()}
     if steps is not None:
         state["step"] = steps
-    (D,) = driver.directions(rule, [(X, plain, state)], group, None, batched=batched, ns_dtype=group["ns_dtype"])
+    (D,) = directions(rule, [(X, plain, state)], group, None, batched=batched, ns_dtype=group["ns_dtype"])
     for k, v in states.items():
         torch._foreach_copy_(v, list(state[k].to(v[0].dtype).unbind(0)))
     rows = [r for d in D for r in d.unbind(0)]
@@ -105,8 +105,8 @@ def _elementwise_bucket(params, grads, bufs, lr, wd, mu, rho, *, rule, shape, ne
 
 
 def owner_directions(W, state, *, rule, n, batched, group):
-    """FSDP2 owners' :func:`driver.directions` of whole matrices (with their state columns)."""
-    (D,) = driver.directions(rule, [(W[..., :n], W.shape[0], state)], group, None, batched=batched,
+    """FSDP2 owners' :func:`newton_schulz.directions` of whole matrices (with their state columns)."""
+    (D,) = directions(rule, [(W[..., :n], W.shape[0], state)], group, None, batched=batched,
                              ns_dtype=group["ns_dtype"])
     return D
 
@@ -124,15 +124,15 @@ def momentum_step(rule, items, group: dict, ctx, *, per_tensor: bool) -> None:
     lr, wd, mu = (scalar(group[k]) for k in ("lr", "weight_decay", "momentum"))
     if not rule.needs_ns:
         static = {k: group[k] for k in rule.hyperparameters if k not in ("momentum", "rho", "nesterov")}
-        for b in driver.make_buckets(items, matrix=rule.needs_matrix, transpose=False):
+        for b in make_buckets(items, matrix=rule.needs_matrix, transpose=False):
             bucket_step(rule.name, _elementwise_bucket, b.key, [it.param.detach() for it in b.items],
                         [it.grad for it in b.items], [it.state["momentum_buffer"] for it in b.items], lr, wd, mu,
                         scalar(group["rho"]), rule=rule, shape=tuple(b.global_shape), nesterov=group["nesterov"],
                         group=static)
         return
-    static = static_group(rule, group, driver._ns_dtype(group, items[0].param, ctx))
-    buckets = [driver.make_buckets([it], matrix=True, transpose=False)[0] for it in items] if per_tensor else \
-        driver.make_buckets(items, matrix=True, transpose=rule.transposes)
+    static = static_group(rule, group, resolve_dtype(group, items[0].param, ctx))
+    buckets = [make_buckets([it], matrix=True, transpose=False)[0] for it in items] if per_tensor else \
+        make_buckets(items, matrix=True, transpose=rule.transposes)
     per_matrix = {k: how for k, how in rule.state_views.items() if how in ("rows", "counter", "step")}
     for b in buckets:
         states = {k: [it.state[k] for it in b.items] for k, how in per_matrix.items() if how != "step"}

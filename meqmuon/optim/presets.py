@@ -74,6 +74,9 @@ class MeqMuon(RoleOptimizer):
             natively (CUDA with bf16, CPUs with AVX512-BF16/AMX), float32 elsewhere, since bf16 is
             ~170x slower than float32 on an AVX2-only CPU (:func:`meqmuon.precision.resolve_ns_dtype`).
             An explicit dtype is always used.
+        ns_method: the Newton-Schulz method, a name of :data:`meqmuon.optim.newton_schulz.NS_METHODS`
+            (default ``"quintic"``, paper eq. 3); a keyword of every optimizer with a hidden-matrix rule
+            (``HiddenRule.defaults``), as every rule's own hyperparameters are.
         state_dtype: dtype of the momentum buffers (default: the parameter's dtype).
         foreach: ``None`` (default): the batched step (shape buckets, ``torch._foreach_*``; see
             ``optim/driver.py``) where all parameters of a group are on CUDA, the per-tensor step
@@ -90,6 +93,9 @@ class MeqMuon(RoleOptimizer):
         rules: ``{kind: rule instance}`` replacing the rule of each kind named, e.g.
             ``{"hidden": MyVariant()}`` with ``MyVariant`` a :class:`meqmuon.HiddenRule` subclass
             (docs/variants.md). Every optimizer takes it.
+        **hyperparameters: the rules' own hyperparameters (each rule's ``defaults``, checked by its
+            ``validate``), e.g. ``alpha=2.0`` for a variant that declares ``alpha``; any other keyword
+            raises ``TypeError``.
     """
 
     RULES = {"hidden": "meq_hidden", "embedding": "equilibrate", "head": "equilibrate", "vector": "rms_normalize"}
@@ -147,7 +153,8 @@ class Muon(RoleOptimizer):
     ``torch.optim.AdamW(betas=(0.9, 0.95))`` on the other parameters (tested).
 
     ``compile``, ``rules`` (e.g. ``rules={"hidden": MyVariant()}``, a :class:`meqmuon.HiddenRule`),
-    ``foreach``, ``state_dtype``, ``process_group``: as in :class:`MeqMuon`, for every optimizer here.
+    ``foreach``, ``state_dtype``, ``process_group``, ``ns_method`` and the rules' own hyperparameters
+    (``**hyperparameters``): as in :class:`MeqMuon`, for every optimizer here.
     """
 
     RULES = {"hidden": "moonlight_hidden", "embedding": "adamw", "head": "adamw", "vector": "adamw"}

@@ -10,8 +10,9 @@ import torch
 from torch import Tensor
 
 from ... import functional as F
-from ..driver import buffer, grads_like, make_buckets
+from ..driver import grads_like
 from ..inputs import number
+from ..newton_schulz import buffer, make_buckets
 from ..rule import Rule, state_dtype
 
 # AdamW for the embeddings, heads and vectors of Muon and NorMuon: betas (0.9, 0.95) as the paper's runs

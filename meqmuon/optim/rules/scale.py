@@ -13,8 +13,9 @@ import torch
 from torch import Tensor
 
 from ... import functional as F
-from ..driver import apply_update, grads_like, make_buckets, matrix_shape, stack_tensors, unstack
+from ..driver import apply_update, grads_like, stack_tensors
 from ..inputs import number
+from ..newton_schulz import make_buckets, matrix_shape, unstack
 from ..rule import Rule, state_dtype
 
 # SCALE divides by the slice RMS clamped at this value (OptimAI-Lab/Minimalist_LLM_Pretraining
