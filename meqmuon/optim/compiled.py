@@ -81,7 +81,14 @@ def _momentum_inputs(grads, bufs, mu, nesterov, *, update: bool = True) -> list[
 
 
 def _hidden_bucket(params, grads, bufs, states, steps, lr, wd, mu, scale, *, rule, plain, nesterov, batched, group):
-    """A hidden rule's step of one bucket, momentum to update (:func:`newton_schulz.directions` in between)."""
+    """A hidden rule's step of one bucket, momentum to update (:func:`newton_schulz.directions` in between).
+
+    Shapes, for ``K`` members of matrix view ``(m, n)`` (``plain`` as they are, the rest ``(n, m)``):
+    ``params``, ``grads``, ``bufs``: ``K`` tensors each of its member's shape (momentum buffers in the state
+    dtype); ``states``: ``{key: K tensors}`` (``(m,)`` per-row or ``()`` per-matrix state); ``steps``:
+    ``(K,)`` int64 or ``None``; ``lr``, ``wd``, ``mu``, ``scale``: 0-D float64 CPU tensors (graph inputs, no
+    recompile); ``rule``, ``plain``, ``nesterov``, ``batched``, ``group``: baked in (``static_group``).
+    """
     # the per-tensor form's momentum is updated before (and its buffers are owners' too)
     inputs = [x.reshape(x.shape[0], -1) for x in _momentum_inputs(grads, bufs, mu, nesterov, update=batched)]
     X = torch.stack(inputs[:plain] + [x.mT for x in inputs[plain:]])
@@ -96,8 +103,11 @@ def _hidden_bucket(params, grads, bufs, states, steps, lr, wd, mu, scale, *, rul
 
 
 def _elementwise_bucket(params, grads, bufs, lr, wd, mu, rho, *, rule, shape, nesterov, group):
-    """An elementwise momentum rule's step of one bucket: momentum, :meth:`direction` of the stack, update;
-    ``group``: the rule's other hyperparameters, baked in."""
+    """An elementwise momentum rule's step of one bucket: momentum, :meth:`direction` of the stack, update.
+
+    Shapes: ``params``, ``grads``, ``bufs``: ``K`` tensors of one shape; ``lr``, ``wd``, ``mu``, ``rho``: 0-D
+    float64 CPU tensors; ``shape``: one member's unsharded shape, the stack ``(K, *shape)``; ``rule``,
+    ``nesterov``, ``group`` (the rule's other hyperparameters): baked in."""
     inputs = _momentum_inputs(grads, bufs, mu, nesterov)
     X = torch.stack([x.reshape(shape) for x in inputs]).to(F._stat_dtype(inputs[0]))
     D = rule.direction(X, {**group, "rho": rho}, None, shape)
@@ -105,7 +115,8 @@ def _elementwise_bucket(params, grads, bufs, lr, wd, mu, rho, *, rule, shape, ne
 
 
 def owner_directions(W, state, *, rule, n, batched, group):
-    """FSDP2 owners' :func:`newton_schulz.directions` of whole matrices (with their state columns)."""
+    """FSDP2 owners' :func:`newton_schulz.directions` of whole matrices: ``W`` ``(j, m, n + s)``, the ``j``
+    matrices with ``s`` state columns after their ``n`` columns; ``state``: ``{key: (j, m) or (j,)}``."""
     (D,) = directions(rule, [(W[..., :n], W.shape[0], state)], group, None, batched=batched,
                              ns_dtype=group["ns_dtype"])
     return D

@@ -161,8 +161,17 @@ def directions(rule: Any, stacks: list[Stack], group: dict, ctx: Any, *, batched
     ``scratch``: the per-tensor form's buffers. ``dtype``: the parameters' dtype, to which a narrower
     (bf16) direction is cast. ``ns_dtype``: given by compiled graphs, which have no ``ctx``.
 
+    Args:
+        rule: the ``HiddenRule``.
+        stacks: per stack ``(X, plain, state)``: ``X`` ``(K, m, n)`` direction inputs in the bucket's
+            orientation (scratch when ``batched``), ``plain`` how many lead as they are (the rest are
+            transposed ``(n, m)`` members), ``state`` ``{key: (K, m) per-row or (K,) per-matrix}``.
+        group: the param group (``ns_method``, ``ns_steps``, ``ns_coefficients``, ``ns_dtype``, the rule's keys).
+        ctx: the call's ``StepContext`` (its workspace keeps the resolved dtype), or ``None`` with ``ns_dtype``.
+
     Returns:
-        per stack, one contiguous stack per side, each member's direction in its own orientation.
+        per stack, one contiguous stack per side, each member's direction in its own orientation:
+        ``(plain, m, n)`` then ``(K - plain, n, m)``, in ``post_all``'s dtype, cast to ``dtype`` if that is wider.
     """
     us, states, owner = [], [], []
     for i, (X, plain, state) in enumerate(stacks):
