@@ -11,49 +11,9 @@ The core (this package minus ``meqmuon.train``) depends on torch alone.
 """
 
 from . import functional
-from .optim import (
-    KINDS,
-    OPTIMIZERS,
-    HiddenRule,
-    MeqMuon,
-    Muon,
-    MuonEq,
-    MuonOnlyEmbedding,
-    MuonOnlyHidden,
-    MuonOnlyVector,
-    NorMuon,
-    RoleOptimizer,
-    Scale,
-    build_optimizer,
-    describe_groups,
-    optimizer_state_bytes,
-    param_groups,
-    predicted_state_elements,
-    rules_of,
-    valid_hyperparameters,
-)
+from .optim import *  # noqa: F403  (the public names, listed once: meqmuon.optim.__all__)
+from .optim import __all__ as _OPTIM_NAMES
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "KINDS",
-    "OPTIMIZERS",
-    "HiddenRule",
-    "MeqMuon",
-    "Muon",
-    "MuonOnlyEmbedding",
-    "MuonOnlyHidden",
-    "MuonEq",
-    "MuonOnlyVector",
-    "NorMuon",
-    "RoleOptimizer",
-    "Scale",
-    "build_optimizer",
-    "describe_groups",
-    "functional",
-    "optimizer_state_bytes",
-    "param_groups",
-    "predicted_state_elements",
-    "rules_of",
-    "valid_hyperparameters",
-]
+__all__ = ["functional", *_OPTIM_NAMES]

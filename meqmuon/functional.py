@@ -181,6 +181,7 @@ def orthogonalize(
     workspace: dict | None = None,
     out: Tensor | None = None,
     batched: bool = False,
+    inplace: bool = False,
 ) -> Tensor:
     r"""Approximate ``Orth(x) = P Q^T`` (for ``x = P S Q^T``) with quintic Newton-Schulz (paper eq. 3).
 
@@ -210,6 +211,8 @@ def orthogonalize(
             iteration) instead of matrix by matrix. Fewer, larger kernels: what GPUs want when
             there are many small matrices. On CPU the per-matrix loop is faster, and it
             keeps each matrix's bits independent of the batch it travels in (see below).
+        inplace: with ``batched``, ``x`` is scratch: a 3-D ``x`` in ``dtype`` is iterated in place
+            (:func:`orthogonalize_stack`) instead of copied first.
 
     Returns:
         The approximate orthogonalisation, same shape as ``x``, in ``dtype``.
@@ -225,7 +228,7 @@ def orthogonalize(
             f"got {tuple(out.shape)} {out.dtype} (contiguous={out.is_contiguous()})"
         )
     if x.ndim > 2 and batched:
-        stack = x.reshape(-1, *x.shape[-2:]).to(dtype, copy=True)
+        stack = x.reshape(-1, *x.shape[-2:]).to(dtype, copy=not inplace)
         X = orthogonalize_stack(stack, steps, coefficients, eps, inplace=True).reshape(x.shape)
         return X if out is None else out.copy_(X)
     schedule = _schedule(coefficients, steps)
@@ -563,6 +566,12 @@ def adaptive_normalize(u: Tensor, delta: float = DELTA, rho: float = 1.0) -> tup
     return out.reshape(u.shape), chose.reshape(u.shape[:-2])
 
 
+#: Rows per block of the CPU column sums of squares in :func:`adaptive_normalize_stacks`: a 128-row block
+#: of a float32 matrix of 512 columns is 256 KB, a temporary the allocator reuses block after block, where
+#: a matrix-sized one costs page faults on CPU.
+COL_BLOCK = 128
+
+
 def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
                               rho: float = 1.0) -> tuple[list[Tensor], Tensor]:
     """Eq. 8 of every matrix of several stacks ``(k_i, m_i, n_i)`` at once, in a fixed number of kernels.
@@ -584,14 +593,31 @@ def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
     lengths = [(math.sqrt(n), math.sqrt(m)) for k, m, n in shapes for _ in range(k)]
     threshold = torch.tensor([[[delta * r], [delta * c]] for r, c in lengths], dtype=dtype, device=device)
     factor = torch.tensor([[[rho * r], [rho * c]] for r, c in lengths], dtype=dtype, device=device)
-    o = 0
+    # CPU: U is cast once into a float32 copy (a bf16 U: Newton-Schulz's output where the CPU runs bf16
+    # natively), which gives the row norms, the column sums of squares block by block (COL_BLOCK rows) and
+    # then becomes the result in place: torch.linalg.vector_norm(dim=-2) is a strided reduction that took
+    # 7.9 ms for one bf16 1376 x 512 matrix against 0.6 ms, and a bf16 U times float32 factors casts U
+    # through a fresh copy (docs/benchmarks.md, issue 35). Other devices reduce and scale U directly (the
+    # form the op count, a proxy for GPU launches, counts).
+    cpu = device.type == "cpu"
+    xs, o = [], 0
     for u, (k, m, n) in zip(us, shapes, strict=True):
+        x = u.to(dtype, copy=True) if cpu else u
+        xs.append(x)
         for slot, dim, size in ((0, -1, m), (1, -2, n)):
+            squares = cpu and slot == 1
             if torch.compiler.is_compiling():  # dynamo takes no strided out=
-                norms[o : o + k, slot, :size] = torch.linalg.vector_norm(u, dim=dim, dtype=dtype)
+                norms[o : o + k, slot, :size] = torch.sum(x * x, dim=dim) if squares else \
+                    torch.linalg.vector_norm(x, dim=dim, dtype=dtype)
+            elif squares:
+                acc = norms[o : o + k, slot, :size]
+                for block in x.split(COL_BLOCK, dim=-2):
+                    acc.add_(torch.sum(block * block, dim=-2))
             else:
-                torch.linalg.vector_norm(u, dim=dim, dtype=dtype, out=norms[o : o + k, slot, :size])
+                torch.linalg.vector_norm(x, dim=dim, dtype=dtype, out=norms[o : o + k, slot, :size])
         o += k
+    if cpu:
+        norms[:, 1].sqrt_()  # the column norms from their sums of squares (padding: sqrt(0) = 0)
     counted = norms > threshold  # eq. 5: what is at or below delta counts as zero, and normalises to zero
     gamma = cv_of_norms(norms, threshold, counted)
     chose_rows = choose_rows(gamma[:, 0], gamma[:, 1])
@@ -599,8 +625,11 @@ def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
     row_slot = torch.tensor([[True], [False]], device=device)
     scales.masked_fill_(chose_rows[:, None, None] != row_slot, 1.0)  # 1 on the side not chosen
     out, o = [], 0
-    for u, (k, m, n) in zip(us, shapes, strict=True):
-        out.append(torch.mul(u, scales[o : o + k, 0, :m, None]).mul_(scales[o : o + k, 1, None, :n]))  # >= float32
+    for u, x, (k, m, n) in zip(us, xs, shapes, strict=True):
+        row, col = scales[o : o + k, 0, :m, None], scales[o : o + k, 1, None, :n]
+        # >= float32; on CPU the float32 copy scaled in place: the same products as U times the factors
+        # (bf16 -> float32 is exact), without a fresh matrix-sized temporary (page faults on CPU)
+        out.append((x.mul_(row) if x is not u else torch.mul(u, row)).mul_(col))
         o += k
     return out, chose_rows
 

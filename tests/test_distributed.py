@@ -206,16 +206,13 @@ def test_process_group_none_without_distributed_is_single_process():
 
 def _ddp_worker(rank, name):
     ns_count = [0]
-    real_ns = {fn: getattr(F, fn) for fn in ("orthogonalize", "orthogonalize_stack")}
+    real_ns = NS.NS_METHODS["quintic"]
 
-    def counting(fn):
-        def count(x, *args, **kw):  # a stack (k, m, n)
-            ns_count[0] += x.shape[0]
-            return real_ns[fn](x, *args, **kw)
-        return count
+    def count(x, *args, **kw):  # a stack (k, m, n), per matrix or batched: the one entry of the table
+        ns_count[0] += x.shape[0]
+        return real_ns(x, *args, **kw)
 
-    for fn in real_ns:  # the per-matrix form and the batched one
-        setattr(F, fn, counting(fn))
+    NS.NS_METHODS["quintic"] = count
     equilibrated = []
     real_eq = B.equilibrate_step_
 
@@ -411,9 +408,10 @@ def test_fsdp2_equals_unsharded(tmp_path):
 def test_one_newton_schulz_dispatcher_batched_equals_per_matrix():
     """The driver's body chooses the Newton-Schulz form: a stack as one batched call (the batched step,
     and FSDP2 owners on batching devices) equals the per-matrix iteration (the per-tensor step)."""
-    from meqmuon.optim.driver import HiddenRule, directions
+    from meqmuon.optim.driver import HiddenRule
+    from meqmuon.optim.newton_schulz import directions
 
-    group = {"ns_steps": 5, "ns_coefficients": F.NS_COEFFICIENTS, "ns_dtype": torch.float64}
+    group = {"ns_steps": 5, "ns_coefficients": F.NS_COEFFICIENTS, "ns_dtype": torch.float64, "ns_method": "quintic"}
     stack = torch.randn(3, 7, 12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     rule = HiddenRule()
     ((per_matrix,),) = directions(rule, [(stack, 3, {})], group, None, batched=False, ns_dtype=torch.float64)

@@ -33,7 +33,7 @@ from capabilities import NEWTON_SCHULZ, having
 from tinynet import batches, loss_fn, make_model
 
 import meqmuon
-from meqmuon.optim.driver import make_buckets
+from meqmuon.optim.newton_schulz import make_buckets
 from meqmuon.optim.rule import Item
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -160,6 +160,133 @@ def test_a_rule_table_entry_must_be_a_named_rule_instance():
     assert type(opt._rule_for("hidden")) is BothSided and opt._rule_for("vector").name == "rms_normalize"
 
 
+# ---- a variant's own hyperparameter: default, keyword, per group, bad values, in every form ----------
+
+
+class Scaled(meqmuon.HiddenRule):
+    """``D = alpha U``: the issue's public form of a variant that owns a hyperparameter (issue 35)."""
+
+    name = "scaled"
+    defaults = {"alpha": 0.5}
+
+    def validate(self, group):
+        if not group["alpha"] > 0:
+            raise ValueError(f"Invalid alpha: {group['alpha']!r} (expected > 0)")
+
+    def post(self, U, group):
+        return group["alpha"] * U
+
+
+def _scaled_groups(params, first_alpha):
+    """Two hidden groups: the first 3 tensors with ``alpha`` of their own (unless ``None``), the rest not."""
+    groups = [{"params": params[:3], "kind": "hidden", "views": VIEWS[:3], "splits": SPLITS[:3]},
+              {"params": params[3:], "kind": "hidden", "views": VIEWS[3:], "splits": SPLITS[3:]}]
+    if first_alpha is not None:
+        groups[0]["alpha"] = first_alpha
+    return groups
+
+
+def _scaled_reference(alphas: list[float]) -> list[torch.Tensor]:
+    """Float64, matrix by matrix, tensor ``i`` with ``D = alphas[i] Orth(X)``."""
+    params = [p.detach().double() for p in _tensors()]
+    for step in range(STEPS):
+        for i, p in enumerate(params):
+            if step == 0:
+                p.bufs = [torch.zeros_like(m) for m in _matrices(p, i)]
+            for W, b, G in zip(_matrices(p, i), p.bufs, _matrices(_grad(i, step), i), strict=True):
+                b.mul_(MU).add_(G)
+                W.mul_(1 - LR * WD).sub_(LR * alphas[i] * ns(G + MU * b))
+    return params
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize(("keyword", "first"), [(None, None), (2.0, None), (None, 0.25), (2.0, 0.25)],
+                         ids=["default", "keyword", "per-group", "keyword+per-group"])
+def test_a_variants_own_hyperparameter_reaches_its_group_in_every_form(keyword, first, form, monkeypatch):
+    from meqmuon.optim import compiled as C
+
+    monkeypatch.setattr(C, "BACKEND", "eager")
+    params = _tensors()
+    kw = {} if keyword is None else {"alpha": keyword}
+    opt = meqmuon.Muon(_scaled_groups(params, first), lr=LR, weight_decay=WD, momentum=MU, ns_dtype=torch.float32,
+                       rules={"hidden": Scaled()}, **kw, **FORMS[form])
+    rest = 0.5 if keyword is None else keyword
+    assert [g["alpha"] for g in opt.param_groups] == [rest if first is None else first, rest]
+    for step in range(STEPS):
+        for i, p in enumerate(params):
+            p.grad = _grad(i, step).to(p.dtype)
+        opt.step()
+    alphas = [rest if first is None else first] * 3 + [rest] * 3
+    for i, (p, q) in enumerate(zip(params, _scaled_reference(alphas), strict=True)):
+        assert torch.allclose(p.double(), q, rtol=0, atol=1e-5), (form, i, (p.double() - q).abs().max().item())
+
+
+def test_a_variants_own_hyperparameter_is_validated_and_unknown_keywords_raise():
+    params = _tensors()
+    with pytest.raises(ValueError, match=r"Invalid alpha: -1 \(expected > 0\)"):
+        meqmuon.Muon(_groups(params), rules={"hidden": Scaled()}, alpha=-1)
+    with pytest.raises(ValueError, match=r"Invalid alpha: 0"):
+        meqmuon.Muon(_scaled_groups(params, 0), rules={"hidden": Scaled()})
+    with pytest.raises(ValueError, match=r"Invalid alpha: -1"):
+        meqmuon.build_optimizer("meqmuon", _groups(params), rules={"hidden": Scaled()}, alpha=-1)
+    opt = meqmuon.Muon(_scaled_groups(params, None)[:1], rules={"hidden": Scaled()})
+    with pytest.raises(ValueError, match=r"Invalid alpha: -2"):
+        opt.add_param_group({"params": params[3:], "kind": "hidden", "views": VIEWS[3:], "alpha": -2})
+    assert len(opt.param_groups) == 1  # the refused group is not kept
+    with pytest.raises(TypeError, match="unexpected keyword argument 'alpha'"):
+        meqmuon.Muon(_groups(params), alpha=1.0)  # Muon's own rules have no alpha
+    with pytest.raises(ValueError, match=r"unknown hyperparameter\(s\) \['alpha'\]"):
+        meqmuon.build_optimizer("muon", _groups(params), alpha=1.0)
+    assert "alpha" in meqmuon.valid_hyperparameters("muon", {"hidden": Scaled()})
+
+    class Undeclared(meqmuon.HiddenRule):  # reads a key it neither declares nor gets: refused when built
+        name = "undeclared"
+        hyperparameters = meqmuon.HiddenRule.hyperparameters + ("beta",)
+
+    with pytest.raises(ValueError, match=r"rule 'undeclared' reads hyperparameter\(s\) \['beta'\]"):
+        meqmuon.Muon(_groups(params), rules={"hidden": Undeclared()})
+
+
+# ---- the table of Newton-Schulz methods -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_ns_method_is_looked_up_in_the_table_in_every_form(form, monkeypatch):
+    """A method added to ``NS_METHODS`` is what every form runs: here quintic Newton-Schulz scaled by 3,
+    so the parameters move as with ``alpha = 3 * 0.5`` of :class:`Scaled` (they would move as with 0.5 if
+    any form called quintic Newton-Schulz directly)."""
+    from meqmuon.optim import compiled as C
+    from meqmuon.optim import newton_schulz as NS
+
+    monkeypatch.setattr(C, "BACKEND", "eager")
+    def tripled(X, *args, **kw):
+        return F.orthogonalize(X, *args, **kw) * 3
+
+    monkeypatch.setitem(NS.NS_METHODS, "tripled", tripled)
+    params = _tensors()
+    opt = meqmuon.Muon(_scaled_groups(params, None), lr=LR, weight_decay=WD, momentum=MU, ns_dtype=torch.float32,
+                       rules={"hidden": Scaled()}, ns_method="tripled", **FORMS[form])
+    for step in range(STEPS):
+        for i, p in enumerate(params):
+            p.grad = _grad(i, step).to(p.dtype)
+        opt.step()
+    for i, (p, q) in enumerate(zip(params, _scaled_reference([1.5] * 6), strict=True)):
+        assert torch.allclose(p.double(), q, rtol=0, atol=1e-5), (form, i, (p.double() - q).abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["meqmuon", "muon", "normuon", "muoneq-r", "meqmuon-only-hidden"])
+def test_every_muon_family_optimizer_takes_ns_method_and_refuses_an_unknown_one(name):
+    params = _tensors()
+    assert "ns_method" in meqmuon.valid_hyperparameters(name)
+    opt = meqmuon.build_optimizer(name, _groups(params), ns_method="quintic")
+    assert opt.param_groups[0]["ns_method"] == "quintic"
+    assert meqmuon.build_optimizer(name, _groups(params)).param_groups[0]["ns_method"] == "quintic"
+    with pytest.raises(ValueError, match=r"Invalid ns_method: 'gram' \(known methods: quintic\)"):
+        meqmuon.build_optimizer(name, _groups(params), ns_method="gram")
+    with pytest.raises(ValueError, match=r"Invalid ns_method: 'cubic'"):
+        meqmuon.build_optimizer(name, [{**_groups(params)[0], "ns_method": "cubic"}])
+
+
 # ---- 2 gloo ranks: DDP and FSDP2 -----------------------------------------------------------------
 
 

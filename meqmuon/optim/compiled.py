@@ -1,6 +1,6 @@
 """``compile=True``: a bucket's step, momentum to update, compiled once, without recompiles.
 
-The hidden rules' compiled form is the driver's own body (:func:`meqmuon.optim.driver.directions`)
+The hidden rules' compiled form is the driver's own body (:func:`meqmuon.optim.newton_schulz.directions`)
 wrapped with momentum and the update (:func:`_hidden_bucket`), the elementwise rules' their
 ``direction`` of a stack likewise (:func:`_elementwise_bucket`); :func:`momentum_step` runs either per
 bucket. Hyperparameters
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
-from . import driver
+from .newton_schulz import directions, make_buckets, resolve_dtype
 
 __all__ = ["BACKEND", "bucket_step", "momentum_step", "scalar"]
 
@@ -81,31 +81,43 @@ def _momentum_inputs(grads, bufs, mu, nesterov, *, update: bool = True) -> list[
 
 
 def _hidden_bucket(params, grads, bufs, states, steps, lr, wd, mu, scale, *, rule, plain, nesterov, batched, group):
-    """A hidden rule's step of one bucket, momentum to update (:func:`driver.directions` in between)."""
+    """A hidden rule's step of one bucket, momentum to update (:func:`newton_schulz.directions` in between).
+
+    Shapes, for ``K`` members of matrix view ``(m, n)`` (``plain`` as they are, the rest ``(n, m)``):
+    ``params``, ``grads``, ``bufs``: ``K`` tensors each of its member's shape (momentum buffers in the state
+    dtype); ``states``: ``{key: K tensors}`` (``(m,)`` per-row or ``()`` per-matrix state); ``steps``:
+    ``(K,)`` int64 or ``None``; ``lr``, ``wd``, ``mu``, ``scale``: 0-D float64 CPU tensors (graph inputs, no
+    recompile); ``rule``, ``plain``, ``nesterov``, ``batched``, ``group``: baked in (``static_group``).
+    """
     # the per-tensor form's momentum is updated before (and its buffers are owners' too)
     inputs = [x.reshape(x.shape[0], -1) for x in _momentum_inputs(grads, bufs, mu, nesterov, update=batched)]
     X = torch.stack(inputs[:plain] + [x.mT for x in inputs[plain:]])
     state = {k: torch.stack(v) for k, v in states.items()}
     if steps is not None:
         state["step"] = steps
-    (D,) = driver.directions(rule, [(X, plain, state)], group, None, batched=batched, ns_dtype=group["ns_dtype"])
+    (D,) = directions(rule, [(X, plain, state)], group, None, batched=batched, ns_dtype=group["ns_dtype"])
     for k, v in states.items():
         torch._foreach_copy_(v, list(state[k].to(v[0].dtype).unbind(0)))
     rows = [r for d in D for r in d.unbind(0)]
     F.decay_and_update_(params, [d.reshape(p.shape) for d, p in zip(rows, params, strict=True)], lr, wd, scale)
 
 
-def _elementwise_bucket(params, grads, bufs, lr, wd, mu, rho, *, rule, shape, nesterov):
-    """An elementwise momentum rule's step of one bucket: momentum, :meth:`direction` of the stack, update."""
+def _elementwise_bucket(params, grads, bufs, lr, wd, mu, rho, *, rule, shape, nesterov, group):
+    """An elementwise momentum rule's step of one bucket: momentum, :meth:`direction` of the stack, update.
+
+    Shapes: ``params``, ``grads``, ``bufs``: ``K`` tensors of one shape; ``lr``, ``wd``, ``mu``, ``rho``: 0-D
+    float64 CPU tensors; ``shape``: one member's unsharded shape, the stack ``(K, *shape)``; ``rule``,
+    ``nesterov``, ``group`` (the rule's other hyperparameters): baked in."""
     inputs = _momentum_inputs(grads, bufs, mu, nesterov)
     X = torch.stack([x.reshape(shape) for x in inputs]).to(F._stat_dtype(inputs[0]))
-    D = rule.direction(X, {"rho": rho}, None, shape)
+    D = rule.direction(X, {**group, "rho": rho}, None, shape)
     F.decay_and_update_(params, [d.reshape(p.shape) for d, p in zip(D.unbind(0), params, strict=True)], lr, wd, 1.0)
 
 
 def owner_directions(W, state, *, rule, n, batched, group):
-    """FSDP2 owners' :func:`driver.directions` of whole matrices (with their state columns)."""
-    (D,) = driver.directions(rule, [(W[..., :n], W.shape[0], state)], group, None, batched=batched,
+    """FSDP2 owners' :func:`newton_schulz.directions` of whole matrices: ``W`` ``(j, m, n + s)``, the ``j``
+    matrices with ``s`` state columns after their ``n`` columns; ``state``: ``{key: (j, m) or (j,)}``."""
+    (D,) = directions(rule, [(W[..., :n], W.shape[0], state)], group, None, batched=batched,
                              ns_dtype=group["ns_dtype"])
     return D
 
@@ -128,14 +140,16 @@ def momentum_step(rule, items, group: dict, ctx, *, per_tensor: bool) -> None:
         raise NotImplementedError("the capture hook needs the eager step: build the optimizer without compile=True")
     lr, wd, mu = (scalar(group[k]) for k in ("lr", "weight_decay", "momentum"))
     if not rule.needs_ns:
-        for b in driver.make_buckets(items, matrix=rule.needs_matrix, transpose=False):
+        static = {k: group[k] for k in rule.hyperparameters if k not in ("momentum", "rho", "nesterov")}
+        for b in make_buckets(items, matrix=rule.needs_matrix, transpose=False):
             bucket_step(rule.name, _elementwise_bucket, b.key, [it.param.detach() for it in b.items],
                         [it.grad for it in b.items], [it.state["momentum_buffer"] for it in b.items], lr, wd, mu,
-                        scalar(group["rho"]), rule=rule, shape=tuple(b.global_shape), nesterov=group["nesterov"])
+                        scalar(group["rho"]), rule=rule, shape=tuple(b.global_shape), nesterov=group["nesterov"],
+                        group=static)
         return
-    static = static_group(rule, group, driver._ns_dtype(group, items[0].param, ctx))
-    buckets = [driver.make_buckets([it], matrix=True, transpose=False)[0] for it in items] if per_tensor else \
-        driver.make_buckets(items, matrix=True, transpose=rule.transposes)
+    static = static_group(rule, group, resolve_dtype(group, items[0].param, ctx))
+    buckets = [make_buckets([it], matrix=True, transpose=False)[0] for it in items] if per_tensor else \
+        make_buckets(items, matrix=True, transpose=rule.transposes)
     per_matrix = {k: how for k, how in rule.state_views.items() if how in ("rows", "counter", "step")}
     split = not per_tensor and ctx.split.world_size > 1  # DDP: a slice of each bucket per rank
     for b in buckets:
@@ -147,7 +161,7 @@ def momentum_step(rule, items, group: dict, ctx, *, per_tensor: bool) -> None:
             members, plain = b.items[lo:hi], max(0, min(b.plain - lo, hi - lo))
             others = b.items[:lo] + b.items[hi:]
             bufs = [it.state["momentum_buffer"] for it in others]
-            F.momentum_(bufs, driver.grads_like(others, bufs), group["momentum"])
+            F.momentum_(bufs, [it.grad.to(b.dtype) for it, b in zip(others, bufs, strict=True)], group["momentum"])
         if members:
             states = {k: [it.state[k] for it in members] for k, how in per_matrix.items() if how != "step"}
             steps = next((torch.tensor([it.state[k] for it in members], device=members[0].param.device)

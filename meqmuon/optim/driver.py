@@ -8,14 +8,16 @@ input ``X = G + mu B`` with Nesterov (else ``B``), turns it into a direction ``D
 its Muon into pre- and post-orthogonalisation:
 
     X = rule.pre(X, group)      the Newton-Schulz input (default: unchanged; MuonEq equilibrates)
-    U = Orth(X)                 quintic Newton-Schulz (paper eq. 3): the driver's
+    U = Orth(X)                 Newton-Schulz: NS_METHODS[group["ns_method"]] (newton_schulz.py;
+                                "quintic", paper eq. 3, by default): the driver's
     D = rule.post(U, group)     the direction (MeqMuon: eq. 8; NorMuon: its row normalisation)
     s = rule.lr_scale(m, n, group)     a step multiplier (1 unless the rule says otherwise)
 
 Everything else happens here, once, for every rule: momentum, stacking by shape, which members share a
-Newton-Schulz stack transposed (:func:`directions` hands ``pre`` and ``post`` each orientation apart, so
-no rule sees a transposed member), the Newton-Schulz form, the DDP split and gather, the FSDP2
-all-to-all (``sharded.py``) and the update. The forms are one body, :func:`directions`:
+Newton-Schulz stack transposed (:func:`~.newton_schulz.directions` hands ``pre`` and ``post`` each
+orientation apart, so no rule sees a transposed member), the Newton-Schulz form, the DDP split and
+gather, the FSDP2 all-to-all (``sharded.py``) and the update. The forms share one body, the seam's
+:func:`~.newton_schulz.directions`:
 
 - per-tensor (``foreach=False``, :meth:`HiddenRule.update`): each matrix a stack of one, made just
   before its Newton-Schulz and applied just after, so no model-sized temporary exists (on CPU fresh
@@ -29,100 +31,52 @@ row, NorMuon's second moment; ``"counter"``: one int64 per matrix, MeqMuon's sel
 ``"step"``: the step count, read only) and receives ``state``, a dict of stacks ``(K, ...)`` in the order
 of ``X``/``U``, in ``pre(X, group, state)`` and ``post(U, group, state)``; it updates them in place.
 
-The elementwise momentum rules (``rules/normalize.py``, MeqMuon's eq. 9 and 10) give a direction of
+The elementwise momentum rules (``rules/meqmuon.py``, MeqMuon's eq. 9 and 10) give a direction of
 the direction-input stack, :meth:`MomentumRule.directions_foreach`, and a per-tensor ``update``.
 No rule makes a host-device sync: step counters are Python ints, choices are tensors.
+
+Hyperparameters: each rule declares the keys it reads with their defaults (``defaults``) and checks them
+(``validate``), beside its maths: the momentum rules' ``momentum``/``nesterov``/``rho`` here on
+:class:`MomentumRule`, the seam's ``ns_steps``/``ns_coefficients``/``ns_dtype``/``ns_method`` on
+:class:`HiddenRule` (``rule.py``: :class:`~.rule.Rule`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from .. import functional as F
-from ..precision import resolve_ns_dtype
 from . import compiled
 from .distributed import state_like
-from .newton_schulz import ns_flops
+from .inputs import flag, float_dtype, number, positive_int
+from .newton_schulz import (
+    NS_METHODS,
+    Bucket,
+    buffer,
+    directions,
+    make_buckets,
+    matrix_shape,
+    ns_flops,
+    resolve_dtype,
+    unstack,
+)
 from .rule import ELEMENTWISE_COST, Item, Rule, StepContext, state_dtype
+from .sharded import hidden_at_owners
 from .views import Layout
 
-__all__ = ["Bucket", "HiddenRule", "MomentumRule", "directions", "make_buckets", "matrix_shape",
-           "step_foreach_calls"]
+__all__ = ["MOMENTUM", "RHO", "HiddenRule", "MomentumRule", "apply_update", "direction_input", "grads_like",
+           "stack_inputs", "stack_tensors", "step_foreach_calls"]
 
 
-# ---- shape buckets ---------------------------------------------------------------------------------
-
-
-def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
-    """The matrix an optimizer sees for a tensor of ``shape``: ``(shape[0], prod(rest))``."""
-    return (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
-
-
-class Bucket(NamedTuple):
-    """Same-shape members of one rule call, stacked as ``(len(items), *shape)``: ``items[:plain]`` as they
-    are, ``items[plain:]`` transposed. ``shape``: one member's (local) matrix view for matrix rules, else
-    its own shape; ``global_shape`` the same unsharded; ``key`` what it was grouped by (stable across
-    steps and ranks: workspaces use it)."""
-
-    items: list[Item]
-    plain: int
-    shape: tuple[int, ...]
-    global_shape: tuple[int, ...]
-    key: tuple
-
-
-def make_buckets(items: Sequence[Item], *, matrix: bool, transpose: bool, by_shape: bool = True) -> list[Bucket]:
-    """Group ``items`` into buckets in first-appearance order: the one place that groups by shape.
-
-    The batched step works on stacks of same-shape tensors, so that momentum, Newton-Schulz, statistics
-    and the update are a few kernels per bucket instead of per parameter (on a GPU a step is
-    launch-bound; karpathy/nanochat, modded-nanogpt and microsoft/dion's megabatch group by shape too).
-
-    Args:
-        matrix: stack matrix views ``(shape[0], prod(rest))`` (matrix rules); else the tensors' shapes.
-        transpose: let an ``(n, m)`` member join an ``(m, n)`` bucket transposed (Llama's ``down_proj``
-            with ``gate_proj``); the first member of a key fixes the orientation (the parameter order,
-            identical on every rank).
-        by_shape: ``False`` groups by dtype and device only (AdamW's ``torch._foreach_*`` step).
-    """
-    found: dict[tuple, list[Item]] = {}
-    flipped: dict[tuple, list[Item]] = {}
-    orientation: dict[tuple, tuple[int, ...]] = {}
-    for it in items:
-        gshape = matrix_shape(it.shape) if matrix else tuple(it.shape)
-        key = (it.param.dtype, it.param.device)
-        if by_shape:
-            key += (tuple(sorted(gshape)) if transpose else gshape,)
-        first = orientation.setdefault(key, gshape)
-        (found if not by_shape or gshape == first else flipped).setdefault(key, []).append(it)
-    return [Bucket(members + flipped.get(key, []), len(members), *(
-        matrix_shape(s) if matrix else tuple(s) for s in (members[0].param.shape, members[0].shape)), key)
-        for key, members in found.items()]
-
-
-def unstack(bucket: Bucket, stacks: Tensor | Sequence[Tensor]) -> list[Tensor]:
-    """The members' rows of a stack (or consecutive stacks) of directions, each row one member's
-    direction in its own orientation, as views in the members' shapes (contiguous rows)."""
-    rows = [r for s in ([stacks] if isinstance(stacks, Tensor) else stacks) for r in s.unbind(0)]
-    return [t.view(it.param.shape) for t, it in zip(rows, bucket.items, strict=True)]
-
-
-# ---- buffers -------------------------------------------------------------------------------------
-
-
-def buffer(scratch: dict[tuple, Tensor], role: str, shape: Sequence[int], dtype: torch.dtype = torch.float32,
-           device: torch.device | None = None) -> Tensor:
-    """A tensor for ``role`` kept in ``scratch`` (a step's, or the optimizer's workspace) and reused."""
-    key = (role, tuple(shape), dtype, device)
-    t = scratch.get(key)
-    if t is None:
-        t = scratch[key] = torch.empty(shape, dtype=dtype, device=device)
-    return t
+#: The paper's momentum and RMS alignment (section 4: Nesterov momentum 0.95, rho = 0.2), the momentum
+#: rules' defaults.
+MOMENTUM = 0.95
+RHO = 0.2
 
 
 def grads_like(items: Sequence[Item], like: Sequence[Tensor]) -> list[Tensor]:
@@ -189,7 +143,7 @@ class MomentumRule(Rule):
     owner rank, which computes it; the owners' parameters are broadcast (per-tensor) or their
     directions gathered (batched), with the ``owner_state`` the rule changed."""
 
-    hyperparameters = ("momentum", "nesterov")
+    defaults = {"momentum": MOMENTUM, "nesterov": True, "rho": RHO}
     state_views = {"momentum_buffer": "param"}
     #: Per-parameter state besides the momentum that the direction changes (sent by owners).
     owner_state: ClassVar[tuple[str, ...]] = ()
@@ -208,6 +162,12 @@ class MomentumRule(Rule):
         state["momentum_buffer"] = torch.zeros_like(p, dtype=state_dtype(p, group),
                                                     memory_format=torch.preserve_format)
         state["step"] = 0
+
+    def validate(self, group: dict) -> None:
+        """``momentum`` in [0, 1), ``nesterov`` a bool, ``rho`` > 0."""
+        group["momentum"] = number("momentum", group["momentum"], low=0.0, high=1.0)
+        flag("nesterov", group["nesterov"])
+        group["rho"] = number("rho", group["rho"], low=0.0, low_inclusive=False)
 
     def cost(self, shape: Sequence[int], group: dict) -> float:
         """Estimated cost of one parameter's direction, for balancing DDP owners."""
@@ -354,7 +314,10 @@ class HiddenRule(MomentumRule):
 
     needs_matrix = True
     needs_ns = True
-    hyperparameters = ("momentum", "nesterov", "rho", "ns_steps", "ns_coefficients", "ns_dtype")
+    defaults = {"ns_steps": F.NS_STEPS, "ns_coefficients": F.NS_COEFFICIENTS, "ns_dtype": None, "ns_method": "quintic"}
+    #: ``pre`` is overridden (set for each subclass): the driver skips the identity ``pre``, and the batched
+    #: form stacks the inputs of a rule that rewrites them in float32.
+    rewrites_input: ClassVar[bool] = False
     #: May an ``(n, m)`` matrix share the Newton-Schulz stack of ``(m, n)`` matrices, transposed? Exact for
     #: every rule (``pre``/``post`` see each orientation apart); it saves a Newton-Schulz stack and costs a
     #: second ``pre``/``post`` call. Per-row state cannot: its rows would change length.
@@ -362,6 +325,7 @@ class HiddenRule(MomentumRule):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        cls.rewrites_input = cls.pre is not HiddenRule.pre
         cls.owner_state = tuple(k for k, how in cls.state_views.items() if how in ("rows", "counter"))
         if cls.transposes and "rows" in cls.state_views.values():
             raise TypeError(f"{cls.__name__}: per-row state needs transposes = False (rows would change length)")
@@ -382,6 +346,15 @@ class HiddenRule(MomentumRule):
         if type(self).post is HiddenRule.post:
             return Us
         return [self.post(U, group, st) if st else self.post(U, group) for U, st in zip(Us, states, strict=True)]
+
+    def validate(self, group: dict) -> None:
+        """``ns_steps`` an integer >= 1, ``ns_coefficients`` a form :func:`F.ns_schedule` takes, ``ns_dtype``
+        a floating dtype or ``None``, ``ns_method`` a name of :data:`NS_METHODS`."""
+        positive_int("ns_steps", group["ns_steps"])
+        F.ns_schedule(group["ns_coefficients"], group["ns_steps"])  # raises ValueError naming the valid forms
+        float_dtype("ns_dtype", group["ns_dtype"])
+        if group["ns_method"] not in NS_METHODS:
+            raise ValueError(f"Invalid ns_method: {group['ns_method']!r} (known methods: {', '.join(NS_METHODS)})")
 
     def lr_scale(self, m: int, n: int, group: dict) -> float:
         """A step multiplier ``s`` of an ``m x n`` matrix, applied inside the update (``-lr s D``) instead
@@ -434,79 +407,16 @@ class HiddenRule(MomentumRule):
         stacks, o = [], 0
         for b, (lo, hi) in zip(buckets, ranges, strict=True):
             items = b.items[lo:hi]
-            carry = ctx.split.sharded or type(self).pre is not HiddenRule.pre  # pre works in float32
-            dtype = F._stat_dtype(items[0].param) if carry else _ns_dtype(group, items[0].param, ctx)
+            carry = ctx.split.sharded or self.rewrites_input  # pre works in float32
+            dtype = F._stat_dtype(items[0].param) if carry else resolve_dtype(group, items[0].param, ctx)
             state = {k: torch.stack([it.state[k] for it in items]) for k, how in self.state_views.items()
                      if how == "rows"}
             state.update({k: v[o : o + hi - lo] for k, v in scalars.items()})
             stacks.append((stack_inputs(ctx, self.name, b, lo, hi, dtype), max(0, min(b.plain - lo, hi - lo)), state))
             o += hi - lo
         if ctx.split.sharded:
-            from .sharded import hidden_at_owners  # it needs this module: imported where used
-
             ds = [hidden_at_owners(self, X, state, b.global_shape[0], group, ctx)
                   for (X, _, state), b in zip(stacks, buckets, strict=True)]
         else:
             ds = directions(self, stacks, group, ctx, batched=True, dtype=buckets[0].items[0].param.dtype)
         return [(D, [state[k] for k in self.owner_state]) for D, (_, _, state) in zip(ds, stacks, strict=True)]
-
-
-
-def _ns_dtype(group: dict, x: Tensor, ctx: StepContext) -> torch.dtype:
-    """The Newton-Schulz dtype of ``x`` under ``group``'s ``ns_dtype`` (:func:`resolve_ns_dtype`: ``None``
-    follows the device's native bf16), resolved once per optimizer and kept in its workspace."""
-    key = ("ns_dtype", group["ns_dtype"], x.device)
-    dtype = ctx.workspace.get(key)
-    if dtype is None:
-        dtype = ctx.workspace[key] = resolve_ns_dtype(group["ns_dtype"], x.device)
-    return dtype
-
-
-#: One stack for :func:`directions`: direction inputs ``(K, m, n)`` in the bucket's orientation, the
-#: number of members stored as they are (the rest transposed), and the members' state stacks.
-Stack = tuple[Tensor, int, dict[str, Tensor]]
-
-
-def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: StepContext | None, *, batched: bool,
-               scratch: dict | None = None, dtype: torch.dtype | None = None,
-               ns_dtype: torch.dtype | None = None) -> list[list[Tensor]]:
-    """``pre -> Newton-Schulz -> post`` of stacks of direction inputs: the body of every form.
-
-    ``pre`` and ``post`` see each side of a stack (members as they are, members transposed) in its own
-    orientation, a transposed view, no copy; Newton-Schulz runs whole stacks, ``batched`` as one
-    batched call (the batched form; ``X`` is scratch) or matrix by matrix with fused ``addmm`` (the
-    per-tensor form and the distributed owners: a matrix's bits never depend on its neighbours, which
-    the bit-exact DDP split relies on); ``post`` runs once, after every stack's Newton-Schulz
-    (:meth:`HiddenRule.post_all`). State stacks are handed over as views per side and updated in place.
-    ``scratch``: the per-tensor form's buffers. ``dtype``: the parameters' dtype, to which a narrower
-    (bf16) direction is cast. ``ns_dtype``: given by compiled graphs, which have no ``ctx``.
-
-    Returns:
-        per stack, one contiguous stack per side, each member's direction in its own orientation.
-    """
-    us, states, owner = [], [], []
-    for i, (X, plain, state) in enumerate(stacks):
-        k = X.shape[0]
-        sides = [(s, flip) for s, flip in ((slice(0, plain), False), (slice(plain, k), True)) if s.stop > s.start]
-        views = [{key: v[s] for key, v in state.items()} for s, _ in sides]
-        if type(rule).pre is not HiddenRule.pre:
-            ys = [rule.pre(X[s].mT if flip else X[s], group, *([st] if st else []))
-                  for (s, flip), st in zip(sides, views, strict=True)]
-            ys = [y.mT if flip else y for y, (_, flip) in zip(ys, sides, strict=True)]
-            X = torch.cat(ys) if len(ys) > 1 else ys[0]
-        dt = ns_dtype or _ns_dtype(group, X, ctx)
-        if batched:
-            U = F.orthogonalize_stack(X.to(dt), group["ns_steps"], group["ns_coefficients"], inplace=True)
-        else:
-            out = None if scratch is None else buffer(scratch, "ns", X.shape, dt, X.device)
-            U = F.orthogonalize(X, group["ns_steps"], group["ns_coefficients"], dt, workspace=scratch, out=out)
-        us += [U[s].mT if flip else U[s] for s, flip in sides]
-        states += views
-        owner += [i] * len(sides)
-    ds = rule.post_all(us, group, states)
-    # One copy at most per side: the cast of a narrower direction and the transposed side's layout.
-    narrower = dtype is not None and ds[0].dtype.itemsize < dtype.itemsize
-    result: list[list[Tensor]] = [[] for _ in stacks]
-    for i, d in zip(owner, ds, strict=True):
-        result[i].append(d.to(dtype, memory_format=torch.contiguous_format) if narrower else d.contiguous())
-    return result

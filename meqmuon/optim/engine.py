@@ -30,7 +30,7 @@ from .driver import step_foreach_calls
 from .groups import KINDS, infer_kind
 from .inputs import FLOAT_KEYS, check_unique_params, listed_params, validate_group, with_floats, wrong_params
 from .owners import OwnerPlan, is_replicated
-from .rule import Item, Rule, StepContext
+from .rule import Item, Rule, StepContext, rule_defaults, validate_rule
 from .rules import RULES
 from .views import Layout, group_layout, normalise_group_views
 
@@ -147,7 +147,7 @@ class RoleOptimizer(Optimizer):
     RULES: ClassVar[dict[str, str]] = {}
 
     def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any = None, compile: bool = False,
-                 rules: dict[str, Rule] | None = None) -> None:
+                 rules: dict[str, Rule] | None = None, **hyperparameters: Any) -> None:
         if (what := wrong_params(params)) is not None:
             cls = type(self).__name__
             raise TypeError(f"{cls}(params=...) takes parameters or param groups, e.g. "
@@ -156,6 +156,15 @@ class RoleOptimizer(Optimizer):
             raise ValueError(f"Invalid compile: {compile!r} (expected True or False)")
         self._compile = compile
         self._rules = self._rule_table(rules)
+        # The rules' own hyperparameters (Rule.defaults): keywords for them, their defaults where neither the
+        # class nor a keyword gives one. Any other keyword is refused as Python refuses it.
+        own = {k for rule in self._rules.values() for k in rule.defaults}
+        for key in hyperparameters:
+            if key not in own:
+                raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument {key!r} (its rules' own "
+                                f"hyperparameters: {', '.join(sorted(own - set(defaults))) or 'none'})")
+        defaults = {**rule_defaults(self._rules.values(), {**defaults, **hyperparameters}), **defaults,
+                    **hyperparameters}
         eager: dict[str, list[str]] = {}
         for kind, rule in self._rules.items():
             if not rule.compiles:
@@ -317,6 +326,7 @@ class RoleOptimizer(Optimizer):
             raise ValueError(f"param group 'names' has {len(names)} entries for {len(group['params'])} params")
         normalise_group_views(group, names or [f"params[{i}]" for i in range(len(group["params"]))])
         keys = {"lr", "weight_decay"}
+        rules: dict[int, Rule] = {}
         for i, p in enumerate(group["params"]):
             pname = names[i] if names else f"params[{i}]"
             if p.is_complex():
@@ -331,7 +341,7 @@ class RoleOptimizer(Optimizer):
             if rule.needs_matrix and group_layout(group, i, p.shape, pname).view == "vectors":
                 raise ValueError(f"parameter {pname} has view 'vectors' in a '{pkind}' group, whose rule "
                                  f"'{rule.name}' needs matrices; put it in a 'vector' group")
-            keys.update(rule.hyperparameters)
+            rules.setdefault(id(rule), rule)
         for optional in ("state_dtype", "foreach"):
             if optional in group:
                 keys.add(optional)
@@ -340,6 +350,8 @@ class RoleOptimizer(Optimizer):
         # in every group (pytorch/torchtitan torchtitan/components/optimizer/optimizer.py,
         # OptimizersContainer._build_param_groups); tests/test_contracts.py holds them to that.
         validate_group(group, sorted(keys))
+        for rule in rules.values():  # each rule checks its own keys (Rule.validate)
+            validate_rule(rule, group)
 
     # ---- stepping --------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -13,6 +13,8 @@ from .engine import RoleOptimizer
 from .groups import param_groups
 from .inputs import check_unique_params, listed_params, wrong_params
 from .registry import REGISTRY, spec
+from .rule import Rule
+from .rules import RULES
 
 #: name -> optimizer class, read from :data:`meqmuon.optim.registry.REGISTRY` (where the facts are written).
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {name: s.cls for name, s in REGISTRY.items()}
@@ -27,10 +29,13 @@ def rules_of(name: str) -> dict[str, str]:
     return ADAMW_RULES if cls is torch.optim.AdamW else dict(cls.RULES)  # type: ignore[attr-defined]
 
 
-def valid_hyperparameters(name: str) -> list[str]:
-    """Keyword arguments accepted by optimizer ``name`` (besides the parameters)."""
+def valid_hyperparameters(name: str, rules: Mapping[str, Rule] | None = None) -> list[str]:
+    """Keyword arguments accepted by optimizer ``name`` (besides the parameters): its constructor's, then its
+    rules' own hyperparameters (:attr:`Rule.defaults`), with ``rules`` (kind -> instance) replacing its own."""
     names: list[str] = []
     for klass in spec(name).cls.__mro__:  # a subclass that forwards **kwargs takes its parent's too
+        if klass is RoleOptimizer:  # the engine's **kwargs: the rules' hyperparameters, added below
+            break
         if "__init__" not in vars(klass):
             continue
         params = inspect.signature(klass.__init__).parameters.values()
@@ -38,7 +43,11 @@ def valid_hyperparameters(name: str) -> list[str]:
                   and p.name not in ("self", "params") and p.name not in names]
         if not any(p.kind == p.VAR_KEYWORD for p in params):
             break
-    return names
+    cls = spec(name).cls
+    if issubclass(cls, RoleOptimizer):
+        table = {kind: RULES[rule] for kind, rule in cls.RULES.items()} | dict(rules or {})
+        names += [k for rule in table.values() for k in rule.defaults if k not in names]
+    return list(dict.fromkeys(names))
 
 
 def build_optimizer(name: str, model_or_groups: nn.Module | Iterable[Any], **hparams: Any) -> torch.optim.Optimizer:
@@ -55,7 +64,8 @@ def build_optimizer(name: str, model_or_groups: nn.Module | Iterable[Any], **hpa
             which would only warn), or a bad hyperparameter value.
     """
     entry = spec(name)
-    valid = valid_hyperparameters(name)
+    rules = hparams.get("rules")
+    valid = valid_hyperparameters(name, rules if isinstance(rules, Mapping) else None)
     unknown = sorted(set(hparams) - set(valid))
     if unknown:
         raise ValueError(f"unknown hyperparameter(s) {unknown} for optimizer {name!r}; valid: {', '.join(valid)}")

@@ -66,7 +66,7 @@ def check_unique_params(groups: Iterable[Mapping[str, Any]]) -> None:
             seen[id(tensor)] = label
 
 
-def _number(
+def number(
     key: str,
     value: Any,
     *,
@@ -108,7 +108,7 @@ def _number(
     return value if isinstance(value, torch.Tensor) else number
 
 
-#: The hyperparameters that may be 0-D CPU tensors (:func:`_number`); ``betas`` holds two of them.
+#: The hyperparameters that may be 0-D CPU tensors (:func:`number`); ``betas`` holds two of them.
 FLOAT_KEYS = ("lr", "weight_decay", "momentum", "rho", "beta2", "eps")
 
 
@@ -124,56 +124,40 @@ def with_floats(group: dict[str, Any]) -> dict[str, Any]:
     return {**group, **floats} if floats else group
 
 
-def validate_group(group: dict[str, Any], keys: Iterable[str]) -> None:
-    """Check the hyperparameters ``keys`` of ``group``; raise ``ValueError`` naming the bad one.
+def flag(key: str, value: Any) -> bool:
+    """``value`` if it is a bool, else ``ValueError`` naming ``key``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"Invalid {key}: {value!r} (expected True or False)")
+    return value
 
-    Numbers are stored back in their checked form (:func:`_number`).
+
+def positive_int(key: str, value: Any) -> int:
+    """``value`` if it is an integer >= 1 (not a bool), else ``ValueError`` naming ``key``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Invalid {key}: {value!r} (expected an integer >= 1)")
+    return value
+
+
+def float_dtype(key: str, value: Any) -> torch.dtype | None:
+    """``value`` if it is ``None`` or a floating ``torch.dtype``, else ``ValueError`` naming ``key``."""
+    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise ValueError(f"Invalid {key}: {value!r} (expected a floating torch.dtype or None)")
+    return value
+
+
+def validate_group(group: dict[str, Any], keys: Iterable[str]) -> None:
+    """Check the engine's own hyperparameters ``keys`` of ``group`` (``lr``, ``weight_decay``, ``foreach``,
+    ``state_dtype``); raise ``ValueError`` naming the bad one. Numbers are stored back in their checked form
+    (:func:`number`). A rule's own keys are its own to check (``Rule.validate``, beside its maths).
     """
     for key in keys:
-        if key in ("momentum", "beta2"):
-            group[key] = _number(key, group[key], low=0.0, high=1.0)
-        elif key in ("lr", "weight_decay", "eps"):
-            group[key] = _number(key, group[key], low=0.0)
-        elif key == "rho":
-            group[key] = _number(key, group[key], low=0.0, low_inclusive=False)
-        elif key == "nesterov":
-            if not isinstance(group[key], bool):
-                raise ValueError(f"Invalid nesterov: {group[key]!r} (expected True or False)")
-        elif key == "ns_steps":
-            v = group[key]
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"Invalid ns_steps: {v!r} (expected an integer >= 1)")
-        elif key == "ns_coefficients":
-            from ..functional import ns_schedule  # raises ValueError naming the valid forms
-
-            steps = group.get("ns_steps", 1)
-            if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1:  # else ns_steps raises
-                ns_schedule(group[key], steps)
-        elif key == "ns_dtype":
-            v = group[key]
-            if v is not None and not (isinstance(v, torch.dtype) and v.is_floating_point):
-                raise ValueError(f"Invalid ns_dtype: {v!r} (expected a floating torch.dtype or None)")
-        elif key == "betas":
-            v = group[key]
-            if not (isinstance(v, tuple | list) and len(v) == 2):
-                raise ValueError(f"Invalid betas: {v!r} (expected a pair (beta1, beta2))")
-            group[key] = tuple(_number(f"betas[{i}]", b, low=0.0, high=1.0) for i, b in enumerate(v))
-        elif key == "eq_mode":
-            from ..functional import MUONEQ_MODES
-
-            if group[key] not in MUONEQ_MODES:
-                raise ValueError(f"Invalid MuonEq mode: {group[key]!r} (valid modes: {', '.join(MUONEQ_MODES)})")
-        elif key == "eq_phase":
-            v = group[key]
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"Invalid phase: {v!r} (expected None or an integer step >= 1)")
-            if v is not None and group.get("eq_mode") != "RC":
-                raise ValueError(f"phase={v} switches RC to R; it needs mode RC, got {group.get('eq_mode')!r}")
+        if key in ("lr", "weight_decay"):
+            group[key] = number(key, group[key], low=0.0)
         elif key == "foreach":
             v = group[key]
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"Invalid foreach: {v!r} (expected True, False or None)")
         elif key == "state_dtype":
-            v = group[key]
-            if v is not None and not (isinstance(v, torch.dtype) and v.is_floating_point):
-                raise ValueError(f"Invalid state_dtype: {v!r} (expected a floating torch.dtype or None)")
+            float_dtype(key, group[key])
+        else:
+            raise ValueError(f"validate_group: {key!r} is a rule's hyperparameter, checked by its rule")

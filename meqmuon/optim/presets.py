@@ -23,16 +23,16 @@ from typing import Any, ClassVar
 import torch
 
 from ..functional import NS_COEFFICIENTS, NS_STEPS, Coefficients, canonical_coefficients
+from .driver import MOMENTUM, RHO
 from .engine import RoleOptimizer
+from .rules.adam import ADAMW_BETAS, ADAMW_EPS
 
-# Defaults shared by the paper's runs (section 4): Nesterov momentum 0.95, 5 NS steps with
-# Keller Jordan's coefficients, RMS alignment rho = 0.2, decoupled weight decay 0.1,
-# AdamW betas (0.9, 0.95) for the AdamW parts of Muon and NorMuon.
-MOMENTUM = 0.95
-RHO = 0.2
+# Defaults shared by the paper's runs (section 4): Nesterov momentum 0.95, 5 NS steps with Keller Jordan's
+# coefficients, RMS alignment rho = 0.2 (the momentum rules' defaults, driver.py), decoupled weight decay
+# 0.1, AdamW betas (0.9, 0.95) for the AdamW parts of Muon and NorMuon (rules/adam.py).
 WEIGHT_DECAY = 0.1
-ADAMW_BETAS = (0.9, 0.95)
-ADAMW_EPS = 1e-8
+__all__ = ["ADAMW_BETAS", "ADAMW_EPS", "MOMENTUM", "RHO", "WEIGHT_DECAY", "MeqMuon", "Muon", "MuonEq", "MuonEqC",
+           "MuonEqR", "MuonEqRC", "MuonOnlyEmbedding", "MuonOnlyHidden", "MuonOnlyVector", "NorMuon", "Scale"]
 
 
 class MeqMuon(RoleOptimizer):
@@ -74,6 +74,9 @@ class MeqMuon(RoleOptimizer):
             natively (CUDA with bf16, CPUs with AVX512-BF16/AMX), float32 elsewhere, since bf16 is
             ~170x slower than float32 on an AVX2-only CPU (:func:`meqmuon.precision.resolve_ns_dtype`).
             An explicit dtype is always used.
+        ns_method: the Newton-Schulz method, a name of :data:`meqmuon.optim.newton_schulz.NS_METHODS`
+            (default ``"quintic"``, paper eq. 3); a keyword of every optimizer with a hidden-matrix rule
+            (``HiddenRule.defaults``), as every rule's own hyperparameters are.
         state_dtype: dtype of the momentum buffers (default: the parameter's dtype).
         foreach: ``None`` (default): the batched step (shape buckets, ``torch._foreach_*``; see
             ``optim/driver.py``) where all parameters of a group are on CUDA, the per-tensor step
@@ -90,6 +93,9 @@ class MeqMuon(RoleOptimizer):
         rules: ``{kind: rule instance}`` replacing the rule of each kind named, e.g.
             ``{"hidden": MyVariant()}`` with ``MyVariant`` a :class:`meqmuon.HiddenRule` subclass
             (docs/variants.md). Every optimizer takes it.
+        **hyperparameters: the rules' own hyperparameters (each rule's ``defaults``, checked by its
+            ``validate``), e.g. ``alpha=2.0`` for a variant that declares ``alpha``; any other keyword
+            raises ``TypeError``.
     """
 
     RULES = {"hidden": "meq_hidden", "embedding": "equilibrate", "head": "equilibrate", "vector": "rms_normalize"}
@@ -110,6 +116,7 @@ class MeqMuon(RoleOptimizer):
         process_group: Any = None,
         compile: bool = False,
         rules: dict[str, Any] | None = None,
+        **hyperparameters: Any,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -123,7 +130,8 @@ class MeqMuon(RoleOptimizer):
             state_dtype=state_dtype,
             foreach=foreach,
         )
-        super().__init__(params, defaults, process_group=process_group, compile=compile, rules=rules)
+        super().__init__(params, defaults, process_group=process_group, compile=compile, rules=rules,
+                         **hyperparameters)
 
 
 class Muon(RoleOptimizer):
@@ -145,7 +153,8 @@ class Muon(RoleOptimizer):
     ``torch.optim.AdamW(betas=(0.9, 0.95))`` on the other parameters (tested).
 
     ``compile``, ``rules`` (e.g. ``rules={"hidden": MyVariant()}``, a :class:`meqmuon.HiddenRule`),
-    ``foreach``, ``state_dtype``, ``process_group``: as in :class:`MeqMuon`, for every optimizer here.
+    ``foreach``, ``state_dtype``, ``process_group``, ``ns_method`` and the rules' own hyperparameters
+    (``**hyperparameters``): as in :class:`MeqMuon`, for every optimizer here.
     """
 
     RULES = {"hidden": "moonlight_hidden", "embedding": "adamw", "head": "adamw", "vector": "adamw"}
@@ -168,6 +177,7 @@ class Muon(RoleOptimizer):
         process_group: Any = None,
         compile: bool = False,
         rules: dict[str, Any] | None = None,
+        **hyperparameters: Any,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -183,10 +193,11 @@ class Muon(RoleOptimizer):
             state_dtype=state_dtype,
             foreach=foreach,
         )
-        super().__init__(params, defaults, process_group=process_group, compile=compile, rules=rules)
+        super().__init__(params, defaults, process_group=process_group, compile=compile, rules=rules,
+                         **hyperparameters)
 
 
-class NorMuon(RoleOptimizer):
+class NorMuon(Muon):
     r"""NorMuon (Li et al. 2025) with AdamW for the other kinds, on Muon's lr grid.
 
     Hidden matrices (zichongli5/NorMuon d45c9a4 ``normuon_update``): Nesterov momentum,
@@ -194,47 +205,13 @@ class NorMuon(RoleOptimizer):
     one value per output row), ``O' = O / (sqrt(v) + 1e-10)`` rescaled to ``||O||_F``, and step
     ``lr * rho * sqrt(max(m, n)) * O'`` (dion's "rms_norm" scale instead of upstream's
     ``sqrt(max(1, m/n))``, so that NorMuon shares the lr grid of Muon and MeqMuon, as the paper
-    compares them). Other kinds: AdamW as in :class:`Muon`. ``ns_dtype``: as in :class:`Muon`.
+    compares them). Other kinds: AdamW as in :class:`Muon`.
+
+    :class:`Muon`'s constructor (as ``torch.optim.AdamW(Adam)``), with one keyword of the NorMuon rule's
+    own: ``beta2`` (default 0.95, upstream's; ``NorMuonHidden.defaults``).
     """
 
     RULES = {"hidden": "normuon_hidden", "embedding": "adamw", "head": "adamw", "vector": "adamw"}
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float = 1e-3,
-        weight_decay: float = WEIGHT_DECAY,
-        momentum: float = MOMENTUM,
-        nesterov: bool = True,
-        rho: float = RHO,
-        beta2: float = 0.95,
-        ns_steps: int = NS_STEPS,
-        ns_coefficients: Coefficients = NS_COEFFICIENTS,
-        ns_dtype: torch.dtype | None = None,
-        betas: tuple[float, float] = ADAMW_BETAS,
-        eps: float = ADAMW_EPS,
-        state_dtype: torch.dtype | None = None,
-        foreach: bool | None = None,
-        process_group: Any = None,
-        compile: bool = False,
-        rules: dict[str, Any] | None = None,
-    ) -> None:
-        defaults = dict(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            rho=rho,
-            beta2=beta2,
-            ns_steps=ns_steps,
-            ns_coefficients=canonical_coefficients(ns_coefficients),
-            ns_dtype=ns_dtype,
-            betas=tuple(betas),
-            eps=eps,
-            state_dtype=state_dtype,
-            foreach=foreach,
-        )
-        super().__init__(params, defaults, process_group=process_group, compile=compile, rules=rules)
 
 
 class Scale(RoleOptimizer):
@@ -268,12 +245,14 @@ class Scale(RoleOptimizer):
         process_group: Any = None,
         compile: bool = False,
         rules: dict[str, Any] | None = None,
+        **hyperparameters: Any,
     ) -> None:
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, betas=tuple(betas), eps=eps, state_dtype=state_dtype,
             foreach=foreach,
         )
-        super().__init__(params, defaults, process_group=process_group, compile=compile, rules=rules)
+        super().__init__(params, defaults, process_group=process_group, compile=compile, rules=rules,
+                         **hyperparameters)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if param_group.get("tied"):
@@ -336,14 +315,12 @@ class MuonEq(Muon):
         if self.MODE is not None and mode is not None and mode != self.MODE:
             raise ValueError(f"{type(self).__name__} is MuonEq mode {self.MODE}; got mode={mode!r} "
                              "(use MuonEq(mode=...) or the muoneq-r / muoneq-c / muoneq-rc names)")
-        self._eq = {"eq_mode": mode or self.MODE or "R", "eq_phase": phase}
+        # mode and phase are the MuonEq rule's eq_mode and eq_phase (MuonEqHidden.defaults, checked there)
+        if mode or self.MODE:
+            kwargs["eq_mode"] = mode or self.MODE
+        if phase is not None:
+            kwargs["eq_phase"] = phase
         super().__init__(params, lr=lr, **kwargs)
-        self.defaults.update(self._eq)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        for key, value in getattr(self, "_eq", {}).items():
-            param_group.setdefault(key, value)
-        super().add_param_group(param_group)
 
 
 class MuonEqR(MuonEq):

@@ -7,7 +7,7 @@ two forms themselves (``rules/adam.py``, ``rules/scale.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -16,7 +16,7 @@ from torch import Tensor
 from .distributed import LocalSplit
 from .views import Layout
 
-__all__ = ["ELEMENTWISE_COST", "Item", "Rule", "StepContext", "state_dtype"]
+__all__ = ["ELEMENTWISE_COST", "Item", "Rule", "StepContext", "rule_defaults", "state_dtype", "validate_rule"]
 
 
 class StepContext:
@@ -89,7 +89,12 @@ class Rule:
     name: ClassVar[str]
     #: The rule needs >=2-D tensors (matrix rules).
     needs_matrix: ClassVar[bool] = False
-    #: Hyperparameter keys the rule reads from its group (validated by the engine).
+    #: The rule's own hyperparameters and their defaults (optax's transforms own theirs the same way): every
+    #: optimizer whose table holds the rule takes them as keywords (``Muon(groups, alpha=2.0)``) and as
+    #: param-group keys, and fills them in where neither gives one. A subclass's add to its bases'.
+    defaults: ClassVar[dict[str, Any]] = {}
+    #: Every key the rule reads from its group: the ``defaults``' keys (added by ``__init_subclass__``) and
+    #: any the optimizer supplies; the engine refuses a group that lacks one.
     hyperparameters: ClassVar[tuple[str, ...]] = ()
     #: ``compile=True`` runs a compiled form of this rule (the momentum rules: ``driver.py``); AdamW and
     #: SCALE have none yet and run eagerly (the optimizer says so when built).
@@ -101,6 +106,21 @@ class Rule:
     #: like the parameter), ``"rows"`` (one value per matrix row), ``"counter"`` (one per matrix),
     #: ``"step"`` (the step count, read only).
     state_views: ClassVar[dict[str, str]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        merged: dict[str, Any] = {}
+        for klass in reversed(cls.__mro__):
+            merged.update(vars(klass).get("defaults", {}))
+        cls.defaults = merged
+        cls.hyperparameters = tuple(dict.fromkeys((*cls.hyperparameters, *merged)))
+
+    def validate(self, group: dict) -> None:
+        """Check this rule's hyperparameters in ``group`` (all of them present); raise ``ValueError`` showing
+        the bad value. Called when the optimizer is built and at ``add_param_group``, for every param group
+        that holds a parameter of this rule, after the engine's own checks; each class's ``validate`` in
+        the rule's hierarchy runs, base first, so a subclass checks only its own keys (no ``super()``).
+        A check may store a value back in its checked form (``group[key] = ...``)."""
 
     def state_elements(self, layout: Layout) -> int:
         """Number of state elements (excluding scalar counters) kept for a parameter of ``layout``."""
@@ -118,3 +138,38 @@ class Rule:
         """The batched form (``foreach=True``): the same maths over shape buckets."""
         raise NotImplementedError
 
+
+
+def validate_rule(rule: Rule, group: dict) -> None:
+    """Check ``group`` for ``rule``: every key the rule reads is present (``ValueError`` naming the missing
+    ones), then every ``validate`` of the rule's class hierarchy, base first (:meth:`Rule.validate`)."""
+    missing = [k for k in rule.hyperparameters if k not in group]
+    if missing:
+        raise ValueError(f"rule {rule.name!r} reads hyperparameter(s) {missing}, which this param group lacks; "
+                         f"declare them in the rule's defaults, or pass them as optimizer keywords or group keys")
+    for klass in reversed(type(rule).__mro__):
+        check = vars(klass).get("validate")
+        if check is not None:
+            check(rule, group)
+
+
+def rule_defaults(rules: Iterable[Rule], given: Mapping[str, Any]) -> dict[str, Any]:
+    """The defaults that ``rules`` declare (:attr:`Rule.defaults`) for the keys ``given`` does not hold (the
+    optimizer's own defaults and keywords); ``ValueError`` where two rules declare different ones."""
+    out: dict[str, tuple[Any, str]] = {}
+    for rule in rules:
+        for key, value in rule.defaults.items():
+            if key in given:
+                continue
+            if key in out and not _same(out[key][0], value):
+                raise ValueError(f"rules {out[key][1]!r} and {rule.name!r} declare different defaults for {key!r} "
+                                 f"({out[key][0]!r} and {value!r}); pass {key}=... to the optimizer")
+            out.setdefault(key, (value, rule.name))
+    return {k: v for k, (v, _) in out.items()}
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # tensors of several elements, say
+        return a is b

@@ -3,7 +3,7 @@
 Under FSDP2 every rank holds a row shard of each matrix; Newton-Schulz and a hidden rule's ``pre`` and
 ``post`` need whole matrices. :func:`hidden_at_owners` sends a bucket's row shards to owner ranks by one
 ``all_to_all_single`` (:meth:`ShardedSplit.at_owners`), runs the driver's body
-(:func:`meqmuon.optim.driver.directions`) there, and brings the rows of the directions back by a
+(:func:`meqmuon.optim.newton_schulz.directions`) there, and brings the rows of the directions back by a
 second one (microsoft/dion ``megabatch_base.py`` does the same for Newton-Schulz), so a rule never needs
 a sum over shards. Per-row state travels as extra columns of the rows, per-matrix state as a column of
 all rows.
@@ -14,20 +14,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import compiled, driver
-from .newton_schulz import batched_ns, ns_flops
+from . import compiled
+from .newton_schulz import batched_ns, directions, ns_flops, resolve_dtype
+from .rule import Rule
 
 __all__ = ["hidden_at_owners"]
 
 
-def hidden_at_owners(rule: driver.HiddenRule, X: Tensor, state: dict[str, Tensor], m: int, group: dict,
+def hidden_at_owners(rule: Rule, X: Tensor, state: dict[str, Tensor], m: int, group: dict,
                      ctx) -> list[Tensor]:
     """Row shards ``X`` ``(k, rows, n)`` of ``k`` matrices with ``m`` rows -> whole matrices at owner ranks
-    -> :func:`driver.directions` there -> the rows of ``D`` back; ``state`` is updated in place."""
+    -> :func:`newton_schulz.directions` there -> the rows of ``D`` back; ``state`` is updated in place."""
     k, rows, n = X.shape
     keys = list(state)
     per_row = [rule.state_views[key] == "rows" for key in keys]
-    ns_dtype = driver._ns_dtype(group, X, ctx)
+    ns_dtype = resolve_dtype(group, X, ctx)
     dtype = X.dtype if keys else ns_dtype
     out_dtype = torch.promote_types(dtype, torch.float32)
 
@@ -45,7 +46,7 @@ def hidden_at_owners(rule: driver.HiddenRule, X: Tensor, state: dict[str, Tensor
             D = compiled.bucket_step(rule.name, compiled.owner_directions, (tuple(W.shape), W.dtype, id(rule)), W, st,
                                      rule=rule, n=n, batched=batched, group=static)
         else:
-            (D,) = driver.directions(rule, [(W[..., :n], j, st)], group, ctx, batched=batched,
+            (D,) = directions(rule, [(W[..., :n], j, st)], group, ctx, batched=batched,
                                      scratch=ctx.split.workspace)
         return torch.cat([D[0].reshape(j, m, n).to(out_dtype), *columns(st, j, m, out_dtype)], dim=-1)
 

@@ -4,7 +4,7 @@ An optimizer in this package is an assignment of rules to parameter kinds (see `
 by name through :data:`RULES`, or by instance through ``rules={kind: rule}``. The hidden-matrix rules
 are :class:`~meqmuon.optim.driver.HiddenRule` s, ``pre``/``post`` around the driver's Newton-Schulz:
 ``meqmuon.py`` (MeqMuon, eq. 8), ``muon.py`` (Moonlight's Muon, MuonEq), ``normuon.py``. The
-elementwise rules hold their per-tensor, batched and compiled forms side by side: ``normalize.py``
+elementwise rules hold their per-tensor, batched and compiled forms side by side: ``meqmuon.py``
 (MeqMuon's embedding/head and vector rules, eq. 9 and 10), ``adam.py`` (AdamW, SCALE's Adam) and
 ``scale.py``. The machinery they share is ``../driver.py`` (momentum rules) and ``../rule.py``.
 
@@ -20,9 +20,8 @@ from __future__ import annotations
 
 from ..rule import Rule
 from .adam import AdamScale, AdamW
-from .meqmuon import MeqHidden
+from .meqmuon import Equilibrate, MeqHidden, RmsNormalize
 from .muon import MoonlightHidden, MuonEqHidden
-from .normalize import Equilibrate, RmsNormalize
 from .normuon import NorMuonHidden
 from .scale import ScaleCol, ScaleHead, ScaleRow
 

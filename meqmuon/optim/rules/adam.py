@@ -10,8 +10,15 @@ import torch
 from torch import Tensor
 
 from ... import functional as F
-from ..driver import buffer, grads_like, make_buckets
+from ..driver import grads_like
+from ..inputs import number
+from ..newton_schulz import buffer, make_buckets
 from ..rule import Rule, state_dtype
+
+# AdamW for the embeddings, heads and vectors of Muon and NorMuon: betas (0.9, 0.95) as the paper's runs
+# (section 4) and Moonlight's toy_train.py, eps 1e-8 as torch.optim.AdamW.
+ADAMW_BETAS = (0.9, 0.95)
+ADAMW_EPS = 1e-8
 
 
 class AdamW(Rule):
@@ -25,10 +32,18 @@ class AdamW(Rule):
     """
 
     name = "adamw"
-    hyperparameters = ("betas", "eps")
+    defaults = {"betas": ADAMW_BETAS, "eps": ADAMW_EPS}
     elementwise = True
     #: Moonlight/SCALE form: eps added to the uncorrected sqrt(v).
     eps_before_correction: ClassVar[bool] = False
+
+    def validate(self, group):
+        """``betas`` a pair in [0, 1), ``eps`` >= 0."""
+        v = group["betas"]
+        if not (isinstance(v, tuple | list) and len(v) == 2):
+            raise ValueError(f"Invalid betas: {v!r} (expected a pair (beta1, beta2))")
+        group["betas"] = tuple(number(f"betas[{i}]", b, low=0.0, high=1.0) for i, b in enumerate(v))
+        group["eps"] = number("eps", group["eps"], low=0.0)
 
     def state_elements(self, layout):
         return 2 * math.prod(layout.batch) * layout.rows * layout.cols
@@ -102,6 +117,7 @@ class AdamScale(AdamW):
     bias-corrected Adam with eps added to the uncorrected ``sqrt(v)``, decoupled weight decay."""
 
     name = "adam_scale"
+    defaults = {"betas": (0.9, 0.999)}  # SCALE's (upstream's torch.optim.Adam default)
     eps_before_correction = True
 
 

@@ -39,9 +39,20 @@ class MuonEqHidden(MoonlightHidden):
     Newton-Schulz stack it would save."""
 
     name = "muoneq_hidden"
-    hyperparameters = MoonlightHidden.hyperparameters + ("eq_mode", "eq_phase")
+    #: Upstream's default mode (R) and no phase switch.
+    defaults = {"eq_mode": "R", "eq_phase": None}
     state_views = {**HiddenRule.state_views, "step": "step"}
     transposes = False
+
+    def validate(self, group):
+        """``eq_mode`` one of :data:`F.MUONEQ_MODES`; ``eq_phase`` ``None`` or a step >= 1, in mode RC only."""
+        if group["eq_mode"] not in F.MUONEQ_MODES:
+            raise ValueError(f"Invalid MuonEq mode: {group['eq_mode']!r} (valid modes: {', '.join(F.MUONEQ_MODES)})")
+        v = group["eq_phase"]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"Invalid phase: {v!r} (expected None or an integer step >= 1)")
+        if v is not None and group["eq_mode"] != "RC":
+            raise ValueError(f"phase={v} switches RC to R; it needs mode RC, got {group['eq_mode']!r}")
 
     def pre(self, X, group, state):
         mode, phase = group["eq_mode"], group["eq_phase"]

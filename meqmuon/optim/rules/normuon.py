@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ..driver import HiddenRule
+from ..inputs import number
 from .muon import MoonlightHidden
 
 # NorMuon's epsilons (zichongli5/NorMuon d45c9a4, normuon.py): 1e-10 in the row scaling and in the
@@ -37,9 +38,13 @@ class NorMuonHidden(MoonlightHidden):
     """
 
     name = "normuon_hidden"
-    hyperparameters = MoonlightHidden.hyperparameters + ("beta2",)
+    defaults = {"beta2": 0.95}  # upstream's default
     state_views = {**HiddenRule.state_views, "second_moment": "rows"}
     transposes = False  # per-row state
+
+    def validate(self, group):
+        """``beta2`` in [0, 1)."""
+        group["beta2"] = number("beta2", group["beta2"], low=0.0, high=1.0)
 
     def post(self, U, group, state):
         v = state["second_moment"]

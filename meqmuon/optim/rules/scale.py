@@ -13,7 +13,9 @@ import torch
 from torch import Tensor
 
 from ... import functional as F
-from ..driver import apply_update, grads_like, make_buckets, matrix_shape, stack_tensors, unstack
+from ..driver import apply_update, grads_like, stack_tensors
+from ..inputs import number
+from ..newton_schulz import make_buckets, matrix_shape, unstack
 from ..rule import Rule, state_dtype
 
 # SCALE divides by the slice RMS clamped at this value (OptimAI-Lab/Minimalist_LLM_Pretraining
@@ -104,7 +106,11 @@ class ScaleHead(Rule):
 
     name = "scale_head"
     needs_matrix = True
-    hyperparameters = ("momentum",)
+    defaults = {"momentum": 0.9}  # upstream's beta for the head's EMA
+
+    def validate(self, group):
+        """``momentum`` in [0, 1)."""
+        group["momentum"] = number("momentum", group["momentum"], low=0.0, high=1.0)
 
     state_views = {"momentum_buffer": "param"}
 

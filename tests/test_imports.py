@@ -1,0 +1,36 @@
+"""The import graph of ``meqmuon/optim/`` (issue 35): no cycle, no upward import, every module placed.
+
+``benchmarks/imports.py`` reads the sources with ``ast`` (module-level imports, imports inside functions and
+under ``TYPE_CHECKING`` alike) and checks them against its table of layers; this test holds it at 0, and
+checks that the counter does see a cycle and an upward import where there is one, so that 0 means 0.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import imports  # noqa: E402
+
+
+def test_optim_has_no_import_cycle_and_no_upward_import():
+    r = imports.report()
+    assert r["cycles"] == [] and r["upward"] == [] and r["unplaced"] == [], r
+    assert r["lazy"] == [], r  # no import hidden in a function either
+    assert "optim.driver -> optim.newton_schulz" in r["edges"] and "optim.compiled -> optim.newton_schulz" in r["edges"]
+
+
+def test_the_counter_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
+    pkg = tmp_path / "meqmuon"
+    (pkg / "optim").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "optim" / "__init__.py").write_text("")
+    (pkg / "optim" / "driver.py").write_text("from . import compiled\n")
+    (pkg / "optim" / "compiled.py").write_text("def f():\n    from .driver import g\n")
+    monkeypatch.setattr(imports, "ROOT", tmp_path)
+    r = imports.report()
+    assert r["cycles"] == [["optim.compiled", "optim.driver"]]
+    assert r["upward"] == ["optim.compiled:2 imports optim.driver (layer 4 -> 6)"]
+    assert r["lazy"] == ["optim.compiled:2 imports optim.driver (function)"]
