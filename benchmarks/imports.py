@@ -30,6 +30,7 @@ PACKAGE = "meqmuon"
 LAYERS: list[list[str]] = [
     ["precision", "functional"],
     ["optim.views", "optim.inputs", "optim.distributed", "optim.groups", "optim.structure"],
+    ["optim.owners"],  # every other DTensor layout: whole tensors at owner ranks (a distributed mechanism)
     ["optim.rule", "optim.blockwise"],  # what a rule is handed; the row-blocked passes of eq. 9
     ["optim.newton_schulz"],  # the seam: stacks, pre -> NS -> post, the table of NS methods
     ["optim.compiled"],  # graphs of the seam and of the elementwise rules
