@@ -29,8 +29,7 @@ PACKAGE = "meqmuon"
 #: that closes a cycle, which the cycle count catches). Names are relative to ``meqmuon``.
 LAYERS: list[list[str]] = [
     ["precision", "functional"],
-    ["optim.views", "optim.inputs", "optim.distributed", "optim.groups", "optim.structure"],
-    ["optim.owners"],  # every other DTensor layout: whole tensors at owner ranks (a distributed mechanism)
+    ["optim.views", "optim.inputs", "optim.distributed", "optim.owners", "optim.groups", "optim.structure"],
     ["optim.rule", "optim.blockwise"],  # what a rule is handed; the row-blocked passes of eq. 9
     ["optim.newton_schulz"],  # the seam: stacks, pre -> NS -> post, the table of NS methods
     ["optim.compiled"],  # graphs of the seam and of the elementwise rules
