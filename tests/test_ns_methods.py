@@ -132,3 +132,21 @@ def test_compiled_step_with_each_method_equals_eager(method):
 def test_unknown_method_names_the_known_ones():
     with pytest.raises(ValueError, match="quintic, gram, aol"):
         meqmuon.build_optimizer("muon", _model(), ns_method="cubic")
+
+
+def test_ns_methods_benchmark_prints_every_method_and_its_flops(capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import ns_methods
+
+    assert ns_methods.main(["--models", "llama-tiny", "--repeats", "1"]) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| llama-tiny")]
+    assert {r[3].strip() for r in rows} == set(NS_METHODS) and len(rows) == 3 * len(NS_METHODS)
+    flops = {(r[2].strip(), r[3].strip()): float(r[4]) for r in rows}
+    assert flops[("128x344", "gram")] < flops[("128x344", "quintic")]  # the Gram form's point: fewer FLOPs
+    assert flops[("128x128", "gram")] > flops[("128x128", "quintic")]  # but not on square matrices
+    quintic = {r[2].strip(): float(r[9]) for r in rows if r[3].strip() == "quintic"}
+    gram = {r[2].strip(): float(r[9]) for r in rows if r[3].strip() == "gram"}
+    assert gram == quintic  # same distance to the polar factor: the same iteration
