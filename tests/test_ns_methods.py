@@ -150,3 +150,19 @@ def test_ns_methods_benchmark_prints_every_method_and_its_flops(capsys):
     quintic = {r[2].strip(): float(r[9]) for r in rows if r[3].strip() == "quintic"}
     gram = {r[2].strip(): float(r[9]) for r in rows if r[3].strip() == "gram"}
     assert gram == quintic  # same distance to the polar factor: the same iteration
+
+
+@pytest.mark.parametrize("method", ["gram", "aol"])
+def test_batched_op_counts_are_flat_in_depth(method):
+    """``benchmarks/op_count.py`` at Llama-60M shapes (meta tensors): the batched step with each method
+    dispatches the same number of ops at 1x and 3x the depth."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from op_count import count_step_ops, deepen
+    from shapes import model_shapes
+
+    shapes = model_shapes("llama-60m")
+    counts = [count_step_ops("meqmuon", deepen(shapes, d), True, ns_method=method).total for d in (1, 3)]
+    assert counts[0] == counts[1], counts
