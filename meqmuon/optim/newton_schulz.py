@@ -31,7 +31,10 @@ __all__ = ["BATCHED_NS_DEVICES", "NS_METHODS", "Bucket", "Stack", "batched_ns", 
 #: ``batched`` one batched call for the stack (``X`` scratch if ``inplace``), else matrix by matrix into
 #: ``out`` with buffers kept in ``workspace``.
 #: ``"quintic"``: paper eq. 3, fixed coefficients (Jordan et al.) or Polar Express's schedule (``ns_coefficients``).
-NS_METHODS: dict[str, Callable[..., Tensor]] = {"quintic": F.orthogonalize}
+#: ``"gram"``: the same iteration on the Gram matrix with a restart (:func:`meqmuon.functional.gram_orthogonalize`).
+#: ``"aol"``: AOL-preconditioned, ``ns_steps - 1`` iterations (:func:`meqmuon.functional.aol_orthogonalize`).
+NS_METHODS: dict[str, Callable[..., Tensor]] = {"quintic": F.orthogonalize, "gram": F.gram_orthogonalize,
+                                                "aol": F.aol_orthogonalize}
 
 #: Device types on which same-shape matrices are orthogonalised as one batched call (a stack per
 #: shape bucket; ``functional.orthogonalize(batched=True)``). GPUs: one matmul kernel per matrix is

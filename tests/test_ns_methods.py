@@ -1,0 +1,168 @@
+"""Newton-Schulz methods behind ``ns_method`` (``optim/newton_schulz.py``'s table), against float64 references
+written from their papers' equations here, in every form.
+
+- ``"gram"`` (Dao-AILab/gram-newton-schulz): the quintic iteration (paper eq. 3) carried on the Gram
+  matrix, so in exact arithmetic it *is* the quintic: its float64 result equals eq. 3's to 1e-12 and its
+  float32 result is within 1e-5 of it, with and without restarts, wide, tall and square.
+- ``"aol"`` (Turbo-Muon, arXiv 2512.04632): ``D = diag(sum_j |A_ij|)^{-1/2}`` of ``A = X X^T``, then
+  ``steps - 1`` quintic iterations from ``D X``: float64 equals the reference to 1e-12, float32 within 1e-5,
+  and the scaled input's spectral norm is at most 1 (AOL's guarantee).
+- every method runs per matrix and batched with the same result, and steps every Muon-family optimizer in
+  every step form (float64 against the quintic's optimizer for ``gram``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import meqmuon
+from meqmuon import functional as F
+from meqmuon.optim.newton_schulz import NS_METHODS
+
+SHAPES = [(12, 40), (40, 12), (16, 16), (3, 10, 24)]
+
+
+def quintic_reference(x: torch.Tensor, coefficients, steps: int) -> torch.Tensor:
+    """Paper eq. 3 in float64, one matrix at a time, the wide orientation: ``X_0 = X / ||X||_F``,
+    ``A = X X^T``, ``X <- a X + (b A + c A^2) X``."""
+    schedule, scale = F.ns_schedule(coefficients, steps)
+    out = []
+    for m in x.double().reshape(-1, *x.shape[-2:]):
+        tall = m.shape[0] > m.shape[1]
+        X = m.T if tall else m
+        X = X / (scale * torch.linalg.matrix_norm(X))
+        for a, b, c in schedule:
+            A = X @ X.T
+            X = a * X + (b * A + c * A @ A) @ X
+        out.append(X.T if tall else X)
+    return torch.stack(out).reshape(x.shape)
+
+
+def aol_reference(x: torch.Tensor, coefficients, steps: int) -> torch.Tensor:
+    """Turbo-Muon's AOL scaling ``D X`` with ``D = diag(sum_j |(X X^T)_ij|)^{-1/2}`` (wide orientation), then
+    ``steps - 1`` iterations of eq. 3 without the Frobenius normalisation, in float64."""
+    schedule, _ = F.ns_schedule(coefficients, steps - 1)
+    out = []
+    for m in x.double().reshape(-1, *x.shape[-2:]):
+        tall = m.shape[0] > m.shape[1]
+        X = m.T if tall else m
+        X = X / (X @ X.T).abs().sum(dim=1).sqrt()[:, None]
+        for a, b, c in schedule:
+            A = X @ X.T
+            X = a * X + (b * A + c * A @ A) @ X
+        out.append(X.T if tall else X)
+    return torch.stack(out).reshape(x.shape)
+
+
+def _x(shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("coefficients", [F.NS_COEFFICIENTS, "polar_express"])
+def test_gram_is_the_quintic_iteration(shape, coefficients):
+    x = _x(shape)
+    ref = quintic_reference(x, coefficients, 5)
+    for restarts in ((), (2,), (1, 3)):
+        got = F.gram_orthogonalize(x, 5, coefficients, torch.float64, restarts=restarts)
+        assert (got - ref).abs().max() < 1e-12, restarts
+    got32 = F.gram_orthogonalize(x, 5, coefficients, torch.float32)
+    assert got32.dtype == torch.float32 and (got32.double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_aol_is_scaled_quintic_iterations(shape):
+    x = _x(shape, seed=1)
+    ref = aol_reference(x, F.NS_COEFFICIENTS, 5)
+    assert (F.aol_orthogonalize(x, 5, F.NS_COEFFICIENTS, torch.float64) - ref).abs().max() < 1e-12
+    assert (F.aol_orthogonalize(x, 5, F.NS_COEFFICIENTS, torch.float32).double() - ref).abs().max() < 1e-5
+    m = x.reshape(-1, *x.shape[-2:])[0]
+    wide = m.T if m.shape[0] > m.shape[1] else m
+    scaled = wide / (wide @ wide.T).abs().sum(dim=1).sqrt()[:, None]
+    assert torch.linalg.matrix_norm(scaled, ord=2) <= 1 + 1e-12  # AOL's bound
+
+
+@pytest.mark.parametrize("method", ["gram", "aol"])
+def test_methods_per_matrix_equal_batched_and_write_out(method):
+    x = _x((4, 12, 40), seed=2)
+    fn = NS_METHODS[method]
+    per = fn(x, 5, F.NS_COEFFICIENTS, torch.float64)
+    out = torch.empty_like(per)
+    assert fn(x.clone(), 5, F.NS_COEFFICIENTS, torch.float64, batched=True, inplace=True, out=out) is out
+    assert (out - per).abs().max() < 1e-12
+    assert torch.equal(fn(x[1:2], 5, F.NS_COEFFICIENTS, torch.float64)[0], per[1])  # bits of a matrix alone
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(20, 8), torch.nn.Linear(8, 24), torch.nn.Linear(24, 8),
+                               torch.nn.LayerNorm(8), torch.nn.Linear(8, 20))
+
+
+def _run(name, steps=3, **kw):
+    model = _model().double()
+    opt = meqmuon.build_optimizer(name, model, lr=0.02, ns_dtype=torch.float64, **kw)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", ["meqmuon", "muon", "normuon", "muoneq-r"])
+@pytest.mark.parametrize("foreach", [False, True])
+def test_every_muon_family_optimizer_takes_ns_method(name, foreach):
+    quintic = _run(name, foreach=foreach)
+    gram = _run(name, foreach=foreach, ns_method="gram")
+    assert max((a - b).abs().max().item() for a, b in zip(gram, quintic, strict=True)) < 1e-10
+    aol = _run(name, foreach=foreach, ns_method="aol")
+    assert max((a - b).abs().max().item() for a, b in zip(aol, quintic, strict=True)) > 1e-6  # another update
+    assert all(torch.isfinite(p).all() for p in aol)
+
+
+@pytest.mark.parametrize("method", ["gram", "aol"])
+def test_compiled_step_with_each_method_equals_eager(method):
+    eager = _run("meqmuon", steps=2, ns_method=method, foreach=True)
+    compiled = _run("meqmuon", steps=2, ns_method=method, foreach=True, compile=True)
+    assert max((a - b).abs().max().item() for a, b in zip(compiled, eager, strict=True)) < 1e-10
+
+
+def test_unknown_method_names_the_known_ones():
+    with pytest.raises(ValueError, match="quintic, gram, aol"):
+        meqmuon.build_optimizer("muon", _model(), ns_method="cubic")
+
+
+def test_ns_methods_benchmark_prints_every_method_and_its_flops(capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import ns_methods
+
+    assert ns_methods.main(["--models", "llama-tiny", "--repeats", "1"]) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| llama-tiny")]
+    assert {r[3].strip() for r in rows} == set(NS_METHODS) and len(rows) == 3 * len(NS_METHODS)
+    flops = {(r[2].strip(), r[3].strip()): float(r[4]) for r in rows}
+    assert flops[("128x344", "gram")] < flops[("128x344", "quintic")]  # the Gram form's point: fewer FLOPs
+    assert flops[("128x128", "gram")] > flops[("128x128", "quintic")]  # but not on square matrices
+    quintic = {r[2].strip(): float(r[9]) for r in rows if r[3].strip() == "quintic"}
+    gram = {r[2].strip(): float(r[9]) for r in rows if r[3].strip() == "gram"}
+    assert gram == quintic  # same distance to the polar factor: the same iteration
+
+
+@pytest.mark.parametrize("method", ["gram", "aol"])
+def test_batched_op_counts_are_flat_in_depth(method):
+    """``benchmarks/op_count.py`` at Llama-60M shapes (meta tensors): the batched step with each method
+    dispatches the same number of ops at 1x and 3x the depth."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from op_count import count_step_ops, deepen
+    from shapes import model_shapes
+
+    shapes = model_shapes("llama-60m")
+    counts = [count_step_ops("meqmuon", deepen(shapes, d), True, ns_method=method).total for d in (1, 3)]
+    assert counts[0] == counts[1], counts
