@@ -88,15 +88,18 @@ def test_this_machine_is_consistent():
 
 
 def _ns_dtypes_used(opt_cls, monkeypatch, **kw):
-    """The dtype each Newton-Schulz call computed in, recorded from functional.orthogonalize."""
+    """The dtype each Newton-Schulz call computed in, recorded from the quintic's entry of the table of
+    Newton-Schulz methods (``optim/newton_schulz.py``), which the step looks up."""
+    from meqmuon.optim.newton_schulz import NS_METHODS
+
     seen = []
-    real = meqmuon.functional.orthogonalize
+    real = NS_METHODS["quintic"]
 
     def spy(x, steps, coefficients, dtype, *a, **k):
         seen.append(dtype)
         return real(x, steps, coefficients, dtype, *a, **k)
 
-    monkeypatch.setattr(meqmuon.functional, "orthogonalize", spy)
+    monkeypatch.setitem(NS_METHODS, "quintic", spy)
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(12, 8))
     opt = opt_cls([{"params": [w], "kind": "hidden"}], lr=1e-2, **kw)
