@@ -38,7 +38,7 @@ def method_flops(method: str, m: int, n: int, steps: int) -> int:
     """Matmul FLOPs of one ``m x n`` matrix (wide orientation ``a <= b``) for ``method``."""
     a, b = min(m, n), max(m, n)
     gram_side, gram_square = 2 * a * a * b, 2 * a**3
-    if method == "quintic":
+    if method == "quintic" or (method == "gram" and m == n):  # Gram falls back to the quintic on squares
         return steps * (2 * gram_side + gram_square)
     if method == "aol":  # one Gram matrix for the scaling and the first iteration; steps - 1 iterations
         return gram_side + (steps - 1) * (gram_side + gram_square) + (steps - 2) * gram_side

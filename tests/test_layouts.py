@@ -82,9 +82,13 @@ class WholeMatrixVariant(meqmuon.HiddenRule):
 
 
 def _optimizer(name: str, model, **kw):
-    """``name[+foreach][+compile]``: every Muon-family optimizer with float32 Newton-Schulz; ``variant``
-    is Muon with :class:`WholeMatrixVariant` for hidden matrices."""
+    """``name[+foreach][+compile][+gram|+aol]``: every Muon-family optimizer with float32 Newton-Schulz
+    (``+gram``/``+aol``: that ``ns_method``); ``variant`` is Muon with :class:`WholeMatrixVariant` for
+    hidden matrices."""
     base, *flags = name.split("+")
+    for method in ("gram", "aol"):
+        if method in flags:
+            kw["ns_method"] = method
     if base == "variant":
         base, kw["rules"] = "muon", {"hidden": WholeMatrixVariant()}
     if base != "scale":
@@ -217,9 +221,11 @@ def _check(results, names, bound=1e-6):
 
 
 def test_tensor_parallel_llama_equals_one_process(tmp_path):
-    """TP on a mesh of 2 (torchtitan's plan): every rule family in every step form, and a user variant,
-    equal one process fed the same gradients; a DCP save/load under TP resumes bit for bit."""
-    names = [*runs("tp", "tp-batched", "tp-compile", "tp-batched-compile"), "variant", "variant+foreach"]
+    """TP on a mesh of 2 (torchtitan's plan): every rule family in every step form, a user variant and the
+    Gram and AOL Newton-Schulz methods equal one process fed the same gradients; a DCP save/load under TP
+    resumes bit for bit."""
+    names = [*runs("tp", "tp-batched", "tp-compile", "tp-batched-compile"), "variant", "variant+foreach",
+             "meqmuon+gram", "meqmuon+foreach+aol"]
     results = _spawn(_tp_worker, tmp_path, names, str(tmp_path))
     placements = results[0]["meqmuon"]["placements"]
     assert placements["model.layers.0.self_attn.q_proj.weight"] == "(Shard(dim=0),)"  # colwise
