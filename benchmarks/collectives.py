@@ -64,8 +64,10 @@ def _model(name: str, depth: int):
 
 
 def _shard(model, layout: str, mesh_shape) -> None:
-    from test_layouts import fsdp, tp_plan
+    from test_layouts import fsdp
     from torch.distributed.device_mesh import init_device_mesh
+
+    from meqmuon.train.parallel import tp_plan
 
     if layout == "ddp":
         return

@@ -20,18 +20,17 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import zoo
 from capabilities import runs
+from test_distributed import _spawn
 
 import meqmuon
 from meqmuon.optim.distributed import is_dtensor
+from meqmuon.train.parallel import tp_plan  # torchtitan's Llama TP plan, as `meqmuon train --tp` applies it
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 
@@ -39,33 +38,6 @@ STEPS = 3
 # Which optimizers each layout runs: the ``tp``, ``fsdp2-views``, ``fsdp2xtp`` and ``ddp-batched-compile``
 # columns of capabilities.py; together every rule family (MeqMuon's three rules, Moonlight's Muon with
 # AdamW, NorMuon's per-row state, MuonEq's pre-Newton-Schulz equilibration, SCALE's statistics).
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(fn, tmp_path, *args, world=2):
-    port = _free_port()
-    mp.spawn(_entry, args=(fn, port, str(tmp_path), args, world), nprocs=world, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
-
-
-def _entry(rank, fn, port, tmp, args, world):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        result = fn(rank, *args)
-        torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        traceback.print_exc()
-        os._exit(1)
-    os._exit(0)
 
 
 class WholeMatrixVariant(meqmuon.HiddenRule):
@@ -95,24 +67,6 @@ def _optimizer(name: str, model, **kw):
         kw["ns_dtype"] = torch.float32
     return meqmuon.build_optimizer(base, model, lr=0.02, weight_decay=0.1, foreach="foreach" in flags,
                                    compile="compile" in flags, **kw)
-
-
-def tp_plan(model, mesh) -> None:
-    """torchtitan's Llama TP plan (``torchtitan/models/llama3/infra/parallelize.py``) on a transformers
-    Llama: colwise q/k/v/gate/up, rowwise o/down, a vocabulary-parallel embedding (rows) and head."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    parallelize_module(model, mesh, {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Replicate()),
-    })
-    for layer in model.model.layers:
-        parallelize_module(layer, mesh, {
-            **{f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
-            "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
-        })
 
 
 def fsdp(model, mesh) -> None:
