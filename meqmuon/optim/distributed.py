@@ -317,33 +317,16 @@ class ShardedSplit(_CollectiveSplit):
 SHARDED_LAYOUTS = frozenset({(Shard(0),), (Replicate(), Shard(0))}) if Shard is not None else frozenset()
 
 
-def splitter_for(params: Sequence[Tensor], replicated: LocalSplit) -> LocalSplit:
-    """The splitter for one param group.
-
-    DTensor parameters follow their mesh: FSDP2's ``Shard(0)`` on a 1-D mesh, or HSDP's
-    ``(Replicate(), Shard(0))`` on a 2-D mesh, which shards over the mesh's last dimension and
-    repeats the (identical) work in every replica group. Plain tensors use ``replicated``, the
-    step's splitter for plain tensors (:func:`replicated_splitter`).
+def splitter_for(params: Sequence[Tensor]) -> LocalSplit:
+    """The splitter of a param group's row-sharded DTensors: FSDP2's ``Shard(0)`` on a 1-D mesh, or HSDP's
+    ``(Replicate(), Shard(0))`` on a 2-D mesh, which shards over the mesh's last dimension and repeats the
+    (identical) work in every replica group. The engine hands every other layout to the owner path
+    (``owners.py``) and plain tensors to the step's DDP splitter (:func:`replicated_splitter`).
 
     Raises:
-        NotImplementedError: for other DTensor layouts (tensor parallelism, ``Replicate()`` alone),
-            or a group mixing DTensors and plain tensors, instead of silently computing something else.
+        NotImplementedError: for row shards on several meshes in one param group.
     """
-    dt = [is_dtensor(p) for p in params]
-    if not any(dt):
-        return replicated
-    if not all(dt):
-        raise NotImplementedError("a param group mixes DTensor and plain-tensor parameters; shard all or none")
-    meshes = {id(p.device_mesh) for p in params}
-    for p in params:
-        if tuple(p.placements) not in SHARDED_LAYOUTS:
-            raise NotImplementedError(
-                f"DTensor parameters must be Shard(0) on a 1-D mesh (FSDP2 fully_shard) or (Replicate(), "
-                f"Shard(0)) on a 2-D mesh (HSDP); got placements {tuple(p.placements)} on a "
-                f"{p.device_mesh.ndim}-D mesh. Tensor parallelism is not supported by MeqMuon's "
-                "distributed path yet."
-            )
-    if len(meshes) != 1:
+    if len({id(p.device_mesh) for p in params}) != 1:
         raise NotImplementedError("all DTensor parameters of a param group must live on one device mesh")
     # The last mesh dimension is the one that shards rows. Under HSDP every replica group holds the
     # same (all-reduced) gradients, so each computes the same update over its own shard group.

@@ -58,7 +58,7 @@ def _outside_stacklevel() -> int:
     return level
 
 
-#: What :func:`splitter_for` returns for a group of plain tensors: the step's splitter is theirs.
+#: A group without row-sharded DTensors: the step's splitter (DDP's, or one process's) is theirs.
 _PLAIN = LocalSplit()
 
 
@@ -398,7 +398,7 @@ class RoleOptimizer(Optimizer):
                     f"{tuple(group['params'][kinds[True]].placements)}): under FSDP2 or TP the plain one's "
                     "gradient may differ between ranks. Shard every module of the group (fully_shard / "
                     "parallelize_module) or none, or put the plain tensors in a group of their own")
-            split = splitter_for(rows, _PLAIN) if rows else _PLAIN
+            split = splitter_for(rows) if rows else _PLAIN
             plan.append((group, entries, None if split is _PLAIN else split, cuda))
             owned.append([])
         self._owners = OwnerPlan([a[1] for a in at_owners], [a[2] for a in at_owners],
