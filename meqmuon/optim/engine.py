@@ -466,7 +466,7 @@ class RoleOptimizer(Optimizer):
         batched: dict[tuple, tuple[Rule, dict, list[Item], LocalSplit, str]] = {}
         calls = 0
         plan = self._plan()
-        moved = self._gather_at_owners()
+        moved = [] if self._owners is None else self._gather_at_owners()
         for (group, entries, group_split, cuda), owned in zip(plan, self._owned, strict=True):
             if any(isinstance(group.get(k), torch.Tensor) for k in FLOAT_KEYS) or any(
                     isinstance(b, torch.Tensor) for b in group.get("betas", ())):
@@ -497,7 +497,8 @@ class RoleOptimizer(Optimizer):
             foreach = group.get("foreach")
             for (rule, mode), items in by_rule.items():
                 # Whole local matrices of a sharded stack (FSDP2 experts) need no other rank.
-                split = {"local": LocalSplit(), "owner": self._owner_split}.get(mode) or group_split or replicated
+                split = (LocalSplit() if mode == "local" else self._owner_split if mode == "owner"
+                         else group_split or replicated)
                 kind = group.get("kind") or items[0].kind
                 if not (cuda if foreach is None else foreach):
                     rule.step(items, group, self._context(calls, kind, split))
@@ -524,8 +525,6 @@ class RoleOptimizer(Optimizer):
     def _gather_at_owners(self) -> list[int]:
         """The owner path's first exchange (``owners.py``): the parameters with gradients, whole at their
         owners; counts their steps. Returns their indices, for the exchange back."""
-        if self._owners is None:
-            return []
         moved, grads = [], []
         for owned in self._owned:
             for index, p, _ in owned:
