@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .. import functional as F
 from ..precision import resolve_ns_dtype
-from .rule import Item
+from .calls import Item
 
 __all__ = ["BATCHED_NS_DEVICES", "NS_METHODS", "Bucket", "Stack", "batched_ns", "buffer", "directions", "make_buckets",
            "matrix_shape", "ns_flops", "resolve_dtype", "unstack"]
@@ -181,7 +181,7 @@ def directions(rule: Any, stacks: list[Stack], group: dict, ctx: Any, *, batched
         k = X.shape[0]
         sides = [(s, flip) for s, flip in ((slice(0, plain), False), (slice(plain, k), True)) if s.stop > s.start]
         views = [{key: v[s] for key, v in state.items()} for s, _ in sides]
-        if rule.rewrites_input:
+        if rule._rewrites_input:  # the rule overrides pre (HiddenRule sets it per class)
             ys = [rule.pre(X[s].mT if flip else X[s], group, *([st] if st else []))
                   for (s, flip), st in zip(sides, views, strict=True)]
             ys = [y.mT if flip else y for y, (_, flip) in zip(ys, sides, strict=True)]

@@ -20,7 +20,8 @@ import torch
 
 from ... import functional as F
 from .. import blockwise
-from ..driver import HiddenRule, MomentumRule, apply_update, direction_input
+from ..driver import apply_update, direction_input
+from ..rule import HiddenRule, MomentumRule
 
 
 class MeqHidden(HiddenRule):

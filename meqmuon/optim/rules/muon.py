@@ -15,7 +15,7 @@ import math
 import torch
 
 from ... import functional as F
-from ..driver import HiddenRule
+from ..rule import HiddenRule
 
 
 class MoonlightHidden(HiddenRule):
