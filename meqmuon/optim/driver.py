@@ -28,7 +28,7 @@ call, and runs the rules that write their own forms (``SteppingRule``: AdamW, SC
 
 What a rule declares becomes what the driver needs by the functions under "what the driver reads of a
 rule": its state (:func:`init_state`, from ``state_views``), its cost for balancing owners
-(:func:`cost`), which state its owner sends (:func:`owner_state`). No function here makes a host-device
+(:func:`cost`). No function here makes a host-device
 sync: step counters are Python ints, choices are tensors.
 """
 
@@ -45,14 +45,24 @@ from .. import functional as F
 from . import compiled
 from .calls import Item, StepContext, state_dtype
 from .distributed import state_like
-from .newton_schulz import Bucket, buffer, directions, make_buckets, matrix_shape, ns_flops, resolve_dtype, unstack
-from .rule import HiddenRule, MomentumRule, Rule, SteppingRule
+from .newton_schulz import (
+    Bucket,
+    HiddenRule,
+    buffer,
+    directions,
+    make_buckets,
+    matrix_shape,
+    ns_flops,
+    resolve_dtype,
+    unstack,
+)
+from .rule import MomentumRule, Rule, SteppingRule
 from .sharded import Orth, eager_directions, hidden_at_owners
 from .views import Layout
 
 __all__ = ["ELEMENTWISE_COST", "FORMS", "Call", "apply_update", "batched", "compiled_batched", "compiled_per_tensor",
            "compiles", "cost", "direction_input", "elementwise", "grads_like", "init_state", "needs_matrix",
-           "owner_state", "per_tensor", "stack_inputs", "stack_tensors", "state_elements", "step"]
+           "per_tensor", "stack_inputs", "stack_tensors", "state_elements", "step"]
 
 #: One rule call of a step: the rule, its items (one param group's parameters of its kind, or several
 #: groups' merged by the engine), the group, the call's context.
@@ -80,14 +90,6 @@ def elementwise(rule: Rule) -> bool:
 def compiles(rule: Rule) -> bool:
     """``compile=True`` has a compiled form of the rule: the momentum rules (stepping rules run eagerly)."""
     return not isinstance(rule, SteppingRule)
-
-
-def owner_state(rule: Rule) -> tuple[str, ...]:
-    """The per-matrix state a hidden rule's direction changes (``"rows"``, ``"counter"`` views), which its
-    owner rank sends with the parameter (DDP, FSDP2)."""
-    if not isinstance(rule, HiddenRule):
-        return ()
-    return tuple(k for k, how in rule.state_views.items() if how in ("rows", "counter"))
 
 
 def _splits(rule: Rule) -> bool:
@@ -186,25 +188,28 @@ def apply_update(items: Sequence[Item], directions: Sequence[Tensor], scales: Se
 # ---- the per-tensor forms ----------------------------------------------------------------------------
 
 
-def _per_tensor(calls: Sequence[Call], hidden: Callable[[HiddenRule, Sequence[Item], dict, StepContext], None]) -> None:
-    """Per call: momentum (one fused kernel), then the update of the items this rank owns: ``hidden`` for a
-    hidden rule's, the rule's own :meth:`MomentumRule.update` for an elementwise one; under DDP each
-    parameter has one owner rank (balanced by :func:`cost`), which publishes it with its owner state."""
+def per_tensor(calls: Sequence[Call], hidden: Callable[[HiddenRule, Sequence[Item], dict, StepContext], None]
+               | None = None) -> None:
+    """The per-tensor form (``foreach=False``). Per call: momentum (one fused kernel), then the update of
+    the items this rank owns: ``hidden`` (default :func:`_hidden_eager`) for a hidden rule's, the rule's own
+    :meth:`MomentumRule.update` for an elementwise one; under DDP each parameter has one owner rank
+    (balanced by :func:`cost`), which publishes it with its owner state."""
+    hidden = hidden or _hidden_eager
     for rule, items, group, ctx in calls:
         bufs = [it.state["momentum_buffer"] for it in items]
-        F.momentum_(bufs, grads_like(items, bufs), group["momentum"], fused=True)
+        F.momentum_(bufs, [it.grad.to(b.dtype) for it, b in zip(items, bufs, strict=True)], group["momentum"],
+                    fused=True)
         if ctx.capture is not None:
             ctx.emit(items, [direction_input(it, group) for it in items], "momentum_input")
         update = (lambda its, g, c, rule=rule: hidden(rule, its, g, c)) if isinstance(rule, HiddenRule) else rule.update
-        if not _splits(rule) or ctx.split.world_size == 1:  # one process: this rank owns all
+        if ctx.split.world_size == 1 or not _splits(rule):  # one process: this rank owns all
             update(items, group, ctx)
             continue
         owners = ctx.split.owners([cost(rule, it.shape, group) for it in items])
         mine = [it for it, o in zip(items, owners, strict=True) if o == ctx.split.rank]
         if mine:
             update(mine, group, ctx)
-        keys = owner_state(rule)
-        ctx.split.publish([[it.param, *(it.state[k] for k in keys)] for it in items], owners)
+        ctx.split.publish([[it.param, *(it.state[k] for k in rule._owner_state)] for it in items], owners)
 
 
 def _hidden_eager(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
@@ -230,16 +235,11 @@ def _hidden_compiled(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: 
         compiled.hidden_step(rule, [it], 1, b.global_shape, b.key, group, ns_dtype, batched=False)
 
 
-def per_tensor(calls: Sequence[Call]) -> None:
-    """The per-tensor form (``foreach=False``), eager."""
-    _per_tensor(calls, _hidden_eager)
-
-
 def compiled_per_tensor(calls: Sequence[Call]) -> None:
     """The per-tensor form with ``compile=True``: a hidden rule's matrices one graph each; the elementwise
     rules' per-tensor forms stay eager (eq. 9's two row-blocked passes already run at memory bandwidth,
     docs/benchmarks.md)."""
-    _per_tensor(calls, _hidden_compiled)
+    per_tensor(calls, _hidden_compiled)
 
 
 # ---- the batched forms -----------------------------------------------------------------------------
@@ -249,8 +249,8 @@ def compiled_per_tensor(calls: Sequence[Call]) -> None:
 Directions = tuple[Tensor | list[Tensor], list[Tensor]]
 
 
-def _batched(calls: Sequence[Call], orth: Orth) -> None:
-    """The batched step of several momentum rule calls of one optimizer step.
+def batched(calls: Sequence[Call], orth: Orth = eager_directions) -> None:
+    """The batched form (``foreach=True``) of several momentum rule calls of one optimizer step.
 
     Every momentum buffer of every call is updated in two ``torch._foreach_*`` kernels per distinct ``mu``
     and every direction input made in one more (with Nesterov; a transient copy of the parameters, as
@@ -293,21 +293,21 @@ def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext, o
     if ctx.capture is not None:
         ctx.emit(items, [ctx.inputs[id(it)] for it in items], "momentum_input")
     hidden = isinstance(rule, HiddenRule)
-    buckets = make_buckets(items, matrix=needs_matrix(rule), transpose=hidden and rule.transposes
-                           and not ctx.split.sharded)
+    buckets = make_buckets(items, matrix=hidden or needs_matrix(rule),
+                           transpose=hidden and rule.transposes and not ctx.split.sharded)
     # DDP: a contiguous slice of each bucket per rank; FSDP2 ranks update their row shards of all
     # members (a hidden rule's whole matrices meet at owners: sharded.py).
-    split = _splits(rule) and not ctx.split.sharded and ctx.split.world_size > 1
+    split = ctx.split.world_size > 1 and not ctx.split.sharded and _splits(rule)
     plans = [ctx.split.bucket_plan(len(b.items), cost(rule, b.global_shape, group)) if split else None
              for b in buckets]
     ranges = [(sum(p[: ctx.split.rank]), sum(p[: ctx.split.rank + 1])) if split else (0, len(b.items))
               for p, b in zip(plans, buckets, strict=True)]
     busy = [i for i, (lo, hi) in enumerate(ranges) if hi > lo]
     mine = ([buckets[i] for i in busy], [ranges[i] for i in busy])
-    found = _hidden_directions(rule, *mine, group, ctx, orth) if hidden else _elementwise_directions(
+    keys = rule._owner_state
+    found = _hidden_directions(rule, *mine, group, ctx, orth, keys) if hidden else _elementwise_directions(
         rule, *mine, group, ctx)
     results = dict(zip(busy, found, strict=True))
-    keys = owner_state(rule)
     params, dirs, scales, extras = [], [], [], []
     for i, (bucket, plan) in enumerate(zip(buckets, plans, strict=True)):
         D, owned = results[i] if i in results else _no_directions(bucket, keys)
@@ -334,7 +334,7 @@ def _elementwise_directions(rule: MomentumRule, buckets: list[Bucket], ranges: l
 
 
 def _hidden_directions(rule: HiddenRule, buckets: list[Bucket], ranges: list[tuple[int, int]], group: dict,
-                       ctx: StepContext, orth: Orth) -> list[Directions]:
+                       ctx: StepContext, orth: Orth, keys: tuple[str, ...]) -> list[Directions]:
     """Per bucket the stack of members ``lo..hi``, then :func:`directions` of all (FSDP2: ``orth`` of each
     bucket's whole matrices at its owners, :func:`hidden_at_owners`)."""
     # Per-matrix values (counters, steps) of all buckets in one stack, each bucket's a view of it.
@@ -358,7 +358,6 @@ def _hidden_directions(rule: HiddenRule, buckets: list[Bucket], ranges: list[tup
               for (X, _, state), b in zip(stacks, buckets, strict=True)]
     else:
         ds = directions(rule, stacks, group, ctx, batched=True, dtype=buckets[0].items[0].param.dtype)
-    keys = owner_state(rule)
     return [(D, [state[k] for k in keys]) for D, (_, _, state) in zip(ds, stacks, strict=True)]
 
 
@@ -367,11 +366,6 @@ def _no_directions(bucket: Bucket, keys: tuple[str, ...]) -> Directions:
     p = bucket.items[0].param
     D = torch.empty((0, math.prod(bucket.shape)), dtype=p.dtype, device=p.device)
     return D, [bucket.items[0].state[k][None][:0] for k in keys]
-
-
-def batched(calls: Sequence[Call]) -> None:
-    """The batched form (``foreach=True``), eager."""
-    _batched(calls, eager_directions)
 
 
 def compiled_batched(calls: Sequence[Call]) -> None:
@@ -387,7 +381,7 @@ def compiled_batched(calls: Sequence[Call]) -> None:
     """
     at_owners = [c for c in calls if isinstance(c[0], HiddenRule) and c[3].split.sharded]
     if at_owners:
-        _batched(at_owners, compiled.owner_directions)
+        batched(at_owners, compiled.owner_directions)
     for rule, items, group, ctx in calls:
         if isinstance(rule, HiddenRule) and ctx.split.sharded:
             continue
@@ -415,7 +409,7 @@ def compiled_batched(calls: Sequence[Call]) -> None:
             if members:
                 compiled.hidden_step(rule, members, plain, b.global_shape, b.key, group, ns_dtype, batched=True)
             if split:
-                _gather_slices(b, members, counts, owner_state(rule), ctx)
+                _gather_slices(b, members, counts, rule._owner_state, ctx)
 
 
 def _gather_slices(bucket: Bucket, members: Sequence[Item], counts: list[int], keys: tuple[str, ...],

@@ -30,8 +30,9 @@ from .distributed import (
 )
 from .groups import KINDS, infer_kind
 from .inputs import FLOAT_KEYS, check_unique_params, listed_params, validate_group, with_floats, wrong_params
+from .newton_schulz import HiddenRule
 from .owners import OwnerPlan, is_replicated
-from .rule import HiddenRule, Rule, rule_defaults, validate_rule
+from .rule import Rule, rule_defaults, validate_rule
 from .rules import RULES
 from .views import Layout, group_layout, normalise_group_views
 
@@ -504,10 +505,12 @@ class RoleOptimizer(Optimizer):
                 if split is not replicated:  # DTensor groups follow their own mesh: never merged
                     key += (id(split),)
                 batched.setdefault(key, (rule, group, [], split, kind))[2].extend(items)
-        driver.step(single, foreach=False, compile=self._compile)
-        driver.step([(rule, items, group, self._context(len(single) + i, kind, split))
-                     for i, (rule, group, items, split, kind) in enumerate(batched.values())],
-                    foreach=True, compile=self._compile)
+        if single:
+            driver.step(single, foreach=False, compile=self._compile)
+        if batched:
+            driver.step([(rule, items, group, self._context(len(single) + i, kind, split))
+                         for i, (rule, group, items, split, kind) in enumerate(batched.values())],
+                        foreach=True, compile=self._compile)
         if replicated is not self._local:
             replicated.finish()  # wait for the owners' broadcasts (DDP)
         if self._owners is not None:

@@ -2,7 +2,8 @@
 
 Three kinds of rule, each a class to subclass (the built-in ones are in ``rules/``):
 
-- :class:`HiddenRule`: a hidden-matrix rule, ``D = post(Orth(pre(X)))`` around the driver's
+- ``HiddenRule`` (at the Newton-Schulz seam, ``newton_schulz.py``, beside the table of methods its
+  ``ns_method`` names): a hidden-matrix rule, ``D = post(Orth(pre(X)))`` around the driver's
   Newton-Schulz; a researcher's variant overrides ``pre``, ``post`` (or ``post_all``), ``lr_scale``,
   declares ``state_views`` and ``defaults`` and checks them in ``validate``;
 - :class:`MomentumRule`: an elementwise momentum rule (MeqMuon's eq. 9 and 10): a ``direction`` of a stack
@@ -25,11 +26,10 @@ from torch import Tensor
 
 from .. import functional as F
 from .calls import Item, StepContext
-from .inputs import flag, float_dtype, number, positive_int
-from .newton_schulz import NS_METHODS
+from .inputs import flag, number
 from .views import Layout
 
-__all__ = ["MOMENTUM", "RHO", "HiddenRule", "MomentumRule", "Rule", "SteppingRule", "rule_defaults", "validate_rule"]
+__all__ = ["MOMENTUM", "RHO", "MomentumBase", "MomentumRule", "Rule", "SteppingRule", "rule_defaults", "validate_rule"]
 
 #: The paper's momentum and RMS alignment (section 4: Nesterov momentum 0.95, rho = 0.2), the momentum
 #: rules' defaults.
@@ -96,7 +96,7 @@ class SteppingRule(Rule):
         raise NotImplementedError
 
 
-class _Momentum(Rule):
+class MomentumBase(Rule):
     """What the momentum rules share: ``B <- mu B + G`` (paper eq. 6; Moonlight's convention), the direction
     input ``X = G + mu B`` with Nesterov (else ``B``), and the step ``W <- (1 - lr wd) W - lr s D``; the
     driver does all three. ``state_views`` names the state and how it divides among a parameter's matrices
@@ -105,6 +105,13 @@ class _Momentum(Rule):
 
     defaults = {"momentum": MOMENTUM, "nesterov": True, "rho": RHO}
     state_views: ClassVar[dict[str, str]] = {"momentum_buffer": "param"}
+    #: The per-matrix state the direction changes (``"rows"``, ``"counter"`` views), which the owner rank
+    #: sends with the parameter (DDP, FSDP2). Derived from ``state_views`` per class, not declared.
+    _owner_state: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._owner_state = tuple(k for k, how in cls.state_views.items() if how in ("rows", "counter"))
 
     def validate(self, group: dict) -> None:
         """``momentum`` in [0, 1), ``nesterov`` a bool, ``rho`` > 0."""
@@ -113,7 +120,7 @@ class _Momentum(Rule):
         group["rho"] = number("rho", group["rho"], low=0.0, low_inclusive=False)
 
 
-class MomentumRule(_Momentum):
+class MomentumRule(MomentumBase):
     """An elementwise momentum rule: a :meth:`direction` of a stack of direction inputs (the batched and
     compiled forms) and a per-tensor :meth:`update` (MeqMuon's eq. 9 and 10, ``rules/meqmuon.py``)."""
 
@@ -131,64 +138,6 @@ class MomentumRule(_Momentum):
     def update(self, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
         """The per-tensor form: the directions of ``items`` (momentum already updated) and their steps."""
         raise NotImplementedError
-
-
-class HiddenRule(_Momentum):
-    """A rule for hidden matrices: ``D = post(Orth(pre(X)))``, stepped as ``W <- (1 - lr wd) W - lr s D``.
-
-    Subclass it, set ``name`` and override :meth:`post` (and :meth:`pre` if the rule changes the
-    Newton-Schulz input); pass an instance as ``rules={"hidden": MyRule()}`` to any optimizer. Every
-    name a subclass sees is one it may override or declare; the driver (``driver.py``) does the rest in
-    every form (per-tensor, batched, compiled; DDP, FSDP2, tensor parallel). ``pre`` and ``post`` get
-    stacks ``(K, m, n)`` of matrices, each stack in one orientation, and the per-matrix state of
-    ``state_views`` as stacks in the same order, to update in place.
-    """
-
-    defaults = {"ns_steps": F.NS_STEPS, "ns_coefficients": F.NS_COEFFICIENTS, "ns_dtype": None, "ns_method": "quintic"}
-    #: May an ``(n, m)`` matrix share the Newton-Schulz stack of ``(m, n)`` matrices, transposed? Exact for
-    #: every rule (``pre``/``post`` see each orientation apart); it saves a Newton-Schulz stack and costs a
-    #: second ``pre``/``post`` call. Per-row state cannot: its rows would change length.
-    transposes: ClassVar[bool] = True
-    #: Whether the class overrides :meth:`pre` (set per class; the seam skips the identity ``pre``, and the
-    #: batched form stacks the inputs of a rule that rewrites them in float32). Derived, not declared.
-    _rewrites_input: ClassVar[bool] = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls._rewrites_input = cls.pre is not HiddenRule.pre
-        if cls.transposes and "rows" in cls.state_views.values():
-            raise TypeError(f"{cls.__name__}: per-row state needs transposes = False (rows would change length)")
-
-    def pre(self, X: Tensor, group: dict, state: dict[str, Tensor] | None = None) -> Tensor:
-        """The Newton-Schulz input from the direction input ``X`` ``(K, m, n)``: here ``X`` (the driver then
-        skips the call). Must not write into ``X`` (without Nesterov it is the momentum buffer)."""
-        return X
-
-    def post(self, U: Tensor, group: dict, state: dict[str, Tensor] | None = None) -> Tensor:
-        """The direction ``D`` ``(K, m, n)`` from ``U = Orth(X)``: here ``U``."""
-        return U
-
-    def post_all(self, Us: list[Tensor], group: dict, states: list[dict[str, Tensor]]) -> list[Tensor]:
-        """:meth:`post` of every stack of a call (one per shape and orientation), called once: here one
-        ``post`` each. A rule whose statistics can be taken for all matrices in a fixed number of kernels
-        (MeqMuon's eq. 8) overrides it: on a GPU a step is launch-bound."""
-        if type(self).post is HiddenRule.post:
-            return Us
-        return [self.post(U, group, st) if st else self.post(U, group) for U, st in zip(Us, states, strict=True)]
-
-    def lr_scale(self, m: int, n: int, group: dict) -> float:
-        """A step multiplier ``s`` of an ``m x n`` matrix, applied inside the update (``-lr s D``) instead
-        of as a pass over ``D``; 1 here."""
-        return 1.0
-
-    def validate(self, group: dict) -> None:
-        """``ns_steps`` an integer >= 1, ``ns_coefficients`` a form :func:`F.ns_schedule` takes, ``ns_dtype``
-        a floating dtype or ``None``, ``ns_method`` a name of :data:`NS_METHODS`."""
-        positive_int("ns_steps", group["ns_steps"])
-        F.ns_schedule(group["ns_coefficients"], group["ns_steps"])  # raises ValueError naming the valid forms
-        float_dtype("ns_dtype", group["ns_dtype"])
-        if group["ns_method"] not in NS_METHODS:
-            raise ValueError(f"Invalid ns_method: {group['ns_method']!r} (known methods: {', '.join(NS_METHODS)})")
 
 
 def validate_rule(rule: Rule, group: dict) -> None:

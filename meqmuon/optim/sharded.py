@@ -17,8 +17,7 @@ import torch
 from torch import Tensor
 
 from .calls import StepContext
-from .newton_schulz import batched_ns, directions, ns_flops, resolve_dtype
-from .rule import HiddenRule
+from .newton_schulz import HiddenRule, batched_ns, directions, ns_flops, resolve_dtype
 
 __all__ = ["Orth", "eager_directions", "hidden_at_owners"]
 

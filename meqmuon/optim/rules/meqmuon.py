@@ -21,7 +21,8 @@ import torch
 from ... import functional as F
 from .. import blockwise
 from ..driver import apply_update, direction_input
-from ..rule import HiddenRule, MomentumRule
+from ..newton_schulz import HiddenRule
+from ..rule import MomentumRule
 
 
 class MeqHidden(HiddenRule):

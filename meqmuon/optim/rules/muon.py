@@ -15,7 +15,7 @@ import math
 import torch
 
 from ... import functional as F
-from ..rule import HiddenRule
+from ..newton_schulz import HiddenRule
 
 
 class MoonlightHidden(HiddenRule):

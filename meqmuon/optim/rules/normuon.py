@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ..inputs import number
-from ..rule import HiddenRule
+from ..newton_schulz import HiddenRule
 from .muon import MoonlightHidden
 
 # NorMuon's epsilons (zichongli5/NorMuon d45c9a4, normuon.py): 1e-10 in the row scaling and in the
