@@ -146,7 +146,7 @@ def test_foreach_none_is_batched_on_cuda_only_and_flags_are_validated(monkeypatc
         forms.clear()
         opt.step()
         assert set(forms) == {(want, False)}, (foreach, forms)  # the one chooser picked one form
-        assert not any(cuda for _, _, _, cuda in opt._plan())  # the CPU plan: no group is all-CUDA
+        assert all(flag is want for _, _, _, flag in opt._plan())  # foreach resolved once, in the plan
     model = make_model(dtype=torch.float32)
     with pytest.raises(ValueError, match="Invalid foreach: 'yes'"):
         meqmuon.MeqMuon(meqmuon.param_groups(model), foreach="yes")

@@ -355,8 +355,9 @@ class RoleOptimizer(Optimizer):
     def _prepare(self) -> list[tuple[dict[str, Any], list[_Entry], LocalSplit | None, bool]]:
         """What the step needs of the param groups, made once and kept while they and the state are the
         same objects: per group its entries, its splitter (``None``: the step's splitter of plain tensors)
-        and whether ``foreach=None`` takes the batched path (every parameter on a CUDA device, where a
-        step is launch-bound; the per-tensor path is faster on CPU, docs/benchmarks.md).
+        and whether it takes the batched forms: ``foreach``, resolved here once (``None``: where every
+        parameter is on a CUDA device, where a step is launch-bound; the per-tensor forms are faster on
+        CPU, docs/benchmarks.md). Which function runs a call is :func:`driver.step`'s choice.
 
         Creates the state of every parameter, gradient or not, so that the state is the same on every
         rank (a ``torch.distributed.checkpoint`` save needs that; microsoft/dion#89).
@@ -396,7 +397,7 @@ class RoleOptimizer(Optimizer):
                     "gradient may differ between ranks. Shard every module of the group (fully_shard / "
                     "parallelize_module) or none, or put the plain tensors in a group of their own")
             split = splitter_for(rows) if rows else _PLAIN
-            plan.append((group, entries, None if split is _PLAIN else split, cuda))
+            plan.append((group, entries, None if split is _PLAIN else split, batched))
             owned.append([])
         self._owners = OwnerPlan([a[1] for a in at_owners], [a[2] for a in at_owners],
                                  [driver.cost(a[5], a[1].shape, a[7]) for a in at_owners],
@@ -464,7 +465,7 @@ class RoleOptimizer(Optimizer):
         single: list[driver.Call] = []  # the per-tensor groups' calls (foreach=False), in group order
         plan = self._plan()
         moved = [] if self._owners is None else self._gather_at_owners()
-        for (group, entries, group_split, cuda), owned in zip(plan, self._owned, strict=True):
+        for (group, entries, group_split, batched_group), owned in zip(plan, self._owned, strict=True):
             if any(isinstance(group.get(k), torch.Tensor) for k in FLOAT_KEYS) or any(
                     isinstance(b, torch.Tensor) for b in group.get("betas", ())):
                 group = with_floats(group)
@@ -491,13 +492,12 @@ class RoleOptimizer(Optimizer):
                     by_rule.setdefault((e.rule, "owner"), []).append(e.item)
                 else:
                     by_rule.setdefault((e.rule, "owner"), []).extend(e.items(grad))
-            foreach = group.get("foreach")
             for (rule, mode), items in by_rule.items():
                 # Whole local matrices of a sharded stack (FSDP2 experts) need no other rank.
                 split = (LocalSplit() if mode == "local" else self._owner_split if mode == "owner"
                          else group_split or replicated)
                 kind = group.get("kind") or items[0].kind
-                if not (cuda if foreach is None else foreach):
+                if not batched_group:
                     single.append((rule, items, group, self._context(len(single), kind, split)))
                     continue
                 values = sorted({"lr", "weight_decay", *rule.hyperparameters})
