@@ -8,7 +8,8 @@ Usage::
 A reader follows an update by reading the functions it enters; each move from one file to another is a
 page turned. ``sys.setprofile`` sees every Python call and return of the second ``opt.step()`` (the first
 also creates state) on a model of two hidden matrices, ``(128, 64)`` and ``(64, 128)`` (the batched step
-puts them in one Newton-Schulz bucket, one of them transposed). Counted are the functions whose code
+puts them in one Newton-Schulz bucket, one of them transposed), and on a tiny language model with every
+parameter kind (embedding, head, hidden, vector: :class:`TinyLM`). Counted are the functions whose code
 lives in the package (``meqmuon/``; for ``torch.optim.Muon``, ``torch/optim/``), not
 comprehensions, generator expressions or lambdas:
 
@@ -74,14 +75,39 @@ def model() -> nn.Module:
     return nn.Sequential(*[nn.Linear(i, o, bias=False) for o, i in SHAPES])
 
 
-def profile(make_opt: Callable[[nn.Module], torch.optim.Optimizer], root: str) -> Flow:
-    """The flow of the second ``step()`` of ``make_opt(model)``."""
-    m = model()
+class TinyLM(nn.Module):
+    """A language model with every parameter kind: an embedding, two hidden matrices (one transposable onto
+    the other), a norm's vector and an untied head."""
+
+    def __init__(self, vocab: int = 64, d: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.up_proj = nn.Linear(d, 2 * d, bias=False)
+        self.down_proj = nn.Linear(2 * d, d, bias=False)
+        self.norm = nn.RMSNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(ids)
+        h = h + self.down_proj(torch.relu(self.up_proj(h)))
+        return self.lm_head(self.norm(h))
+
+
+def _loss(m: nn.Module) -> torch.Tensor:
+    if isinstance(m, TinyLM):
+        ids = torch.arange(32).remainder(64).reshape(2, 16)
+        return nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.roll(-1, 1).flatten())
+    return m(torch.randn(8, SHAPES[0][1])).square().mean()
+
+
+def profile(make_opt: Callable[[nn.Module], torch.optim.Optimizer], root: str, lm: bool = False) -> Flow:
+    """The flow of the second ``step()`` of ``make_opt(model)`` (``lm``: of :class:`TinyLM`)."""
+    m = TinyLM() if lm else model()
     opt = make_opt(m)
-    x = torch.randn(8, SHAPES[0][1])
     for i in range(2):
         opt.zero_grad()
-        m(x).square().mean().backward()
+        _loss(m).backward()
         flow = Flow(root)
         if i == 1:
             sys.setprofile(flow)
@@ -92,17 +118,18 @@ def profile(make_opt: Callable[[nn.Module], torch.optim.Optimizer], root: str) -
     return flow
 
 
-def rows() -> dict[str, tuple[Callable[[nn.Module], torch.optim.Optimizer], str]]:
-    """Row label -> (optimizer factory, package root)."""
+def rows() -> dict[str, tuple[Callable[[nn.Module], torch.optim.Optimizer], str, bool]]:
+    """Row label -> (optimizer factory, package root, on the tiny LM)."""
     ours = _root(meqmuon)
     out = {}
-    for name, cls in (("MeqMuon", meqmuon.MeqMuon), ("Muon", meqmuon.Muon)):
-        for form, foreach in (("per-tensor", False), ("batched", True)):
-            out[f"{name}, {form}"] = (
-                lambda m, c=cls, f=foreach: c(meqmuon.param_groups(m), lr=1e-2, foreach=f, ns_dtype=torch.float32),
-                ours)
+    for lm in (False, True):
+        for name, cls in (("MeqMuon", meqmuon.MeqMuon), ("Muon", meqmuon.Muon)):
+            for form, foreach in (("per-tensor", False), ("batched", True)):
+                out[f"{name}, {form}" + (", tiny LM" if lm else "")] = (
+                    lambda m, c=cls, f=foreach: c(meqmuon.param_groups(m), lr=1e-2, foreach=f,
+                                                  ns_dtype=torch.float32), ours, lm)
     if hasattr(torch.optim, "Muon"):
-        out["torch.optim.Muon"] = (lambda m: torch.optim.Muon(m.parameters(), lr=1e-2), _root(torch.optim))
+        out["torch.optim.Muon"] = (lambda m: torch.optim.Muon(m.parameters(), lr=1e-2), _root(torch.optim), False)
     return out
 
 
@@ -111,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", metavar="ROW", help="also list the functions of rows whose label contains ROW")
     args = ap.parse_args(argv)
     print("| step | functions | files | moves |\n|---|---:|---:|---:|")
-    flows = {label: profile(make, root) for label, (make, root) in rows().items()}
+    flows = {label: profile(make, root, lm) for label, (make, root, lm) in rows().items()}
     for label, flow in flows.items():
         print(f"| `{label}` | {len(flow.functions)} | {len(flow.files)} | {flow.moves} |")
     for label, flow in flows.items():

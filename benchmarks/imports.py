@@ -30,8 +30,9 @@ PACKAGE = "meqmuon"
 LAYERS: list[list[str]] = [
     ["precision", "functional"],
     ["optim.views", "optim.inputs", "optim.distributed", "optim.owners", "optim.groups", "optim.structure"],
-    ["optim.rule", "optim.blockwise"],  # what a rule is handed; the row-blocked passes of eq. 9
-    ["optim.newton_schulz"],  # the seam: stacks, pre -> NS -> post, the table of NS methods
+    ["optim.calls", "optim.blockwise"],  # what a rule call is handed; the row-blocked passes of eq. 9
+    ["optim.rule"],  # what a rule is: the protocols (the hidden rule's at the seam)
+    ["optim.newton_schulz"],  # the seam: HiddenRule, stacks, pre -> NS -> post, the table of NS methods
     ["optim.compiled"],  # graphs of the seam and of the elementwise rules
     ["optim.sharded"],  # FSDP2 owners at the seam
     ["optim.driver"],  # the forms of a momentum rule's step

@@ -134,19 +134,19 @@ def test_transposed_matrices_share_a_bucket_where_the_rule_allows_it():
 def test_foreach_none_is_batched_on_cuda_only_and_flags_are_validated(monkeypatch):
     """``foreach=None`` takes the batched path only where every parameter of the group is on a CUDA
     device (the plan's flag); on CPU the per-tensor one, unless ``foreach=True``."""
-    from meqmuon.optim import engine
+    from meqmuon.optim import driver
 
-    batched_calls = []
-    real = engine.step_foreach_calls
-    monkeypatch.setattr(engine, "step_foreach_calls", lambda calls: batched_calls.append(len(calls)) or real(calls))
+    forms = []
+    monkeypatch.setattr(driver, "FORMS", {key: (lambda calls, key=key, form=form: forms.append(key) or form(calls))
+                                          for key, form in driver.FORMS.items()})
     for foreach, want in ((None, False), (True, True), (False, False)):
         model = make_model(dtype=torch.float32)
         opt = meqmuon.MeqMuon(meqmuon.param_groups(model), foreach=foreach)
         loss_fn(model, next(iter(batches(1)))).backward()
-        batched_calls.clear()
+        forms.clear()
         opt.step()
-        assert bool(batched_calls) is want, foreach
-        assert not any(cuda for _, _, _, cuda in opt._plan())  # the CPU plan: no group is all-CUDA
+        assert set(forms) == {(want, False)}, (foreach, forms)  # the one chooser picked one form
+        assert all(flag is want for _, _, _, flag in opt._plan())  # foreach resolved once, in the plan
     model = make_model(dtype=torch.float32)
     with pytest.raises(ValueError, match="Invalid foreach: 'yes'"):
         meqmuon.MeqMuon(meqmuon.param_groups(model), foreach="yes")

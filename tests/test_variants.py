@@ -143,6 +143,21 @@ def test_variant_equals_its_float64_reference_in_every_form(name, form, monkeypa
     assert moved > 1e-2  # the steps really moved the parameters
 
 
+def test_hidden_rule_shows_only_what_a_variant_overrides_or_declares():
+    """``meqmuon.HiddenRule`` is a protocol: its public names are the hooks a variant overrides (``pre``,
+    ``post``, ``post_all``, ``lr_scale``, ``validate``) and what it declares (``defaults``, ``state_views``,
+    ``transposes``, ``hyperparameters``, derived from ``defaults``); nothing of the driver (issue 35). A
+    variant that overrides a hook is run through it, whatever the form (the tests above)."""
+    shown = {n for n in dir(meqmuon.HiddenRule) if not n.startswith("_")}
+    assert shown == {"pre", "post", "post_all", "lr_scale", "validate", "defaults", "state_views", "transposes",
+                     "hyperparameters"}, shown
+    from meqmuon.optim import driver
+
+    # The driver is functions: the four forms in one table, picked by one chooser.
+    assert set(driver.FORMS) == {(False, False), (True, False), (False, True), (True, True)}
+    assert all(callable(f) and f.__module__ == driver.__name__ for f in driver.FORMS.values())
+
+
 def test_a_rule_table_entry_must_be_a_named_rule_instance():
     params = _tensors()
     with pytest.raises(TypeError, match="rule instance"):

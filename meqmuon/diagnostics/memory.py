@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..optim import build_optimizer, optimizer_state_bytes, rules_of
+from ..optim.driver import state_elements
 from ..optim.memory import MIB
 from ..optim.registry import MEMORY_NAMES, REGISTRY
 from ..optim.rules import RULES
@@ -79,7 +80,7 @@ def predicted_state_bytes(name: str, groups: Sequence[Mapping[str, Any]], state_
         rule = RULES[rule_name]
         for i, p in enumerate(g["params"]):
             layout = group_layout(g, i, p.shape)
-            elements = rule.state_elements(layout)
+            elements = state_elements(rule, layout)
             if rule_name in _FP32_ROW_STATE:
                 rows = math.prod(layout.rows_shape)
                 total += (elements - rows) * state_bytes + rows * max(state_bytes, 4)

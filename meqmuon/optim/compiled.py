@@ -1,9 +1,10 @@
 """``compile=True``: a bucket's step, momentum to update, compiled once, without recompiles.
 
-The hidden rules' compiled form is the driver's own body (:func:`meqmuon.optim.newton_schulz.directions`)
-wrapped with momentum and the update (:func:`_hidden_bucket`), the elementwise rules' their
-``direction`` of a stack likewise (:func:`_elementwise_bucket`); :func:`momentum_step` runs either per
-bucket. Hyperparameters
+Graphs only: the driver's compiled forms (``driver.py``) decide what runs where (DDP slices, FSDP2 owners)
+and call :func:`hidden_step` (a hidden rule's bucket: the seam's own body,
+:func:`meqmuon.optim.newton_schulz.directions`, wrapped with momentum and the update), :func:`elementwise_step`
+(an elementwise rule's ``direction`` of a stack likewise) and :func:`owner_directions` (FSDP2 owners).
+Hyperparameters
 (lr, weight decay, momentum, rho) enter the graphs as 0-D float64 CPU tensors (:func:`scalar`), not
 Python floats, so a schedule that changes them every step does not recompile (Python floats would be
 guarded as constants; tested with ``torch._dynamo`` counters). The graphs are ``fullgraph=True``;
@@ -21,9 +22,9 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
-from .newton_schulz import directions, make_buckets, resolve_dtype
+from .newton_schulz import directions, resolve_dtype
 
-__all__ = ["BACKEND", "bucket_step", "momentum_step", "scalar"]
+__all__ = ["BACKEND", "bucket_step", "elementwise_step", "hidden_step", "owner_directions", "scalar"]
 
 def scalar(x: float) -> Tensor:
     """A 0-D float64 CPU tensor: a graph input whose value may change without recompiling."""
@@ -114,86 +115,44 @@ def _elementwise_bucket(params, grads, bufs, lr, wd, mu, rho, *, rule, shape, ne
     F.decay_and_update_(params, [d.reshape(p.shape) for d, p in zip(D.unbind(0), params, strict=True)], lr, wd, 1.0)
 
 
-def owner_directions(W, state, *, rule, n, batched, group):
+def _owner_directions(W, state, *, rule, n, batched, group):
     """FSDP2 owners' :func:`newton_schulz.directions` of whole matrices: ``W`` ``(j, m, n + s)``, the ``j``
     matrices with ``s`` state columns after their ``n`` columns; ``state``: ``{key: (j, m) or (j,)}``."""
     (D,) = directions(rule, [(W[..., :n], W.shape[0], state)], group, None, batched=batched,
-                             ns_dtype=group["ns_dtype"])
+                      ns_dtype=group["ns_dtype"])
     return D
 
 
-def momentum_step(rule, items, group: dict, ctx, *, per_tensor: bool) -> None:
-    """A momentum rule's compiled step: per shape bucket, or for a hidden rule with ``per_tensor`` per
-    matrix (momentum already updated; same-shape matrices share a graph), so that a matrix's bits do not
-    depend on its neighbours (the DDP owners rely on it). Batched: no capture hook.
-
-    Batched under DDP (every rank holds every tensor): a hidden rule's bucket is split into contiguous
-    slices as the eager batched step splits it (``bucket_plan``); each rank updates the momentum of the
-    other members eagerly, runs the bucket's graph on its slice, and one ``all_gather_into_tensor`` per
-    bucket brings every slice's new parameters and owner state to every rank. An elementwise rule's
-    buckets (memory-bound) run whole on every rank. Row shards (FSDP2) never come here: the engine sends
-    their elementwise rules to the owner path under ``compile=True`` (``owners.py``)."""
-    if not per_tensor and ctx.split.sharded:
-        raise NotImplementedError("compile=True with foreach=True on row shards: the engine runs these rules at "
-                                  "owner ranks (owners.py); this call is a bug")
-    if not per_tensor and ctx.capture is not None:
-        raise NotImplementedError("the capture hook needs the eager step: build the optimizer without compile=True")
-    lr, wd, mu = (scalar(group[k]) for k in ("lr", "weight_decay", "momentum"))
-    if not rule.needs_ns:
-        static = {k: group[k] for k in rule.hyperparameters if k not in ("momentum", "rho", "nesterov")}
-        for b in make_buckets(items, matrix=rule.needs_matrix, transpose=False):
-            bucket_step(rule.name, _elementwise_bucket, b.key, [it.param.detach() for it in b.items],
-                        [it.grad for it in b.items], [it.state["momentum_buffer"] for it in b.items], lr, wd, mu,
-                        scalar(group["rho"]), rule=rule, shape=tuple(b.global_shape), nesterov=group["nesterov"],
-                        group=static)
-        return
-    static = static_group(rule, group, resolve_dtype(group, items[0].param, ctx))
-    buckets = [make_buckets([it], matrix=True, transpose=False)[0] for it in items] if per_tensor else \
-        make_buckets(items, matrix=True, transpose=rule.transposes)
+def hidden_step(rule, members, plain: int, shape: tuple[int, int], key: tuple, group: dict, ns_dtype: torch.dtype,
+                *, batched: bool) -> None:
+    """A hidden rule's step of ``members`` (of one shape bucket of matrix view ``shape``, ``plain`` of them
+    as they are, the rest transposed) as one graph keyed on ``key``: momentum (``batched``; the per-tensor
+    form updated it before), :func:`newton_schulz.directions`, the update, the per-matrix state written back."""
     per_matrix = {k: how for k, how in rule.state_views.items() if how in ("rows", "counter", "step")}
-    split = not per_tensor and ctx.split.world_size > 1  # DDP: a slice of each bucket per rank
-    for b in buckets:
-        members, plain = b.items, b.plain
-        if split:
-            counts = ctx.split.bucket_plan(len(b.items), rule.cost(b.global_shape, group))
-            lo = sum(counts[: ctx.split.rank])
-            hi = lo + counts[ctx.split.rank]
-            members, plain = b.items[lo:hi], max(0, min(b.plain - lo, hi - lo))
-            others = b.items[:lo] + b.items[hi:]
-            bufs = [it.state["momentum_buffer"] for it in others]
-            F.momentum_(bufs, [it.grad.to(b.dtype) for it, b in zip(others, bufs, strict=True)], group["momentum"])
-        if members:
-            states = {k: [it.state[k] for it in members] for k, how in per_matrix.items() if how != "step"}
-            steps = next((torch.tensor([it.state[k] for it in members], device=members[0].param.device)
-                          for k, how in per_matrix.items() if how == "step"), None)
-            bucket_step(rule.name, _hidden_bucket, (b.key, id(rule), tuple(it.param.ndim for it in members)),
-                        [it.param.detach() for it in members], [it.grad for it in members],
-                        [it.state["momentum_buffer"] for it in members], states, steps, lr, wd, mu,
-                        scalar(rule.lr_scale(*b.global_shape, group)), rule=rule, plain=plain,
-                        nesterov=group["nesterov"], batched=not per_tensor, group=static)
-        if split:
-            _gather_slices(rule, b, members, counts, ctx)
+    states = {k: [it.state[k] for it in members] for k, how in per_matrix.items() if how != "step"}
+    steps = next((torch.tensor([it.state[k] for it in members], device=members[0].param.device)
+                  for k, how in per_matrix.items() if how == "step"), None)
+    bucket_step(rule.name, _hidden_bucket, (key, id(rule), tuple(it.param.ndim for it in members)),
+                [it.param.detach() for it in members], [it.grad for it in members],
+                [it.state["momentum_buffer"] for it in members], states, steps, scalar(group["lr"]),
+                scalar(group["weight_decay"]), scalar(group["momentum"]), scalar(rule.lr_scale(*shape, group)),
+                rule=rule, plain=plain, nesterov=group["nesterov"], batched=batched,
+                group=static_group(rule, group, ns_dtype))
 
 
-def _gather_slices(rule, bucket, members, counts, ctx) -> None:
-    """Every rank's slice of a bucket's new parameters and owner state, to every rank (DDP): one
-    ``all_gather_into_tensor`` of the flattened members (transposed members flatten to the same size)."""
-    p0 = bucket.items[0].param
-    stacks = [torch.stack([it.param.detach().reshape(-1) for it in members]) if members else
-              p0.new_empty((0, p0.numel()))]
-    for key in rule.owner_state:
-        s0 = bucket.items[0].state[key]
-        stacks.append(torch.stack([it.state[key].reshape(-1) for it in members]) if members else
-                      s0.new_empty((0, s0.numel())))
-    full: list[Tensor] = [None] * len(stacks)  # type: ignore[list-item]
-    # one gather per dtype (an int64 counter never rounds through bf16), in the same order on every rank
-    for dtype in dict.fromkeys(s.dtype for s in stacks):
-        which = [i for i, s in enumerate(stacks) if s.dtype == dtype]
-        for i, t in zip(which, ctx.split.gather([stacks[i] for i in which], counts), strict=True):
-            full[i] = t
-    torch._foreach_copy_([it.param.detach() for it in bucket.items],
-                         [row.view(it.param.shape) for row, it in zip(full[0].unbind(0), bucket.items, strict=True)])
-    for key, stack in zip(rule.owner_state, full[1:], strict=True):
-        torch._foreach_copy_([it.state[key] for it in bucket.items],
-                             [row.view(it.state[key].shape) for row, it in zip(stack.unbind(0), bucket.items,
-                                                                                 strict=True)])
+def elementwise_step(rule, bucket, group: dict) -> None:
+    """An elementwise momentum rule's step of one shape bucket as one graph: momentum, :meth:`direction`
+    of the stack, the update."""
+    static = {k: group[k] for k in rule.hyperparameters if k not in ("momentum", "rho", "nesterov")}
+    bucket_step(rule.name, _elementwise_bucket, bucket.key, [it.param.detach() for it in bucket.items],
+                [it.grad for it in bucket.items], [it.state["momentum_buffer"] for it in bucket.items],
+                scalar(group["lr"]), scalar(group["weight_decay"]), scalar(group["momentum"]), scalar(group["rho"]),
+                rule=rule, shape=tuple(bucket.global_shape), nesterov=group["nesterov"], group=static)
+
+
+def owner_directions(rule, W: Tensor, n: int, state: dict[str, Tensor], group: dict, ctx, *, batched: bool) -> Tensor:
+    """FSDP2 owners' directions of whole matrices ``W`` ``(j, m, n + s)`` as one graph per stack shape
+    (``sharded.hidden_at_owners``' ``orth`` under ``compile=True``)."""
+    static = static_group(rule, group, resolve_dtype(group, W, ctx))
+    return bucket_step(rule.name, _owner_directions, (tuple(W.shape), W.dtype, id(rule)), W, state,
+                       rule=rule, n=n, batched=batched, group=static)

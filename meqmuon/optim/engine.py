@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
+from . import driver
+from .calls import Item, StepContext
 from .distributed import (
     SHARDED_LAYOUTS,
     LocalSplit,
@@ -26,11 +28,11 @@ from .distributed import (
     resolve_process_group,
     splitter_for,
 )
-from .driver import step_foreach_calls
 from .groups import KINDS, infer_kind
 from .inputs import FLOAT_KEYS, check_unique_params, listed_params, validate_group, with_floats, wrong_params
+from .newton_schulz import HiddenRule
 from .owners import OwnerPlan, is_replicated
-from .rule import Item, Rule, StepContext, rule_defaults, validate_rule
+from .rule import Rule, rule_defaults, validate_rule
 from .rules import RULES
 from .views import Layout, group_layout, normalise_group_views
 
@@ -62,16 +64,11 @@ def _outside_stacklevel() -> int:
 _PLAIN = LocalSplit()
 
 
-def _cost(rule: Rule, shape: torch.Size, group: dict[str, Any]) -> float:
-    """A parameter's estimated update cost, for balancing owners (momentum rules say; else its size)."""
-    cost = getattr(rule, "cost", None)
-    return cost(shape, group) if cost is not None else float(shape.numel())
-
-
 def _cuts(rule: Rule, layout: Layout) -> bool:
     """A rule sees the matrices of a view; a vector rule whole tensors, or each vector of a "vectors"
     view unless its update is elementwise (then any view gives the same update)."""
-    return not layout.whole and (rule.needs_matrix or (layout.view == "vectors" and not rule.elementwise))
+    return not layout.whole and (driver.needs_matrix(rule)
+                                 or (layout.view == "vectors" and not driver.elementwise(rule)))
 
 
 def _at_owners(p: torch.Tensor, rule: Rule, layout: Layout, compiled_batched: bool) -> bool:
@@ -81,10 +78,10 @@ def _at_owners(p: torch.Tensor, rule: Rule, layout: Layout, compiled_batched: bo
     ``compiled_batched`` (``compile=True`` with the batched step) row shards of the momentum rules without
     Newton-Schulz go there too: their statistics would need sums over shards inside a graph, and at the
     owner the graph sees whole tensors."""
-    if not is_dtensor(p) or is_replicated(p) or rule.elementwise:
+    if not is_dtensor(p) or is_replicated(p) or driver.elementwise(rule):
         return False
     rows = tuple(p.placements) in SHARDED_LAYOUTS
-    if rows and compiled_batched and rule.compiles and not getattr(rule, "needs_ns", True):
+    if rows and compiled_batched and driver.compiles(rule) and not isinstance(rule, HiddenRule):
         return True
     return not rows or (_cuts(rule, layout) and (not layout.batch or layout.folded))
 
@@ -167,7 +164,7 @@ class RoleOptimizer(Optimizer):
                     **hyperparameters}
         eager: dict[str, list[str]] = {}
         for kind, rule in self._rules.items():
-            if not rule.compiles:
+            if not driver.compiles(rule):
                 eager.setdefault(rule.name, []).append(kind)
         if compile and eager:
             warnings.warn(f"{type(self).__name__}(compile=True) compiles the momentum rules; rules without a compiled "
@@ -272,7 +269,7 @@ class RoleOptimizer(Optimizer):
         (``add_param_group``) or live elsewhere (torchtitan builds one optimizer per pipeline stage, and a
         last stage may hold only the final norm and the head).
         """
-        ns = sorted(k for k, r in self._rules.items() if getattr(r, "needs_ns", False))
+        ns = sorted(k for k, r in self._rules.items() if isinstance(r, HiddenRule))
         if not ns:
             return  # no Newton-Schulz to miss (SCALE)
         seen: dict[str, list[tuple[int, ...]]] = {}
@@ -333,12 +330,12 @@ class RoleOptimizer(Optimizer):
                 raise ValueError(f"{type(self).__name__} does not support complex parameters ({pname})")
             pkind = kind or infer_kind(p)
             rule = self._rule_for(pkind)
-            if rule.needs_matrix and p.ndim < 2:
+            if driver.needs_matrix(rule) and p.ndim < 2:
                 raise ValueError(
                     f"parameter {pname} of shape {tuple(p.shape)} is in a '{pkind}' group, whose rule "
                     f"'{rule.name}' needs a >=2-D tensor"
                 )
-            if rule.needs_matrix and group_layout(group, i, p.shape, pname).view == "vectors":
+            if driver.needs_matrix(rule) and group_layout(group, i, p.shape, pname).view == "vectors":
                 raise ValueError(f"parameter {pname} has view 'vectors' in a '{pkind}' group, whose rule "
                                  f"'{rule.name}' needs matrices; put it in a 'vector' group")
             rules.setdefault(id(rule), rule)
@@ -358,8 +355,9 @@ class RoleOptimizer(Optimizer):
     def _prepare(self) -> list[tuple[dict[str, Any], list[_Entry], LocalSplit | None, bool]]:
         """What the step needs of the param groups, made once and kept while they and the state are the
         same objects: per group its entries, its splitter (``None``: the step's splitter of plain tensors)
-        and whether ``foreach=None`` takes the batched path (every parameter on a CUDA device, where a
-        step is launch-bound; the per-tensor path is faster on CPU, docs/benchmarks.md).
+        and whether it takes the batched forms: ``foreach``, resolved here once (``None``: where every
+        parameter is on a CUDA device, where a step is launch-bound; the per-tensor forms are faster on
+        CPU, docs/benchmarks.md). Which function runs a call is :func:`driver.step`'s choice.
 
         Creates the state of every parameter, gradient or not, so that the state is the same on every
         rank (a ``torch.distributed.checkpoint`` save needs that; microsoft/dion#89).
@@ -382,7 +380,7 @@ class RoleOptimizer(Optimizer):
                 layout = group_layout(group, i, p.shape, name)
                 state = self.state[p]
                 if not state:
-                    rule.init_state(p, state, group, layout)
+                    driver.init_state(rule, p, state, group, layout)
                 if _at_owners(p, rule, layout, self._compile and batched):
                     at_owners.append((len(plan), p, state, name, pkind, rule, layout, group))
                     continue
@@ -399,10 +397,10 @@ class RoleOptimizer(Optimizer):
                     "gradient may differ between ranks. Shard every module of the group (fully_shard / "
                     "parallelize_module) or none, or put the plain tensors in a group of their own")
             split = splitter_for(rows) if rows else _PLAIN
-            plan.append((group, entries, None if split is _PLAIN else split, cuda))
+            plan.append((group, entries, None if split is _PLAIN else split, batched))
             owned.append([])
         self._owners = OwnerPlan([a[1] for a in at_owners], [a[2] for a in at_owners],
-                                 [_cost(a[5], a[1].shape, a[7]) for a in at_owners],
+                                 [driver.cost(a[5], a[1].shape, a[7]) for a in at_owners],
                                  [a[3] for a in at_owners]) if at_owners else None
         for index, (gi, p, state, name, pkind, rule, layout, _) in enumerate(at_owners):
             entry = None
@@ -464,10 +462,10 @@ class RoleOptimizer(Optimizer):
         # Batched calls: plain-tensor groups with the same rule and the same hyperparameter values (the
         # embedding and head groups, say) are one call, so that they share shape buckets.
         batched: dict[tuple, tuple[Rule, dict, list[Item], LocalSplit, str]] = {}
-        calls = 0
+        single: list[driver.Call] = []  # the per-tensor groups' calls (foreach=False), in group order
         plan = self._plan()
         moved = [] if self._owners is None else self._gather_at_owners()
-        for (group, entries, group_split, cuda), owned in zip(plan, self._owned, strict=True):
+        for (group, entries, group_split, batched_group), owned in zip(plan, self._owned, strict=True):
             if any(isinstance(group.get(k), torch.Tensor) for k in FLOAT_KEYS) or any(
                     isinstance(b, torch.Tensor) for b in group.get("betas", ())):
                 group = with_floats(group)
@@ -494,24 +492,25 @@ class RoleOptimizer(Optimizer):
                     by_rule.setdefault((e.rule, "owner"), []).append(e.item)
                 else:
                     by_rule.setdefault((e.rule, "owner"), []).extend(e.items(grad))
-            foreach = group.get("foreach")
             for (rule, mode), items in by_rule.items():
                 # Whole local matrices of a sharded stack (FSDP2 experts) need no other rank.
                 split = (LocalSplit() if mode == "local" else self._owner_split if mode == "owner"
                          else group_split or replicated)
                 kind = group.get("kind") or items[0].kind
-                if not (cuda if foreach is None else foreach):
-                    rule.step(items, group, self._context(calls, kind, split))
-                    calls += 1
+                if not batched_group:
+                    single.append((rule, items, group, self._context(len(single), kind, split)))
                     continue
                 values = sorted({"lr", "weight_decay", *rule.hyperparameters})
                 key = (rule.name, *(repr(group[k]) for k in values))
                 if split is not replicated:  # DTensor groups follow their own mesh: never merged
                     key += (id(split),)
                 batched.setdefault(key, (rule, group, [], split, kind))[2].extend(items)
+        if single:
+            driver.step(single, foreach=False, compile=self._compile)
         if batched:
-            step_foreach_calls([(rule, items, group, self._context(calls + i, kind, split, call=i))
-                                for i, (rule, group, items, split, kind) in enumerate(batched.values())])
+            driver.step([(rule, items, group, self._context(len(single) + i, kind, split))
+                         for i, (rule, group, items, split, kind) in enumerate(batched.values())],
+                        foreach=True, compile=self._compile)
         if replicated is not self._local:
             replicated.finish()  # wait for the owners' broadcasts (DDP)
         if self._owners is not None:
@@ -544,13 +543,13 @@ class RoleOptimizer(Optimizer):
                 return split
         return self._local if self._process_group is None else replicated_splitter(self._process_group)
 
-    def _context(self, i: int, kind: str, split: LocalSplit, call: int = 0) -> StepContext:
+    def _context(self, i: int, kind: str, split: LocalSplit) -> StepContext:
         """The ``i``-th rule call's context of this step, kept between steps (its workspace is the
-        optimizer's; ``call`` numbers the batched calls, whose input stacks are their own)."""
+        optimizer's; ``i`` numbers it among the step's calls, whose input stacks are their own)."""
         while len(self._contexts) <= i:
             self._contexts.append(StepContext(workspace=self._workspace))
         ctx = self._contexts[i]
-        ctx.capture, ctx.kind, ctx.split, ctx.compile, ctx.call = self._capture_hook, kind, split, self._compile, call
+        ctx.capture, ctx.kind, ctx.split, ctx.call = self._capture_hook, kind, split, i
         return ctx
 
     def workspace_bytes(self) -> int:

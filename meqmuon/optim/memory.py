@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .driver import state_elements
 from .rules import RULES
 from .views import group_layout
 
@@ -52,5 +53,5 @@ def predicted_state_elements(rules: Mapping[str, str], groups: Iterable[Mapping[
     for g in groups:
         rule = RULES[rules[g["kind"]]]
         for i, p in enumerate(g["params"]):
-            total += rule.state_elements(group_layout(g, i, p.shape))
+            total += state_elements(rule, group_layout(g, i, p.shape))
     return total

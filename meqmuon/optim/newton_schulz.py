@@ -1,5 +1,6 @@
-"""The Newton-Schulz seam: ``pre -> Newton-Schulz -> post`` of stacks of matrices (:func:`directions`), the
-one body of every form of every hidden rule, and the table of Newton-Schulz methods it looks up.
+"""The Newton-Schulz seam: what a hidden rule is (:class:`HiddenRule`: ``pre``, ``post``, ``lr_scale``, its
+Newton-Schulz hyperparameters), ``pre -> Newton-Schulz -> post`` of stacks of matrices (:func:`directions`),
+the one body of every form of every hidden rule, and the table of Newton-Schulz methods it looks up.
 
 A method is one entry of :data:`NS_METHODS` (a group's ``ns_method``, validated by ``HiddenRule``), as
 optax's ``ns_iterators`` and microsoft/dion's ``newton_schulz_func``: a function of ``functional.py`` with
@@ -13,17 +14,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
 from .. import functional as F
 from ..precision import resolve_ns_dtype
-from .rule import Item
+from .calls import Item
+from .inputs import float_dtype, positive_int
+from .rule import MomentumBase
 
-__all__ = ["BATCHED_NS_DEVICES", "NS_METHODS", "Bucket", "Stack", "batched_ns", "buffer", "directions", "make_buckets",
-           "matrix_shape", "ns_flops", "resolve_dtype", "unstack"]
+__all__ = ["BATCHED_NS_DEVICES", "NS_METHODS", "Bucket", "HiddenRule", "Stack", "batched_ns", "buffer", "directions",
+           "make_buckets", "matrix_shape", "ns_flops", "resolve_dtype", "unstack"]
 
 #: Newton-Schulz methods by name, a group's ``ns_method`` (default ``"quintic"``). Each is called as
 #: ``f(X, steps, coefficients, dtype, *, batched, inplace, workspace, out)`` with ``X`` a stack ``(K, m, n)``
@@ -58,6 +61,67 @@ def ns_flops(m: int, n: int, steps: int) -> int:
     """
     a, b = min(m, n), max(m, n)
     return steps * (4 * a * a * b + 2 * a**3)
+
+
+# ---- the protocol of a hidden rule -------------------------------------------------------------
+
+
+class HiddenRule(MomentumBase):
+    """A rule for hidden matrices: ``D = post(Orth(pre(X)))``, stepped as ``W <- (1 - lr wd) W - lr s D``.
+
+    Subclass it, set ``name`` and override :meth:`post` (and :meth:`pre` if the rule changes the
+    Newton-Schulz input); pass an instance as ``rules={"hidden": MyRule()}`` to any optimizer. Every
+    name a subclass sees is one it may override or declare; the driver (``driver.py``) does the rest in
+    every form (per-tensor, batched, compiled; DDP, FSDP2, tensor parallel). ``pre`` and ``post`` get
+    stacks ``(K, m, n)`` of matrices, each stack in one orientation, and the per-matrix state of
+    ``state_views`` as stacks in the same order, to update in place.
+    """
+
+    defaults = {"ns_steps": F.NS_STEPS, "ns_coefficients": F.NS_COEFFICIENTS, "ns_dtype": None, "ns_method": "quintic"}
+    #: May an ``(n, m)`` matrix share the Newton-Schulz stack of ``(m, n)`` matrices, transposed? Exact for
+    #: every rule (``pre``/``post`` see each orientation apart); it saves a Newton-Schulz stack and costs a
+    #: second ``pre``/``post`` call. Per-row state cannot: its rows would change length.
+    transposes: ClassVar[bool] = True
+    #: Whether the class overrides :meth:`pre` (set per class; :func:`directions` skips the identity ``pre``,
+    #: and the batched form stacks the inputs of a rule that rewrites them in float32). Derived, not declared.
+    _rewrites_input: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._rewrites_input = cls.pre is not HiddenRule.pre
+        if cls.transposes and "rows" in cls.state_views.values():
+            raise TypeError(f"{cls.__name__}: per-row state needs transposes = False (rows would change length)")
+
+    def pre(self, X: Tensor, group: dict, state: dict[str, Tensor] | None = None) -> Tensor:
+        """The Newton-Schulz input from the direction input ``X`` ``(K, m, n)``: here ``X`` (the driver then
+        skips the call). Must not write into ``X`` (without Nesterov it is the momentum buffer)."""
+        return X
+
+    def post(self, U: Tensor, group: dict, state: dict[str, Tensor] | None = None) -> Tensor:
+        """The direction ``D`` ``(K, m, n)`` from ``U = Orth(X)``: here ``U``."""
+        return U
+
+    def post_all(self, Us: list[Tensor], group: dict, states: list[dict[str, Tensor]]) -> list[Tensor]:
+        """:meth:`post` of every stack of a call (one per shape and orientation), called once: here one
+        ``post`` each. A rule whose statistics can be taken for all matrices in a fixed number of kernels
+        (MeqMuon's eq. 8) overrides it: on a GPU a step is launch-bound."""
+        if type(self).post is HiddenRule.post:
+            return Us
+        return [self.post(U, group, st) if st else self.post(U, group) for U, st in zip(Us, states, strict=True)]
+
+    def lr_scale(self, m: int, n: int, group: dict) -> float:
+        """A step multiplier ``s`` of an ``m x n`` matrix, applied inside the update (``-lr s D``) instead
+        of as a pass over ``D``; 1 here."""
+        return 1.0
+
+    def validate(self, group: dict) -> None:
+        """``ns_steps`` an integer >= 1, ``ns_coefficients`` a form :func:`F.ns_schedule` takes, ``ns_dtype``
+        a floating dtype or ``None``, ``ns_method`` a name of :data:`NS_METHODS`."""
+        positive_int("ns_steps", group["ns_steps"])
+        F.ns_schedule(group["ns_coefficients"], group["ns_steps"])  # raises ValueError naming the valid forms
+        float_dtype("ns_dtype", group["ns_dtype"])
+        if group["ns_method"] not in NS_METHODS:
+            raise ValueError(f"Invalid ns_method: {group['ns_method']!r} (known methods: {', '.join(NS_METHODS)})")
 
 
 # ---- stacks: shape buckets and kept buffers ---------------------------------------------------------
@@ -145,7 +209,7 @@ def resolve_dtype(group: dict, x: Tensor, ctx: Any) -> torch.dtype:
 Stack = tuple[Tensor, int, dict[str, Tensor]]
 
 
-def directions(rule: Any, stacks: list[Stack], group: dict, ctx: Any, *, batched: bool,
+def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, batched: bool,
                scratch: dict | None = None, dtype: torch.dtype | None = None,
                ns_dtype: torch.dtype | None = None) -> list[list[Tensor]]:
     """``pre -> Newton-Schulz -> post`` of stacks of direction inputs: the body of every form, for a
@@ -181,7 +245,7 @@ def directions(rule: Any, stacks: list[Stack], group: dict, ctx: Any, *, batched
         k = X.shape[0]
         sides = [(s, flip) for s, flip in ((slice(0, plain), False), (slice(plain, k), True)) if s.stop > s.start]
         views = [{key: v[s] for key, v in state.items()} for s, _ in sides]
-        if rule.rewrites_input:
+        if rule._rewrites_input:
             ys = [rule.pre(X[s].mT if flip else X[s], group, *([st] if st else []))
                   for (s, flip), st in zip(sides, views, strict=True)]
             ys = [y.mT if flip else y for y, (_, flip) in zip(ys, sides, strict=True)]

@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..functional import NS_COEFFICIENTS, NS_STEPS, Coefficients, canonical_coefficients
-from .driver import MOMENTUM, RHO
 from .engine import RoleOptimizer
+from .rule import MOMENTUM, RHO
 from .rules.adam import ADAMW_BETAS, ADAMW_EPS
 
 # Defaults shared by the paper's runs (section 4): Nesterov momentum 0.95, 5 NS steps with Keller Jordan's

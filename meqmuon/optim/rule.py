@@ -1,94 +1,46 @@
-"""What every update rule is handed and what it must say about itself: ``Item``, ``StepContext``, ``Rule``.
+"""What a rule is: the protocols an update rule implements, and nothing of how a step runs.
 
-A rule (``rules/``) receives all parameters of its kind in one param group at once, as items; the
-momentum rules run through the one driver (``driver.py``), the Adam-type and SCALE rules write their
-two forms themselves (``rules/adam.py``, ``rules/scale.py``).
+Three kinds of rule, each a class to subclass (the built-in ones are in ``rules/``):
+
+- ``HiddenRule`` (at the Newton-Schulz seam, ``newton_schulz.py``, beside the table of methods its
+  ``ns_method`` names): a hidden-matrix rule, ``D = post(Orth(pre(X)))`` around the driver's
+  Newton-Schulz; a researcher's variant overrides ``pre``, ``post`` (or ``post_all``), ``lr_scale``,
+  declares ``state_views`` and ``defaults`` and checks them in ``validate``;
+- :class:`MomentumRule`: an elementwise momentum rule (MeqMuon's eq. 9 and 10): a ``direction`` of a stack
+  of direction inputs and a per-tensor ``update``;
+- :class:`SteppingRule`: a rule that writes its own forms, per-tensor ``step`` and batched
+  ``step_foreach`` (AdamW, SCALE), and its own state.
+
+How a step runs (momentum, shape stacks, Newton-Schulz, the split over ranks, the update, compiled or
+not) is the driver's (``driver.py``), a set of functions that read what a rule declares here. Every
+rule owns its hyperparameters: their defaults (``defaults``, merged over the class hierarchy) and
+their checks (``validate``, each class's own, base first), beside its maths, as optax's transforms do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
-import torch
 from torch import Tensor
 
-from .distributed import LocalSplit
+from .. import functional as F
+from .calls import Item, StepContext
+from .inputs import flag, number
 from .views import Layout
 
-__all__ = ["ELEMENTWISE_COST", "Item", "Rule", "StepContext", "rule_defaults", "state_dtype", "validate_rule"]
+__all__ = ["MOMENTUM", "RHO", "MomentumBase", "MomentumRule", "Rule", "SteppingRule", "rule_defaults", "validate_rule"]
 
-
-class StepContext:
-    """Per-call extras the engine hands to rules, made once per call and kept between steps.
-
-    ``capture`` is the opt-in diagnostics hook: momentum rules call it as ``capture(name, kind,
-    "momentum_input", x)`` with the direction input (the pre-Newton-Schulz matrix for hidden weights),
-    Adam/SCALE rules with ``"gradient"`` and the raw gradient. ``None``: no call, no cost.
-    """
-
-    __slots__ = ("capture", "kind", "split", "compile", "workspace", "call", "inputs")
-
-    def __init__(self, capture: Callable[[str, str, str, Tensor], None] | None = None, kind: str = "",
-                 split: LocalSplit | None = None, compile: bool = False, workspace: dict | None = None,
-                 call: int = 0) -> None:
-        self.capture = capture
-        self.kind = kind
-        #: Work splitter (``distributed.py``): who computes which matrix, sums over shards.
-        self.split = split if split is not None else LocalSplit()
-        #: Run the compiled forms (``compile=True``).
-        self.compile = compile
-        #: Tensors kept between steps (the batched step's stacks, the resolved Newton-Schulz dtypes);
-        #: owned by the optimizer, never part of its state_dict.
-        self.workspace = workspace if workspace is not None else {}
-        #: This call's position among the step's batched calls: its input stacks are its own.
-        self.call = call
-        #: The batched step's direction inputs, by item id, until they are stacked (``driver.stack_inputs``).
-        self.inputs: dict[int, Tensor] = {}
-
-    def emit(self, items: Sequence[Item], tensors: Sequence[Tensor], what: str) -> None:
-        if self.capture is not None:
-            for it, x in zip(items, tensors, strict=True):
-                self.capture(it.name, it.kind or self.kind, what, x)
-
-
-class Item:
-    """One matrix (or tensor) in a rule call: the tensor, its gradient, its state, its name, its global shape.
-
-    Tensors are local: under FSDP2 ``param``, ``grad`` and the tensors of ``state`` are this rank's row
-    shards (sharing storage with the DTensors) and ``shape`` is the full shape; for a matrix of a
-    stacked or split view (``views.py``) they are views of the parameter's and of its state's.
-    """
-
-    __slots__ = ("param", "grad", "state", "name", "shape", "kind")
-
-    def __init__(self, param: Tensor, grad: Tensor | None, state: dict[str, Any], name: str,
-                 shape: torch.Size | None = None, kind: str = "") -> None:
-        self.param = param
-        self.grad = grad
-        self.state = state
-        self.name = name
-        self.shape = param.shape if shape is None else shape
-        self.kind = kind
-
-
-def state_dtype(p: Tensor, group: dict) -> torch.dtype:
-    """The dtype of a parameter's state tensors: the group's ``state_dtype``, else the parameter's."""
-    return group.get("state_dtype") or p.dtype
-
-
-#: Cost of an elementwise update, in matmul-FLOP equivalents per element, for balancing DDP owners
-#: (``MomentumRule.cost``): on CPU, the row-blocked equilibration of a 32000 x 512 matrix took as long
-#: as 1000 Newton-Schulz FLOPs per element at the bf16 matmul rate. A heuristic: results never depend on it.
-ELEMENTWISE_COST = 1000.0
+#: The paper's momentum and RMS alignment (section 4: Nesterov momentum 0.95, rho = 0.2), the momentum
+#: rules' defaults.
+MOMENTUM = 0.95
+RHO = 0.2
 
 
 class Rule:
-    """Base class. Subclasses set ``name``, the state they keep, and implement ``step`` and ``step_foreach``."""
+    """What every rule declares: its ``name``, its hyperparameters and their checks."""
 
     name: ClassVar[str]
-    #: The rule needs >=2-D tensors (matrix rules).
-    needs_matrix: ClassVar[bool] = False
     #: The rule's own hyperparameters and their defaults (optax's transforms own theirs the same way): every
     #: optimizer whose table holds the rule takes them as keywords (``Muon(groups, alpha=2.0)``) and as
     #: param-group keys, and fills them in where neither gives one. A subclass's add to its bases'.
@@ -96,16 +48,6 @@ class Rule:
     #: Every key the rule reads from its group: the ``defaults``' keys (added by ``__init_subclass__``) and
     #: any the optimizer supplies; the engine refuses a group that lacks one.
     hyperparameters: ClassVar[tuple[str, ...]] = ()
-    #: ``compile=True`` runs a compiled form of this rule (the momentum rules: ``driver.py``); AdamW and
-    #: SCALE have none yet and run eagerly (the optimizer says so when built).
-    compiles: ClassVar[bool] = False
-    #: Each element's update depends on that element alone (AdamW): the engine hands a vector rule
-    #: a stack of vectors (view ``"vectors"``) whole, where any other vector rule gets each vector.
-    elementwise: ClassVar[bool] = False
-    #: How each state tensor divides among a parameter's matrices (``views.py``): ``"param"`` (shaped
-    #: like the parameter), ``"rows"`` (one value per matrix row), ``"counter"`` (one per matrix),
-    #: ``"step"`` (the step count, read only).
-    state_views: ClassVar[dict[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -121,6 +63,21 @@ class Rule:
         that holds a parameter of this rule, after the engine's own checks; each class's ``validate`` in
         the rule's hierarchy runs, base first, so a subclass checks only its own keys (no ``super()``).
         A check may store a value back in its checked form (``group[key] = ...``)."""
+
+
+class SteppingRule(Rule):
+    """A rule that writes its own forms and state (AdamW, SCALE): the driver calls :meth:`step`
+    (``foreach=False``) or :meth:`step_foreach` (``foreach=True``); ``compile=True`` leaves it eager."""
+
+    #: The rule needs >=2-D tensors (matrix rules).
+    needs_matrix: ClassVar[bool] = False
+    #: Each element's update depends on that element alone (AdamW): the engine hands a vector rule
+    #: a stack of vectors (view ``"vectors"``) whole, where any other vector rule gets each vector, and any
+    #: DTensor layout steps its local piece.
+    elementwise: ClassVar[bool] = False
+    #: How each state tensor divides among a parameter's matrices (``views.py``; as the momentum rules'
+    #: below): the keys a stacked or split parameter's matrices see as views of their own.
+    state_views: ClassVar[dict[str, str]] = {}
 
     def state_elements(self, layout: Layout) -> int:
         """Number of state elements (excluding scalar counters) kept for a parameter of ``layout``."""
@@ -138,6 +95,49 @@ class Rule:
         """The batched form (``foreach=True``): the same maths over shape buckets."""
         raise NotImplementedError
 
+
+class MomentumBase(Rule):
+    """What the momentum rules share: ``B <- mu B + G`` (paper eq. 6; Moonlight's convention), the direction
+    input ``X = G + mu B`` with Nesterov (else ``B``), and the step ``W <- (1 - lr wd) W - lr s D``; the
+    driver does all three. ``state_views`` names the state and how it divides among a parameter's matrices
+    (``views.py``): ``"param"`` (shaped like the parameter), ``"rows"`` (one float per matrix row),
+    ``"counter"`` (one int64 per matrix), ``"step"`` (the step count, read only)."""
+
+    defaults = {"momentum": MOMENTUM, "nesterov": True, "rho": RHO}
+    state_views: ClassVar[dict[str, str]] = {"momentum_buffer": "param"}
+    #: The per-matrix state the direction changes (``"rows"``, ``"counter"`` views), which the owner rank
+    #: sends with the parameter (DDP, FSDP2). Derived from ``state_views`` per class, not declared.
+    _owner_state: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._owner_state = tuple(k for k, how in cls.state_views.items() if how in ("rows", "counter"))
+
+    def validate(self, group: dict) -> None:
+        """``momentum`` in [0, 1), ``nesterov`` a bool, ``rho`` > 0."""
+        group["momentum"] = number("momentum", group["momentum"], low=0.0, high=1.0)
+        flag("nesterov", group["nesterov"])
+        group["rho"] = number("rho", group["rho"], low=0.0, low_inclusive=False)
+
+
+class MomentumRule(MomentumBase):
+    """An elementwise momentum rule: a :meth:`direction` of a stack of direction inputs (the batched and
+    compiled forms) and a per-tensor :meth:`update` (MeqMuon's eq. 9 and 10, ``rules/meqmuon.py``)."""
+
+    #: The rule needs >=2-D tensors (eq. 9 normalises rows and columns).
+    needs_matrix: ClassVar[bool] = False
+    #: Split the work over DDP ranks; False where repeating it is cheaper than sending it (vectors).
+    split_work: ClassVar[bool] = True
+
+    def direction(self, X: Tensor, group: dict, psum: F.PSum, shape: tuple[int, ...]) -> Tensor:
+        """The direction of a stack ``X`` ``(K, *shape)`` of direction inputs (float32 or float64, scratch: may
+        be the result), its step multiplier folded in (the step adds it with ``s = 1``); ``psum`` sums
+        statistics over row shards (FSDP2), ``shape`` is one member's unsharded shape."""
+        raise NotImplementedError
+
+    def update(self, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
+        """The per-tensor form: the directions of ``items`` (momentum already updated) and their steps."""
+        raise NotImplementedError
 
 
 def validate_rule(rule: Rule, group: dict) -> None:

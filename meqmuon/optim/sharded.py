@@ -11,20 +11,35 @@ all rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from . import compiled
-from .newton_schulz import batched_ns, directions, ns_flops, resolve_dtype
-from .rule import Rule
+from .calls import StepContext
+from .newton_schulz import HiddenRule, batched_ns, directions, ns_flops, resolve_dtype
 
-__all__ = ["hidden_at_owners"]
+__all__ = ["Orth", "eager_directions", "hidden_at_owners"]
+
+#: How an owner turns whole matrices into directions: ``orth(rule, W, n, state, group, ctx, batched=...)``
+#: with ``W`` ``(j, m, n + s)`` (``s`` state columns after the ``n`` matrix columns) and ``state``
+#: ``{key: (j, m) or (j,)}``, updated in place; returns ``D`` ``(j, m, n)``. The driver's form picks it:
+#: :func:`eager_directions`, or the compiled graph (``compiled.owner_directions``).
+Orth = Callable[..., Tensor]
 
 
-def hidden_at_owners(rule: Rule, X: Tensor, state: dict[str, Tensor], m: int, group: dict,
-                     ctx) -> list[Tensor]:
+def eager_directions(rule: HiddenRule, W: Tensor, n: int, state: dict[str, Tensor], group: dict, ctx: StepContext,
+                     *, batched: bool) -> Tensor:
+    """:func:`newton_schulz.directions` of whole matrices at an owner, eagerly."""
+    (D,) = directions(rule, [(W[..., :n], W.shape[0], state)], group, ctx, batched=batched,
+                      scratch=ctx.split.workspace)
+    return D
+
+
+def hidden_at_owners(rule: HiddenRule, X: Tensor, state: dict[str, Tensor], m: int, group: dict,
+                     ctx: StepContext, orth: Orth) -> list[Tensor]:
     """Row shards ``X`` ``(k, rows, n)`` of ``k`` matrices with ``m`` rows -> whole matrices at owner ranks
-    -> :func:`newton_schulz.directions` there -> the rows of ``D`` back; ``state`` is updated in place."""
+    -> ``orth`` there (:data:`Orth`) -> the rows of ``D`` back; ``state`` is updated in place."""
     k, rows, n = X.shape
     keys = list(state)
     per_row = [rule.state_views[key] == "rows" for key in keys]
@@ -40,14 +55,7 @@ def hidden_at_owners(rule: Rule, X: Tensor, state: dict[str, Tensor], m: int, gr
         j = W.shape[0]
         st = {key: _column(W, n + i, row, state[key].dtype)
               for i, (key, row) in enumerate(zip(keys, per_row, strict=True))}
-        batched = batched_ns(W.device)
-        if ctx.compile:  # the owners' directions as one graph per stack shape
-            static = compiled.static_group(rule, group, ns_dtype)
-            D = compiled.bucket_step(rule.name, compiled.owner_directions, (tuple(W.shape), W.dtype, id(rule)), W, st,
-                                     rule=rule, n=n, batched=batched, group=static)
-        else:
-            (D,) = directions(rule, [(W[..., :n], j, st)], group, ctx, batched=batched,
-                                     scratch=ctx.split.workspace)
+        D = orth(rule, W, n, st, group, ctx, batched=batched_ns(W.device))
         return torch.cat([D[0].reshape(j, m, n).to(out_dtype), *columns(st, j, m, out_dtype)], dim=-1)
 
     send = torch.cat([X.to(dtype), *columns(state, k, rows, dtype)], dim=-1)

@@ -2,11 +2,12 @@
 
 An optimizer in this package is an assignment of rules to parameter kinds (see ``presets.py``),
 by name through :data:`RULES`, or by instance through ``rules={kind: rule}``. The hidden-matrix rules
-are :class:`~meqmuon.optim.driver.HiddenRule` s, ``pre``/``post`` around the driver's Newton-Schulz:
-``meqmuon.py`` (MeqMuon, eq. 8), ``muon.py`` (Moonlight's Muon, MuonEq), ``normuon.py``. The
-elementwise rules hold their per-tensor, batched and compiled forms side by side: ``meqmuon.py``
-(MeqMuon's embedding/head and vector rules, eq. 9 and 10), ``adam.py`` (AdamW, SCALE's Adam) and
-``scale.py``. The machinery they share is ``../driver.py`` (momentum rules) and ``../rule.py``.
+are :class:`~meqmuon.optim.newton_schulz.HiddenRule` s, ``pre``/``post`` around the driver's Newton-Schulz:
+``meqmuon.py`` (MeqMuon, eq. 8), ``muon.py`` (Moonlight's Muon, MuonEq), ``normuon.py``. MeqMuon's
+embedding/head and vector rules (eq. 9 and 10, ``meqmuon.py``) are :class:`~meqmuon.optim.rule.MomentumRule` s:
+a direction of a stack and a per-tensor update. The Adam-type and SCALE rules write their own per-tensor
+and batched forms (:class:`~meqmuon.optim.rule.SteppingRule`: ``adam.py``, ``scale.py``). What a rule is:
+``../rule.py``; how a step runs, in every form: ``../driver.py``.
 
 Every rule applies decoupled weight decay and its step the same way,
 

@@ -10,10 +10,11 @@ import torch
 from torch import Tensor
 
 from ... import functional as F
+from ..calls import state_dtype
 from ..driver import grads_like
 from ..inputs import number
 from ..newton_schulz import buffer, make_buckets
-from ..rule import Rule, state_dtype
+from ..rule import SteppingRule
 
 # AdamW for the embeddings, heads and vectors of Muon and NorMuon: betas (0.9, 0.95) as the paper's runs
 # (section 4) and Moonlight's toy_train.py, eps 1e-8 as torch.optim.AdamW.
@@ -21,7 +22,7 @@ ADAMW_BETAS = (0.9, 0.95)
 ADAMW_EPS = 1e-8
 
 
-class AdamW(Rule):
+class AdamW(SteppingRule):
     """AdamW exactly as ``torch.optim.AdamW`` (paper eq. 1-2): eps added after bias correction.
 
     Used for embedding/head/vector kinds by Muon, NorMuon and MuonEq. Moonlight's toy_train.py and

@@ -1,12 +1,12 @@
 """MeqMuon's three rules (paper *MeqMuon: Matrix-Equilibrating Muon for LLM Pretraining*, Algorithm 1):
 
-- hidden matrices (:class:`MeqHidden`, eq. 8): a :class:`~meqmuon.optim.driver.HiddenRule`, the driver
+- hidden matrices (:class:`MeqHidden`, eq. 8): a :class:`~meqmuon.optim.newton_schulz.HiddenRule`, the driver
   orthogonalises, ``post`` row- or column-normalises whichever side has the larger CV;
 - embeddings and LM heads (:class:`Equilibrate`, eq. 9): two-sided normalisation of the momentum;
 - vectors (:class:`RmsNormalize`, eq. 10): global-RMS normalisation of the momentum.
 
 The last two are directions of a stack of direction inputs
-(:meth:`~meqmuon.optim.driver.MomentumRule.direction`), which the driver runs batched and compiled, and a
+(:meth:`~meqmuon.optim.rule.MomentumRule.direction`), which the driver runs batched and compiled, and a
 per-tensor form. Every MeqMuon rule steps with ``W <- (1 - lr wd) W - lr rho D`` after ``B <- mu B + G``
 (eq. 6); ``rho`` rides on the normalisation's divisor, so all of MeqMuon's updates share one add in the
 batched step.
@@ -20,7 +20,9 @@ import torch
 
 from ... import functional as F
 from .. import blockwise
-from ..driver import HiddenRule, MomentumRule, apply_update, direction_input
+from ..driver import apply_update, direction_input
+from ..newton_schulz import HiddenRule
+from ..rule import MomentumRule
 
 
 class MeqHidden(HiddenRule):

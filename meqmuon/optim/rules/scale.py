@@ -13,10 +13,11 @@ import torch
 from torch import Tensor
 
 from ... import functional as F
+from ..calls import state_dtype
 from ..driver import apply_update, grads_like, stack_tensors
 from ..inputs import number
 from ..newton_schulz import make_buckets, matrix_shape, unstack
-from ..rule import Rule, state_dtype
+from ..rule import SteppingRule
 
 # SCALE divides by the slice RMS clamped at this value (OptimAI-Lab/Minimalist_LLM_Pretraining
 # f5bd4e7, mem_eff_pt/pt_scale/scale_optimizer.py: ``.clamp_min(1e-8)``).
@@ -52,7 +53,7 @@ def _scale_col(x: Tensor, psum: F.PSum = None, rows: int | None = None) -> Tenso
     return x / _col_rms_divisor(x, psum, rows)
 
 
-class _ScaleRaw(Rule):
+class _ScaleRaw(SteppingRule):
     """SCALE without momentum: normalise the raw gradient slice-wise; no state."""
 
     normalise: ClassVar[Callable[[Tensor], Tensor]]
@@ -100,7 +101,7 @@ class ScaleCol(_ScaleRaw):
     divisor = staticmethod(_col_rms_divisor)
 
 
-class ScaleHead(Rule):
+class ScaleHead(SteppingRule):
     """SCALE for the LM head: EMA momentum ``m <- lerp(m, g, 1 - beta)`` (no Nesterov, no bias
     correction), then each vocabulary row to unit RMS."""
 
