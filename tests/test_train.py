@@ -149,7 +149,8 @@ def test_cpu_presets_get_cpu_sized_defaults_and_paper_models_keep_the_papers(mod
                          unique_params=1000, world_size=1)
     assert (cfg.global_batch, cfg.seq_len, cfg.val_tokens) == (8, 64, 100)
     for paper in ("llama-60m", "llama-130m", "llama-350m", "smollm2-135m", "smollm2-360m", "qwen2-0.5b"):
-        assert model_run_defaults(paper) == {"global_batch": 512, "seq_len": 1024, "val_tokens": 1_000_000}
+        assert model_run_defaults(paper) == {"global_batch": 512, "seq_len": 1024, "val_tokens": 1_000_000,
+                                             "vocab_size": 4096}
 
 
 @pytest.mark.parametrize(
