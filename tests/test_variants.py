@@ -162,6 +162,13 @@ def test_a_rule_table_entry_must_be_a_named_rule_instance():
     params = _tensors()
     with pytest.raises(TypeError, match="rule instance"):
         meqmuon.Muon(_groups(params), rules={"hidden": BothSided})  # the class, not an instance
+    from meqmuon.optim.rule import Rule
+
+    class Bare(Rule):  # neither a hidden, a momentum nor a stepping rule: the driver could not run it
+        name = "bare"
+
+    with pytest.raises(TypeError, match="rule instance"):
+        meqmuon.Muon(_groups(params), rules={"hidden": Bare()})
     with pytest.raises(ValueError, match="Invalid rules key"):
         meqmuon.Muon(_groups(params), rules={"hiden": BothSided()})
 

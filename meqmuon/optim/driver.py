@@ -79,7 +79,7 @@ ELEMENTWISE_COST = 1000.0
 
 def needs_matrix(rule: Rule) -> bool:
     """The rule sees >=2-D tensors as matrices (every hidden rule; an elementwise or stepping rule that says so)."""
-    return isinstance(rule, HiddenRule) or rule.needs_matrix  # type: ignore[attr-defined]
+    return isinstance(rule, HiddenRule) or (isinstance(rule, MomentumRule | SteppingRule) and rule.needs_matrix)
 
 
 def elementwise(rule: Rule) -> bool:
@@ -94,7 +94,7 @@ def compiles(rule: Rule) -> bool:
 
 def _splits(rule: Rule) -> bool:
     """The rule's work is split over DDP ranks (every hidden rule; an elementwise rule unless it says not)."""
-    return isinstance(rule, HiddenRule) or rule.split_work  # type: ignore[attr-defined]
+    return isinstance(rule, HiddenRule) or (isinstance(rule, MomentumRule) and rule.split_work)
 
 
 def cost(rule: Rule, shape: Sequence[int], group: dict) -> float:

@@ -32,7 +32,7 @@ from .groups import KINDS, infer_kind
 from .inputs import FLOAT_KEYS, check_unique_params, listed_params, validate_group, with_floats, wrong_params
 from .newton_schulz import HiddenRule
 from .owners import OwnerPlan, is_replicated
-from .rule import Rule, rule_defaults, validate_rule
+from .rule import MomentumRule, Rule, SteppingRule, rule_defaults, validate_rule
 from .rules import RULES
 from .views import Layout, group_layout, normalise_group_views
 
@@ -252,9 +252,10 @@ class RoleOptimizer(Optimizer):
         for kind, rule in (rules or {}).items():
             if kind not in KINDS:
                 raise ValueError(f"Invalid rules key: {kind!r} (expected one of {KINDS})")
-            if not isinstance(rule, Rule):
+            if not isinstance(rule, HiddenRule | MomentumRule | SteppingRule):
                 raise TypeError(f"rules[{kind!r}] must be a rule instance, e.g. a meqmuon.HiddenRule subclass's "
-                                f"MyVariant(); got {rule!r}")
+                                f"MyVariant() (or a MomentumRule's or SteppingRule's, meqmuon.optim.rule); "
+                                f"got {rule!r}")
             if not getattr(rule, "name", None):
                 raise TypeError(f"rules[{kind!r}]: {type(rule).__name__} must set a class attribute 'name'")
             table[kind] = rule
