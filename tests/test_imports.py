@@ -34,3 +34,25 @@ def test_the_counter_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
     assert r["cycles"] == [["optim.compiled", "optim.driver"]]
     assert r["upward"] == ["optim.compiled:2 imports optim.driver (layer 5 -> 7)"]
     assert r["lazy"] == ["optim.compiled:2 imports optim.driver (function)"]
+
+
+def test_the_form_is_chosen_in_two_places():
+    """Issue 35: ``foreach`` is resolved once per param group (``RoleOptimizer._prepare``) and the function
+    that runs a call is picked by one chooser, ``driver.step`` (its ``FORMS`` table and a stepping rule's own
+    ``step``/``step_foreach``); nothing else in ``optim/`` looks a form up. Counted on the sources, as anyone
+    can with ``grep -n 'FORMS\\[\\|group.get("foreach")\\|step_foreach if' meqmuon/optim/*.py meqmuon/optim/*/*.py``."""
+    import ast
+    import re
+
+    root = Path(__file__).resolve().parents[1] / "meqmuon" / "optim"
+    hits = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef):
+                body = ast.get_source_segment(text, node) or ""
+                if re.search(r'FORMS\[|group\.get\("foreach"\)|step_foreach if', body):
+                    hits.append(f"{path.relative_to(root)}:{node.name}")
+    # methods are FunctionDefs too, and nested functions are counted where they are defined
+    assert sorted(set(hits)) == ["driver.py:step", "engine.py:_prepare"], hits
