@@ -18,17 +18,24 @@ be tested by injecting the report:
 * Any other device type: float32 (not timed).
 
 Core module: imports torch only. The CPU answer is computed once per process (``functools.cache``).
+
+``MEQMUON_CPU_CAPABILITY`` (e.g. ``AVX2``) replaces the CPU's report, as ``ATEN_CPU_CAPABILITY`` replaces
+torch's kernel choice: with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MEQMUON_CPU_CAPABILITY=AVX2``
+a CPU with native bf16 runs the package as an AVX2-only CPU would (float32 "auto" choices, emulated
+bf16 where a test asks for bf16), so the suite can be checked for both kinds on one machine.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from typing import Any
 
 import torch
 
 __all__ = [
+    "CAPABILITY_ENV",
     "PRECISIONS",
     "BF16_SLOWDOWN_NO_NATIVE",
     "detect_cpu_capability",
@@ -40,6 +47,9 @@ __all__ = [
     "bf16_warning",
     "describe",
 ]
+
+#: The environment variable that replaces the CPU's report (:func:`detect_cpu_capability`).
+CAPABILITY_ENV = "MEQMUON_CPU_CAPABILITY"
 
 #: Values of the harness's ``precision``: ``auto`` resolves to ``bf16`` or ``fp32`` per device.
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -55,7 +65,11 @@ def detect_cpu_capability() -> str:
 
     The base is ``torch.backends.cpu.get_cpu_capability()`` (which never says whether bf16 is
     native); the ``+`` features are the bf16 instruction sets the CPU reports. Cached per process.
+    :data:`CAPABILITY_ENV`, where set, is the answer instead (see the module docstring).
     """
+    forced = os.environ.get(CAPABILITY_ENV, "").strip()
+    if forced:
+        return forced
     base = torch.backends.cpu.get_cpu_capability()
     feats: list[str] = []
     cpu = getattr(torch, "cpu", None)

@@ -9,6 +9,8 @@ paths have their own tests with bf16 tolerances (``tests/test_precision.py``).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from meqmuon import precision
@@ -17,7 +19,8 @@ from meqmuon import precision
 def _cpu_line() -> str:
     cap = precision.detect_cpu_capability()
     native = precision.cpu_native_bf16(cap)
-    return (f"meqmuon: CPU capability {cap} ({'native' if native else 'emulated'} bf16; "
+    forced = f" (from ${precision.CAPABILITY_ENV})" if os.environ.get(precision.CAPABILITY_ENV) else ""
+    return (f"meqmuon: CPU capability {cap}{forced} ({'native' if native else 'emulated'} bf16; "
             f"ns_dtype=None -> {str(precision.resolve_ns_dtype(None, 'cpu')).removeprefix('torch.')}), "
             f"torch {torch.__version__}, {torch.get_num_threads()} threads")
 

@@ -7,6 +7,11 @@ machine runs the tests.
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -75,7 +80,8 @@ def test_bf16_warning_only_on_cpu_without_native_bf16():
 def test_this_machine_is_consistent():
     """Whatever this machine is, the cached detection, the pure rule and describe() agree."""
     cap = P.detect_cpu_capability()
-    assert cap.split("+")[0] == torch.backends.cpu.get_cpu_capability()
+    forced = bool(os.environ.get(P.CAPABILITY_ENV))  # the suite run as another kind of CPU
+    assert forced or cap.split("+")[0] == torch.backends.cpu.get_cpu_capability()
     assert P.detect_cpu_capability() is cap  # computed once per process
     native = P.cpu_native_bf16(cap)
     assert P.native_bf16("cpu") is native
@@ -83,8 +89,26 @@ def test_this_machine_is_consistent():
     assert d["cpu_capability"] == cap and d["native_bf16"] is native
     assert d["auto_ns_dtype"] == ("bfloat16" if native else "float32")
     assert d["auto_precision"] == ("bf16" if native else "fp32")
-    if torch.cpu._is_avx512_bf16_supported():
+    if torch.cpu._is_avx512_bf16_supported() and not forced:
         assert "AVX512_BF16" in cap
+
+
+def test_the_capability_can_be_replaced_for_running_as_another_cpu(monkeypatch):
+    """``MEQMUON_CPU_CAPABILITY=AVX2`` makes every "auto" choice an AVX2-only CPU's (float32), whatever this
+    CPU is; unset, the CPU's own report is back."""
+    P.detect_cpu_capability.cache_clear()
+    try:
+        monkeypatch.setenv(P.CAPABILITY_ENV, "AVX2")
+        assert P.detect_cpu_capability() == "AVX2"
+        assert P.resolve_ns_dtype(None, "cpu") == torch.float32 and P.resolve_precision("auto", "cpu") == "fp32"
+        P.detect_cpu_capability.cache_clear()
+        monkeypatch.setenv(P.CAPABILITY_ENV, "AVX512+AVX512_BF16")
+        assert P.resolve_ns_dtype(None, "cpu") == torch.bfloat16
+        P.detect_cpu_capability.cache_clear()
+        monkeypatch.delenv(P.CAPABILITY_ENV)
+        assert P.detect_cpu_capability().split("+")[0] == torch.backends.cpu.get_cpu_capability()
+    finally:
+        P.detect_cpu_capability.cache_clear()
 
 
 def _ns_dtypes_used(opt_cls, monkeypatch, **kw):
@@ -205,3 +229,31 @@ def test_bf16_autocast_of_the_harness_is_fp32_to_bf16_precision():
     assert abs(l16 - l32) / l32 < U_BF16
     worst = max(((a - b).norm() / b.norm()).item() for a, b in zip(g16, g32, strict=True))
     assert U_BF16 / 4 < worst < 8 * U_BF16, worst / U_BF16
+
+
+AVX2_STEP = """
+import torch, meqmuon
+def spread(shape, seed):  # rows that differ in scale by up to 30x, as momentum rows do
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * torch.linspace(0.1, 3.0, shape[-2])[:, None]
+shapes = [(32, 64), (64, 32), (48, 48)]
+ps = [torch.nn.Parameter(spread(s, i)) for i, s in enumerate(shapes)]
+opt = meqmuon.MeqMuon([{"params": ps, "kind": "hidden"}], lr=0.02, ns_dtype=torch.bfloat16, compile=True)
+for step in range(2):
+    for i, p in enumerate(ps):
+        p.grad = spread(p.shape, 100 + 10 * step + i)
+    opt.step()
+print(all(bool(torch.isfinite(p).all()) for p in ps), torch._inductor.cpu_vec_isa.pick_vec_isa())
+"""
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="AVX2 code is x86 code")
+def test_compiled_bf16_step_is_finite_with_avx2_code():
+    """The compiled per-tensor MeqMuon step with bf16 Newton-Schulz, with Inductor generating AVX2 code (as on
+    an AVX2-only CPU; ``ATEN_CPU_CAPABILITY=avx2`` on any x86 CPU): Inductor's fused kernel of the bool
+    choices added to the int64 counters once wrote NaN into the parameters there (``MeqHidden.post_all``)."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run([sys.executable, "-c", AVX2_STEP], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    finite, isa = out.stdout.split()[-2:]
+    assert isa == "avx2" and finite == "True", out.stdout
