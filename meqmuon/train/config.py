@@ -50,6 +50,7 @@ __all__ = [
     "default_eval_every",
     "fill_model_defaults",
     "resolve_numerics",
+    "attention_of",
     "config_from_dict",
     "config_to_dict",
     "load_config_file",
@@ -330,7 +331,8 @@ def resolve_numerics(cfg: TrainConfig, device: torch.device | str, *, cpu_capabi
     * ``optimizer_args["ns_dtype"]`` of optimizers that have one: set to the dtype Newton-Schulz will
       use (``"bfloat16"`` or ``"float32"``) when the user did not give one;
     * ``numerics``: the record of the decision (what was asked, the CPU capability string, whether
-      bf16 is native, TF32), which the harness writes into ``config.json``.
+      bf16 is native, TF32, the attention kernel's dtype: :func:`attention_of`), which the harness
+      writes into ``config.json``.
 
     Writing the concrete values makes a run's ``config.json`` reproduce it on any machine and lets the
     resume check (``precision`` and ``optimizer_args`` are :data:`IDENTITY_KEYS`) refuse a checkpoint
@@ -355,8 +357,17 @@ def resolve_numerics(cfg: TrainConfig, device: torch.device | str, *, cpu_capabi
         precision=precision,
         ns_dtype=args.get("ns_dtype"),
         tf32=bool(cfg.tf32 and dev.type == "cuda"),
+        attention=attention_of(precision, dev),
     )
     return dataclasses.replace(cfg, precision=precision, optimizer_args=args, numerics=record)
+
+
+def attention_of(precision: str, device: torch.device | str) -> str:
+    """The model's attention (:data:`meqmuon.train.models.ATTENTIONS`) for a run's resolved precision:
+    ``"sdpa-float32"`` for bf16 autocast on a CPU, whose bf16 SDPA backward is ~5x slower than float32's
+    (a third of a bf16 ``llama-tiny`` update; :func:`meqmuon.train.models._sdpa_float32`), else
+    ``"sdpa"`` (in the autocast dtype: bf16 on CUDA, float32 in fp32 runs, where both are the same)."""
+    return "sdpa-float32" if precision == "bf16" and torch.device(device).type == "cpu" else "sdpa"
 
 
 # ---- run directory: named here and nowhere else -------------------------------------------------

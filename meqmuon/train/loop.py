@@ -404,7 +404,7 @@ def _numerics_record(cfg: ResolvedConfig) -> dict[str, Any]:
     """What the numerics of this start or resume resolved to (for metrics.jsonl, summary.json and tables)."""
     n = cfg.numerics or {}
     return {"precision": cfg.precision, "ns_dtype": cfg.optimizer_args.get("ns_dtype"),
-            "cpu_capability": n.get("cpu_capability"), "tf32": n.get("tf32")}
+            "cpu_capability": n.get("cpu_capability"), "tf32": n.get("tf32"), "attention": n.get("attention")}
 
 
 def _log(msg: str, quiet: bool) -> None:
