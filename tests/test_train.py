@@ -181,6 +181,10 @@ def test_resolve_numerics_by_injected_capability(cap, optimizer, args, want_prec
     # attention: float32 SDPA for bf16 autocast on a CPU (its bf16 backward is slow), else the autocast dtype's
     assert cfg.numerics["attention"] == ("sdpa-float32" if want_precision == "bf16" else "sdpa")
     assert cuda.numerics["attention"] == "sdpa"
+    long = resolve_numerics(TrainConfig(optimizer=optimizer, model="llama-60m"), "cpu", cpu_capability=cap)
+    assert long.numerics["attention"] == "sdpa"  # 1024 tokens: bf16 attention is the faster there
+    assert resolve_numerics(TrainConfig(model="llama-60m", seq_len=256), "cpu",
+                            cpu_capability=cap).numerics["attention"] == cfg.numerics["attention"]
 
 
 def test_run_records_resolved_numerics_and_refuses_resume_where_auto_differs(cache, tmp_path, monkeypatch):

@@ -51,6 +51,7 @@ __all__ = [
     "fill_model_defaults",
     "resolve_numerics",
     "attention_of",
+    "FLOAT32_ATTENTION_MAX_SEQ_LEN",
     "config_from_dict",
     "config_to_dict",
     "load_config_file",
@@ -357,17 +358,27 @@ def resolve_numerics(cfg: TrainConfig, device: torch.device | str, *, cpu_capabi
         precision=precision,
         ns_dtype=args.get("ns_dtype"),
         tf32=bool(cfg.tf32 and dev.type == "cuda"),
-        attention=attention_of(precision, dev),
+        attention=attention_of(precision, dev, cfg.seq_len or model_run_defaults(cfg.model)["seq_len"]),
     )
     return dataclasses.replace(cfg, precision=precision, optimizer_args=args, numerics=record)
 
 
-def attention_of(precision: str, device: torch.device | str) -> str:
-    """The model's attention (:data:`meqmuon.train.models.ATTENTIONS`) for a run's resolved precision:
-    ``"sdpa-float32"`` for bf16 autocast on a CPU, whose bf16 SDPA backward is ~5x slower than float32's
-    (a third of a bf16 ``llama-tiny`` update; :func:`meqmuon.train.models._sdpa_float32`), else
-    ``"sdpa"`` (in the autocast dtype: bf16 on CUDA, float32 in fp32 runs, where both are the same)."""
-    return "sdpa-float32" if precision == "bf16" and torch.device(device).type == "cpu" else "sdpa"
+#: Longest sequence for which a bf16 run on a CPU computes attention in float32 (:func:`attention_of`).
+FLOAT32_ATTENTION_MAX_SEQ_LEN = 256
+
+
+def attention_of(precision: str, device: torch.device | str, seq_len: int) -> str:
+    """The model's attention (:data:`meqmuon.train.models.ATTENTIONS`) for a run's resolved precision,
+    device and sequence length: ``"sdpa-float32"`` for bf16 autocast on a CPU with sequences of at most
+    :data:`FLOAT32_ATTENTION_MAX_SEQ_LEN` tokens, else ``"sdpa"`` (in the autocast dtype).
+
+    Why: the backward of the CPU flash kernel in bf16 has a large cost per (sequence, head) that
+    float32's lacks: at 128 tokens (the ``*-tiny`` presets) it is ~4x slower than float32 and a third of
+    a bf16 ``llama-tiny`` update; at 256 tokens still ~2x; at 512-1024 tokens with 64-dim heads (the
+    paper models) bf16 is the faster one (docs/benchmarks.md, "Wall time of a 20-update `llama-tiny`
+    run"). fp32 runs and CUDA keep ``"sdpa"``."""
+    fast = precision == "bf16" and torch.device(device).type == "cpu" and seq_len <= FLOAT32_ATTENTION_MAX_SEQ_LEN
+    return "sdpa-float32" if fast else "sdpa"
 
 
 # ---- run directory: named here and nowhere else -------------------------------------------------

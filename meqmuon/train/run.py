@@ -138,7 +138,7 @@ def build_run(cfg: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
         _warn_bf16(plan, device)
     data = _build_data(plan, rank, world, layout)
     model = build_model(plan.model, vocab_size=_model_vocab(plan, data.tokenizer), seed=plan.seed, device=device,
-                        attention=attention_of(plan.precision, device))
+                        attention=attention_of(plan.precision, device, plan.seq_len))
     n_params = count_unique_params(model)
     final = plan.for_model(unique_params=n_params, data_source=data.source)
     if ckpt is not None and final.resume:
