@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import os
 import platform
 from collections.abc import Iterator
@@ -50,7 +49,7 @@ def _mallopt() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+        fn = ctypes.CDLL("libc.so.6").mallopt  # glibc's soname (x86-64, aarch64, ...); elsewhere OSError
     except (OSError, AttributeError):
         return None
     fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
