@@ -212,7 +212,7 @@ def build_config(name: str, vocab_size: int | None = None, attention: str = "sdp
     ``vocab_size`` overrides the registry vocabulary (the harness passes its tokenizer's). Dropout is
     off, the KV cache is off (training only) and attention uses PyTorch SDPA: ``attention="sdpa"`` in
     the autocast dtype, ``"sdpa-float32"`` in float32 (:data:`ATTENTIONS`; the harness's choice for a
-    bf16 run on a CPU, :func:`meqmuon.train.config.resolve_numerics`).
+    bf16 run on a CPU at <= 256 tokens per sequence, :func:`meqmuon.train.config.attention_of`).
     """
     if attention not in ATTENTIONS:
         raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTIONS)}")
