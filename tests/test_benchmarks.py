@@ -124,3 +124,20 @@ def test_seed_pairs_pairs_by_seed_at_each_best_lr(tmp_path):
     one = seed_pairs.report(seed_pairs.load_rows(tmp_path / "a.json"), None, ("A",))
     assert one.startswith("A: Δ = first minus second") and "| x - y | 0.02 | 0.01 | -0.4000 |" in one
     assert "B" not in one and one.count("| yes |") == 1
+
+
+def test_train_phases_prints_cpu_seconds_per_phase(tmp_path):
+    """benchmarks/train_phases.py in its own process (its imports are a phase): one row per phase, numbers."""
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "train_phases.py"), "--steps", "2", "--", "--seq-len", "16",
+         "--global-batch", "2", "--vocab-size", "512", "--val-tokens", "64", "--cache-dir", str(tmp_path)],
+        env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True, text=True, check=True).stdout
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith("| phase")}
+    assert list(rows)[:2] == ["import meqmuon.cli + loop", "import meqmuon.train.models (transformers)"]
+    assert {"data, model, optimizer", "updates", "evaluation", "checkpoints"} <= set(rows)
+    assert all(float(v) >= 0 for v in rows.values()) and float(rows["updates"]) > 0

@@ -302,6 +302,18 @@ def test_python_dash_m_and_argparse_errors():
         assert "%%" not in text and "95 %" in text, cmd
 
 
+def test_cli_and_its_parser_import_no_heavy_optional_package():
+    """``import meqmuon.cli`` and building its parser (what ``--help`` and every argparse error pay for)
+    import none of transformers, matplotlib, tensorboard, datasets, tokenizers or scipy: the commands
+    import them when they need them (a run's model, a plot, a tokenizer)."""
+    heavy = ("transformers", "matplotlib", "tensorboard", "datasets", "tokenizers", "scipy")
+    code = ("import sys, meqmuon.cli; meqmuon.cli.build_parser(); "
+            f"print([m for m in {heavy!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_every_flag_of_every_command_has_help():
     import argparse
 

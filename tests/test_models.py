@@ -140,3 +140,31 @@ def test_llama_micro_keeps_the_paper_models_embedding_share_at_20_tokens_per_par
     assert n == get_spec("llama-micro").num_params() == 460_352
     assert abs(emb / n - paper_emb) < 0.02, (emb / n, paper_emb)
     assert get_spec("llama-micro").token_budget() == 20 * n
+
+def test_attention_in_float32_is_sdpa_in_float32():
+    """``attention="sdpa-float32"`` (the harness's choice for bf16 autocast on a CPU): in fp32 it is SDPA
+    itself, bit for bit; under bf16 autocast it returns bf16 like SDPA, within bf16's precision of the fp32
+    result as SDPA's bf16 attention is, and its gradients flow."""
+    from meqmuon.train.models import ATTENTIONS
+
+    assert build_config("llama-tiny", attention="sdpa-float32")._attn_implementation == ATTENTIONS["sdpa-float32"]
+    with pytest.raises(ValueError, match="unknown attention 'flash'"):
+        build_config("llama-tiny", attention="flash")
+    torch.manual_seed(0)
+    x = torch.randint(0, 4096, (2, 64))
+    ref = build_model("llama-tiny", seed=0)
+    f32 = build_model("llama-tiny", seed=0, attention="sdpa-float32")
+    assert torch.equal(ref(input_ids=x).logits, f32(input_ids=x).logits)
+    for name in ("qwen2-tiny", "smollm2-tiny"):  # biases, GQA
+        a, b = build_model(name, seed=0), build_model(name, seed=0, attention="sdpa-float32")
+        assert torch.equal(a(input_ids=x).logits, b(input_ids=x).logits)
+    exact = ref(input_ids=x).logits
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low, mixed = ref(input_ids=x).logits, f32(input_ids=x).logits
+        mixed.float().logsumexp(-1).sum().backward()
+    assert low.dtype == mixed.dtype == torch.bfloat16
+    # bf16 has 8 significant bits: both stay within a few bf16 ulps of the logits' scale of the fp32 result
+    scale = exact.abs().max()
+    assert (mixed.float() - exact).abs().max() <= 2**-6 * scale and (low.float() - exact).abs().max() <= 2**-6 * scale
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in f32.parameters())
+

@@ -179,6 +179,13 @@ def test_resolve_numerics_by_injected_capability(cap, optimizer, args, want_prec
     cuda = resolve_numerics(TrainConfig(optimizer=optimizer), "cuda", cuda_bf16=True, cpu_capability=cap)
     assert cuda.precision == "bf16" and cuda.numerics["tf32"] is True
     assert resolve_numerics(TrainConfig(tf32=False), "cuda", cuda_bf16=False).numerics["tf32"] is False
+    # attention: float32 SDPA for bf16 autocast on a CPU (its bf16 backward is slow), else the autocast dtype's
+    assert cfg.numerics["attention"] == ("sdpa-float32" if want_precision == "bf16" else "sdpa")
+    assert cuda.numerics["attention"] == "sdpa"
+    long = resolve_numerics(TrainConfig(optimizer=optimizer, model="llama-60m"), "cpu", cpu_capability=cap)
+    assert long.numerics["attention"] == "sdpa"  # 1024 tokens: bf16 attention is the faster there
+    assert resolve_numerics(TrainConfig(model="llama-60m", seq_len=256), "cpu",
+                            cpu_capability=cap).numerics["attention"] == cfg.numerics["attention"]
 
 
 def test_run_records_resolved_numerics_and_refuses_resume_where_auto_differs(cache, tmp_path, monkeypatch):
@@ -216,6 +223,8 @@ def test_run_records_resolved_numerics_and_refuses_resume_where_auto_differs(cac
     runs = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "run"]
     assert [r["step"] for r in runs] == [0, 1]  # one record per start or resume
     assert all(r["precision"] == want_p and r["ns_dtype"] == want_ns and r["cpu_capability"] == cap for r in runs)
+    want_attention = "sdpa-float32" if want_p == "bf16" else "sdpa"
+    assert summary["attention"] == want_attention and saved["numerics"]["attention"] == want_attention
 
 
 def test_forced_bf16_on_a_cpu_without_native_bf16_warns_once(cache, tmp_path, monkeypatch, capsys):
@@ -230,6 +239,50 @@ def test_forced_bf16_on_a_cpu_without_native_bf16_warns_once(cache, tmp_path, mo
     # auto on the same (pretended) CPU: fp32 and no warning
     train(tiny(cache, tmp_path / "a", steps=1, seq_len=16, global_batch=2, micro_batch=2, val_tokens=64))
     assert "warning" not in capsys.readouterr().err
+
+
+def test_cpu_run_keeps_freed_memory_during_the_run_only(cache, tmp_path, monkeypatch):
+    """glibc's mmap is off during a CPU run (meqmuon.train.allocator) and back on afterwards; a MALLOC_*
+    variable of the user's leaves malloc alone."""
+    from meqmuon.train import allocator
+
+    calls, seen = [], []
+    monkeypatch.setattr(allocator, "_mallopt", lambda: lambda param, value: calls.append((param, value)) or 1)
+    for name in [n for n in os.environ if n.startswith("MALLOC_") or n in ("GLIBC_TUNABLES", "LD_PRELOAD")]:
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("MEQMUON_KEEP_FREED_MEMORY", raising=False)
+    real = loop_mod._train
+
+    def spy(*a, **k):
+        seen.append(list(calls))
+        return real(*a, **k)
+
+    monkeypatch.setattr(loop_mod, "_train", spy)
+    train(tiny(cache, tmp_path / "m", steps=1, seq_len=16, global_batch=2, micro_batch=2, val_tokens=64))
+    assert seen == [[(-4, 0), (-1, 2**31 - 1)]]  # M_MMAP_MAX = 0, M_TRIM_THRESHOLD never reached
+    assert calls[2:] == [(-4, 65536), (-1, 128 * 1024)]  # glibc's defaults restored
+    assert allocator.applies()
+    for env in ({"MALLOC_ARENA_MAX": "2"}, {"LD_PRELOAD": "libjemalloc.so"}, {"MEQMUON_KEEP_FREED_MEMORY": "0"}):
+        calls.clear()
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            with allocator.keep_freed_memory() as applied:
+                assert applied is False and not allocator.applies()
+        assert calls == []
+    with allocator.keep_freed_memory(enabled=False) as applied:  # e.g. a CUDA run
+        assert applied is False and calls == []
+
+
+def test_keep_freed_memory_on_this_machine():
+    """The real mallopt (glibc): the block runs, allocations inside and after it work."""
+    from meqmuon.train import allocator
+
+    with allocator.keep_freed_memory() as applied:
+        x = torch.ones(8 << 20)  # 32 MiB: above glibc's largest mmap threshold
+        del x
+    assert applied in (True, False)
+    assert float(torch.ones(8 << 20).sum()) == 8 << 20
 
 
 def test_threads_apply_during_the_run_and_are_restored(cache, tmp_path, monkeypatch):

@@ -50,6 +50,8 @@ __all__ = [
     "default_eval_every",
     "fill_model_defaults",
     "resolve_numerics",
+    "attention_of",
+    "FLOAT32_ATTENTION_MAX_SEQ_LEN",
     "config_from_dict",
     "config_to_dict",
     "load_config_file",
@@ -340,7 +342,8 @@ def resolve_numerics(cfg: TrainConfig, device: torch.device | str, *, cpu_capabi
     * ``optimizer_args["ns_dtype"]`` of optimizers that have one: set to the dtype Newton-Schulz will
       use (``"bfloat16"`` or ``"float32"``) when the user did not give one;
     * ``numerics``: the record of the decision (what was asked, the CPU capability string, whether
-      bf16 is native, TF32), which the harness writes into ``config.json``.
+      bf16 is native, TF32, the attention kernel's dtype: :func:`attention_of`), which the harness
+      writes into ``config.json``.
 
     Writing the concrete values makes a run's ``config.json`` reproduce it on any machine and lets the
     resume check (``precision`` and ``optimizer_args`` are :data:`IDENTITY_KEYS`) refuse a checkpoint
@@ -365,8 +368,27 @@ def resolve_numerics(cfg: TrainConfig, device: torch.device | str, *, cpu_capabi
         precision=precision,
         ns_dtype=args.get("ns_dtype"),
         tf32=bool(cfg.tf32 and dev.type == "cuda"),
+        attention=attention_of(precision, dev, cfg.seq_len or model_run_defaults(cfg.model)["seq_len"]),
     )
     return dataclasses.replace(cfg, precision=precision, optimizer_args=args, numerics=record)
+
+
+#: Longest sequence for which a bf16 run on a CPU computes attention in float32 (:func:`attention_of`).
+FLOAT32_ATTENTION_MAX_SEQ_LEN = 256
+
+
+def attention_of(precision: str, device: torch.device | str, seq_len: int) -> str:
+    """The model's attention (:data:`meqmuon.train.models.ATTENTIONS`) for a run's resolved precision,
+    device and sequence length: ``"sdpa-float32"`` for bf16 autocast on a CPU with sequences of at most
+    :data:`FLOAT32_ATTENTION_MAX_SEQ_LEN` tokens, else ``"sdpa"`` (in the autocast dtype).
+
+    Why: the backward of the CPU flash kernel in bf16 has a large cost per (sequence, head) that
+    float32's lacks: at 128 tokens (the ``*-tiny`` presets) it is ~4x slower than float32 and a third of
+    a bf16 ``llama-tiny`` update; at 256 tokens still ~2x; at 512-1024 tokens with 64-dim heads (the
+    paper models) bf16 is the faster one (docs/benchmarks.md, "Wall time of a 20-update `llama-tiny`
+    run"). fp32 runs and CUDA keep ``"sdpa"``."""
+    fast = precision == "bf16" and torch.device(device).type == "cpu" and seq_len <= FLOAT32_ATTENTION_MAX_SEQ_LEN
+    return "sdpa-float32" if fast else "sdpa"
 
 
 # ---- run directory: named here and nowhere else -------------------------------------------------

@@ -46,6 +46,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from meqmuon.train.allocator import keep_freed_memory
 from meqmuon.train.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
@@ -108,9 +109,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     rank, world, local_rank, own_pg = _init_distributed()
     matmul_precision = torch.get_float32_matmul_precision()  # process-global: restored on return
     threads = torch.get_num_threads()
-    torch.set_num_threads(run_threads(cfg, device_of(cfg, local_rank)) or threads)
+    device = device_of(cfg, local_rank)
+    torch.set_num_threads(run_threads(cfg, device) or threads)
     try:
-        return _train(cfg, rank, world, local_rank)
+        with keep_freed_memory(device.type == "cpu"):  # glibc: no mmap/munmap per large tensor
+            return _train(cfg, rank, world, local_rank)
     finally:
         torch.set_float32_matmul_precision(matmul_precision)
         torch.set_num_threads(threads)
@@ -401,7 +404,7 @@ def _numerics_record(cfg: ResolvedConfig) -> dict[str, Any]:
     """What the numerics of this start or resume resolved to (for metrics.jsonl, summary.json and tables)."""
     n = cfg.numerics or {}
     return {"precision": cfg.precision, "ns_dtype": cfg.optimizer_args.get("ns_dtype"),
-            "cpu_capability": n.get("cpu_capability"), "tf32": n.get("tf32")}
+            "cpu_capability": n.get("cpu_capability"), "tf32": n.get("tf32"), "attention": n.get("attention")}
 
 
 def _log(msg: str, quiet: bool) -> None:

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import (
+    AttentionInterface,
     LlamaConfig,
     LlamaForCausalLM,
     PretrainedConfig,
@@ -32,6 +34,8 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 __all__ = [
     "ModelSpec",
@@ -42,7 +46,40 @@ __all__ = [
     "build_config",
     "build_model",
     "count_unique_params",
+    "ATTENTIONS",
 ]
+
+#: ``attention`` of :func:`build_config`: PyTorch SDPA in the autocast dtype, or SDPA in float32 (see
+#: :func:`_sdpa_float32`), by the name each is registered under in transformers' attention interfaces.
+ATTENTIONS: dict[str, str] = {"sdpa": "sdpa", "sdpa-float32": "meqmuon_sdpa_float32"}
+
+
+def _sdpa_float32(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """transformers' SDPA attention computed in float32, autocast off, its output in the dtype that
+    ``"sdpa"`` returns (the autocast dtype under autocast, else the query's); without autocast and
+    with float32 inputs it is ``"sdpa"`` itself.
+
+    Why: on a CPU the backward of SDPA's flash kernel in bf16 is ~5x slower than in float32 (a
+    llama-tiny layer, 32 x 4 heads x 128 x 32: 35 ms against 7 ms, forward 2.6 ms against 3.1 ms,
+    torch 2.13, ``AVX512+AVX512_BF16+AMX_BF16``), a third of a bf16 ``llama-tiny`` update. Under bf16
+    autocast SDPA casts its inputs to bf16 (the rotary embedding has made q and k float32 by then);
+    here the softmax and both products stay in float32, at least as accurate as in bf16, and the
+    projections around them stay in bf16. docs/benchmarks.md, "Wall time of a 20-update `llama-tiny` run"."""
+    dev = query.device.type
+    out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else query.dtype
+    if out_dtype == torch.float32 and query.dtype == key.dtype == value.dtype == torch.float32:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if attention_mask is not None and attention_mask.is_floating_point():
+        attention_mask = attention_mask.float()
+    with torch.autocast(dev, enabled=False):
+        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
+                                              **kwargs)
+    return out.to(out_dtype), weights
+
+
+AttentionInterface.register(ATTENTIONS["sdpa-float32"], _sdpa_float32)
+AttentionMaskInterface.register(ATTENTIONS["sdpa-float32"], sdpa_mask)
 
 #: Chinchilla-style default budget used by the paper: 20 training tokens per unique parameter.
 TOKENS_PER_PARAM = 20
@@ -172,12 +209,16 @@ def get_spec(name: str) -> ModelSpec:
         raise ValueError(f"unknown model {name!r}; valid names: {', '.join(MODELS)}") from None
 
 
-def build_config(name: str, vocab_size: int | None = None) -> PretrainedConfig:
+def build_config(name: str, vocab_size: int | None = None, attention: str = "sdpa") -> PretrainedConfig:
     """``LlamaConfig`` (llama, smollm2) or ``Qwen2Config`` (qwen2) for a registry entry.
 
     ``vocab_size`` overrides the registry vocabulary (the harness passes its tokenizer's). Dropout is
-    off, the KV cache is off (training only) and attention uses PyTorch SDPA.
+    off, the KV cache is off (training only) and attention uses PyTorch SDPA: ``attention="sdpa"`` in
+    the autocast dtype, ``"sdpa-float32"`` in float32 (:data:`ATTENTIONS`; the harness's choice for a
+    bf16 run on a CPU at <= 256 tokens per sequence, :func:`meqmuon.train.config.attention_of`).
     """
+    if attention not in ATTENTIONS:
+        raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTIONS)}")
     spec = get_spec(name)
     vocab = spec.vocab_size if vocab_size is None else int(vocab_size)
 
@@ -207,7 +248,7 @@ def build_config(name: str, vocab_size: int | None = None) -> PretrainedConfig:
         cfg = Qwen2Config(**common, use_sliding_window=False)
     else:
         cfg = LlamaConfig(**common, head_dim=spec.head_dim, attention_bias=False, mlp_bias=False)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = ATTENTIONS[attention]
     return cfg
 
 
@@ -218,14 +259,15 @@ def build_model(
     device: str | torch.device = "cpu",
     seed: int | None = None,
     dtype: torch.dtype = torch.float32,
+    attention: str = "sdpa",
 ) -> PreTrainedModel:
     """Randomly initialised causal LM for a registry entry.
 
     ``device="meta"`` builds the module structure without allocating weights (used to count
     parameters of the large models cheaply). ``seed`` seeds the global torch RNG before init, so the
-    same seed gives the same weights.
+    same seed gives the same weights. ``attention``: see :func:`build_config`.
     """
-    cfg = build_config(name, vocab_size)
+    cfg = build_config(name, vocab_size, attention)
     cls = Qwen2ForCausalLM if get_spec(name).family == "qwen2" else LlamaForCausalLM
     if seed is not None:
         torch.manual_seed(seed)

@@ -31,7 +31,14 @@ from meqmuon.train.checkpoint import (
     load_latest_readable,
     set_rng_state,
 )
-from meqmuon.train.config import IDENTITY_KEYS, ResolvedConfig, TrainConfig, optimizer_kwargs, resolve
+from meqmuon.train.config import (
+    IDENTITY_KEYS,
+    ResolvedConfig,
+    TrainConfig,
+    attention_of,
+    optimizer_kwargs,
+    resolve,
+)
 from meqmuon.train.parallel import Layout, check_layout, shard_model
 
 __all__ = ["Run", "WarmupCosine", "build_run", "device_of", "seed_all"]
@@ -130,7 +137,8 @@ def build_run(cfg: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
     if rank == 0:
         _warn_bf16(plan, device)
     data = _build_data(plan, rank, world, layout)
-    model = build_model(plan.model, vocab_size=_model_vocab(plan, data.tokenizer), seed=plan.seed, device=device)
+    model = build_model(plan.model, vocab_size=_model_vocab(plan, data.tokenizer), seed=plan.seed, device=device,
+                        attention=attention_of(plan.precision, device, plan.seq_len))
     n_params = count_unique_params(model)
     final = plan.for_model(unique_params=n_params, data_source=data.source)
     if ckpt is not None and final.resume:
