@@ -20,9 +20,11 @@ be tested by injecting the report:
 Core module: imports torch only. The CPU answer is computed once per process (``functools.cache``).
 
 ``MEQMUON_CPU_CAPABILITY`` (e.g. ``AVX2``) replaces the CPU's report, as ``ATEN_CPU_CAPABILITY`` replaces
-torch's kernel choice: with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MEQMUON_CPU_CAPABILITY=AVX2``
-a CPU with native bf16 runs the package as an AVX2-only CPU would (float32 "auto" choices, emulated
-bf16 where a test asks for bf16), so the suite can be checked for both kinds on one machine.
+torch's kernel choice: with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MEQMUON_CPU_CAPABILITY=AVX2
+TORCHINDUCTOR_CPP_MARCH=haswell`` a CPU with native bf16 runs the package as an AVX2-only CPU would (float32
+"auto" choices, emulated bf16 where a test asks for bf16, AVX2 kernels), so the suite can be checked for
+both kinds on one machine. The last one matters: Inductor compiles its CPU code with ``-march=native``,
+and AVX2 vector code built for an AVX-512 target wrote NaN into parameters (torch 2.13.0).
 """
 
 from __future__ import annotations

@@ -44,12 +44,6 @@ class MeqHidden(HiddenRule):
     def post_all(self, Us, group, states):
         """The same for all of a step's stacks: their statistics in one pass (a fixed number of kernels)."""
         Ds, rows = F.adaptive_normalize_stacks(Us, rho=group["rho"])
-        if torch.compiler.is_compiling():
-            # Inductor's AVX2 code for the per-tensor graph (a bf16 U, the bool choices added to the int64
-            # counter inside one fused kernel) wrote NaN into the parameters (torch 2.13.0, CPU code with
-            # ATEN_CPU_CAPABILITY=avx2; AVX512 code and scalar code were right). Counting int64 choices
-            # avoids that kernel; eagerly the cast would be one more op per step, so only in graphs.
-            rows = rows.to(torch.int64)
         torch._foreach_add_([st["rows_chosen"] for st in states], list(rows.split([U.shape[0] for U in Us])))
         return Ds
 
