@@ -108,7 +108,8 @@ class TorchMuonAdamW:
         self.adamw.step()
 
 
-def build(name, params, ns_dtype=torch.bfloat16):
+def build(name, params, ns_dtype=torch.bfloat16, **hparams):
+    """``hparams``: extra optimizer keywords (``ns_method``, ``ns_steps``) of a ``--ns-variants`` row."""
     all_params = [p for ps in params.values() for p in ps]
     if name == "torch Muon+AdamW":
         return TorchMuonAdamW(params, ns_dtype=ns_dtype)
@@ -116,7 +117,14 @@ def build(name, params, ns_dtype=torch.bfloat16):
         return torch.optim.AdamW(all_params, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
     base, _, flag = name.partition(" ")
     kw = {"compile": True} if flag == "(compile)" else {}
-    return meqmuon.build_optimizer(base, groups_of(params), lr=1e-3, ns_dtype=ns_dtype, **kw)
+    return meqmuon.build_optimizer(base, groups_of(params), lr=1e-3, ns_dtype=ns_dtype, **kw, **hparams)
+
+
+def parse_variant(text):
+    """``METHOD`` or ``METHOD:STEPS`` (``--ns-variants``) -> ``(row name, optimizer keywords)``."""
+    method, _, steps = text.partition(":")
+    hp = {"ns_method": method, **({"ns_steps": int(steps)} if steps else {})}
+    return f"meqmuon ({method}{f', {steps} steps' if steps else ''})", hp
 
 
 def time_call(fn, device, repeats):
@@ -185,6 +193,11 @@ def main(argv=None):
         help="which optimizers to time (each holds its own parameters, gradients and state: for the "
         "larger models pick a few to fit in memory); torch Muon+AdamW is always timed, as the reference",
     )
+    ap.add_argument(
+        "--ns-variants", nargs="+", default=[], metavar="METHOD[:STEPS]",
+        help="also time MeqMuon with these Newton-Schulz methods (ns_method, optionally ns_steps), one row "
+        "each, e.g. quintic gram aol quintic:4; the FLOP floor stays the 5-iteration quintic's",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -195,11 +208,13 @@ def main(argv=None):
     names = [n for n in ALL_OPTIMIZERS if n in args.optimizers or n == "torch Muon+AdamW"]
     if args.compile and "meqmuon" in names:
         names.insert(1, "meqmuon (compile)")
+    variants = dict(parse_variant(v) for v in args.ns_variants)
+    names += [n for n in variants if n not in names]
     opts = {}
     params = {}
     for name in names:
         params[name] = make_params(shapes, device)
-        opts[name] = build(name, params[name], ns_dtype)
+        opts[name] = build("meqmuon" if name in variants else name, params[name], ns_dtype, **variants.get(name, {}))
         for _ in range(args.warmup):
             opts[name].step()
     floor_calls, flops = floor_work(shapes["hidden"], device, ns_dtype)
