@@ -47,10 +47,11 @@ def test_step_time_prints_medians_and_paired_ratios(capsys):
 
 def test_step_time_ns_variants_add_one_meqmuon_row_each(capsys):
     """``--ns-variants`` times MeqMuon once per Newton-Schulz method (and iteration count) in the same
-    round-robin, with the method reaching the optimizer's groups."""
+    round-robin, with the method reaching the optimizer's groups; ``--clock cpu`` says so."""
     step_time.main(["--model", "llama-tiny", "--repeats", "1", "--warmup", "0", "--optimizers", "meqmuon",
-                    "--ns-variants", "gram", "aol", "quintic:3"])
+                    "--ns-variants", "gram", "aol", "quintic:3", "--clock", "cpu"])
     out = capsys.readouterr().out
+    assert "clock: process CPU time (--clock cpu)" in out
     rows = {line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")}
     assert rows == {"optimizer", "meqmuon", "torch Muon+AdamW", "meqmuon (gram)", "meqmuon (aol)",
                     "meqmuon (quintic, 3 steps)"}, out
