@@ -108,7 +108,8 @@ class TorchMuonAdamW:
         self.adamw.step()
 
 
-def build(name, params, ns_dtype=torch.bfloat16):
+def build(name, params, ns_dtype=torch.bfloat16, **hparams):
+    """``hparams``: extra optimizer keywords (``ns_method``, ``ns_steps``) of a ``--ns-variants`` row."""
     all_params = [p for ps in params.values() for p in ps]
     if name == "torch Muon+AdamW":
         return TorchMuonAdamW(params, ns_dtype=ns_dtype)
@@ -116,17 +117,26 @@ def build(name, params, ns_dtype=torch.bfloat16):
         return torch.optim.AdamW(all_params, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
     base, _, flag = name.partition(" ")
     kw = {"compile": True} if flag == "(compile)" else {}
-    return meqmuon.build_optimizer(base, groups_of(params), lr=1e-3, ns_dtype=ns_dtype, **kw)
+    return meqmuon.build_optimizer(base, groups_of(params), lr=1e-3, ns_dtype=ns_dtype, **kw, **hparams)
 
 
-def time_call(fn, device, repeats):
+def parse_variant(text):
+    """``METHOD`` or ``METHOD:STEPS`` (``--ns-variants``) -> ``(row name, optimizer keywords)``."""
+    method, _, steps = text.partition(":")
+    hp = {"ns_method": method, **({"ns_steps": int(steps)} if steps else {})}
+    return f"meqmuon ({method}{f', {steps} steps' if steps else ''})", hp
+
+
+def time_call(fn, device, repeats, clock=time.perf_counter):
+    """Seconds per call of ``fn``; ``clock=time.process_time`` (``--clock cpu``) counts the process's CPU
+    time, which other jobs on a shared CPU disturb far less than wall time (as ``step_ab.py``)."""
     out = []
     for _ in range(repeats):
         _sync(device)
-        t = time.perf_counter()
+        t = clock()
         fn()
         _sync(device)
-        out.append(time.perf_counter() - t)
+        out.append(clock() - t)
     return out
 
 
@@ -185,21 +195,31 @@ def main(argv=None):
         help="which optimizers to time (each holds its own parameters, gradients and state: for the "
         "larger models pick a few to fit in memory); torch Muon+AdamW is always timed, as the reference",
     )
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="wall (default) or the process's CPU time (robust to other jobs; CPU with --threads 1)")
+    ap.add_argument(
+        "--ns-variants", nargs="+", default=[], metavar="METHOD[:STEPS]",
+        help="also time MeqMuon with these Newton-Schulz methods (ns_method, optionally ns_steps), one row "
+        "each, e.g. quintic gram aol quintic:4; the FLOP floor stays the 5-iteration quintic's",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     ns_dtype = resolve_ns_dtype(None if args.ns_dtype == "auto" else getattr(torch, args.ns_dtype), device)
     ns_name = str(ns_dtype).removeprefix("torch.")
     shapes = model_shapes(args.model)
     names = [n for n in ALL_OPTIMIZERS if n in args.optimizers or n == "torch Muon+AdamW"]
     if args.compile and "meqmuon" in names:
         names.insert(1, "meqmuon (compile)")
+    variants = dict(parse_variant(v) for v in args.ns_variants)
+    names += [n for n in variants if n not in names]
     opts = {}
     params = {}
     for name in names:
         params[name] = make_params(shapes, device)
-        opts[name] = build(name, params[name], ns_dtype)
+        opts[name] = build("meqmuon" if name in variants else name, params[name], ns_dtype, **variants.get(name, {}))
         for _ in range(args.warmup):
             opts[name].step()
     floor_calls, flops = floor_work(shapes["hidden"], device, ns_dtype)
@@ -208,9 +228,9 @@ def main(argv=None):
     times = {n: [] for n in [*names, *floor_calls]}
     for _ in range(args.repeats):  # round-robin: load changes hit all optimizers and the floor alike
         for name in names:
-            times[name] += time_call(opts[name].step, device, 1)
+            times[name] += time_call(opts[name].step, device, 1, clock)
         for key, fn in floor_calls.items():
-            times[key] += time_call(fn, device, 1)
+            times[key] += time_call(fn, device, 1, clock)
     med = {n: statistics.median(t) for n, t in times.items()}
     buckets = {bucket for bucket, _ in floor_calls}
     floor = NS_STEPS * sum(min(med[(bucket, "bmm")], med[(bucket, "mm")]) for bucket in buckets)
@@ -233,7 +253,8 @@ def main(argv=None):
         "",
         f"- date {date.today()}, machine: {platform.processor() or platform.machine()}, CPU capability "
         f"{detect_cpu_capability()}, {torch.get_num_threads()} threads, torch {torch.__version__}, device {device}",
-        f"- NS dtype {ns_name} (--ns-dtype {args.ns_dtype})"
+        f"- clock: {'process CPU time' if args.clock == 'cpu' else 'wall'} (--clock {args.clock}); "
+        f"NS dtype {ns_name} (--ns-dtype {args.ns_dtype})"
         + ("" if ns_dtype == torch.bfloat16 else "; torch Muon's NS run in this dtype (torch hard-codes bf16)"),
         f"- command: `python benchmarks/step_time.py {shlex.join(argv if argv is not None else sys.argv[1:])}`",
         f"- Newton-Schulz FLOPs per step: {flops / 1e9:.1f} GFLOP; "

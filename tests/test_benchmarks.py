@@ -45,6 +45,24 @@ def test_step_time_prints_medians_and_paired_ratios(capsys):
     assert "FLOP floor" in out
 
 
+def test_step_time_ns_variants_add_one_meqmuon_row_each(capsys):
+    """``--ns-variants`` times MeqMuon once per Newton-Schulz method (and iteration count) in the same
+    round-robin, with the method reaching the optimizer's groups; ``--clock cpu`` says so."""
+    step_time.main(["--model", "llama-tiny", "--repeats", "1", "--warmup", "0", "--optimizers", "meqmuon",
+                    "--ns-variants", "gram", "aol", "quintic:3", "--clock", "cpu"])
+    out = capsys.readouterr().out
+    assert "clock: process CPU time (--clock cpu)" in out
+    rows = {line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")}
+    assert rows == {"optimizer", "meqmuon", "torch Muon+AdamW", "meqmuon (gram)", "meqmuon (aol)",
+                    "meqmuon (quintic, 3 steps)"}, out
+    assert step_time.parse_variant("quintic:4") == ("meqmuon (quintic, 4 steps)",
+                                                    {"ns_method": "quintic", "ns_steps": 4})
+    params = step_time.make_params(shapes.model_shapes("llama-tiny"), "cpu")
+    opt = step_time.build("meqmuon", params, ns_method="gram", ns_steps=4)
+    hidden = [g for g in opt.param_groups if g.get("ns_method") is not None]
+    assert hidden and all(g["ns_method"] == "gram" and g["ns_steps"] == 4 for g in hidden)
+
+
 def test_step_time_names_capability_and_ns_dtype_and_torch_ns_copy_is_faithful(capsys):
     """The FLOP floor and every optimizer use the resolved NS dtype, and the output says which and on
     what CPU; the copy of torch's Newton-Schulz with another cast equals torch's own in bf16."""
