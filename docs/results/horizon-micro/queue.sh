@@ -1,0 +1,45 @@
+#!/bin/bash
+# Issue 39's queue: runs the lines of JOBS ("OPTIMIZER LR SEED", in order) two at a time, one thread
+# each, and starts a run only if it can finish before FINISH_BY (UTC, e.g. 18:50), judged by the longest
+# finished run so far (EST_S seconds before any has finished). Appends start/end lines to RUNS/jobs.log.
+# --steps 2248: sweep's base is the demo config (100 updates), so it needs the length spelled out;
+# 2,248 = ceil(20 x 460,352 / (32 x 128)), the 20-tokens-per-parameter run of `meqmuon train`.
+# usage: queue.sh JOBS FINISH_BY   (environment: WT worktree, RUNS run root, EST_S, LANES)
+set -u
+jobs_file=$1; finish_by=$(date -u -d "$2" +%s)
+WT=${WT:-/work/wt39r}; RUNS=${RUNS:-/work/runs39}; EST_S=${EST_S:-900}; LANES=${LANES:-2}
+log=$RUNS/jobs.log; next=$RUNS/queue.next; mkdir -p "$RUNS/logs"; [ -f "$next" ] || echo 1 > "$next"
+
+run_one() {  # OPTIMIZER LR SEED
+  local opt=$1 lr=$2 seed=$3 out=$RUNS/1x args=()
+  if [ "$opt" = adamw ]; then out=$RUNS/1x-adamw; else args=(--optimizer-arg ns_dtype=float32); fi
+  local start; start=$(date +%s)
+  echo "start $(date -u +%FT%TZ) $opt $lr $seed" >> "$log"
+  (cd "$WT" && PYTHONPATH=$WT python -m meqmuon sweep --optimizers "$opt" --lrs "$lr" --seeds "$seed" \
+     --model llama-micro --data "$RUNS/pysrc-2048" --precision fp32 "${args[@]}" --steps 2248 \
+     --eval-every 2248 --save-every 500 --val-tokens 65536 --threads 1 --quiet --out "$out") > "$RUNS/logs/$opt-$lr-s$seed.log" 2>&1
+  local rc=$? end; end=$(date +%s)
+  echo "end $(date -u +%FT%TZ) $opt $lr $seed rc=$rc wall_s=$((end - start)) git=$(git -C "$WT" rev-parse --short HEAD)" >> "$log"
+}
+
+estimate() {  # the longest wall time of a finished run, else EST_S
+  local m; m=$(grep -o 'rc=0 wall_s=[0-9]*' "$log" 2>/dev/null | cut -d= -f3 | sort -n | tail -1)
+  echo "${m:-$EST_S}"
+}
+
+lane() {
+  while true; do
+    local n line
+    n=$(flock "$next" -c "n=\$(cat '$next'); echo \$((n + 1)) > '$next'; echo \$n")
+    line=$(sed -n "${n}p" "$jobs_file")
+    [ -z "$line" ] && return
+    if [ $(( $(date +%s) + $(estimate) )) -gt "$finish_by" ]; then
+      echo "skip $(date -u +%FT%TZ) $line (estimate $(estimate) s would end after $2)" >> "$log"; return
+    fi
+    # shellcheck disable=SC2086
+    run_one $line
+  done
+}
+
+for _ in $(seq "$LANES"); do lane "$jobs_file" "$2" & sleep 2; done
+wait
