@@ -101,8 +101,11 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
     g.add_argument("--val-tokens", type=parse_count, default=S,
                    help="validation targets (per model: 1M, *-tiny 32768; fewer if less text)")
     g.add_argument("--cache-dir", default=S, help="data cache (default $MEQMUON_CACHE or ~/.cache/meqmuon)")
-    g.add_argument("--tokens", type=parse_count, default=S, help="training tokens (default 20 x unique params)")
-    g.add_argument("--steps", type=int, default=S, help="optimizer updates (overrides --tokens)")
+    g.add_argument("--tokens", type=parse_count, default=S,
+                   help="training tokens (default " + ("the demo's 100 updates" if compare else "20 x unique params")
+                   + ")")
+    g.add_argument("--steps", type=int, default=S, help="optimizer updates (overrides --tokens)"
+                   + ("; default 100, the demo's" if compare else ""))
     g.add_argument("--seq-len", type=int, default=S, help="tokens per sequence (per model: 1024, *-tiny 128)")
     g.add_argument("--global-batch", type=int, default=S,
                    help="sequences per update over all ranks (per model: 512, *-tiny 32)")

@@ -524,3 +524,15 @@ def test_train_uses_one_cpu_thread_unless_told(monkeypatch):
     assert loop.run_threads(TrainConfig(), torch.device("cpu")) == 1
     assert loop.run_threads(TrainConfig(threads=3), torch.device("cpu")) == 3
     assert loop.run_threads(TrainConfig(), torch.device("cuda", 0)) is None
+
+
+def test_a_token_budget_given_to_compare_or_sweep_sets_the_run_length():
+    """``meqmuon sweep --tokens N`` used to run the demo's 100 updates (its ``steps=100`` overrode the given
+    tokens); now a given token budget drops the demo's length, and ``--steps`` still wins over it."""
+    from meqmuon.train.compare import demo_config
+
+    assert demo_config().steps == 100
+    cfg = demo_config(tokens=32 * 128 * 7)
+    assert cfg.steps is None
+    assert resolve(cfg, device="cpu", world_size=1).for_model(unique_params=1, data_source="builtin").steps == 7
+    assert demo_config(tokens=10_000, steps=5).steps == 5

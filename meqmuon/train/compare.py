@@ -61,6 +61,8 @@ def demo_config(**overrides: Any) -> TrainConfig:
     # docs/benchmarks.md), and the demo must finish in 10 minutes there. `--threads 2` is faster when idle.
     base = dict(model="llama-tiny", data="builtin", seq_len=128, global_batch=32, micro_batch=None, steps=100,
                 eval_every=20, save_every=50, val_tokens=32768, keep_checkpoints=1, threads=1)
+    if overrides.get("tokens") is not None and "steps" not in overrides:
+        base["steps"] = None  # a given token budget sets the length (--steps overrides --tokens, as in train)
     base.update(overrides)
     return TrainConfig(**base)
 
