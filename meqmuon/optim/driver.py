@@ -197,8 +197,7 @@ def per_tensor(calls: Sequence[Call], hidden: Callable[[HiddenRule, Sequence[Ite
     hidden = hidden or _hidden_eager
     for rule, items, group, ctx in calls:
         bufs = [it.state["momentum_buffer"] for it in items]
-        F.momentum_(bufs, [it.grad.to(b.dtype) for it, b in zip(items, bufs, strict=True)], group["momentum"],
-                    fused=True)
+        F.momentum_(bufs, grads_like(items, bufs), group["momentum"], fused=True)
         if ctx.capture is not None:
             ctx.emit(items, [direction_input(it, group) for it in items], "momentum_input")
         update = (lambda its, g, c, rule=rule: hidden(rule, its, g, c)) if isinstance(rule, HiddenRule) else rule.update

@@ -81,7 +81,7 @@ def _at_owners(p: torch.Tensor, rule: Rule, layout: Layout, compiled_batched: bo
     if not is_dtensor(p) or is_replicated(p) or driver.elementwise(rule):
         return False
     rows = tuple(p.placements) in SHARDED_LAYOUTS
-    if rows and compiled_batched and driver.compiles(rule) and not isinstance(rule, HiddenRule):
+    if rows and compiled_batched and isinstance(rule, MomentumRule):
         return True
     return not rows or (_cuts(rule, layout) and (not layout.batch or layout.folded))
 
