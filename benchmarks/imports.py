@@ -8,9 +8,10 @@ inside functions (a lazy import that hides a cycle counts as the cycle it hides)
 - A **cycle** is a strongly connected set of modules (Tarjan), printed with the edges inside it.
 - An **upward import** is an edge from a module to one on a higher layer of :data:`LAYERS`: the
   architecture in one table, from the tensor maths up to the named optimizers (docs/design.md:
-  ``cli -> train -> optim -> functional``; inside ``optim``, what a rule is below the seam, the seam
-  below the driver, the driver below the rules and the engine). A module of the package that is in no
-  layer is reported too, so a new file is placed deliberately.
+  ``cli -> train -> optim -> functional``; inside ``optim``, what a rule is below the table of
+  Newton-Schulz methods and the FSDP2 exchange, those below the driver, the driver below its compiled
+  forms, the rules and the engine). A module of the package that is in no layer is reported too, so a new
+  file is placed deliberately.
 
 Exit status 0 only with 0 cycles, 0 upward imports and 0 unplaced modules; ``--graph`` prints every edge.
 """
@@ -31,11 +32,11 @@ LAYERS: list[list[str]] = [
     ["precision", "functional"],
     ["optim.views", "optim.inputs", "optim.distributed", "optim.owners", "optim.groups", "optim.structure"],
     ["optim.calls", "optim.blockwise"],  # what a rule call is handed; the row-blocked passes of eq. 9
-    ["optim.rule"],  # what a rule is: the protocols (the hidden rule's at the seam)
-    ["optim.newton_schulz"],  # the seam: HiddenRule, stacks, pre -> NS -> post, the table of NS methods
-    ["optim.compiled"],  # graphs of the seam and of the elementwise rules
-    ["optim.sharded"],  # FSDP2 owners at the seam
-    ["optim.driver"],  # the forms of a momentum rule's step
+    ["optim.rule"],  # what a rule is: the elementwise and stepping protocols
+    ["optim.newton_schulz"],  # the table of Newton-Schulz methods, their cost
+    ["optim.sharded"],  # FSDP2 owners: row shards to whole matrices and back, the body given
+    ["optim.driver"],  # HiddenRule, stacks, the seam (pre -> NS -> post), the eager forms
+    ["optim.compiled"],  # the compiled forms and their graphs
     ["optim.rules.adam", "optim.rules.scale", "optim.rules.muon", "optim.rules.meqmuon", "optim.rules.normuon"],
     ["optim.rules"],
     ["optim.engine", "optim.memory"],

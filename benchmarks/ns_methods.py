@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import model_shapes  # noqa: E402
 
 from meqmuon import functional as F  # noqa: E402
-from meqmuon.optim.newton_schulz import NS_METHODS, matrix_shape  # noqa: E402
+from meqmuon.optim.driver import matrix_shape  # noqa: E402
+from meqmuon.optim.newton_schulz import NS_METHODS  # noqa: E402
 
 
 def method_flops(method: str, m: int, n: int, steps: int) -> int:

@@ -408,8 +408,7 @@ def test_fsdp2_equals_unsharded(tmp_path):
 def test_one_newton_schulz_dispatcher_batched_equals_per_matrix():
     """The driver's body chooses the Newton-Schulz form: a stack as one batched call (the batched step,
     and FSDP2 owners on batching devices) equals the per-matrix iteration (the per-tensor step)."""
-    from meqmuon.optim.driver import HiddenRule
-    from meqmuon.optim.newton_schulz import directions
+    from meqmuon.optim.driver import HiddenRule, directions
 
     group = {"ns_steps": 5, "ns_coefficients": F.NS_COEFFICIENTS, "ns_dtype": torch.float64, "ns_method": "quintic"}
     stack = torch.randn(3, 7, 12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)

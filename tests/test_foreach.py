@@ -33,7 +33,7 @@ from capabilities import NEWTON_SCHULZ, having
 from tinynet import batches, loss_fn, make_model
 
 import meqmuon
-from meqmuon.optim.newton_schulz import make_buckets
+from meqmuon.optim.driver import make_buckets
 from meqmuon.optim.rule import Item
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -75,7 +75,7 @@ def test_batched_equals_per_tensor(name):
 def test_same_rule_calls_with_different_hyperparameters_keep_their_own_stacks(name):
     """The embedding and the head (same shape, same rule) with different learning rates and the
     vectors split over two groups are separate batched calls whose updates are applied together
-    (driver.step_foreach_calls): each must step with its own directions, as in the per-tensor step."""
+    (driver.batched): each must step with its own directions, as in the per-tensor step."""
     results = []
     for foreach in (False, True):
         model = make_model(dtype=torch.float32)
@@ -134,11 +134,11 @@ def test_transposed_matrices_share_a_bucket_where_the_rule_allows_it():
 def test_foreach_none_is_batched_on_cuda_only_and_flags_are_validated(monkeypatch):
     """``foreach=None`` takes the batched path only where every parameter of the group is on a CUDA
     device (the plan's flag); on CPU the per-tensor one, unless ``foreach=True``."""
-    from meqmuon.optim import driver
+    from meqmuon.optim import engine
 
     forms = []
-    monkeypatch.setattr(driver, "FORMS", {key: (lambda calls, key=key, form=form: forms.append(key) or form(calls))
-                                          for key, form in driver.FORMS.items()})
+    monkeypatch.setattr(engine, "FORMS", {key: (lambda calls, key=key, form=form: forms.append(key) or form(calls))
+                                          for key, form in engine.FORMS.items()})
     for foreach, want in ((None, False), (True, True), (False, False)):
         model = make_model(dtype=torch.float32)
         opt = meqmuon.MeqMuon(meqmuon.param_groups(model), foreach=foreach)

@@ -151,11 +151,12 @@ def test_hidden_rule_shows_only_what_a_variant_overrides_or_declares():
     shown = {n for n in dir(meqmuon.HiddenRule) if not n.startswith("_")}
     assert shown == {"pre", "post", "post_all", "lr_scale", "validate", "defaults", "state_views", "transposes",
                      "hyperparameters"}, shown
-    from meqmuon.optim import driver
+    from meqmuon.optim import compiled, driver, engine
 
-    # The driver is functions: the four forms in one table, picked by one chooser.
-    assert set(driver.FORMS) == {(False, False), (True, False), (False, True), (True, True)}
-    assert all(callable(f) and f.__module__ == driver.__name__ for f in driver.FORMS.values())
+    # The driver is functions: the four forms in one table (the eager two beside HiddenRule, the compiled
+    # two beside their graphs), picked by one chooser, the engine's step.
+    assert set(engine.FORMS) == {(False, False), (True, False), (False, True), (True, True)}
+    assert [f.__module__ for f in engine.FORMS.values()] == [driver.__name__] * 2 + [compiled.__name__] * 2
 
 
 def test_a_rule_table_entry_must_be_a_named_rule_instance():

@@ -1,10 +1,10 @@
 """The optimizer library: routing, rules, the engine and the named optimizers (torch only)."""
 
+from .driver import HiddenRule
 from .engine import RoleOptimizer
 from .factory import OPTIMIZERS, build_optimizer, rules_of, valid_hyperparameters
 from .groups import KINDS, describe_groups, param_groups
 from .memory import optimizer_state_bytes, predicted_state_elements
-from .newton_schulz import HiddenRule
 from .presets import MeqMuon, Muon, MuonEq, MuonOnlyEmbedding, MuonOnlyHidden, MuonOnlyVector, NorMuon, Scale
 
 __all__ = [

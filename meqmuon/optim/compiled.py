@@ -1,8 +1,9 @@
-"""``compile=True``: a bucket's step, momentum to update, compiled once, without recompiles.
+"""``compile=True``: the driver's two forms with a bucket's step, momentum to update, compiled once.
 
-Graphs only: the driver's compiled forms (``driver.py``) decide what runs where (DDP slices, FSDP2 owners)
-and call :func:`hidden_step` (a hidden rule's bucket: the seam's own body,
-:func:`meqmuon.optim.newton_schulz.directions`, wrapped with momentum and the update), :func:`elementwise_step`
+The forms (:func:`compiled_per_tensor`, :func:`compiled_batched`, chosen by the engine's ``step`` as the
+eager ``driver.per_tensor`` and ``driver.batched`` are) decide what runs where (DDP slices, FSDP2 owners)
+and call the graphs: :func:`hidden_step` (a hidden rule's bucket: the seam's own body,
+:func:`meqmuon.optim.driver.directions`, wrapped with momentum and the update), :func:`elementwise_step`
 (an elementwise rule's ``direction`` of a stack likewise) and :func:`owner_directions` (FSDP2 owners).
 Hyperparameters
 (lr, weight decay, momentum, rho) enter the graphs as 0-D float64 CPU tensors (:func:`scalar`), not
@@ -15,16 +16,30 @@ is matmuls; the maths is the eager forms', only the rounding of the fused expres
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .. import functional as F
-from .newton_schulz import directions, resolve_dtype
+from .calls import Item, StepContext
+from .driver import (
+    Bucket,
+    Call,
+    HiddenRule,
+    batched,
+    cost,
+    directions,
+    grads_like,
+    make_buckets,
+    needs_matrix,
+    per_tensor,
+    resolve_dtype,
+)
 
-__all__ = ["BACKEND", "bucket_step", "elementwise_step", "hidden_step", "owner_directions", "scalar"]
+__all__ = ["BACKEND", "bucket_step", "compiled_batched", "compiled_per_tensor", "elementwise_step", "hidden_step",
+           "owner_directions", "scalar"]
 
 def scalar(x: float) -> Tensor:
     """A 0-D float64 CPU tensor: a graph input whose value may change without recompiling."""
@@ -82,7 +97,7 @@ def _momentum_inputs(grads, bufs, mu, nesterov, *, update: bool = True) -> list[
 
 
 def _hidden_bucket(params, grads, bufs, states, steps, lr, wd, mu, scale, *, rule, plain, nesterov, batched, group):
-    """A hidden rule's step of one bucket, momentum to update (:func:`newton_schulz.directions` in between).
+    """A hidden rule's step of one bucket, momentum to update (:func:`driver.directions` in between).
 
     Shapes, for ``K`` members of matrix view ``(m, n)`` (``plain`` as they are, the rest ``(n, m)``):
     ``params``, ``grads``, ``bufs``: ``K`` tensors each of its member's shape (momentum buffers in the state
@@ -116,7 +131,7 @@ def _elementwise_bucket(params, grads, bufs, lr, wd, mu, rho, *, rule, shape, ne
 
 
 def _owner_directions(W, state, *, rule, n, batched, group):
-    """FSDP2 owners' :func:`newton_schulz.directions` of whole matrices: ``W`` ``(j, m, n + s)``, the ``j``
+    """FSDP2 owners' :func:`driver.directions` of whole matrices: ``W`` ``(j, m, n + s)``, the ``j``
     matrices with ``s`` state columns after their ``n`` columns; ``state``: ``{key: (j, m) or (j,)}``."""
     (D,) = directions(rule, [(W[..., :n], W.shape[0], state)], group, None, batched=batched,
                       ns_dtype=group["ns_dtype"])
@@ -127,7 +142,7 @@ def hidden_step(rule, members, plain: int, shape: tuple[int, int], key: tuple, g
                 *, batched: bool) -> None:
     """A hidden rule's step of ``members`` (of one shape bucket of matrix view ``shape``, ``plain`` of them
     as they are, the rest transposed) as one graph keyed on ``key``: momentum (``batched``; the per-tensor
-    form updated it before), :func:`newton_schulz.directions`, the update, the per-matrix state written back."""
+    form updated it before), :func:`driver.directions`, the update, the per-matrix state written back."""
     per_matrix = {k: how for k, how in rule.state_views.items() if how in ("rows", "counter", "step")}
     states = {k: [it.state[k] for it in members] for k, how in per_matrix.items() if how != "step"}
     steps = next((torch.tensor([it.state[k] for it in members], device=members[0].param.device)
@@ -156,3 +171,91 @@ def owner_directions(rule, W: Tensor, n: int, state: dict[str, Tensor], group: d
     static = static_group(rule, group, resolve_dtype(group, W, ctx))
     return bucket_step(rule.name, _owner_directions, (tuple(W.shape), W.dtype, id(rule)), W, state,
                        rule=rule, n=n, batched=batched, group=static)
+
+
+# ---- the forms ---------------------------------------------------------------------------------------
+
+
+def _hidden_compiled(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
+    """A hidden rule's per-tensor update as one graph per matrix (same-shape matrices share it), so that a
+    matrix's bits do not depend on its neighbours (the DDP owners rely on it)."""
+    ns_dtype = resolve_dtype(group, items[0].param, ctx)
+    for it in items:
+        (b,) = make_buckets([it], matrix=True, transpose=False)
+        hidden_step(rule, [it], 1, b.global_shape, b.key, group, ns_dtype, batched=False)
+
+
+def compiled_per_tensor(calls: Sequence[Call]) -> None:
+    """The per-tensor form with ``compile=True``: a hidden rule's matrices one graph each; the elementwise
+    rules' per-tensor forms stay eager (eq. 9's two row-blocked passes already run at memory bandwidth,
+    docs/benchmarks.md)."""
+    per_tensor(calls, _hidden_compiled)
+
+
+def compiled_batched(calls: Sequence[Call]) -> None:
+    """The batched form with ``compile=True``: one graph per shape bucket, momentum inside.
+
+    Under DDP (every rank holds every tensor) a hidden rule's bucket is split into contiguous slices as
+    the eager batched form splits it; each rank updates the momentum of the other members eagerly, runs
+    the bucket's graph on its slice, and one ``all_gather_into_tensor`` per bucket and dtype brings every
+    slice's new parameters and owner state to every rank. An elementwise rule's buckets (memory-bound) run
+    whole on every rank. FSDP2's hidden row shards take the eager batched form with each owner's
+    directions one graph (``owner_directions``); the engine sends the elementwise rules' row
+    shards to the owner path (``owners.py``), where the graphs see whole tensors.
+    """
+    at_owners = [c for c in calls if isinstance(c[0], HiddenRule) and c[3].split.sharded]
+    if at_owners:
+        batched(at_owners, owner_directions)
+    for rule, items, group, ctx in calls:
+        if isinstance(rule, HiddenRule) and ctx.split.sharded:
+            continue
+        if ctx.split.sharded:
+            raise NotImplementedError("compile=True with foreach=True on row shards: the engine runs these rules at "
+                                      "owner ranks (owners.py); this call is a bug")
+        if ctx.capture is not None:
+            raise NotImplementedError("the capture hook needs the eager step: build the optimizer without compile=True")
+        if not isinstance(rule, HiddenRule):
+            for b in make_buckets(items, matrix=needs_matrix(rule), transpose=False):
+                elementwise_step(rule, b, group)
+            continue
+        ns_dtype = resolve_dtype(group, items[0].param, ctx)
+        split = ctx.split.world_size > 1  # DDP: a slice of each bucket per rank
+        for b in make_buckets(items, matrix=True, transpose=rule.transposes):
+            members, plain = b.items, b.plain
+            if split:
+                counts = ctx.split.bucket_plan(len(b.items), cost(rule, b.global_shape, group))
+                lo = sum(counts[: ctx.split.rank])
+                hi = lo + counts[ctx.split.rank]
+                members, plain = b.items[lo:hi], max(0, min(b.plain - lo, hi - lo))
+                others = b.items[:lo] + b.items[hi:]
+                bufs = [it.state["momentum_buffer"] for it in others]
+                F.momentum_(bufs, grads_like(others, bufs), group["momentum"])
+            if members:
+                hidden_step(rule, members, plain, b.global_shape, b.key, group, ns_dtype, batched=True)
+            if split:
+                _gather_slices(b, members, counts, rule._owner_state, ctx)
+
+
+def _gather_slices(bucket: Bucket, members: Sequence[Item], counts: list[int], keys: tuple[str, ...],
+                   ctx: StepContext) -> None:
+    """Every rank's slice of a bucket's new parameters and owner state ``keys``, to every rank (DDP): one
+    ``all_gather_into_tensor`` of the flattened members per dtype (transposed members flatten to the same size)."""
+    p0 = bucket.items[0].param
+    stacks = [torch.stack([it.param.detach().reshape(-1) for it in members]) if members else
+              p0.new_empty((0, p0.numel()))]
+    for key in keys:
+        s0 = bucket.items[0].state[key]
+        stacks.append(torch.stack([it.state[key].reshape(-1) for it in members]) if members else
+                      s0.new_empty((0, s0.numel())))
+    full: list[Tensor] = [None] * len(stacks)  # type: ignore[list-item]
+    # one gather per dtype (an int64 counter never rounds through bf16), in the same order on every rank
+    for dtype in dict.fromkeys(s.dtype for s in stacks):
+        which = [i for i, s in enumerate(stacks) if s.dtype == dtype]
+        for i, t in zip(which, ctx.split.gather([stacks[i] for i in which], counts), strict=True):
+            full[i] = t
+    torch._foreach_copy_([it.param.detach() for it in bucket.items],
+                         [row.view(it.param.shape) for row, it in zip(full[0].unbind(0), bucket.items, strict=True)])
+    for key, stack in zip(keys, full[1:], strict=True):
+        torch._foreach_copy_([it.state[key] for it in bucket.items],
+                             [row.view(it.state[key].shape) for row, it in zip(stack.unbind(0), bucket.items,
+                                                                                 strict=True)])

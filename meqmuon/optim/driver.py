@@ -1,68 +1,61 @@
-"""The driver: how a momentum rule's step runs, in every form, as functions.
+"""The driver: what a hidden rule is, and how every momentum rule's step runs eagerly, as functions.
 
-A rule (``rule.py``) says what it computes; the driver runs it. Every momentum rule updates
-``B <- mu B + G`` (paper eq. 6; Moonlight's convention), takes the direction input ``X = G + mu B`` with
-Nesterov (else ``B``), turns it into a direction ``D`` and steps ``W <- (1 - lr wd) W - lr s D``. A hidden
-rule's direction is ``post(Orth(pre(X)))`` over stacks of matrices, cut at Newton-Schulz as
-microsoft/dion cuts its Muon: the seam, :func:`~.newton_schulz.directions`, is the one body of every form;
-an elementwise momentum rule's is its ``direction`` of a stack (batched, compiled) or its ``update``
-(per-tensor).
+A rule says what it computes (``rule.py``: the elementwise and stepping rules; here :class:`HiddenRule`,
+the protocol a Muon variant subclasses, beside the one function that calls it); the driver runs it, as
+torch's ``adam.py`` holds ``Adam`` beside ``_single_tensor_adam`` and ``_multi_tensor_adam``. Every
+momentum rule updates ``B <- mu B + G`` (paper eq. 6; Moonlight's convention), takes the direction input
+``X = G + mu B`` with Nesterov (else ``B``), turns it into a direction ``D`` and steps
+``W <- (1 - lr wd) W - lr s D``. A hidden rule's direction is ``post(Orth(pre(X)))`` over stacks of
+matrices, cut at Newton-Schulz as microsoft/dion cuts its Muon: the seam, :func:`directions`, is the one
+body of every form (the compiled graphs of ``compiled.py`` and FSDP2's owners call it too) and looks the
+method up in the table of ``newton_schulz.py``; an elementwise momentum rule's direction is its
+``direction`` of a stack (batched, compiled) or its ``update`` (per-tensor).
 
-**The forms** are four functions with one signature, a sequence of a step's rule calls
-``(rule, items, group, ctx)``, as torch's ``_single_tensor_adam`` / ``_multi_tensor_adam`` /
-``_fused_adam``:
+**The eager forms** are two functions with one signature, a sequence of a step's rule calls
+``(rule, items, group, ctx)``, as torch's ``_single_tensor_adam`` / ``_multi_tensor_adam``:
 
 - :func:`per_tensor` (``foreach=False``): each matrix a stack of one, made just before its Newton-Schulz
   and applied just after, so no model-sized temporary exists (on CPU fresh temporaries cost page
   faults); under DDP each parameter has one owner rank, which computes it and broadcasts it;
 - :func:`batched` (``foreach=True``): momentum in a few ``torch._foreach_*`` kernels for all calls, one
   stack per shape bucket, one batched Newton-Schulz per bucket, ``post`` once for all stacks, one update
-  for all calls; under DDP a slice of each bucket per rank, gathered (one collective per bucket);
-- :func:`compiled_per_tensor`, :func:`compiled_batched` (``compile=True``): the same, with each matrix's
-  or bucket's step one graph (``compiled.py``).
+  for all calls; under DDP a slice of each bucket per rank, gathered (one collective per bucket); under
+  FSDP2 a hidden rule's row shards meet as whole matrices at owner ranks, a bucket at a time
+  (``sharded.py``); the elementwise rules sum their statistics over shards.
 
-Under FSDP2 a hidden rule's row shards meet as whole matrices at owner ranks, a bucket at a time
-(``sharded.py``), inside the batched forms; the elementwise rules sum their statistics over shards.
-:func:`step` is **the one chooser** (the engine only resolves ``foreach``): it picks the form of each
-call, and runs the rules that write their own forms (``SteppingRule``: AdamW, SCALE) as they say.
+``compile=True`` has the same two forms with graphs inside (``compiled.py``). The engine's ``step``
+picks the form of each call (the one chooser; ``_prepare`` resolves ``foreach``) and runs the rules that
+write their own forms (``SteppingRule``: AdamW, SCALE) as they say.
 
 What a rule declares becomes what the driver needs by the functions under "what the driver reads of a
 rule": its state (:func:`init_state`, from ``state_views``), its cost for balancing owners
-(:func:`cost`). No function here makes a host-device
-sync: step counters are Python ints, choices are tensors.
+(:func:`cost`). No function here makes a host-device sync: step counters are Python ints, choices are
+tensors.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
 from .. import functional as F
-from . import compiled
+from ..precision import resolve_ns_dtype
 from .calls import Item, StepContext, state_dtype
 from .distributed import state_like
-from .newton_schulz import (
-    Bucket,
-    HiddenRule,
-    buffer,
-    directions,
-    make_buckets,
-    matrix_shape,
-    ns_flops,
-    resolve_dtype,
-    unstack,
-)
-from .rule import MomentumRule, Rule, SteppingRule
-from .sharded import Orth, eager_directions, hidden_at_owners
+from .inputs import float_dtype, positive_int
+from .newton_schulz import NS_METHODS, ns_flops
+from .rule import MomentumBase, MomentumRule, Rule, SteppingRule
+from .sharded import Orth, hidden_at_owners
 from .views import Layout
 
-__all__ = ["ELEMENTWISE_COST", "FORMS", "Call", "apply_update", "batched", "compiled_batched", "compiled_per_tensor",
-           "compiles", "cost", "direction_input", "elementwise", "grads_like", "init_state", "needs_matrix",
-           "per_tensor", "stack_inputs", "stack_tensors", "state_elements", "step"]
+__all__ = ["ELEMENTWISE_COST", "Bucket", "Call", "HiddenRule", "Stack", "apply_update", "batched", "buffer",
+           "compiles", "cost", "direction_input", "directions", "eager_directions", "elementwise", "grads_like",
+           "init_state", "make_buckets", "matrix_shape", "needs_matrix", "per_tensor", "resolve_dtype",
+           "stack_inputs", "stack_tensors", "state_elements", "unstack"]
 
 #: One rule call of a step: the rule, its items (one param group's parameters of its kind, or several
 #: groups' merged by the engine), the group, the call's context.
@@ -72,6 +65,67 @@ Call = tuple[Rule, Sequence[Item], dict, StepContext]
 #: (:func:`cost`): on CPU, the row-blocked equilibration of a 32000 x 512 matrix took as long
 #: as 1000 Newton-Schulz FLOPs per element at the bf16 matmul rate. A heuristic: results never depend on it.
 ELEMENTWISE_COST = 1000.0
+
+
+# ---- the protocol of a hidden rule -------------------------------------------------------------
+
+
+class HiddenRule(MomentumBase):
+    """A rule for hidden matrices: ``D = post(Orth(pre(X)))``, stepped as ``W <- (1 - lr wd) W - lr s D``.
+
+    Subclass it, set ``name`` and override :meth:`post` (and :meth:`pre` if the rule changes the
+    Newton-Schulz input); pass an instance as ``rules={"hidden": MyRule()}`` to any optimizer. Every
+    name a subclass sees is one it may override or declare; the driver (this module's functions and
+    ``compiled.py``'s) does the rest in every form (per-tensor, batched, compiled; DDP, FSDP2, tensor
+    parallel). ``pre`` and ``post`` get stacks ``(K, m, n)`` of matrices, each stack in one orientation,
+    and the per-matrix state of ``state_views`` as stacks in the same order, to update in place.
+    """
+
+    defaults = {"ns_steps": F.NS_STEPS, "ns_coefficients": F.NS_COEFFICIENTS, "ns_dtype": None, "ns_method": "quintic"}
+    #: May an ``(n, m)`` matrix share the Newton-Schulz stack of ``(m, n)`` matrices, transposed? Exact for
+    #: every rule (``pre``/``post`` see each orientation apart); it saves a Newton-Schulz stack and costs a
+    #: second ``pre``/``post`` call. Per-row state cannot: its rows would change length.
+    transposes: ClassVar[bool] = True
+    #: Whether the class overrides :meth:`pre` (set per class; :func:`directions` skips the identity ``pre``,
+    #: and the batched form stacks the inputs of a rule that rewrites them in float32). Derived, not declared.
+    _rewrites_input: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._rewrites_input = cls.pre is not HiddenRule.pre
+        if cls.transposes and "rows" in cls.state_views.values():
+            raise TypeError(f"{cls.__name__}: per-row state needs transposes = False (rows would change length)")
+
+    def pre(self, X: Tensor, group: dict, state: dict[str, Tensor] | None = None) -> Tensor:
+        """The Newton-Schulz input from the direction input ``X`` ``(K, m, n)``: here ``X`` (the driver then
+        skips the call). Must not write into ``X`` (without Nesterov it is the momentum buffer)."""
+        return X
+
+    def post(self, U: Tensor, group: dict, state: dict[str, Tensor] | None = None) -> Tensor:
+        """The direction ``D`` ``(K, m, n)`` from ``U = Orth(X)``: here ``U``."""
+        return U
+
+    def post_all(self, Us: list[Tensor], group: dict, states: list[dict[str, Tensor]]) -> list[Tensor]:
+        """:meth:`post` of every stack of a call (one per shape and orientation), called once: here one
+        ``post`` each. A rule whose statistics can be taken for all matrices in a fixed number of kernels
+        (MeqMuon's eq. 8) overrides it: on a GPU a step is launch-bound."""
+        if type(self).post is HiddenRule.post:
+            return Us
+        return [self.post(U, group, st) if st else self.post(U, group) for U, st in zip(Us, states, strict=True)]
+
+    def lr_scale(self, m: int, n: int, group: dict) -> float:
+        """A step multiplier ``s`` of an ``m x n`` matrix, applied inside the update (``-lr s D``) instead
+        of as a pass over ``D``; 1 here."""
+        return 1.0
+
+    def validate(self, group: dict) -> None:
+        """``ns_steps`` an integer >= 1, ``ns_coefficients`` a form :func:`F.ns_schedule` takes, ``ns_dtype``
+        a floating dtype or ``None``, ``ns_method`` a name of :data:`NS_METHODS`."""
+        positive_int("ns_steps", group["ns_steps"])
+        F.ns_schedule(group["ns_coefficients"], group["ns_steps"])  # raises ValueError naming the valid forms
+        float_dtype("ns_dtype", group["ns_dtype"])
+        if group["ns_method"] not in NS_METHODS:
+            raise ValueError(f"Invalid ns_method: {group['ns_method']!r} (known methods: {', '.join(NS_METHODS)})")
 
 
 # ---- what the driver reads of a rule -------------------------------------------------------------
@@ -132,6 +186,160 @@ def init_state(rule: Rule, p: Tensor, state: dict[str, Any], group: dict, layout
                 if layout.batch else torch.zeros(layout.counter_shape, dtype=torch.int64, device=p.device)
 
 
+# ---- stacks: shape buckets and kept buffers ---------------------------------------------------------
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """The matrix an optimizer sees for a tensor of ``shape``: ``(shape[0], prod(rest))``."""
+    return (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
+
+
+class Bucket(NamedTuple):
+    """Same-shape members of one rule call, stacked as ``(len(items), *shape)``: ``items[:plain]`` as they
+    are, ``items[plain:]`` transposed. ``shape``: one member's (local) matrix view for matrix rules, else
+    its own shape; ``global_shape`` the same unsharded; ``key`` what it was grouped by (stable across
+    steps and ranks: workspaces use it)."""
+
+    items: list[Item]
+    plain: int
+    shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    key: tuple
+
+
+def make_buckets(items: Sequence[Item], *, matrix: bool, transpose: bool, by_shape: bool = True) -> list[Bucket]:
+    """Group ``items`` into buckets in first-appearance order: the one place that groups by shape.
+
+    The batched step works on stacks of same-shape tensors, so that momentum, Newton-Schulz, statistics
+    and the update are a few kernels per bucket instead of per parameter (on a GPU a step is
+    launch-bound; karpathy/nanochat, modded-nanogpt and microsoft/dion's megabatch group by shape too).
+
+    Args:
+        matrix: stack matrix views ``(shape[0], prod(rest))`` (matrix rules); else the tensors' shapes.
+        transpose: let an ``(n, m)`` member join an ``(m, n)`` bucket transposed (Llama's ``down_proj``
+            with ``gate_proj``); the first member of a key fixes the orientation (the parameter order,
+            identical on every rank).
+        by_shape: ``False`` groups by dtype and device only (AdamW's ``torch._foreach_*`` step).
+    """
+    found: dict[tuple, list[Item]] = {}
+    flipped: dict[tuple, list[Item]] = {}
+    orientation: dict[tuple, tuple[int, ...]] = {}
+    for it in items:
+        gshape = matrix_shape(it.shape) if matrix else tuple(it.shape)
+        key = (it.param.dtype, it.param.device)
+        if by_shape:
+            key += (tuple(sorted(gshape)) if transpose else gshape,)
+        first = orientation.setdefault(key, gshape)
+        (found if not by_shape or gshape == first else flipped).setdefault(key, []).append(it)
+    return [Bucket(members + flipped.get(key, []), len(members), *(
+        matrix_shape(s) if matrix else tuple(s) for s in (members[0].param.shape, members[0].shape)), key)
+        for key, members in found.items()]
+
+
+def unstack(bucket: Bucket, stacks: Tensor | Sequence[Tensor]) -> list[Tensor]:
+    """The members' rows of a stack (or consecutive stacks) of directions, each row one member's
+    direction in its own orientation, as views in the members' shapes (contiguous rows)."""
+    rows = [r for s in ([stacks] if isinstance(stacks, Tensor) else stacks) for r in s.unbind(0)]
+    return [t.view(it.param.shape) for t, it in zip(rows, bucket.items, strict=True)]
+
+
+def buffer(scratch: dict[tuple, Tensor], role: str, shape: Sequence[int], dtype: torch.dtype = torch.float32,
+           device: torch.device | None = None) -> Tensor:
+    """A tensor for ``role`` kept in ``scratch`` (a step's, or the optimizer's workspace) and reused."""
+    key = (role, tuple(shape), dtype, device)
+    t = scratch.get(key)
+    if t is None:
+        t = scratch[key] = torch.empty(shape, dtype=dtype, device=device)
+    return t
+
+
+# ---- the seam ---------------------------------------------------------------------------------------
+
+
+def resolve_dtype(group: dict, x: Tensor, ctx: Any) -> torch.dtype:
+    """The Newton-Schulz dtype of ``x`` under ``group``'s ``ns_dtype`` (:func:`resolve_ns_dtype`: ``None``
+    follows the device's native bf16), resolved once per optimizer and kept in its workspace."""
+    key = ("ns_dtype", group["ns_dtype"], x.device)
+    dtype = ctx.workspace.get(key)
+    if dtype is None:
+        dtype = ctx.workspace[key] = resolve_ns_dtype(group["ns_dtype"], x.device)
+    return dtype
+
+
+#: One stack for :func:`directions`: direction inputs ``(K, m, n)`` in the bucket's orientation, the
+#: number of members stored as they are (the rest transposed), and the members' state stacks.
+Stack = tuple[Tensor, int, dict[str, Tensor]]
+
+
+def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, batched: bool,
+               scratch: dict | None = None, dtype: torch.dtype | None = None,
+               ns_dtype: torch.dtype | None = None) -> list[list[Tensor]]:
+    """``pre -> Newton-Schulz -> post`` of stacks of direction inputs: the body of every form, for a
+    ``HiddenRule`` ``rule`` and the ``StepContext`` ``ctx`` of its call.
+
+    Per stack ``X`` ``(K, m, n)``: ``Y = rule.pre(X)`` (skipped where the rule keeps the default, the
+    identity), ``U = NS_METHODS[group["ns_method"]](Y)`` in the Newton-Schulz dtype, then once for all
+    stacks ``D = rule.post_all(U)``.
+
+    ``pre`` and ``post`` see each side of a stack (members as they are, members transposed) in its own
+    orientation, a transposed view, no copy; Newton-Schulz runs whole stacks, ``batched`` as one
+    batched call (the batched form; ``X`` is scratch) or matrix by matrix with fused ``addmm`` (the
+    per-tensor form and the distributed owners: a matrix's bits never depend on its neighbours, which
+    the bit-exact DDP split relies on); ``post`` runs once, after every stack's Newton-Schulz
+    (:meth:`HiddenRule.post_all`). State stacks are handed over as views per side and updated in place.
+    ``scratch``: the per-tensor form's buffers. ``dtype``: the parameters' dtype, to which a narrower
+    (bf16) direction is cast. ``ns_dtype``: given by compiled graphs, which have no ``ctx``.
+
+    Args:
+        rule: the ``HiddenRule``.
+        stacks: per stack ``(X, plain, state)``: ``X`` ``(K, m, n)`` direction inputs in the bucket's
+            orientation (scratch when ``batched``), ``plain`` how many lead as they are (the rest are
+            transposed ``(n, m)`` members), ``state`` ``{key: (K, m) per-row or (K,) per-matrix}``.
+        group: the param group (``ns_method``, ``ns_steps``, ``ns_coefficients``, ``ns_dtype``, the rule's keys).
+        ctx: the call's ``StepContext`` (its workspace keeps the resolved dtype), or ``None`` with ``ns_dtype``.
+
+    Returns:
+        per stack, one contiguous stack per side, each member's direction in its own orientation:
+        ``(plain, m, n)`` then ``(K - plain, n, m)``, in ``post_all``'s dtype, cast to ``dtype`` if that is wider.
+    """
+    us, states, owner = [], [], []
+    for i, (X, plain, state) in enumerate(stacks):
+        k = X.shape[0]
+        sides = [(s, flip) for s, flip in ((slice(0, plain), False), (slice(plain, k), True)) if s.stop > s.start]
+        views = [{key: v[s] for key, v in state.items()} for s, _ in sides]
+        if rule._rewrites_input:
+            ys = [rule.pre(X[s].mT if flip else X[s], group, *([st] if st else []))
+                  for (s, flip), st in zip(sides, views, strict=True)]
+            ys = [y.mT if flip else y for y, (_, flip) in zip(ys, sides, strict=True)]
+            X = torch.cat(ys) if len(ys) > 1 else ys[0]
+        dt = ns_dtype or resolve_dtype(group, X, ctx)
+        orthogonalize = NS_METHODS[group["ns_method"]]  # the one look-up of the method
+        if batched:
+            U = orthogonalize(X, group["ns_steps"], group["ns_coefficients"], dt, batched=True, inplace=True)
+        else:
+            out = None if scratch is None else buffer(scratch, "ns", X.shape, dt, X.device)
+            U = orthogonalize(X, group["ns_steps"], group["ns_coefficients"], dt, workspace=scratch, out=out)
+        us += [U[s].mT if flip else U[s] for s, flip in sides]
+        states += views
+        owner += [i] * len(sides)
+    ds = rule.post_all(us, group, states)
+    # One copy at most per side: the cast of a narrower direction and the transposed side's layout.
+    narrower = dtype is not None and ds[0].dtype.itemsize < dtype.itemsize
+    result: list[list[Tensor]] = [[] for _ in stacks]
+    for i, d in zip(owner, ds, strict=True):
+        result[i].append(d.to(dtype, memory_format=torch.contiguous_format) if narrower else d.contiguous())
+    return result
+
+
+def eager_directions(rule: HiddenRule, W: Tensor, n: int, state: dict[str, Tensor], group: dict, ctx: StepContext,
+                     *, batched: bool) -> Tensor:
+    """:func:`directions` of whole matrices ``W`` ``(j, m, n + s)`` at an FSDP2 owner, eagerly (the eager
+    batched form's :data:`~.sharded.Orth`)."""
+    (D,) = directions(rule, [(W[..., :n], W.shape[0], state)], group, ctx, batched=batched,
+                      scratch=ctx.split.workspace)
+    return D
+
+
 # ---- what every form uses --------------------------------------------------------------------------
 
 
@@ -151,7 +359,7 @@ def direction_input(it: Item, group: dict, rows: slice = slice(None), out: Tenso
 
 
 def stack_inputs(ctx: StepContext, name: str, bucket: Bucket, lo: int, hi: int, dtype: torch.dtype) -> Tensor:
-    """The direction inputs of members ``lo..hi`` (made by :func:`step_foreach_calls`, handed over and let
+    """The direction inputs of members ``lo..hi`` (made by :func:`batched`, handed over and let
     go here), stacked (cast to ``dtype``) in the bucket's persistent workspace, in the bucket's
     orientation: one ``stack`` reads the transposed members as strided views."""
     items = bucket.items[lo:hi]
@@ -185,7 +393,7 @@ def apply_update(items: Sequence[Item], directions: Sequence[Tensor], scales: Se
         F.decay_and_update_([p], [d], group["lr"], group["weight_decay"], [s])
 
 
-# ---- the per-tensor forms ----------------------------------------------------------------------------
+# ---- the per-tensor form ------------------------------------------------------------------------------
 
 
 def per_tensor(calls: Sequence[Call], hidden: Callable[[HiddenRule, Sequence[Item], dict, StepContext], None]
@@ -225,23 +433,7 @@ def _hidden_eager(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: Ste
         apply_update([it], [D[0]], [rule.lr_scale(shape[0], math.prod(shape[1:]), group)], group, scratch)
 
 
-def _hidden_compiled(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
-    """A hidden rule's per-tensor update as one graph per matrix (same-shape matrices share it), so that a
-    matrix's bits do not depend on its neighbours (the DDP owners rely on it)."""
-    ns_dtype = resolve_dtype(group, items[0].param, ctx)
-    for it in items:
-        (b,) = make_buckets([it], matrix=True, transpose=False)
-        compiled.hidden_step(rule, [it], 1, b.global_shape, b.key, group, ns_dtype, batched=False)
-
-
-def compiled_per_tensor(calls: Sequence[Call]) -> None:
-    """The per-tensor form with ``compile=True``: a hidden rule's matrices one graph each; the elementwise
-    rules' per-tensor forms stay eager (eq. 9's two row-blocked passes already run at memory bandwidth,
-    docs/benchmarks.md)."""
-    per_tensor(calls, _hidden_compiled)
-
-
-# ---- the batched forms -----------------------------------------------------------------------------
+# ---- the batched form -------------------------------------------------------------------------------
 
 #: One bucket's batched result: its direction stack (this rank's members, bucket orientation) and
 #: the per-member state the owner changed (stacks, gathered with it).
@@ -353,7 +545,7 @@ def _hidden_directions(rule: HiddenRule, buckets: list[Bucket], ranges: list[tup
         stacks.append((stack_inputs(ctx, rule.name, b, lo, hi, dtype), max(0, min(b.plain - lo, hi - lo)), state))
         o += hi - lo
     if ctx.split.sharded:
-        ds = [hidden_at_owners(rule, X, state, b.global_shape[0], group, ctx, orth)
+        ds = [hidden_at_owners(rule, X, state, b.global_shape[0], group, ctx, orth, resolve_dtype(group, X, ctx))
               for (X, _, state), b in zip(stacks, buckets, strict=True)]
     else:
         ds = directions(rule, stacks, group, ctx, batched=True, dtype=buckets[0].items[0].param.dtype)
@@ -365,110 +557,3 @@ def _no_directions(bucket: Bucket, keys: tuple[str, ...]) -> Directions:
     p = bucket.items[0].param
     D = torch.empty((0, math.prod(bucket.shape)), dtype=p.dtype, device=p.device)
     return D, [bucket.items[0].state[k][None][:0] for k in keys]
-
-
-def compiled_batched(calls: Sequence[Call]) -> None:
-    """The batched form with ``compile=True``: one graph per shape bucket, momentum inside.
-
-    Under DDP (every rank holds every tensor) a hidden rule's bucket is split into contiguous slices as
-    the eager batched form splits it; each rank updates the momentum of the other members eagerly, runs
-    the bucket's graph on its slice, and one ``all_gather_into_tensor`` per bucket and dtype brings every
-    slice's new parameters and owner state to every rank. An elementwise rule's buckets (memory-bound) run
-    whole on every rank. FSDP2's hidden row shards take the eager batched form with each owner's
-    directions one graph (``compiled.owner_directions``); the engine sends the elementwise rules' row
-    shards to the owner path (``owners.py``), where the graphs see whole tensors.
-    """
-    at_owners = [c for c in calls if isinstance(c[0], HiddenRule) and c[3].split.sharded]
-    if at_owners:
-        batched(at_owners, compiled.owner_directions)
-    for rule, items, group, ctx in calls:
-        if isinstance(rule, HiddenRule) and ctx.split.sharded:
-            continue
-        if ctx.split.sharded:
-            raise NotImplementedError("compile=True with foreach=True on row shards: the engine runs these rules at "
-                                      "owner ranks (owners.py); this call is a bug")
-        if ctx.capture is not None:
-            raise NotImplementedError("the capture hook needs the eager step: build the optimizer without compile=True")
-        if not isinstance(rule, HiddenRule):
-            for b in make_buckets(items, matrix=needs_matrix(rule), transpose=False):
-                compiled.elementwise_step(rule, b, group)
-            continue
-        ns_dtype = resolve_dtype(group, items[0].param, ctx)
-        split = ctx.split.world_size > 1  # DDP: a slice of each bucket per rank
-        for b in make_buckets(items, matrix=True, transpose=rule.transposes):
-            members, plain = b.items, b.plain
-            if split:
-                counts = ctx.split.bucket_plan(len(b.items), cost(rule, b.global_shape, group))
-                lo = sum(counts[: ctx.split.rank])
-                hi = lo + counts[ctx.split.rank]
-                members, plain = b.items[lo:hi], max(0, min(b.plain - lo, hi - lo))
-                others = b.items[:lo] + b.items[hi:]
-                bufs = [it.state["momentum_buffer"] for it in others]
-                F.momentum_(bufs, grads_like(others, bufs), group["momentum"])
-            if members:
-                compiled.hidden_step(rule, members, plain, b.global_shape, b.key, group, ns_dtype, batched=True)
-            if split:
-                _gather_slices(b, members, counts, rule._owner_state, ctx)
-
-
-def _gather_slices(bucket: Bucket, members: Sequence[Item], counts: list[int], keys: tuple[str, ...],
-                   ctx: StepContext) -> None:
-    """Every rank's slice of a bucket's new parameters and owner state ``keys``, to every rank (DDP): one
-    ``all_gather_into_tensor`` of the flattened members per dtype (transposed members flatten to the same size)."""
-    p0 = bucket.items[0].param
-    stacks = [torch.stack([it.param.detach().reshape(-1) for it in members]) if members else
-              p0.new_empty((0, p0.numel()))]
-    for key in keys:
-        s0 = bucket.items[0].state[key]
-        stacks.append(torch.stack([it.state[key].reshape(-1) for it in members]) if members else
-                      s0.new_empty((0, s0.numel())))
-    full: list[Tensor] = [None] * len(stacks)  # type: ignore[list-item]
-    # one gather per dtype (an int64 counter never rounds through bf16), in the same order on every rank
-    for dtype in dict.fromkeys(s.dtype for s in stacks):
-        which = [i for i, s in enumerate(stacks) if s.dtype == dtype]
-        for i, t in zip(which, ctx.split.gather([stacks[i] for i in which], counts), strict=True):
-            full[i] = t
-    torch._foreach_copy_([it.param.detach() for it in bucket.items],
-                         [row.view(it.param.shape) for row, it in zip(full[0].unbind(0), bucket.items, strict=True)])
-    for key, stack in zip(keys, full[1:], strict=True):
-        torch._foreach_copy_([it.state[key] for it in bucket.items],
-                             [row.view(it.state[key].shape) for row, it in zip(stack.unbind(0), bucket.items,
-                                                                                 strict=True)])
-
-
-# ---- the chooser -------------------------------------------------------------------------------------
-
-#: The forms of a momentum rule's step by ``(foreach, compile)``.
-FORMS: dict[tuple[bool, bool], Callable[[Sequence[Call]], None]] = {
-    (False, False): per_tensor,
-    (True, False): batched,
-    (False, True): compiled_per_tensor,
-    (True, True): compiled_batched,
-}
-
-
-def step(calls: Sequence[Call], *, foreach: bool, compile: bool) -> None:
-    """Run a step's rule calls, each in its form: the one place a form is chosen (as torch's ``adam()``
-    picks among its siblings).
-
-    A :class:`SteppingRule` (AdamW, SCALE) runs its own ``step`` or ``step_foreach`` (eagerly, whatever
-    ``compile``); the momentum rules run in :data:`FORMS` ``[foreach, compile]``, except that a hidden
-    rule's FSDP2 row shards take the batched form whatever ``foreach``: their whole matrices meet at owner
-    ranks a bucket at a time (``sharded.py``), and each matrix still gets the per-matrix Newton-Schulz of
-    the per-tensor form on CPU (``newton_schulz.BATCHED_NS_DEVICES``). The calls are independent (no
-    parameter in two), so the order among them changes no bits; it is the same on every rank, which
-    the collectives need.
-    """
-    momentum, at_owners = [], []
-    for call in calls:
-        rule = call[0]
-        if isinstance(rule, SteppingRule):
-            (rule.step_foreach if foreach else rule.step)(*call[1:])
-        elif isinstance(rule, HiddenRule) and call[3].split.sharded:
-            at_owners.append(call)
-        else:
-            momentum.append(call)
-    if momentum:
-        FORMS[foreach, compile](momentum)
-    if at_owners:
-        FORMS[True, compile](at_owners)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
-from . import driver
+from . import compiled, driver
 from .calls import Item, StepContext
 from .distributed import (
     SHARDED_LAYOUTS,
@@ -28,13 +28,22 @@ from .distributed import (
     resolve_process_group,
     splitter_for,
 )
+from .driver import HiddenRule
 from .groups import KINDS, infer_kind
 from .inputs import FLOAT_KEYS, check_unique_params, listed_params, validate_group, with_floats, wrong_params
-from .newton_schulz import HiddenRule
 from .owners import OwnerPlan, is_replicated
 from .rule import MomentumRule, Rule, SteppingRule, rule_defaults, validate_rule
 from .rules import RULES
 from .views import Layout, group_layout, normalise_group_views
+
+#: The forms of a momentum rule's step by ``(foreach, compile)``, one signature (a sequence of rule calls),
+#: picked in :meth:`RoleOptimizer.step`: ``driver.py``'s eager two and ``compiled.py``'s two with graphs.
+FORMS: dict[tuple[bool, bool], Callable[[list[driver.Call]], None]] = {
+    (False, False): driver.per_tensor,
+    (True, False): driver.batched,
+    (False, True): compiled.compiled_per_tensor,
+    (True, True): compiled.compiled_batched,
+}
 
 
 def _held(p: torch.Tensor) -> slice:
@@ -358,7 +367,7 @@ class RoleOptimizer(Optimizer):
         same objects: per group its entries, its splitter (``None``: the step's splitter of plain tensors)
         and whether it takes the batched forms: ``foreach``, resolved here once (``None``: where every
         parameter is on a CUDA device, where a step is launch-bound; the per-tensor forms are faster on
-        CPU, docs/benchmarks.md). Which function runs a call is :func:`driver.step`'s choice.
+        CPU, docs/benchmarks.md). Which function runs a call is :meth:`step`'s choice.
 
         Creates the state of every parameter, gradient or not, so that the state is the same on every
         rank (a ``torch.distributed.checkpoint`` save needs that; microsoft/dion#89).
@@ -421,8 +430,20 @@ class RoleOptimizer(Optimizer):
             self._plan_key = (id(self.state), len(self.state), *key[2:])
         return self._plan_cache
 
+    @torch.no_grad()
     def step(self, closure=None):  # noqa: D401 - torch signature
         """Perform one optimisation step (no host-device synchronisation).
+
+        Collects the step's rule calls (per-tensor groups one call each; batched groups with the same rule
+        and hyperparameters merged into one) and runs each in its form: the one place a form is chosen,
+        as torch's ``adam()`` picks among its siblings (``_prepare`` resolves ``foreach`` once). A
+        :class:`SteppingRule` (AdamW, SCALE) runs its own ``step`` or ``step_foreach`` (eagerly, whatever
+        ``compile``); the momentum rules run in :data:`FORMS` ``[foreach, compile]``, except that a hidden
+        rule's FSDP2 row shards take the batched form whatever ``foreach``: their whole matrices meet at
+        owner ranks a bucket at a time (``sharded.py``), and each matrix still gets the per-matrix
+        Newton-Schulz of the per-tensor form on CPU (``newton_schulz.BATCHED_NS_DEVICES``). The calls are
+        independent (no parameter in two), so the order among them changes no bits; it is the same on
+        every rank, which the collectives need.
 
         Under ``torch.compile`` (a compiled training step that calls ``opt.step()``) the step is
         not traced: dynamo breaks the graph around it and it runs as here, with a warning once.
@@ -432,27 +453,6 @@ class RoleOptimizer(Optimizer):
         """
         if torch.compiler.is_compiling():  # a constant True while dynamo traces
             return self._untraced_step(closure)
-        return self._step(closure)
-
-    # torch._disable_dynamo (torch.optim's own tool) imports dynamo at the first traced call only:
-    # torch.compiler.disable as a decorator would add its ~1 s import to `import meqmuon`.
-    @torch._disable_dynamo
-    def _untraced_step(self, closure):
-        if not self._warned_traced:
-            self._warned_traced = True
-            kernels = "its compile=True kernels still run compiled" if self._compile else (
-                "for compiled update kernels build the optimizer with compile=True"
-            )
-            warnings.warn(
-                f"{type(self).__name__}.step() is called inside torch.compile: it runs eagerly (dynamo would "
-                f"recompile it at every step); {kernels}",
-                UserWarning,
-                stacklevel=2,
-            )
-        return self._step(closure)
-
-    @torch.no_grad()
-    def _step(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -506,12 +506,22 @@ class RoleOptimizer(Optimizer):
                 if split is not replicated:  # DTensor groups follow their own mesh: never merged
                     key += (id(split),)
                 batched.setdefault(key, (rule, group, [], split, kind))[2].extend(items)
-        if single:
-            driver.step(single, foreach=False, compile=self._compile)
-        if batched:
-            driver.step([(rule, items, group, self._context(len(single) + i, kind, split))
-                         for i, (rule, group, items, split, kind) in enumerate(batched.values())],
-                        foreach=True, compile=self._compile)
+        merged = [(rule, items, group, self._context(len(single) + i, kind, split))
+                  for i, (rule, group, items, split, kind) in enumerate(batched.values())]
+        for foreach, calls in ((False, single), (True, merged)):  # the chooser
+            momentum, at_owners = [], []
+            for call in calls:
+                rule = call[0]
+                if isinstance(rule, SteppingRule):
+                    (rule.step_foreach if foreach else rule.step)(*call[1:])
+                elif isinstance(rule, HiddenRule) and call[3].split.sharded:
+                    at_owners.append(call)
+                else:
+                    momentum.append(call)
+            if momentum:
+                FORMS[foreach, self._compile](momentum)
+            if at_owners:
+                FORMS[True, self._compile](at_owners)
         if replicated is not self._local:
             replicated.finish()  # wait for the owners' broadcasts (DDP)
         if self._owners is not None:
@@ -521,6 +531,23 @@ class RoleOptimizer(Optimizer):
                 if e.item is not None:  # a kept item must not keep its gradient alive past zero_grad()
                     e.item.grad = None
         return loss
+
+    # torch._disable_dynamo (torch.optim's own tool) imports dynamo at the first traced call only:
+    # torch.compiler.disable as a decorator would add its ~1 s import to `import meqmuon`.
+    @torch._disable_dynamo
+    def _untraced_step(self, closure):
+        if not self._warned_traced:
+            self._warned_traced = True
+            kernels = "its compile=True kernels still run compiled" if self._compile else (
+                "for compiled update kernels build the optimizer with compile=True"
+            )
+            warnings.warn(
+                f"{type(self).__name__}.step() is called inside torch.compile: it runs eagerly (dynamo would "
+                f"recompile it at every step); {kernels}",
+                UserWarning,
+                stacklevel=2,
+            )
+        return self.step(closure)  # dynamo is off here: is_compiling() is False
 
     def _gather_at_owners(self) -> list[int]:
         """The owner path's first exchange (``owners.py``): the parameters with gradients, whole at their

@@ -2,8 +2,8 @@
 
 Three kinds of rule, each a class to subclass (the built-in ones are in ``rules/``):
 
-- ``HiddenRule`` (at the Newton-Schulz seam, ``newton_schulz.py``, beside the table of methods its
-  ``ns_method`` names): a hidden-matrix rule, ``D = post(Orth(pre(X)))`` around the driver's
+- ``HiddenRule`` (in ``driver.py``, beside the Newton-Schulz seam that calls it, as torch's ``Adam``
+  sits beside its step functions): a hidden-matrix rule, ``D = post(Orth(pre(X)))`` around the driver's
   Newton-Schulz; a researcher's variant overrides ``pre``, ``post`` (or ``post_all``), ``lr_scale``,
   declares ``state_views`` and ``defaults`` and checks them in ``validate``;
 - :class:`MomentumRule`: an elementwise momentum rule (MeqMuon's eq. 9 and 10): a ``direction`` of a stack

@@ -2,11 +2,11 @@
 
 Under FSDP2 every rank holds a row shard of each matrix; Newton-Schulz and a hidden rule's ``pre`` and
 ``post`` need whole matrices. :func:`hidden_at_owners` sends a bucket's row shards to owner ranks by one
-``all_to_all_single`` (:meth:`ShardedSplit.at_owners`), runs the driver's body
-(:func:`meqmuon.optim.newton_schulz.directions`) there, and brings the rows of the directions back by a
-second one (microsoft/dion ``megabatch_base.py`` does the same for Newton-Schulz), so a rule never needs
-a sum over shards. Per-row state travels as extra columns of the rows, per-matrix state as a column of
-all rows.
+``all_to_all_single`` (:meth:`ShardedSplit.at_owners`), runs the driver's body there (an :data:`Orth`:
+:func:`meqmuon.optim.driver.directions`, eager or in a compiled graph), and brings the rows of the
+directions back by a second one (microsoft/dion ``megabatch_base.py`` does the same for Newton-Schulz), so a
+rule never needs a sum over shards. Per-row state travels as extra columns of the rows, per-matrix state as
+a column of all rows.
 """
 
 from __future__ import annotations
@@ -17,33 +17,27 @@ import torch
 from torch import Tensor
 
 from .calls import StepContext
-from .newton_schulz import HiddenRule, batched_ns, directions, ns_flops, resolve_dtype
+from .newton_schulz import batched_ns, ns_flops
+from .rule import MomentumBase
 
-__all__ = ["Orth", "eager_directions", "hidden_at_owners"]
+__all__ = ["Orth", "hidden_at_owners"]
 
 #: How an owner turns whole matrices into directions: ``orth(rule, W, n, state, group, ctx, batched=...)``
 #: with ``W`` ``(j, m, n + s)`` (``s`` state columns after the ``n`` matrix columns) and ``state``
 #: ``{key: (j, m) or (j,)}``, updated in place; returns ``D`` ``(j, m, n)``. The driver's form picks it:
-#: :func:`eager_directions`, or the compiled graph (``compiled.owner_directions``).
+#: ``driver.eager_directions``, or the compiled graph (``compiled.owner_directions``). Given, not imported:
+#: this module sits below the driver, which calls it.
 Orth = Callable[..., Tensor]
 
 
-def eager_directions(rule: HiddenRule, W: Tensor, n: int, state: dict[str, Tensor], group: dict, ctx: StepContext,
-                     *, batched: bool) -> Tensor:
-    """:func:`newton_schulz.directions` of whole matrices at an owner, eagerly."""
-    (D,) = directions(rule, [(W[..., :n], W.shape[0], state)], group, ctx, batched=batched,
-                      scratch=ctx.split.workspace)
-    return D
-
-
-def hidden_at_owners(rule: HiddenRule, X: Tensor, state: dict[str, Tensor], m: int, group: dict,
-                     ctx: StepContext, orth: Orth) -> list[Tensor]:
-    """Row shards ``X`` ``(k, rows, n)`` of ``k`` matrices with ``m`` rows -> whole matrices at owner ranks
-    -> ``orth`` there (:data:`Orth`) -> the rows of ``D`` back; ``state`` is updated in place."""
+def hidden_at_owners(rule: MomentumBase, X: Tensor, state: dict[str, Tensor], m: int, group: dict,
+                     ctx: StepContext, orth: Orth, ns_dtype: torch.dtype) -> list[Tensor]:
+    """Row shards ``X`` ``(k, rows, n)`` of ``k`` matrices with ``m`` rows of a hidden rule's bucket -> whole
+    matrices at owner ranks -> ``orth`` there (:data:`Orth`) -> the rows of ``D`` back; ``state`` is
+    updated in place. ``ns_dtype``: the group's Newton-Schulz dtype (what travels when no state does)."""
     k, rows, n = X.shape
     keys = list(state)
     per_row = [rule.state_views[key] == "rows" for key in keys]
-    ns_dtype = resolve_dtype(group, X, ctx)
     dtype = X.dtype if keys else ns_dtype
     out_dtype = torch.promote_types(dtype, torch.float32)
 

@@ -2,7 +2,7 @@
 
 An optimizer in this package is an assignment of rules to parameter kinds (see ``presets.py``),
 by name through :data:`RULES`, or by instance through ``rules={kind: rule}``. The hidden-matrix rules
-are :class:`~meqmuon.optim.newton_schulz.HiddenRule` s, ``pre``/``post`` around the driver's Newton-Schulz:
+are :class:`~meqmuon.optim.driver.HiddenRule` s, ``pre``/``post`` around the driver's Newton-Schulz:
 ``meqmuon.py`` (MeqMuon, eq. 8), ``muon.py`` (Moonlight's Muon, MuonEq), ``normuon.py``. MeqMuon's
 embedding/head and vector rules (eq. 9 and 10, ``meqmuon.py``) are :class:`~meqmuon.optim.rule.MomentumRule` s:
 a direction of a stack and a per-tensor update. The Adam-type and SCALE rules write their own per-tensor

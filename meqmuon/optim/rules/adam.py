@@ -11,9 +11,8 @@ from torch import Tensor
 
 from ... import functional as F
 from ..calls import state_dtype
-from ..driver import grads_like
+from ..driver import buffer, grads_like, make_buckets
 from ..inputs import number
-from ..newton_schulz import buffer, make_buckets
 from ..rule import SteppingRule
 
 # AdamW for the embeddings, heads and vectors of Muon and NorMuon: betas (0.9, 0.95) as the paper's runs

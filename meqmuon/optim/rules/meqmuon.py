@@ -1,6 +1,6 @@
 """MeqMuon's three rules (paper *MeqMuon: Matrix-Equilibrating Muon for LLM Pretraining*, Algorithm 1):
 
-- hidden matrices (:class:`MeqHidden`, eq. 8): a :class:`~meqmuon.optim.newton_schulz.HiddenRule`, the driver
+- hidden matrices (:class:`MeqHidden`, eq. 8): a :class:`~meqmuon.optim.driver.HiddenRule`, the driver
   orthogonalises, ``post`` row- or column-normalises whichever side has the larger CV;
 - embeddings and LM heads (:class:`Equilibrate`, eq. 9): two-sided normalisation of the momentum;
 - vectors (:class:`RmsNormalize`, eq. 10): global-RMS normalisation of the momentum.
@@ -20,8 +20,7 @@ import torch
 
 from ... import functional as F
 from .. import blockwise
-from ..driver import apply_update, direction_input
-from ..newton_schulz import HiddenRule
+from ..driver import HiddenRule, apply_update, direction_input
 from ..rule import MomentumRule
 
 

@@ -1,5 +1,5 @@
 """Muon-family baselines for hidden matrices: Moonlight's Muon (:class:`MoonlightHidden`) and MuonEq
-(:class:`MuonEqHidden`), written as :class:`~meqmuon.optim.newton_schulz.HiddenRule` s (``pre``/``post``
+(:class:`MuonEqHidden`), written as :class:`~meqmuon.optim.driver.HiddenRule` s (``pre``/``post``
 around the driver's Newton-Schulz).
 
 Momentum convention (Moonlight; paper eq. 6): ``B_t = mu * B_{t-1} + G_t``; the direction input is
@@ -15,7 +15,7 @@ import math
 import torch
 
 from ... import functional as F
-from ..newton_schulz import HiddenRule
+from ..driver import HiddenRule
 
 
 class MoonlightHidden(HiddenRule):

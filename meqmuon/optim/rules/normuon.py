@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..driver import HiddenRule
 from ..inputs import number
-from ..newton_schulz import HiddenRule
 from .muon import MoonlightHidden
 
 # NorMuon's epsilons (zichongli5/NorMuon d45c9a4, normuon.py): 1e-10 in the row scaling and in the

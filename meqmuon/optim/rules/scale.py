@@ -14,9 +14,8 @@ from torch import Tensor
 
 from ... import functional as F
 from ..calls import state_dtype
-from ..driver import apply_update, grads_like, stack_tensors
+from ..driver import apply_update, grads_like, make_buckets, matrix_shape, stack_tensors, unstack
 from ..inputs import number
-from ..newton_schulz import make_buckets, matrix_shape, unstack
 from ..rule import SteppingRule
 
 # SCALE divides by the slice RMS clamped at this value (OptimAI-Lab/Minimalist_LLM_Pretraining
