@@ -155,7 +155,7 @@ def assign_owners(costs: Sequence[float], load: list[float]) -> list[int]:
 
 
 class LocalSplit:
-    """Single process: this rank owns every matrix (and orthogonalises it locally, ``newton_schulz.py``)."""
+    """Single process: this rank owns every matrix (and orthogonalises it locally, ``driver.directions``)."""
 
     world_size = 1
     rank = 0
