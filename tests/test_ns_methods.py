@@ -202,7 +202,7 @@ def test_every_muon_family_optimizer_takes_ns_method(name, foreach):
     assert all(torch.isfinite(p).all() for p in aol)
 
 
-@pytest.mark.parametrize("method", ["gram", "aol"])
+@pytest.mark.parametrize("method", ["gram", "aol", "cubic"])
 def test_compiled_step_with_each_method_equals_eager(method):
     eager = _run("meqmuon", steps=2, ns_method=method, foreach=True)
     compiled = _run("meqmuon", steps=2, ns_method=method, foreach=True, compile=True)
