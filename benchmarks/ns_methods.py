@@ -41,6 +41,8 @@ def method_flops(method: str, m: int, n: int, steps: int) -> int:
     gram_side, gram_square = 2 * a * a * b, 2 * a**3
     if method == "quintic" or (method == "gram" and m == n):  # Gram falls back to the quintic on squares
         return steps * (2 * gram_side + gram_square)
+    if method == "cubic":  # A = X X^T and A X an iteration (c = 0: no A^2)
+        return steps * 2 * gram_side
     if method == "aol":  # one Gram matrix for the scaling and the first iteration; steps - 1 iterations
         return gram_side + (steps - 1) * (gram_side + gram_square) + (steps - 2) * gram_side
     if method == "gram":

@@ -36,7 +36,7 @@ from torch import Tensor
 __all__ = [
     "DELTA", "NS_COEFFICIENTS", "NS_SCHEDULES", "NS_STEPS", "POLAR_EXPRESS", "POLAR_EXPRESS_SPEEDRUN",
     "canonical_coefficients", "ns_schedule", "orthogonalize", "orthogonalize_stack", "ns_step", "row_rms",
-    "GRAM_RESTARTS", "gram_orthogonalize", "aol_orthogonalize",
+    "GRAM_RESTARTS", "gram_orthogonalize", "aol_orthogonalize", "CUBIC5", "cubic_schedule", "cubic_orthogonalize",
     "col_rms", "cv", "cv_of_norms", "MUONEQ_MODES", "muoneq_equilibrate", "row_col_cv", "row_normalize",
     "col_normalize", "equilibrate", "rms_normalize", "adaptive_normalize",
     "as_matrix", "choose_rows", "rms_of_sumsq", "inverse_rms", "row_factors",
@@ -442,6 +442,139 @@ def aol_orthogonalize(
         return X
 
     return _method_stacks(x, dtype, out, batched, inplace, core)
+
+
+#: cubic5 (Hua Huang, "How Much Orthogonalization Does Muon Need?", arXiv 2606.00371), as merged in
+#: NVIDIA-NeMo/Emerging-Optimizers PR #217 (commit a4c2c262aa1342e461fa4a5ed71697466b074736, unchanged
+#: at fd7729267109a8848709e9406bf19e53e970c3f4), ``emerging_optimizers/orthogonalized_optimizers/
+#: muon_utils.py`` ``_COEFFICIENT_SETS["cubic5"]``: one ``(a, b, c)`` per iteration with ``c = 0`` (the cubic
+#: ``a X + b (X X^T) X``), optimised for a relaxed singular-value band with an effective bf16 lower bound
+#: ``l0 = 7e-3``. A fixed 5-step schedule.
+CUBIC5 = (
+    (3.3656576, -3.3420992, 0.0),
+    (2.5744352, -1.4957376, 0.0),
+    (2.5368962, -1.4312570, 0.0),
+    (2.4418906, -1.2764040, 0.0),
+    (2.2230472, -0.9630650, 0.0),
+)
+
+
+def cubic_schedule(coefficients: Any, steps: int) -> tuple[tuple[float, float], ...]:
+    """The ``(a, b)`` per iteration of :func:`cubic_orthogonalize` from a group's ``ns_coefficients`` and ``ns_steps``.
+
+    ``ns_coefficients`` at its default (:data:`NS_COEFFICIENTS`, Jordan's quintic triple, i.e. not chosen):
+    :data:`CUBIC5`, which needs ``steps == 5`` (it is a fixed schedule, as upstream refuses other counts).
+    Otherwise any form :func:`ns_schedule` takes whose every ``c`` is 0: one ``(a, b, 0)`` for every
+    iteration or a list of ``steps`` of them (e.g. ``CUBIC5`` itself). The input scale is 1.
+
+    Raises:
+        ValueError: ``steps != 5`` with the default, a named schedule (``"polar_express"``: quintic), or a
+            triple with ``c != 0`` (a quintic: ``ns_method="quintic"``).
+    """
+    if not isinstance(coefficients, str) and len(coefficients) == 3 and tuple(coefficients) == NS_COEFFICIENTS:
+        if steps != len(CUBIC5):
+            raise ValueError(f"ns_method='cubic' runs cubic5, a fixed {len(CUBIC5)}-step schedule; got ns_steps="
+                             f"{steps}. Use ns_steps=5, or pass ns_coefficients as {steps} (a, b, 0) triples")
+        return tuple((a, b) for a, b, _ in CUBIC5)
+    if isinstance(coefficients, str):
+        raise ValueError(f"ns_method='cubic' takes no named schedule ({coefficients!r} is a quintic one); leave "
+                         "ns_coefficients at its default (cubic5) or pass (a, b, 0) triples")
+    schedule, _ = _schedule(coefficients, steps)
+    if any(c != 0.0 for _, _, c in schedule):
+        raise ValueError(f"ns_method='cubic' needs c = 0 in every (a, b, c) triple, got {coefficients!r} (a "
+                         "quintic: use ns_method='quintic'), or leave ns_coefficients at its default (cubic5)")
+    return tuple((a, b) for a, b, _ in schedule)
+
+
+def cubic_orthogonalize(
+    x: Tensor,
+    steps: int = NS_STEPS,
+    coefficients: Coefficients = NS_COEFFICIENTS,
+    dtype: torch.dtype | None = torch.bfloat16,
+    eps: float = NS_EPS,
+    workspace: dict | None = None,
+    out: Tensor | None = None,
+    batched: bool = False,
+    inplace: bool = False,
+) -> Tensor:
+    r"""Cubic Newton-Schulz with the cubic5 schedule (Huang, arXiv 2606.00371; NVIDIA-NeMo/Emerging-Optimizers
+    PR #217, commit a4c2c262aa1342e461fa4a5ed71697466b074736, ``muon_utils.py``: ``newton_schulz(...,
+    coefficient_type="cubic5")``, whose ``c = 0`` path is ``addmm(X, A, X, beta=a, alpha=b)``).
+
+    .. math::
+        X_0 = X / \max(\|X\|_F, \epsilon),\quad A_k = X_k X_k^\top,\quad
+        X_{k+1} = a_k X_k + b_k A_k X_k,\quad k = 0..4,
+
+    ``(a_k, b_k)`` from :data:`CUBIC5` (:func:`cubic_schedule` says how ``steps`` and ``coefficients`` map
+    onto it). Two matmuls an iteration (``A_k`` and ``A_k X_k``), 10 for the schedule instead of the
+    quintic's 15; the schedule aims at a relaxed singular-value band, not the polar factor (the paper:
+    training parity with the quintic within about 1e-3 validation loss). ``A_k`` is the smaller Gram
+    matrix (tall inputs iterate ``X_k (X_k^\top X_k)``, the transpose of the wide iteration, as upstream's
+    transpose-iterate-transpose). The normalisation is :func:`orthogonalize`'s (the norm clamped at ``eps``;
+    upstream's ``F.normalize`` clamps at 1e-15). Arguments as :func:`orthogonalize`: per matrix with fused
+    ``addmm`` and ``workspace`` buffers, or one stack of ``bmm``/``baddbmm`` (``batched``).
+    """
+    if x.ndim < 2:
+        raise ValueError(f"cubic_orthogonalize needs a matrix or a batch of matrices, got shape {tuple(x.shape)}")
+    dtype = dtype or x.dtype
+    if out is not None and (out.shape != x.shape or out.dtype != dtype or not out.is_contiguous()):
+        raise ValueError(
+            f"cubic_orthogonalize: out must be a contiguous {tuple(x.shape)} tensor of dtype {dtype}, "
+            f"got {tuple(out.shape)} {out.dtype} (contiguous={out.is_contiguous()})"
+        )
+    schedule = cubic_schedule(coefficients, steps)
+    if x.ndim > 2 and batched:
+        X = x.reshape(-1, *x.shape[-2:]).to(dtype, copy=not inplace)
+        X.div_(torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp_(min=eps))
+        tall = X.shape[-2] > X.shape[-1]
+        for a, b in schedule:
+            if tall:
+                X = torch.baddbmm(X, X, torch.bmm(X.mT, X), beta=a, alpha=b)
+            else:
+                X = torch.baddbmm(X, torch.bmm(X, X.mT), X, beta=a, alpha=b)
+        X = X.reshape(x.shape)
+        return X if out is None else out.copy_(X)
+    if x.ndim == 2:
+        return _cubic_matrix(x, schedule, dtype, eps, workspace, out)
+    flat = x.reshape(-1, *x.shape[-2:])
+    if out is None:
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    flat_out = out.view(flat.shape)
+    for i in range(flat.shape[0]):
+        _cubic_matrix(flat[i], schedule, dtype, eps, workspace, flat_out[i])
+    return out
+
+
+def _cubic_matrix(x: Tensor, schedule: tuple[tuple[float, float], ...], dtype: torch.dtype, eps: float,
+                  workspace: dict | None = None, result: Tensor | None = None) -> Tensor:
+    """:func:`cubic_orthogonalize` of one 2-D matrix into ``result`` (or a new tensor), as
+    :func:`_orthogonalize_matrix`: buffers kept in ``workspace``, the Gram matrix on the smaller side
+    (block-symmetric on CPU from ``SYMMETRIC_MIN``, as :func:`ns_step`), one ``addmm`` per iteration."""
+    m, n = x.shape
+    tall, k = m > n, min(m, n)
+    key = ("cubic", m, n, dtype, x.device)
+    ws = None if workspace is None else workspace.get(key)
+    if ws is None:
+        new = {"dtype": dtype, "device": x.device}
+        ws = {"X": torch.empty((m, n), **new), "Y": (torch.empty((m, n), **new), torch.empty((m, n), **new)),
+              "A": torch.empty((k, k), **new)}
+        if workspace is not None:
+            workspace[key] = ws
+    X = ws["X"].copy_(x)
+    X.div_(torch.linalg.vector_norm(X).clamp(min=eps))
+    if result is None:
+        result = torch.empty((m, n), dtype=dtype, device=x.device)
+    symmetric = x.device.type == "cpu" and k >= SYMMETRIC_MIN
+    for i, (a, b) in enumerate(schedule):
+        o = result if i == len(schedule) - 1 else ws["Y"][i % 2]
+        Z = X.T if tall else X
+        A = _symmetric_addmm(None, Z, Z.T, out=ws["A"]) if symmetric else torch.mm(Z, Z.T, out=ws["A"])
+        if tall:
+            torch.addmm(X, X, A, beta=a, alpha=b, out=o)
+        else:
+            torch.addmm(X, A, X, beta=a, alpha=b, out=o)
+        X = o
+    return result
 
 
 #: Smallest Gram size ``k = min(m, n)`` at which :func:`ns_step` computes its two symmetric products

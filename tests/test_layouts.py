@@ -54,11 +54,11 @@ class WholeMatrixVariant(meqmuon.HiddenRule):
 
 
 def _optimizer(name: str, model, **kw):
-    """``name[+foreach][+compile][+gram|+aol]``: every Muon-family optimizer with float32 Newton-Schulz
-    (``+gram``/``+aol``: that ``ns_method``); ``variant`` is Muon with :class:`WholeMatrixVariant` for
+    """``name[+foreach][+compile][+gram|+aol|+cubic]``: every Muon-family optimizer with float32 Newton-Schulz
+    (``+gram``/``+aol``/``+cubic``: that ``ns_method``); ``variant`` is Muon with :class:`WholeMatrixVariant` for
     hidden matrices."""
     base, *flags = name.split("+")
-    for method in ("gram", "aol"):
+    for method in ("gram", "aol", "cubic"):
         if method in flags:
             kw["ns_method"] = method
     if base == "variant":
@@ -176,10 +176,10 @@ def _check(results, names, bound=1e-6):
 
 def test_tensor_parallel_llama_equals_one_process(tmp_path):
     """TP on a mesh of 2 (torchtitan's plan): every rule family in every step form, a user variant and the
-    Gram and AOL Newton-Schulz methods equal one process fed the same gradients; a DCP save/load under TP
+    Gram, AOL and cubic Newton-Schulz methods equal one process fed the same gradients; a DCP save/load under TP
     resumes bit for bit."""
     names = [*runs("tp", "tp-batched", "tp-compile", "tp-batched-compile"), "variant", "variant+foreach",
-             "meqmuon+gram", "meqmuon+foreach+aol"]
+             "meqmuon+gram", "meqmuon+foreach+aol", "muon+foreach+cubic"]
     results = _spawn(_tp_worker, tmp_path, names, str(tmp_path))
     placements = results[0]["meqmuon"]["placements"]
     assert placements["model.layers.0.self_attn.q_proj.weight"] == "(Shard(dim=0),)"  # colwise

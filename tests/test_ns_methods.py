@@ -7,6 +7,11 @@ written from their papers' equations here, in every form.
 - ``"aol"`` (Turbo-Muon, arXiv 2512.04632): ``D = diag(sum_j |A_ij|)^{-1/2}`` of ``A = X X^T``, then
   ``steps - 1`` quintic iterations from ``D X``: float64 equals the reference to 1e-12, float32 within 1e-5,
   and the scaled input's spectral norm is at most 1 (AOL's guarantee).
+- ``"cubic"`` (cubic5, arXiv 2606.00371; NVIDIA-NeMo/Emerging-Optimizers PR #217): ``X_0 = X / ||X||_F``,
+  ``X <- a X + b (X X^T) X`` with the five ``(a, b)`` of upstream's ``_COEFFICIENT_SETS["cubic5"]`` (written
+  out again below): float64 equals the reference to 1e-12, float32 within 1e-5, bf16 near float32; in every
+  step form it is the quintic iteration with those coefficients (``c = 0``); ``ns_steps``/``ns_coefficients``
+  that make no sense for it are refused when the optimizer is built.
 - every method runs per matrix and batched with the same result, and steps every Muon-family optimizer in
   every step form (float64 against the quintic's optimizer for ``gram``).
 """
@@ -55,6 +60,25 @@ def aol_reference(x: torch.Tensor, coefficients, steps: int) -> torch.Tensor:
     return torch.stack(out).reshape(x.shape)
 
 
+#: cubic5's ``(a, b)`` as in NVIDIA-NeMo/Emerging-Optimizers a4c2c262 ``muon_utils.py`` (``c = 0`` there).
+CUBIC5_AB = [(3.3656576, -3.3420992), (2.5744352, -1.4957376), (2.5368962, -1.4312570), (2.4418906, -1.2764040),
+             (2.2230472, -0.9630650)]
+
+
+def cubic_reference(x: torch.Tensor, ab=CUBIC5_AB) -> torch.Tensor:
+    """cubic5 in float64, one matrix at a time, the wide orientation: ``X_0 = X / ||X||_F``, ``A = X X^T``,
+    ``X <- a X + b A X``."""
+    out = []
+    for m in x.double().reshape(-1, *x.shape[-2:]):
+        tall = m.shape[0] > m.shape[1]
+        X = m.T if tall else m
+        X = X / torch.linalg.matrix_norm(X)
+        for a, b in ab:
+            X = a * X + b * (X @ X.T) @ X
+        out.append(X.T if tall else X)
+    return torch.stack(out).reshape(x.shape)
+
+
 def _x(shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
@@ -83,13 +107,63 @@ def test_aol_is_scaled_quintic_iterations(shape):
     assert torch.linalg.matrix_norm(scaled, ord=2) <= 1 + 1e-12  # AOL's bound
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_cubic_is_cubic5(shape):
+    x = _x(shape, seed=4)
+    ref = cubic_reference(x)
+    assert F.CUBIC5 == tuple((a, b, 0.0) for a, b in CUBIC5_AB)
+    for batched in (False, True):
+        got = F.cubic_orthogonalize(x, 5, F.NS_COEFFICIENTS, torch.float64, batched=batched)
+        assert (got - ref).abs().max() < 1e-12
+        got32 = F.cubic_orthogonalize(x.float(), 5, F.NS_COEFFICIENTS, torch.float32, batched=batched)
+        assert got32.dtype == torch.float32 and (got32.double() - ref).abs().max() < 1e-5
+        got16 = F.cubic_orthogonalize(x.float(), 5, F.NS_COEFFICIENTS, torch.bfloat16, batched=batched)
+        assert got16.dtype == torch.bfloat16 and (got16.double() - ref).abs().max() < 0.05
+    # explicit (a, b, 0) triples: the same iteration with those; one triple repeats
+    assert (F.cubic_orthogonalize(x, 5, F.CUBIC5, torch.float64) - ref).abs().max() < 1e-12
+    one = cubic_reference(x, [(2.0, -1.5)] * 3)
+    assert (F.cubic_orthogonalize(x, 3, (2.0, -1.5, 0.0), torch.float64) - one).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("kw, match", [({"ns_steps": 4}, "fixed 5-step schedule; got ns_steps=4"),
+                                        ({"ns_coefficients": "polar_express"}, "no named schedule"),
+                                        ({"ns_coefficients": (3.0, -4.0, 2.0)}, "needs c = 0")])
+def test_cubic_refuses_steps_and_coefficients_it_cannot_run(kw, match):
+    for cls in (meqmuon.MeqMuon, meqmuon.Muon):
+        with pytest.raises(ValueError, match=match):
+            cls(_model().parameters(), ns_method="cubic", **kw)
+    cls(_model().parameters(), ns_method="cubic", ns_steps=3, ns_coefficients=[(2.0, -1.5, 0.0)] * 3)
+
+
+def _hidden_run(cls, foreach, **kw):
+    model = _model().double()
+    params = [p for p in model.parameters() if p.ndim == 2]
+    opt = cls(params, lr=0.02, ns_dtype=torch.float64, foreach=foreach, **kw)
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+        opt.step()
+    return params
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("cls", [meqmuon.MeqMuon, meqmuon.Muon])
+def test_cubic_in_optimizers_is_the_quintic_iteration_with_cubic5(cls, foreach):
+    cubic = _hidden_run(cls, foreach, ns_method="cubic")
+    quintic = _hidden_run(cls, foreach, ns_coefficients=F.CUBIC5)  # c = 0: the same polynomial, one matmul more
+    assert max((a - b).abs().max().item() for a, b in zip(cubic, quintic, strict=True)) < 1e-10
+    jordan = _hidden_run(cls, foreach)
+    assert max((a - b).abs().max().item() for a, b in zip(cubic, jordan, strict=True)) > 1e-6  # another update
+
+
 def test_gram_falls_back_to_the_quintic_on_square_matrices():
     x = _x((3, 16, 16), seed=3)
     assert torch.equal(F.gram_orthogonalize(x, 5, F.NS_COEFFICIENTS, torch.float32),
                        F.orthogonalize(x, 5, F.NS_COEFFICIENTS, torch.float32))
 
 
-@pytest.mark.parametrize("method", ["gram", "aol"])
+@pytest.mark.parametrize("method", ["gram", "aol", "cubic"])
 def test_methods_per_matrix_equal_batched_and_write_out(method):
     x = _x((4, 12, 40), seed=2)
     fn = NS_METHODS[method]
@@ -128,7 +202,7 @@ def test_every_muon_family_optimizer_takes_ns_method(name, foreach):
     assert all(torch.isfinite(p).all() for p in aol)
 
 
-@pytest.mark.parametrize("method", ["gram", "aol"])
+@pytest.mark.parametrize("method", ["gram", "aol", "cubic"])
 def test_compiled_step_with_each_method_equals_eager(method):
     eager = _run("meqmuon", steps=2, ns_method=method, foreach=True)
     compiled = _run("meqmuon", steps=2, ns_method=method, foreach=True, compile=True)
@@ -136,8 +210,8 @@ def test_compiled_step_with_each_method_equals_eager(method):
 
 
 def test_unknown_method_names_the_known_ones():
-    with pytest.raises(ValueError, match="quintic, gram, aol"):
-        meqmuon.build_optimizer("muon", _model(), ns_method="cubic")
+    with pytest.raises(ValueError, match="quintic, gram, aol, cubic"):
+        meqmuon.build_optimizer("muon", _model(), ns_method="newton")
 
 
 def test_ns_methods_benchmark_prints_every_method_and_its_flops(capsys):
@@ -156,9 +230,10 @@ def test_ns_methods_benchmark_prints_every_method_and_its_flops(capsys):
     quintic = {r[2].strip(): float(r[9]) for r in rows if r[3].strip() == "quintic"}
     gram = {r[2].strip(): float(r[9]) for r in rows if r[3].strip() == "gram"}
     assert gram == quintic  # same distance to the polar factor: the same iteration
+    assert flops[("128x344", "cubic")] < flops[("128x344", "quintic")]  # 10 matmuls, not 15
 
 
-@pytest.mark.parametrize("method", ["gram", "aol"])
+@pytest.mark.parametrize("method", ["gram", "aol", "cubic"])
 def test_batched_op_counts_are_flat_in_depth(method):
     """``benchmarks/op_count.py`` at Llama-60M shapes (meta tensors): the batched step with each method
     dispatches the same number of ops at 1x and 3x the depth."""

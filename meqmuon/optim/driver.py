@@ -47,7 +47,7 @@ from ..precision import resolve_ns_dtype
 from .calls import Item, StepContext, state_dtype
 from .distributed import state_like
 from .inputs import float_dtype, positive_int
-from .newton_schulz import NS_METHODS, ns_flops
+from .newton_schulz import NS_METHODS, NS_SCHEDULES, ns_flops
 from .rule import MomentumBase, MomentumRule, Rule, SteppingRule
 from .sharded import Orth, hidden_at_owners
 from .views import Layout
@@ -119,13 +119,15 @@ class HiddenRule(MomentumBase):
         return 1.0
 
     def validate(self, group: dict) -> None:
-        """``ns_steps`` an integer >= 1, ``ns_coefficients`` a form :func:`F.ns_schedule` takes, ``ns_dtype``
-        a floating dtype or ``None``, ``ns_method`` a name of :data:`NS_METHODS`."""
+        """``ns_steps`` an integer >= 1, ``ns_dtype`` a floating dtype or ``None``, ``ns_method`` a name of
+        :data:`NS_METHODS`, ``ns_coefficients`` a form its schedule takes (:data:`NS_SCHEDULES`, else
+        :func:`F.ns_schedule`)."""
         positive_int("ns_steps", group["ns_steps"])
-        F.ns_schedule(group["ns_coefficients"], group["ns_steps"])  # raises ValueError naming the valid forms
         float_dtype("ns_dtype", group["ns_dtype"])
         if group["ns_method"] not in NS_METHODS:
             raise ValueError(f"Invalid ns_method: {group['ns_method']!r} (known methods: {', '.join(NS_METHODS)})")
+        # the method's reading of ns_coefficients and ns_steps; raises ValueError naming the valid forms
+        NS_SCHEDULES.get(group["ns_method"], F.ns_schedule)(group["ns_coefficients"], group["ns_steps"])
 
 
 # ---- what the driver reads of a rule -------------------------------------------------------------
