@@ -38,7 +38,7 @@ def test_equilibrate_step_matches_eq9_float64(shape, block_elements):
     expected = _reference_step(w, x, lr=0.1, wd=0.2, rho=0.3)
     assert (expected - w).abs().max().item() > 1e-2  # the step moves the parameter
     got = w.clone()
-    blockwise.equilibrate_step_(got, lambda rows: x[rows], 0.1, 0.2, 0.3, block_elements=block_elements)
+    blockwise.equilibrate_step_(got, lambda rows, out: x[rows], 0.1, 0.2, 0.3, block_elements=block_elements)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
@@ -48,5 +48,5 @@ def test_equilibrate_step_updates_a_non_contiguous_parameter_in_place():
     w = storage.T  # (37, 6), not contiguous
     x = torch.randn(37, 6, generator=g, dtype=torch.float64)
     expected = _reference_step(w, x, lr=0.1, wd=0.0, rho=1.0)
-    blockwise.equilibrate_step_(w, lambda rows: x[rows], 0.1, 0.0, 1.0, block_elements=12)
+    blockwise.equilibrate_step_(w, lambda rows, out: x[rows], 0.1, 0.0, 1.0, block_elements=12)
     torch.testing.assert_close(storage.T, expected, rtol=0, atol=1e-12)

@@ -38,7 +38,7 @@ def row_blocks(m: int, n: int, block_elements: int = BLOCK_ELEMENTS) -> list[sli
 
 def equilibrate_step_(
     param: Tensor,
-    input_rows: Callable[[slice], Tensor],
+    input_rows: Callable[[slice, Tensor], Tensor],
     lr: float,
     weight_decay: float,
     rho: float,
@@ -51,8 +51,9 @@ def equilibrate_step_(
 
     Args:
         param: the parameter (any layout; rows are its first dimension, as in ``as_matrix``).
-        input_rows: ``input_rows(rows)`` returns rows ``rows`` of the direction input ``X`` (shaped
-            like ``param[rows]``); called twice per block.
+        input_rows: ``input_rows(rows, out)`` returns rows ``rows`` of the direction input ``X`` (shaped
+            like ``param[rows]``), written into ``out`` (a float32, or float64, buffer of that shape) or
+            as a tensor of its own, which is only read; called twice per row.
         lr, weight_decay, rho: the step.
         delta: rows/columns with RMS at or below ``delta`` are treated as zero (paper eq. 4-5).
         psum, rows: under FSDP2, ``param`` is a row shard; ``psum`` sums the column statistics
@@ -65,14 +66,26 @@ def equilibrate_step_(
     blocks = row_blocks(m, n, block_elements)
     inv_r = torch.empty(m, dtype=stat, device=param.device)
     col_sumsq = torch.zeros(n, dtype=stat, device=param.device)
+    # One block's buffer, reused by every block of both passes: fresh block-sized temporaries cost
+    # page faults on CPU, and a reused one stays in cache.
+    buf = torch.empty(max(b.stop - b.start for b in blocks) * n if blocks else 0, dtype=stat, device=param.device)
+
+    def block(b: slice) -> tuple[Tensor, Tensor]:
+        """Rows ``b`` of ``X`` (at least float32; ``buf`` or a tensor only read) and ``buf``'s matrix for them."""
+        k = b.stop - b.start
+        out = buf[: k * n]
+        x = input_rows(b, out.view(k, *param.shape[1:])).reshape(k, n)
+        out = out.view(k, n)
+        return (x if x.dtype == stat else out.copy_(x)), out
+
     for b in blocks:
-        x = F.as_matrix(input_rows(b).reshape(b.stop - b.start, n)).to(stat)
+        x, out = block(b)
         inv_r[b] = F.row_factors(x, delta)
-        y = x * inv_r[b].unsqueeze(-1)
-        col_sumsq += (y * y).sum(dim=0)
+        y = torch.mul(x, inv_r[b].unsqueeze(-1), out=out)
+        col_sumsq += y.mul_(y).sum(dim=0)
     inv_c = F.inverse_rms(F.rms_of_sumsq(col_sumsq, rows if psum is not None else m, psum), delta)
     for b in blocks:
-        x = input_rows(b).reshape(b.stop - b.start, n).to(stat)
-        direction = (x * inv_r[b].unsqueeze(-1)).mul_(inv_c)
+        x, out = block(b)
+        direction = torch.mul(x, inv_r[b].unsqueeze(-1), out=out).mul_(inv_c)
         w = param[b]
         F.decay_and_update_([w], [direction.reshape(w.shape).to(w.dtype)], lr, weight_decay, [rho])

@@ -63,8 +63,12 @@ class Equilibrate(MomentumRule):
     def update(self, items, group, ctx):
         """Per-tensor form: two row-blocked passes (``blockwise.equilibrate_step_``)."""
         for it in items:
-            blockwise.equilibrate_step_(it.param, lambda rows, it=it: direction_input(it, group, rows), group["lr"],
-                                        group["weight_decay"], group["rho"], psum=ctx.split.psum, rows=it.shape[0])
+            def rows_of(rows, out, it=it):  # into the block buffer ``out`` where it has the buffer's dtype
+                same = out.dtype == it.state["momentum_buffer"].dtype
+                return direction_input(it, group, rows, out if same else None)
+
+            blockwise.equilibrate_step_(it.param, rows_of, group["lr"], group["weight_decay"], group["rho"],
+                                        psum=ctx.split.psum, rows=it.shape[0])
 
 
 class RmsNormalize(MomentumRule):
