@@ -97,7 +97,7 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
                    "file or directory")
     g.add_argument("--tokenizer", default=S, help="HF tokenizer id or save_pretrained directory; default: the "
                    "model's own for c4, a prepared directory's own, else the built-in BPE")
-    g.add_argument("--vocab-size", type=int, default=S, help="built-in BPE vocabulary (4096; llama-micro 2048)")
+    g.add_argument("--vocab-size", type=int, default=S, help="built-in BPE vocabulary (4096; llama-micro 1280)")
     g.add_argument("--val-tokens", type=parse_count, default=S,
                    help="validation targets (per model: 1M, *-tiny 32768; fewer if less text)")
     g.add_argument("--cache-dir", default=S, help="data cache (default $MEQMUON_CACHE or ~/.cache/meqmuon)")

@@ -72,9 +72,9 @@ PAPER_RUN_DEFAULTS: dict[str, int] = {"global_batch": 512, "seq_len": 1024, "val
 CPU_PRESET_DEFAULTS: dict[str, int] = {"global_batch": 32, "seq_len": 128, "val_tokens": 32_768, "vocab_size": 4096}
 
 #: ``llama-micro`` (issue 39: the paper's 20 tokens per parameter on one CPU thread): the CPU presets' batch
-#: with a 2,048-id built-in BPE, so that embeddings and head stay ~57 % of its 460k parameters, as
-#: Llama-60M's do of its 58M (with 4,096 ids they would be 73 %).
-MICRO_DEFAULTS: dict[str, int] = {**CPU_PRESET_DEFAULTS, "vocab_size": 2048}
+#: with a 1,280-id built-in BPE, so that embeddings and head stay ~53 % of its 234k parameters, as
+#: Llama-60M's are 56 % of its 58M (with 4,096 ids they would be 84 %).
+MICRO_DEFAULTS: dict[str, int] = {**CPU_PRESET_DEFAULTS, "vocab_size": 1280}
 
 #: Default evaluation interval: evaluation may take at most this share of the training compute.
 EVAL_COMPUTE_SHARE = 0.1

@@ -174,7 +174,7 @@ def _qwen2(name: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: 
 # The CPU presets use the built-in byte-level BPE (tokenizer=None, <|endoftext|> = id 0, vocab 4096
 # by default); their vocab is normally overridden by the tokenizer's anyway.
 _TINY_VOCAB = 4096
-_MICRO_VOCAB = 2048
+_MICRO_VOCAB = 1280
 
 MODELS: dict[str, ModelSpec] = {
     s.name: s
@@ -191,7 +191,7 @@ MODELS: dict[str, ModelSpec] = {
         _llama("llama-tiny", 4, 128, 344, 4, None, vocab=_TINY_VOCAB, tokenizer=None),
         _llama("llama-tiny-tied", 4, 128, 344, 4, None, vocab=_TINY_VOCAB, tied=True, tokenizer=None),
         # The horizon comparison's model (issue 39): 20 tokens per parameter on one CPU thread.
-        _llama("llama-micro", 4, 64, 172, 4, None, vocab=_MICRO_VOCAB, tokenizer=None),
+        _llama("llama-micro", 4, 48, 128, 4, None, vocab=_MICRO_VOCAB, tokenizer=None),
         _smollm2("smollm2-tiny", 4, 128, 344, 4, 2, None, init=1 / math.sqrt(128), vocab=_TINY_VOCAB),
         _qwen2("qwen2-tiny", 4, 128, 344, 4, 2, None, vocab=_TINY_VOCAB, tokenizer=None, eos=0),
     ]

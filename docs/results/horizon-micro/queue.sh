@@ -2,24 +2,27 @@
 # Issue 39's queue: runs the lines of JOBS ("OPTIMIZER LR SEED", in order) two at a time, one thread
 # each, and starts a run only if it can finish before FINISH_BY (UTC, e.g. 18:50), judged by the longest
 # finished run so far (EST_S seconds before any has finished). Appends start/end lines to RUNS/jobs.log.
-# --steps 2248: sweep's base is the demo config (100 updates), so it needs the length spelled out;
-# 2,248 = ceil(20 x 460,352 / (32 x 128)), the 20-tokens-per-parameter run of `meqmuon train`.
-# usage: queue.sh JOBS FINISH_BY   (environment: WT worktree, RUNS run root, EST_S, LANES)
+# --steps: sweep's base is the demo config (100 updates), so it needs the length spelled out; PHASE 1x
+# is 1,143 = ceil(20 x 233,904 / (32 x 128)) updates, the 20-tokens-per-parameter run of `meqmuon train`,
+# 4x is 4,572. Runs go to RUNS/PHASE (AdamW: RUNS/PHASE-adamw). Start it as `nice -n 19 queue.sh ...`
+# beside other work.
+# usage: queue.sh JOBS FINISH_BY   (environment: WT worktree, RUNS run root, PHASE 1x|4x, EST_S, LANES)
 set -u
 jobs_file=$1; finish_by=$(date -u -d "$2" +%s)
-WT=${WT:-/work/wt39r}; RUNS=${RUNS:-/work/runs39}; EST_S=${EST_S:-900}; LANES=${LANES:-2}
-log=$RUNS/jobs.log; next=$RUNS/queue.next; mkdir -p "$RUNS/logs"; [ -f "$next" ] || echo 1 > "$next"
+WT=${WT:-/work/wt39}; RUNS=${RUNS:-/work/runs39}; EST_S=${EST_S:-900}; LANES=${LANES:-2}; PHASE=${PHASE:-1x}
+case $PHASE in 1x) STEPS=1143 ;; 4x) STEPS=4572 ;; *) echo "PHASE must be 1x or 4x" >&2; exit 2 ;; esac
+log=$RUNS/jobs.log; next=$RUNS/queue-$(basename "$jobs_file").next; mkdir -p "$RUNS/logs"; [ -f "$next" ] || echo 1 > "$next"
 
 run_one() {  # OPTIMIZER LR SEED
-  local opt=$1 lr=$2 seed=$3 out=$RUNS/1x args=()
-  if [ "$opt" = adamw ]; then out=$RUNS/1x-adamw; else args=(--optimizer-arg ns_dtype=float32); fi
+  local opt=$1 lr=$2 seed=$3 out=$RUNS/$PHASE args=()
+  if [ "$opt" = adamw ]; then out=$RUNS/$PHASE-adamw; else args=(--optimizer-arg ns_dtype=float32); fi
   local start; start=$(date +%s)
-  echo "start $(date -u +%FT%TZ) $opt $lr $seed" >> "$log"
+  echo "start $(date -u +%FT%TZ) $PHASE $opt $lr $seed" >> "$log"
   (cd "$WT" && PYTHONPATH=$WT python -m meqmuon sweep --optimizers "$opt" --lrs "$lr" --seeds "$seed" \
-     --model llama-micro --data "$RUNS/pysrc-2048" --precision fp32 "${args[@]}" --steps 2248 \
-     --eval-every 2248 --save-every 500 --val-tokens 65536 --threads 1 --quiet --out "$out") > "$RUNS/logs/$opt-$lr-s$seed.log" 2>&1
+     --model llama-micro --data "$RUNS/pysrc-1280" --precision fp32 "${args[@]}" --steps $STEPS \
+     --eval-every $STEPS --save-every 500 --val-tokens 65536 --threads 1 --quiet --out "$out") > "$RUNS/logs/$PHASE-$opt-$lr-s$seed.log" 2>&1
   local rc=$? end; end=$(date +%s)
-  echo "end $(date -u +%FT%TZ) $opt $lr $seed rc=$rc wall_s=$((end - start)) git=$(git -C "$WT" rev-parse --short HEAD)" >> "$log"
+  echo "end $(date -u +%FT%TZ) $PHASE $opt $lr $seed rc=$rc wall_s=$((end - start)) git=$(git -C "$WT" rev-parse --short HEAD)" >> "$log"
 }
 
 estimate() {  # the longest wall time of a finished run, else EST_S
