@@ -14,6 +14,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from meqmuon.train.compare import best_lrs
 from meqmuon.train.stats import paired_difference
 
 HERE = Path(__file__).resolve().parent
@@ -24,16 +25,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--phase", default="1x")
     args = ap.parse_args()
+    rows = json.loads((HERE / f"runs-{args.phase}.json").read_text())["runs"]
     cells: dict[tuple[str, float], dict[int, float]] = defaultdict(dict)
-    for r in json.loads((HERE / f"runs-{args.phase}.json").read_text())["runs"]:
+    for r in rows:
         cells[(r["optimizer"], r["lr"])][r["seed"]] = r["final val loss"]
+    chosen = best_lrs([r for r in rows if r["seed"] in CHOOSE])  # the rule of every sweep table
     print("| optimizer | lr grid (mean of seeds 0, 1) | chosen lr | interior | seeds at it | mean, all its seeds |")
     print("|---|---|---:|---|---:|---:|")
     best: dict[str, dict[int, float]] = {}
     for opt in sorted({o for o, _ in cells}):
         grid = sorted((lr, statistics.fmean(s[k] for k in CHOOSE)) for (o, lr), s in cells.items()
                       if o == opt and all(k in s for k in CHOOSE))
-        lr = min(grid, key=lambda g: g[1])[0]
+        lr = chosen[opt]
         interior = grid[0][0] < lr < grid[-1][0]
         best[opt] = cells[(opt, lr)]
         shown = ", ".join(f"{g:g}: {m:.4f}" for g, m in grid)
