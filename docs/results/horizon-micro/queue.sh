@@ -1,7 +1,9 @@
 #!/bin/bash
 # Issue 39's queue: runs the lines of JOBS ("OPTIMIZER LR SEED", in order) two at a time, one thread
 # each, and starts a run only if it can finish before FINISH_BY (UTC, e.g. 18:50), judged by the longest
-# finished run of the phase so far (EST_S seconds before any has finished). Appends start/end lines to RUNS/jobs.log.
+# of the phase's last two finished runs (EST_S seconds before any has finished; the last two, not all, so
+# that runs slowed by other work or paused for a timing stop no longer count once the cores are free
+# again). Appends start/end lines to RUNS/jobs.log.
 # --steps: sweep's base is the demo config (100 updates), so it needs the length spelled out; PHASE 1x
 # is 1,143 = ceil(20 x 233,904 / (32 x 128)) updates, the 20-tokens-per-parameter run of `meqmuon train`,
 # 4x is 4,572. Runs go to RUNS/PHASE (AdamW: RUNS/PHASE-adamw). Start it as `nice -n 19 queue.sh ...`
@@ -25,8 +27,8 @@ run_one() {  # OPTIMIZER LR SEED
   echo "end $(date -u +%FT%TZ) $PHASE $opt $lr $seed rc=$rc wall_s=$((end - start)) git=$(git -C "$WT" rev-parse --short HEAD)" >> "$log"
 }
 
-estimate() {  # the longest wall time of a finished run of this phase, else EST_S
-  local m; m=$(grep " $PHASE " "$log" 2>/dev/null | grep -o 'rc=0 wall_s=[0-9]*' | cut -d= -f3 | sort -n | tail -1)
+estimate() {  # the longer wall time of the phase's last two finished runs (one per lane), else EST_S
+  local m; m=$(grep " $PHASE " "$log" 2>/dev/null | grep -o 'rc=0 wall_s=[0-9]*' | cut -d= -f3 | tail -2 | sort -n | tail -1)
   echo "${m:-$EST_S}"
 }
 
