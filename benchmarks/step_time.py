@@ -109,7 +109,7 @@ class TorchMuonAdamW:
 
 
 def build(name, params, ns_dtype=torch.bfloat16, **hparams):
-    """``hparams``: extra optimizer keywords (``ns_method``, ``ns_steps``) of a ``--ns-variants`` row."""
+    """``hparams``: extra optimizer keywords (``ns_method``, ``ns_steps``, ``ns_coefficients``) of a ``--ns-variants`` row."""
     all_params = [p for ps in params.values() for p in ps]
     if name == "torch Muon+AdamW":
         return TorchMuonAdamW(params, ns_dtype=ns_dtype)
@@ -121,10 +121,14 @@ def build(name, params, ns_dtype=torch.bfloat16, **hparams):
 
 
 def parse_variant(text):
-    """``METHOD`` or ``METHOD:STEPS`` (``--ns-variants``) -> ``(row name, optimizer keywords)``."""
-    method, _, steps = text.partition(":")
-    hp = {"ns_method": method, **({"ns_steps": int(steps)} if steps else {})}
-    return f"meqmuon ({method}{f', {steps} steps' if steps else ''})", hp
+    """``METHOD``, ``METHOD:STEPS`` or ``METHOD:STEPS:COEFFICIENTS`` (``--ns-variants``; COEFFICIENTS a
+    named schedule such as ``polar_express``) -> ``(row name, optimizer keywords)``."""
+    method, _, rest = text.partition(":")
+    steps, _, coefficients = rest.partition(":")
+    hp = {"ns_method": method, **({"ns_steps": int(steps)} if steps else {}),
+          **({"ns_coefficients": coefficients} if coefficients else {})}
+    detail = "".join(f", {x}" for x in (f"{steps} steps" if steps else "", coefficients) if x)
+    return f"meqmuon ({method}{detail})", hp
 
 
 def time_call(fn, device, repeats, clock=time.perf_counter):
@@ -198,9 +202,9 @@ def main(argv=None):
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                     help="wall (default) or the process's CPU time (robust to other jobs; CPU with --threads 1)")
     ap.add_argument(
-        "--ns-variants", nargs="+", default=[], metavar="METHOD[:STEPS]",
+        "--ns-variants", nargs="+", default=[], metavar="METHOD[:STEPS[:COEFFICIENTS]]",
         help="also time MeqMuon with these Newton-Schulz methods (ns_method, optionally ns_steps), one row "
-        "each, e.g. quintic gram aol quintic:4; the FLOP floor stays the 5-iteration quintic's",
+        "each, e.g. quintic gram aol quintic:4 quintic:4:polar_express; the FLOP floor stays the 5-iteration quintic's",
     )
     args = ap.parse_args(argv)
     if args.threads:

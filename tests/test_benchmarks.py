@@ -57,6 +57,9 @@ def test_step_time_ns_variants_add_one_meqmuon_row_each(capsys):
                     "meqmuon (quintic, 3 steps)"}, out
     assert step_time.parse_variant("quintic:4") == ("meqmuon (quintic, 4 steps)",
                                                     {"ns_method": "quintic", "ns_steps": 4})
+    assert step_time.parse_variant("quintic:4:polar_express") == (
+        "meqmuon (quintic, 4 steps, polar_express)",
+        {"ns_method": "quintic", "ns_steps": 4, "ns_coefficients": "polar_express"})
     params = step_time.make_params(shapes.model_shapes("llama-tiny"), "cpu")
     opt = step_time.build("meqmuon", params, ns_method="gram", ns_steps=4)
     hidden = [g for g in opt.param_groups if g.get("ns_method") is not None]
