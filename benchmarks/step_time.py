@@ -109,7 +109,8 @@ class TorchMuonAdamW:
 
 
 def build(name, params, ns_dtype=torch.bfloat16, **hparams):
-    """``hparams``: extra optimizer keywords (``ns_method``, ``ns_steps``, ``ns_coefficients``) of a ``--ns-variants`` row."""
+    """``hparams``: extra optimizer keywords (``ns_method``, ``ns_steps``, ``ns_coefficients``) of a
+    ``--ns-variants`` row."""
     all_params = [p for ps in params.values() for p in ps]
     if name == "torch Muon+AdamW":
         return TorchMuonAdamW(params, ns_dtype=ns_dtype)
