@@ -204,7 +204,8 @@ def main(argv=None):
                     help="wall (default) or the process's CPU time (robust to other jobs; CPU with --threads 1)")
     ap.add_argument(
         "--ns-variants", nargs="+", default=[], metavar="METHOD[:STEPS[:COEFFICIENTS]]",
-        help="also time MeqMuon with these Newton-Schulz methods (ns_method, optionally ns_steps), one row "
+        help="also time MeqMuon with these Newton-Schulz methods (ns_method, optionally ns_steps and a named "
+        "ns_coefficients schedule), one row "
         "each, e.g. quintic gram aol quintic:4 quintic:4:polar_express; the FLOP floor stays the 5-iteration quintic's",
     )
     args = ap.parse_args(argv)
