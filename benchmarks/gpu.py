@@ -1,4 +1,4 @@
-"""GPU training-step benchmark: tokens/s, MFU and the optimizer's share of step time (Llama-350M, bf16).
+"""GPU training-step benchmark: tokens/s, MFU and the optimizer's share of step time (paper models, bf16).
 
 Usage (one GPU)::
 
@@ -8,8 +8,9 @@ Usage (one GPU)::
     python benchmarks/gpu.py --optimizer meqmuon --foreach off        # the per-tensor step (default on CUDA: batched)
     python benchmarks/gpu.py --tiny --device cpu --steps 3            # CPU smoke check of the script itself
 
-Model: transformers ``LlamaConfig`` with the paper's Llama-350M (GaLore ``llama_350m.json``): 24
-layers, hidden 1024, ffn 2736, 16 heads, vocab 32000, untied embeddings. Parameters are fp32,
+Model: ``--model``, a registry entry of ``meqmuon.train.models`` (default the paper's Llama-350M,
+GaLore ``llama_350m.json``: 24 layers, hidden 1024, ffn 2736, 16 heads, vocab 32000, untied
+embeddings; ``--model llama-60m`` for the horizon comparison's budget). Parameters are fp32,
 forward/backward run under bf16 autocast and the model is ``torch.compile``-d. Data: random
 tokens (throughput does not depend on them).
 
@@ -19,7 +20,8 @@ Reported (medians over the timed steps, after ``--warmup`` steps):
   (default 989 = H100 SXM dense bf16; pass your GPU's number);
 - optimizer share = optimizer step time / full step time, with CUDA events around ``opt.step()``.
 
-The GPU numbers are not yet recorded in docs/benchmarks.md: this machine has no GPU.
+Results (an H200, 2026-11-26) are in docs/benchmarks.md, GPU; benchmarks/gpu_all.sh runs this with the other
+GPU checks in one call.
 """
 
 from __future__ import annotations
@@ -36,27 +38,11 @@ import meqmuon
 from meqmuon.precision import resolve_precision
 
 
-def build_model(tiny: bool, device: torch.device):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build(name: str, device: torch.device):
+    """The registry's model (``meqmuon.train.models``: the paper's configs, SDPA attention), fp32."""
+    from meqmuon.train.models import build_config, build_model
 
-    if tiny:
-        cfg = LlamaConfig(
-            vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4
-        )
-    else:
-        cfg = LlamaConfig(
-            vocab_size=32000,
-            hidden_size=1024,
-            intermediate_size=2736,
-            num_hidden_layers=24,
-            num_attention_heads=16,
-            num_key_value_heads=16,
-            max_position_embeddings=2048,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-        )
-    cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg).to(device), cfg
+    return build_model(name, device=device, seed=0), build_config(name)
 
 
 def flops_per_token(model, cfg, seq: int) -> float:
@@ -83,14 +69,15 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--no-compile", action="store_true", help="do not torch.compile the model")
-    ap.add_argument("--tiny", action="store_true", help="tiny model and batch: a CPU smoke check")
+    ap.add_argument("--model", default="llama-350m", help="registry name (llama-60m, llama-350m, ...)")
+    ap.add_argument("--tiny", action="store_true", help="llama-tiny and a tiny batch: a CPU smoke check")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if args.tiny:
-        args.batch, args.seq = 2, 32
+        args.model, args.batch, args.seq = "llama-tiny", 2, 32
     torch.manual_seed(0)
-    model, cfg = build_model(args.tiny, device)
+    model, cfg = build(args.model, device)
     kw = {"compile": True} if args.opt_compile else {}
     if args.optimizer != "adamw" or args.foreach != "auto":
         kw["foreach"] = {"auto": None, "on": True, "off": False}[args.foreach]
@@ -139,7 +126,7 @@ def main(argv=None):
     mfu = flops_per_token(model, cfg, args.seq) * tok_s / (args.peak_tflops * 1e12)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(
-        f"| {'tiny' if args.tiny else 'llama-350m'} | {args.optimizer}{' (compile)' if args.opt_compile else ''}"
+        f"| {args.model} | {args.optimizer}{' (compile)' if args.opt_compile else ''}"
         f"{' (NS per matrix)' if args.ns_per_matrix else ''} foreach={args.foreach} | "
         f"{name} | {args.batch}x{args.seq} | {st * 1e3:.1f} ms | {tok_s:,.0f} tok/s | MFU {mfu:.1%} | "
         f"optimizer {ot * 1e3:.1f} ms ({ot / st:.0%}) | loss {loss.item():.3f} |"

@@ -156,6 +156,19 @@ PSum = Callable[[Tensor], Tensor] | None
 NS_EPS = 1e-7
 
 
+def on_device(values: Any, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
+    """A tensor of Python ``values`` on ``device``, without a host-device synchronisation.
+
+    ``torch.tensor(values, device="cuda")`` copies with a blocking ``cudaMemcpy``: the host waits for
+    every kernel queued before it, which ``torch.cuda.set_sync_debug_mode("error")`` reports as a
+    synchronising operation (seen on an H200, tests/test_cuda.py). Built on the CPU and copied with
+    ``non_blocking=True``, the copy is a ``cudaMemcpyAsync`` from pageable memory, which CUDA stages
+    at once without waiting for the stream. On the CPU it is ``torch.tensor`` itself.
+    """
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
 def _stat_dtype(x: Tensor) -> torch.dtype:
     """Dtype for statistics: float64 stays float64, everything else is computed in float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -854,8 +867,10 @@ def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
     norms = torch.zeros((sum(k for k, _, _ in shapes), 2, L), dtype=dtype, device=device)
     # Per matrix, per slot: sqrt(length) (RMS = norm / sqrt(length)) times delta (the zero threshold) or rho.
     lengths = [(math.sqrt(n), math.sqrt(m)) for k, m, n in shapes for _ in range(k)]
-    threshold = torch.tensor([[[delta * r], [delta * c]] for r, c in lengths], dtype=dtype, device=device)
-    factor = torch.tensor([[[rho * r], [rho * c]] for r, c in lengths], dtype=dtype, device=device)
+    # One host-to-device copy for the three (K, 2, 1) constants: the zero thresholds, the factors' numerators
+    # and which slot holds the rows (1.0, else 0.0; compared with the bool choice below, promoted).
+    consts = on_device([[[delta * r, rho * r, 1.0], [delta * c, rho * c, 0.0]] for r, c in lengths], device, dtype)
+    threshold, factor, row_slot = consts[..., :1], consts[..., 1:2], consts[..., 2:]
     # CPU: U is cast once into a float32 copy (a bf16 U: Newton-Schulz's output where the CPU runs bf16
     # natively), which gives the row norms, the column sums of squares block by block (COL_BLOCK rows) and
     # then becomes the result in place: torch.linalg.vector_norm(dim=-2) is a strided reduction that took
@@ -885,7 +900,6 @@ def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
     gamma = cv_of_norms(norms, threshold, counted)
     chose_rows = choose_rows(gamma[:, 0], gamma[:, 1])
     scales = torch.where(counted, torch.div(factor, norms), 0.0)
-    row_slot = torch.tensor([[True], [False]], device=device)
     scales.masked_fill_(chose_rows[:, None, None] != row_slot, 1.0)  # 1 on the side not chosen
     out, o = [], 0
     for u, x, (k, m, n) in zip(us, xs, shapes, strict=True):

@@ -170,7 +170,9 @@ def test_op_counts_at_llama_60m_shapes():
         assert total <= 300, (name, total)
         assert op_count.count_step_ops(name, deep, foreach=True).total <= 1.15 * total, name
     assert counts["meqmuon"] <= 1.75 * counts["muon"], counts
-    # The ceilings the batched step keeps (docs/benchmarks.md): each op is a GPU launch.
-    assert counts["muon"] <= 58 and counts["normuon"] <= 118 and counts["meqmuon"] <= 97, counts
+    # The ceilings the batched step keeps (docs/benchmarks.md): each op is a GPU launch. MeqMuon's 98
+    # counts its one host-to-device copy of eq. 8's constants, which torch.tensor(data, device=...) made
+    # out of the counter's sight when the count was 97 (three copies then, so 100 launches in truth).
+    assert counts["muon"] <= 58 and counts["normuon"] <= 118 and counts["meqmuon"] <= 98, counts
     assert op_count.count_step_ops("meqmuon", shapes, foreach=False).total > 10 * counts["meqmuon"]
 

@@ -48,6 +48,13 @@ def scalar(x: float) -> Tensor:
 
 #: The torch.compile backend of the bucket graphs (tests may use a cheaper one to count recompiles).
 BACKEND = "inductor"
+#: Inductor options of the bucket graphs. Before torch 2.12, inductor's loop reordering after fusion
+#: asserts on a foreach kernel node nested in another (pytorch/pytorch#176591, fixed by #176849: the
+#: check returns False in 2.13): MeqMuon's compiled per-tensor step failed so on an H200 with torch
+#: 2.11 (docs/benchmarks.md, GPU). Those versions compile without that pass.
+INDUCTOR_OPTIONS: dict[str, object] = (
+    {"loop_ordering_after_fusion": False} if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 12)
+    else {})
 _bucket_graphs: dict[tuple, object] = {}
 
 
@@ -78,7 +85,8 @@ def bucket_step(label: str, fn: Callable[..., Any], key: tuple, *args: object, *
         code = fn.__code__.replace(co_name=f"{fn.__name__}{full[1:]}")
         clone = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
         clone.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **static}
-        graph = _bucket_graphs[full] = torch.compile(clone, fullgraph=True, backend=BACKEND)
+        options = INDUCTOR_OPTIONS if BACKEND == "inductor" and INDUCTOR_OPTIONS else None
+        graph = _bucket_graphs[full] = torch.compile(clone, fullgraph=True, backend=BACKEND, options=options)
     return graph(*args)
 
 
@@ -145,7 +153,7 @@ def hidden_step(rule, members, plain: int, shape: tuple[int, int], key: tuple, g
     form updated it before), :func:`driver.directions`, the update, the per-matrix state written back."""
     per_matrix = {k: how for k, how in rule.state_views.items() if how in ("rows", "counter", "step")}
     states = {k: [it.state[k] for it in members] for k, how in per_matrix.items() if how != "step"}
-    steps = next((torch.tensor([it.state[k] for it in members], device=members[0].param.device)
+    steps = next((F.on_device([it.state[k] for it in members], members[0].param.device)
                   for k, how in per_matrix.items() if how == "step"), None)
     bucket_step(rule.name, _hidden_bucket, (key, id(rule), tuple(it.param.ndim for it in members)),
                 [it.param.detach() for it in members], [it.grad for it in members],

@@ -429,7 +429,7 @@ def _hidden_eager(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: Ste
         b, shape = it.state["momentum_buffer"], it.shape
         x = direction_input(it, group, out=buffer(scratch, "nesterov", b.shape, b.dtype, b.device))
         X = x.reshape(x.shape[0], -1) if x.ndim > 2 else x
-        state = {k: torch.tensor([it.state[k]], device=b.device) if how == "step" else it.state[k][None]
+        state = {k: F.on_device([it.state[k]], b.device) if how == "step" else it.state[k][None]
                  for k, how in per_matrix}
         ((D,),) = directions(rule, [(X[None], 1, state)], group, ctx, batched=False, scratch=scratch)
         apply_update([it], [D[0]], [rule.lr_scale(shape[0], math.prod(shape[1:]), group)], group, scratch)
@@ -533,7 +533,7 @@ def _hidden_directions(rule: HiddenRule, buckets: list[Bucket], ranges: list[tup
     # Per-matrix values (counters, steps) of all buckets in one stack, each bucket's a view of it.
     mine = [it for b, (lo, hi) in zip(buckets, ranges, strict=True) for it in b.items[lo:hi]]
     device = mine[0].param.device
-    scalars = {k: torch.tensor([it.state[k] for it in mine], device=device) if how == "step" else
+    scalars = {k: F.on_device([it.state[k] for it in mine], device) if how == "step" else
                torch.stack([it.state[k] for it in mine]) for k, how in rule.state_views.items()
                if how in ("counter", "step")}
     stacks, o = [], 0
