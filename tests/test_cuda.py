@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from capabilities import NEWTON_SCHULZ, having
+from capabilities import having
+from test_foreach import _run
 from tinynet import batches, loss_fn, make_model
 
 import meqmuon
@@ -36,18 +37,6 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def _run(name, device, foreach, steps=10, dtype=torch.float32, **kw):
-    model = make_model(dtype=dtype).to(device)
-    if name in NEWTON_SCHULZ:
-        kw.setdefault("ns_dtype", dtype)
-    opt = meqmuon.build_optimizer(name, model, lr=0.02, foreach=foreach, **kw)
-    for ids in batches(steps):
-        model.zero_grad()
-        loss_fn(model, ids.to(device)).backward()
-        opt.step()
-    return model, opt
-
-
 def _close(m0, m1, rtol):
     start = make_model(dtype=next(m0.parameters()).dtype)
     moved = max((p.cpu() - q).abs().max().item() for p, q in zip(m0.parameters(), start.parameters(), strict=True))
@@ -59,9 +48,9 @@ def _close(m0, m1, rtol):
 
 @pytest.mark.parametrize("name", having("per-tensor", "batched"))
 def test_cuda_batched_default_equals_per_tensor_and_cpu(name):
-    default, _ = _run(name, CUDA, None)  # foreach=None: batched on CUDA
-    per_tensor, _ = _run(name, CUDA, False)
-    cpu, _ = _run(name, "cpu", False)
+    default, _ = _run(name, None, device=CUDA)  # foreach=None: batched on CUDA
+    per_tensor, _ = _run(name, False, device=CUDA)
+    cpu, _ = _run(name, False)
     _close(per_tensor, default, 1e-5)
     _close(cpu, per_tensor, 1e-4)
 
@@ -69,8 +58,7 @@ def test_cuda_batched_default_equals_per_tensor_and_cpu(name):
 @pytest.mark.parametrize("foreach", [False, True])
 def test_cuda_step_makes_no_host_device_sync(foreach):
     model = make_model(dtype=torch.float32).to(CUDA)
-    names = [n for n in having("per-tensor", "batched")]
-    opts = [meqmuon.build_optimizer(n, model, lr=1e-2, foreach=foreach) for n in names]
+    opts = [meqmuon.build_optimizer(n, model, lr=1e-2, foreach=foreach) for n in having("per-tensor", "batched")]
     loss_fn(model, batches(1)[0].to(CUDA)).backward()
     for opt in opts:  # the first step creates state (allocations, not synchronisations), then two checked
         opt.step()
@@ -97,6 +85,6 @@ def test_cuda_compile_equals_eager(name):
     """One optimizer per compiled rule family (each compile costs seconds of device time). In float64, as
     test_compile.py on the CPU: in float32 the fused kernels' last-bit differences grow through the
     gradients over the steps (NorMuon: 2e-3 after 10 steps on an H200), which says nothing of the maths."""
-    eager, _ = _run(name, CUDA, False, steps=5, dtype=torch.float64)
-    compiled, _ = _run(name, CUDA, False, steps=5, dtype=torch.float64, compile=True)
+    eager, _ = _run(name, False, torch.float64, steps=5, device=CUDA)
+    compiled, _ = _run(name, False, torch.float64, steps=5, device=CUDA, compile=True)
     _close(eager, compiled, 1e-10)

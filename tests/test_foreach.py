@@ -40,14 +40,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import op_count  # noqa: E402
 
 
-def _run(name, foreach, dtype=torch.float32, steps=10, **kw):
-    model = make_model(dtype=dtype)
+def _run(name, foreach, dtype=torch.float32, steps=10, device="cpu", **kw):
+    """``steps`` steps of optimizer ``name`` on TinyNet in ``dtype`` (Newton-Schulz too) on ``device``."""
+    model = make_model(dtype=dtype).to(device)
     if name in NEWTON_SCHULZ:
         kw.setdefault("ns_dtype", dtype)
     opt = meqmuon.build_optimizer(name, model, lr=0.02, foreach=foreach, **kw)
     for ids in batches(steps):
         model.zero_grad()
-        loss_fn(model, ids).backward()
+        loss_fn(model, ids.to(device)).backward()
         opt.step()
     return model, opt
 
