@@ -37,15 +37,20 @@ import meqmuon  # noqa: E402
 OPTIMIZERS = [n for n in meqmuon.OPTIMIZERS if n != "adamw"]
 
 
+#: Ops that allocate and launch nothing.
+ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like"})
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched inside it, views excluded (they launch no kernel)."""
+    """Counts the aten ops dispatched inside it, views and allocations excluded (they launch no kernel: the
+    step's workspaces are allocated in every step and freed at its end)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
+        if not func.is_view and func.overloadpacket.__name__ not in ALLOCATIONS:
             self.ops[str(func.overloadpacket.__name__)] += 1
         return func(*args, **(kwargs or {}))
 

@@ -209,7 +209,7 @@ def compiled_batched(calls: Sequence[Call]) -> None:
     slice's new parameters and owner state to every rank. An elementwise rule's buckets (memory-bound) run
     whole on every rank. FSDP2's hidden row shards take the eager batched form with each owner's
     directions one graph (``owner_directions``); the engine sends the elementwise rules' row
-    shards to the owner path (``owners.py``), where the graphs see whole tensors.
+    shards to the owner path (``placement.PIECES``, ``owners.py``), where they see whole tensors.
     """
     at_owners = [c for c in calls if isinstance(c[0], HiddenRule) and c[3].split.sharded]
     if at_owners:

@@ -20,7 +20,6 @@ from torch.optim import Optimizer
 from . import compiled, driver
 from .calls import Item, StepContext
 from .distributed import (
-    SHARDED_LAYOUTS,
     LocalSplit,
     is_dtensor,
     local,
@@ -31,7 +30,8 @@ from .distributed import (
 from .driver import HiddenRule
 from .groups import KINDS, infer_kind
 from .inputs import FLOAT_KEYS, check_unique_params, listed_params, validate_group, with_floats, wrong_params
-from .owners import OwnerPlan, is_replicated
+from .owners import Job, OwnerPlan, directions_at_owners, gather_whole, is_replicated, scatter_whole
+from .placement import Path, cuts, path_of
 from .rule import MomentumRule, Rule, SteppingRule, rule_defaults, validate_rule
 from .rules import RULES
 from .views import Layout, group_layout, normalise_group_views
@@ -73,43 +73,37 @@ def _outside_stacklevel() -> int:
 _PLAIN = LocalSplit()
 
 
-def _cuts(rule: Rule, layout: Layout) -> bool:
-    """A rule sees the matrices of a view; a vector rule whole tensors, or each vector of a "vectors"
-    view unless its update is elementwise (then any view gives the same update)."""
-    return not layout.whole and (driver.needs_matrix(rule)
-                                 or (layout.view == "vectors" and not driver.elementwise(rule)))
+def _shape_buckets(jobs: Any) -> list[list[Job]]:
+    """The owner path's jobs by global shape (in first-appearance order, the same on every rank): each bucket
+    is one exchange out and one back, so a step holds one bucket's whole matrices at a time and its
+    collectives grow with the number of shapes, not with depth."""
+    out: dict[tuple, list[Job]] = {}
+    for j in jobs:
+        out.setdefault(tuple(j.param.shape), []).append(j)
+    return list(out.values())
 
 
-def _at_owners(p: torch.Tensor, rule: Rule, layout: Layout, compiled_batched: bool) -> bool:
-    """Whether ``p`` takes the owner path (``owners.py``): a DTensor not held whole by every rank, whose
-    rule is not elementwise, and whose layout is not FSDP2's/HSDP's row shards of whole matrices (the
-    ``sharded.py`` path: a stacked view's whole local matrices, or one matrix's rows). Under
-    ``compiled_batched`` (``compile=True`` with the batched step) row shards of the momentum rules without
-    Newton-Schulz go there too: their statistics would need sums over shards inside a graph, and at the
-    owner the graph sees whole tensors."""
-    if not is_dtensor(p) or is_replicated(p) or driver.elementwise(rule):
-        return False
-    rows = tuple(p.placements) in SHARDED_LAYOUTS
-    if rows and compiled_batched and isinstance(rule, MomentumRule):
-        return True
-    return not rows or (_cuts(rule, layout) and (not layout.batch or layout.folded))
+def _tensor_bytes(v: Any) -> int:
+    """Bytes of the tensors in ``v`` (a tensor, or dicts, lists and tuples of them: a workspace entry)."""
+    if isinstance(v, torch.Tensor):
+        return v.numel() * v.element_size()
+    if isinstance(v, dict):
+        v = v.values()
+    return sum(map(_tensor_bytes, v)) if isinstance(v, list | tuple | type({}.values())) else 0
 
 
 class _Entry:
-    """One parameter of a param group as the step sees it, prepared once (:meth:`RoleOptimizer._prepare`)."""
+    """One parameter of a param group as the step sees it, prepared once (:meth:`RoleOptimizer._prepare`):
+    its :class:`~.placement.Path` (``PLAIN``, ``LOCAL`` or ``ROWS``; ``PIECES`` parameters are the owner
+    path's) and whether its rule sees the matrices of its view (``cut``)."""
 
-    __slots__ = ("param", "state", "name", "kind", "rule", "layout", "cut", "sharded", "item", "local")
+    __slots__ = ("param", "state", "name", "kind", "rule", "layout", "cut", "path", "item")
 
     def __init__(self, param: torch.Tensor, state: dict[str, Any], name: str, kind: str, rule: Rule,
-                 layout: Layout) -> None:
+                 layout: Layout, path: Path) -> None:
         self.param, self.state, self.name, self.kind, self.rule, self.layout = param, state, name, kind, rule, layout
-        self.cut = _cuts(rule, layout)
-        # A DTensor every rank holds whole (Replicate() norms under TP) steps like a plain tensor, on its local.
-        self.sharded = is_dtensor(param) and not is_replicated(param)
-        #: Steps on this rank alone (``LocalSplit``): whole local matrices of FSDP2 stacks, a DTensor held
-        #: whole by every rank, or an elementwise rule's piece of any other layout (AdamW under TP).
-        self.local = (self.sharded and self.cut) or (is_dtensor(param) and (
-            not self.sharded or tuple(param.placements) not in SHARDED_LAYOUTS))
+        self.cut = cuts(rule, layout)
+        self.path = path
         #: A whole plain tensor is one item for good: each step only sets its gradient.
         self.item = None if self.cut or is_dtensor(param) else Item(param, None, state, name, param.shape, kind)
 
@@ -226,7 +220,8 @@ class RoleOptimizer(Optimizer):
         self._plan_key: tuple | None = None
         self._plan_cache: list = []
         self._owners: OwnerPlan | None = None
-        self._owned: list[list[tuple[int, torch.Tensor, _Entry | None]]] = []
+        self._owned: list[list[tuple]] = []
+        self._last_workspace = 0
         #: The splitter of the owner path's whole tensors: one for all groups, so that they share buckets.
         self._owner_split = LocalSplit()
         self._contexts: list[StepContext] = []
@@ -372,15 +367,14 @@ class RoleOptimizer(Optimizer):
         Creates the state of every parameter, gradient or not, so that the state is the same on every
         rank (a ``torch.distributed.checkpoint`` save needs that; microsoft/dion#89).
 
-        DTensor parameters of layouts other than FSDP2's row shards of whole matrices go to the owner
-        path (``owners.py``): :attr:`_owners` plans the exchange (a collective, once per plan) and
-        :attr:`_owned` lists per group ``(index, parameter, entry)``, the entry of the whole tensors at the
-        owner rank, ``None`` on the others.
+        Each parameter's path is decided here, once (:func:`.placement.path_of`). ``PIECES`` parameters go to
+        the owner path (``owners.py``): :attr:`_owners` plans it (no collective: where every piece lies is read
+        off the placements) and :attr:`_owned` lists per group ``(index, parameter, name, kind, rule, layout)``.
         """
         plan, owned, at_owners = [], [], []
         for group in self.param_groups:
             kind, names = group.get("kind"), group.get("names")
-            entries, rows = [], []
+            entries, rows, pieces = [], [], []
             cuda = all(p.device.type == "cuda" for p in group["params"])
             batched = cuda if group.get("foreach") is None else group["foreach"]
             for i, p in enumerate(group["params"]):
@@ -391,12 +385,13 @@ class RoleOptimizer(Optimizer):
                 state = self.state[p]
                 if not state:
                     driver.init_state(rule, p, state, group, layout)
-                if _at_owners(p, rule, layout, self._compile and batched):
-                    at_owners.append((len(plan), p, state, name, pkind, rule, layout, group))
+                path = path_of(p, rule, layout, self._compile and batched)
+                if path is Path.PIECES:
+                    pieces.append((len(at_owners), p, name, pkind, rule, layout))
+                    at_owners.append((p, state, driver.cost(rule, p.shape, group), name))
                     continue
-                entry = _Entry(p, state, name, pkind, rule, layout)
-                entries.append(entry)
-                if entry.sharded and not entry.local:
+                entries.append(_Entry(p, state, name, pkind, rule, layout, path))
+                if path is Path.ROWS:
                     rows.append(p)
             kinds = {is_dtensor(p): i for i, p in enumerate(group["params"])}
             if len(kinds) == 2:
@@ -408,16 +403,8 @@ class RoleOptimizer(Optimizer):
                     "parallelize_module) or none, or put the plain tensors in a group of their own")
             split = splitter_for(rows) if rows else _PLAIN
             plan.append((group, entries, None if split is _PLAIN else split, batched))
-            owned.append([])
-        self._owners = OwnerPlan([a[1] for a in at_owners], [a[2] for a in at_owners],
-                                 [driver.cost(a[5], a[1].shape, a[7]) for a in at_owners],
-                                 [a[3] for a in at_owners]) if at_owners else None
-        for index, (gi, p, state, name, pkind, rule, layout, _) in enumerate(at_owners):
-            entry = None
-            if self._owners.mine(index):
-                o = self._owners.owned[index]
-                entry = _Entry(o.whole, {**o.whole_state, "step": state["step"]}, name, pkind, rule, layout)
-            owned[gi].append((index, p, entry))
+            owned.append(pieces)
+        self._owners = OwnerPlan(*(list(x) for x in zip(*at_owners, strict=True))) if at_owners else None
         self._owned = owned
         return plan
 
@@ -445,6 +432,10 @@ class RoleOptimizer(Optimizer):
         independent (no parameter in two), so the order among them changes no bits; it is the same on
         every rank, which the collectives need.
 
+        Three phases: gather (the owner path, ``owners.py``: direction inputs to owners, directions back and
+        applied; a stepping rule's whole tensors to its owner), compute (:meth:`_calls`, :meth:`_run`) and
+        scatter (the stepping rules' results back); then the step's workspaces are let go (:meth:`_release`).
+
         Under ``torch.compile`` (a compiled training step that calls ``opt.step()``) the step is
         not traced: dynamo breaks the graph around it and it runs as here, with a warning once.
         Traced, it recompiled at every step (the step count and the learning rate are Python
@@ -460,17 +451,40 @@ class RoleOptimizer(Optimizer):
         # One splitter for all plain-tensor groups of the step, so that DDP owner loads balance across
         # groups (the embedding and the head land on different ranks).
         replicated = self._local if self._process_group is None else replicated_splitter(self._process_group)
-        # Batched calls: plain-tensor groups with the same rule and the same hyperparameter values (the
-        # embedding and head groups, say) are one call, so that they share shape buckets.
+        plan = self._plan()
+        groups = [with_floats(g) if any(isinstance(g.get(k), torch.Tensor) for k in FLOAT_KEYS) or any(
+            isinstance(b, torch.Tensor) for b in g.get("betas", ())) else g for g, _, _, _ in plan]
+        # gather: the owner path's direction inputs out, directions back and applied (momentum rules); a
+        # stepping rule's whole tensors at its owner (owners.py)
+        jobs = self._owner_jobs(plan, groups)
+        whole = [j for j in jobs if isinstance(j.rule, SteppingRule)]
+        for bucket in _shape_buckets(j for j in jobs if not isinstance(j.rule, SteppingRule)):
+            directions_at_owners(self._owners, bucket)  # a shape bucket at a time: bounded transient memory
+        wholes = gather_whole(self._owners, whole) if whole else []  # one per job, None where not its owner
+        try:
+            self._run(self._calls(plan, groups, replicated, zip(whole, wholes, strict=True)))  # compute
+            if replicated is not self._local:
+                replicated.finish()  # wait for the owners' broadcasts (DDP)
+            if whole:
+                scatter_whole(self._owners, whole, wholes)  # scatter: every rank's pieces of the owners' results
+        finally:
+            self._release(plan)
+        return loss
+
+    def _calls(self, plan: list, groups: list[dict[str, Any]], replicated: LocalSplit,
+               whole: Any) -> tuple[list[driver.Call], list[driver.Call]]:
+        """The step's rule calls: per-tensor groups one call each, batched groups with the same rule and the
+        same hyperparameter values (the embedding and head groups, say) merged into one call, so that they
+        share shape buckets. Counts the steps of the parameters with gradients. ``whole``: the owner path's
+        whole-tensor fallback, ``(job, (param, grad, state))`` at its owner."""
         batched: dict[tuple, tuple[Rule, dict, list[Item], LocalSplit, str]] = {}
         single: list[driver.Call] = []  # the per-tensor groups' calls (foreach=False), in group order
-        plan = self._plan()
-        moved = [] if self._owners is None else self._gather_at_owners()
-        for (group, entries, group_split, batched_group), owned in zip(plan, self._owned, strict=True):
-            if any(isinstance(group.get(k), torch.Tensor) for k in FLOAT_KEYS) or any(
-                    isinstance(b, torch.Tensor) for b in group.get("betas", ())):
-                group = with_floats(group)
-            by_rule: dict[tuple[Rule, bool], list[Item]] = {}
+        at_owner: dict[int, list[tuple[Any, tuple]]] = {}
+        for job, w in whole:
+            if w is not None:
+                at_owner.setdefault(id(job.group), []).append((job, w))
+        for (_, entries, group_split, batched_group), group in zip(plan, groups, strict=True):
+            by_rule: dict[tuple[Rule, str], list[Item]] = {}
             for e in entries:  # the items with a gradient, by rule and whether whole local matrices of shards
                 g = e.param.grad
                 if g is None:
@@ -482,12 +496,9 @@ class RoleOptimizer(Optimizer):
                     e.item.grad = g
                     by_rule.setdefault((e.rule, "split"), []).append(e.item)
                 else:
-                    by_rule.setdefault((e.rule, "local" if e.local else "split"), []).extend(e.items(g))
-            for index, p, e in owned:  # the owner path: whole tensors, this rank's own (gathered above)
-                if e is None or p.grad is None:
-                    continue
-                e.state["step"] = self.state[p]["step"]
-                grad = self._owners.owned[index].whole_grad
+                    by_rule.setdefault((e.rule, "local" if e.path is Path.LOCAL else "split"), []).extend(e.items(g))
+            for job, (param, grad, state) in at_owner.get(id(group), []):  # whole tensors at this owner
+                e = _Entry(param, state, job.name, job.ctx.kind, job.rule, job.layout, Path.LOCAL)
                 if e.item is not None:
                     e.item.grad = grad
                     by_rule.setdefault((e.rule, "owner"), []).append(e.item)
@@ -508,61 +519,58 @@ class RoleOptimizer(Optimizer):
                 batched.setdefault(key, (rule, group, [], split, kind))[2].extend(items)
         merged = [(rule, items, group, self._context(len(single) + i, kind, split))
                   for i, (rule, group, items, split, kind) in enumerate(batched.values())]
-        for foreach, calls in ((False, single), (True, merged)):  # the chooser
-            momentum, at_owners = [], []
-            for call in calls:
+        return single, merged
+
+    def _run(self, calls: tuple[list[driver.Call], list[driver.Call]]) -> None:
+        """Each call in its form: the one chooser. A :class:`SteppingRule` runs its own ``step`` or
+        ``step_foreach``; the momentum rules :data:`FORMS` ``[foreach, compile]``; a hidden rule's row shards
+        (``Path.ROWS``) the batched form whatever ``foreach``."""
+        for foreach, group_calls in zip((False, True), calls, strict=True):
+            momentum, rows = [], []
+            for call in group_calls:
                 rule = call[0]
                 if isinstance(rule, SteppingRule):
                     (rule.step_foreach if foreach else rule.step)(*call[1:])
                 elif isinstance(rule, HiddenRule) and call[3].split.sharded:
-                    at_owners.append(call)
+                    rows.append(call)
                 else:
                     momentum.append(call)
             if momentum:
                 FORMS[foreach, self._compile](momentum)
-            if at_owners:
-                FORMS[True, self._compile](at_owners)
-        if replicated is not self._local:
-            replicated.finish()  # wait for the owners' broadcasts (DDP)
-        if self._owners is not None:
-            self._owners.scatter(moved)  # every rank's pieces of the owners' new parameters and state
-        for (_, entries, _, _), owned in zip(plan, self._owned, strict=True):
-            for e in [*entries, *(e for _, _, e in owned if e is not None)]:
-                if e.item is not None:  # a kept item must not keep its gradient alive past zero_grad()
-                    e.item.grad = None
-        return loss
+            if rows:
+                FORMS[True, self._compile](rows)
+        for call in (*calls[0], *calls[1]):
+            for it in call[1]:
+                it.grad = None  # a kept item must not keep its gradient alive past zero_grad()
 
-    # torch._disable_dynamo (torch.optim's own tool) imports dynamo at the first traced call only:
-    # torch.compiler.disable as a decorator would add its ~1 s import to `import meqmuon`.
-    @torch._disable_dynamo
-    def _untraced_step(self, closure):
-        if not self._warned_traced:
-            self._warned_traced = True
-            kernels = "its compile=True kernels still run compiled" if self._compile else (
-                "for compiled update kernels build the optimizer with compile=True"
-            )
-            warnings.warn(
-                f"{type(self).__name__}.step() is called inside torch.compile: it runs eagerly (dynamo would "
-                f"recompile it at every step); {kernels}",
-                UserWarning,
-                stacklevel=2,
-            )
-        return self.step(closure)  # dynamo is off here: is_compiling() is False
+    def _owner_jobs(self, plan: list, groups: list[dict[str, Any]]) -> list[Job]:
+        """The owner path's parameters with gradients in this step (their steps counted), in plan order."""
+        jobs: list[Job] = []
+        for (_, _, _, batched_group), group, owned in zip(plan, groups, self._owned, strict=True):
+            ctx = None
+            for index, p, name, kind, rule, layout in owned:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients ({name})")
+                ctx = ctx or StepContext(self._capture_hook, group.get("kind") or kind, self._owner_split,
+                                         self._workspace)
+                state = self.state[p]
+                state["step"] += 1
+                jobs.append(Job(index, p, p.grad, state, rule, layout, group, cuts(rule, layout), not batched_group,
+                                ctx, name))
+        return jobs
 
-    def _gather_at_owners(self) -> list[int]:
-        """The owner path's first exchange (``owners.py``): the parameters with gradients, whole at their
-        owners; counts their steps. Returns their indices, for the exchange back."""
-        moved, grads = [], []
-        for owned in self._owned:
-            for index, p, _ in owned:
-                if p.grad is not None:
-                    if p.grad.is_sparse:
-                        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                    self.state[p]["step"] += 1
-                    moved.append(index)
-                    grads.append(p.grad)
-        self._owners.gather(moved, grads)
-        return moved
+    def _release(self, plan: list) -> None:
+        """Let go of the step's workspaces (stacks, Newton-Schulz buffers): nothing but the state is kept
+        between steps, so that the forward and backward get that memory (on CUDA the caching allocator hands
+        freed blocks back to them). :meth:`workspace_bytes` keeps their size at the step's end."""
+        spaces = [self._workspace, self._local.workspace, self._owner_split.workspace,
+                  *(split.workspace for _, _, split, _ in plan if split is not None)]
+        self._last_workspace = sum(_tensor_bytes(v) for ws in spaces for v in ws.values())
+        for ws in spaces:  # what stays: the resolved Newton-Schulz dtypes
+            for key in [k for k, v in ws.items() if not isinstance(v, torch.dtype)]:
+                del ws[key]
 
     def _splitter(self, group: dict[str, Any]) -> LocalSplit:
         """The work splitter of ``group`` in a step (introspection; the step takes it from its plan)."""
@@ -581,9 +589,9 @@ class RoleOptimizer(Optimizer):
         return ctx
 
     def workspace_bytes(self) -> int:
-        """Bytes held by the batched step's persistent buffers (at most one stack per shape bucket,
-        plus MeqMuon's small statistics buffers); 0 before the first batched step."""
-        return sum(t.numel() * t.element_size() for t in self._workspace.values() if isinstance(t, torch.Tensor))
+        """Bytes the last step's workspaces held at its end (at most one stack per shape bucket, plus
+        MeqMuon's small statistics buffers), freed then (:meth:`_release`); 0 before the first step."""
+        return self._last_workspace
 
     # ---- introspection -----------------------------------------------------------------------
 

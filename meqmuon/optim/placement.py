@@ -1,0 +1,65 @@
+"""Where each parameter steps: the one table of paths, decided once per parameter when the step is planned.
+
+- ``PLAIN``: plain tensors: one process, or DDP (every rank holds the whole tensor and its all-reduced
+  gradient; owner ranks compute and broadcast, ``distributed.ReplicatedSplit``).
+- ``LOCAL``: a DTensor this rank steps alone, with no exchange: held whole by every rank (``Replicate()``
+  norms under TP), an elementwise rule's piece of any layout (AdamW), or FSDP2's whole local matrices of a
+  stacked view (experts ``Shard(0)``: expert parallelism's layout too).
+- ``ROWS``: FSDP2's / HSDP's row shards (``Shard(0)``, ``(Replicate(), Shard(0))``) of whole matrices: the row
+  exchange of Newton-Schulz inputs per shape bucket (``sharded.py``), sums over shards for statistics.
+- ``PIECES``: every other DTensor layout (TP ``Shard(0)``/``Shard(1)``, FSDP2 over TP, vocabulary-parallel
+  embeddings, FSDP2 rows of split, transposed or folded views): direction inputs to owners, directions back
+  (``owners.py``; a stepping rule that is not elementwise: whole tensors, its documented fallback).
+
+``ROWS`` is the ``PIECES`` exchange's simplest case (each piece is whole rows of each matrix), kept as its
+own bucketed row exchange: already at the floor of bytes and its collectives per shape bucket are the
+fingerprints of FSDP2 users. Read in code, as microsoft/dion's ``_get_shard_info``: the engine asks
+:func:`path_of` once per parameter and keeps the answer on its entry.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+from . import driver
+from .distributed import SHARDED_LAYOUTS, is_dtensor
+from .owners import is_replicated
+from .rule import MomentumRule, Rule
+from .views import Layout
+
+__all__ = ["Path", "cuts", "path_of"]
+
+
+class Path(Enum):
+    PLAIN = "plain"
+    LOCAL = "local"
+    ROWS = "rows"
+    PIECES = "pieces"
+
+
+def cuts(rule: Rule, layout: Layout) -> bool:
+    """A rule sees the matrices of a view; a vector rule whole tensors, or each vector of a "vectors"
+    view unless its update is elementwise (then any view gives the same update)."""
+    return not layout.whole and (driver.needs_matrix(rule)
+                                 or (layout.view == "vectors" and not driver.elementwise(rule)))
+
+
+def path_of(p: torch.Tensor, rule: Rule, layout: Layout, compiled_batched: bool = False) -> Path:
+    """The path of parameter ``p`` (see the module's table). Under ``compiled_batched`` (``compile=True`` with
+    the batched step) row shards of the elementwise momentum rules go to ``PIECES`` too: their statistics
+    would need sums over shards inside a graph, and at the owner the rule sees whole tensors."""
+    if not is_dtensor(p):
+        return Path.PLAIN
+    if is_replicated(p):
+        return Path.LOCAL
+    rows = tuple(p.placements) in SHARDED_LAYOUTS
+    cut = cuts(rule, layout)
+    if driver.elementwise(rule):
+        return Path.LOCAL if cut or not rows else Path.ROWS
+    if not rows or (rows and compiled_batched and isinstance(rule, MomentumRule)):
+        return Path.PIECES
+    if cut:  # whole local matrices of a stack, unless the view needs rows of several shards
+        return Path.PIECES if not layout.batch or layout.folded else Path.LOCAL
+    return Path.ROWS
