@@ -84,7 +84,7 @@ def _worker(rank, world, port, out_dir, layout, mesh_shape, args):
     for name in args.optimizers:
         model = collectives._model(args.model, 1)
         _shard(model, layout, mesh_shape)
-        kw = {"ns_dtype": torch.float32} if name != "adamw" else {}
+        kw = {"ns_dtype": torch.float32} if "ns_dtype" in meqmuon.valid_hyperparameters(name) else {}
         opt = meqmuon.build_optimizer(name, model, foreach=args.foreach, **kw)
         ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
         for step in range(3):

@@ -64,6 +64,7 @@ except ImportError:  # pragma: no cover - exercised only on such builds
 __all__ = [
     "LocalSplit",
     "ReplicatedSplit",
+    "RowPieceSplit",
     "SHARDED_LAYOUTS",
     "ShardedSplit",
     "assign_counts",
@@ -311,6 +312,28 @@ class ShardedSplit(_CollectiveSplit):
         recv2 = torch.empty_like(send2)
         dist.all_to_all_single(recv2, send2, group=self.pg)
         return torch.cat([recv2[r, : counts[r]] for r in range(W)])
+
+
+class RowPieceSplit(ShardedSplit):
+    """Whole-row pieces of any other placements (FSDP2 over TP's vocabulary-parallel embedding and head,
+    ``(_StridedShard(0), Shard(0))``; norms ``(Shard(0), Replicate())``) for the rules whose only sums over
+    shards are column statistics (eq. 9 and 10, SCALE): every rank updates its rows, and :meth:`psum` is one
+    all-reduce over the default group in which the ranks of one replica (coordinate 0 on the mesh dimensions
+    ``replicated``) contribute and the others add zeros. No Newton-Schulz goes this way (``placement.py``)."""
+
+    def __init__(self, mesh: Any, replicated: tuple[int, ...]) -> None:
+        super().__init__(dist.group.WORLD)
+        coordinate = mesh.get_coordinate()
+        self._contributes = all(coordinate[i] == 0 for i in replicated)
+
+    def _psum(self, t: Tensor) -> Tensor:
+        t = t.contiguous() if self._contributes else torch.zeros_like(t)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.pg)
+        return t
+
+    def at_owners(self, *args: Any, **kwargs: Any) -> Tensor:
+        raise NotImplementedError("RowPieceSplit carries no Newton-Schulz inputs (placement.py routes hidden "
+                                  "rules' pieces to owners.py); this call is a bug")
 
 
 #: DTensor placements of row-sharded parameters: FSDP2 (1-D mesh) and HSDP (replicate x shard).

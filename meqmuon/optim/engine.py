@@ -20,7 +20,9 @@ from torch.optim import Optimizer
 from . import compiled, driver
 from .calls import Item, StepContext
 from .distributed import (
+    SHARDED_LAYOUTS,
     LocalSplit,
+    RowPieceSplit,
     is_dtensor,
     local,
     replicated_splitter,
@@ -81,6 +83,14 @@ def _shape_buckets(jobs: Any) -> list[list[Job]]:
     for j in jobs:
         out.setdefault(tuple(j.param.shape), []).append(j)
     return list(out.values())
+
+
+def _row_key(p: torch.Tensor) -> tuple | None:
+    """Which splitter steps ``p``'s row pieces: ``None`` for FSDP2's / HSDP's (``splitter_for``), else
+    ``RowPieceSplit``'s mesh and the mesh dimensions that replicate."""
+    if tuple(p.placements) in SHARDED_LAYOUTS:
+        return None
+    return id(p.device_mesh), tuple(i for i, q in enumerate(p.placements) if q.is_replicate())
 
 
 def _tensor_bytes(v: Any) -> int:
@@ -386,6 +396,8 @@ class RoleOptimizer(Optimizer):
                 if not state:
                     driver.init_state(rule, p, state, group, layout)
                 path = path_of(p, rule, layout, self._compile and batched)
+                if path is Path.ROWS and _row_key(p) != _row_key(rows[0] if rows else p):
+                    path = Path.PIECES  # a group's row pieces share one splitter: the others go to owners
                 if path is Path.PIECES:
                     pieces.append((len(at_owners), p, name, pkind, rule, layout))
                     at_owners.append((p, state, driver.cost(rule, p.shape, group), name))
@@ -401,7 +413,8 @@ class RoleOptimizer(Optimizer):
                     f"{tuple(group['params'][kinds[True]].placements)}): under FSDP2 or TP the plain one's "
                     "gradient may differ between ranks. Shard every module of the group (fully_shard / "
                     "parallelize_module) or none, or put the plain tensors in a group of their own")
-            split = splitter_for(rows) if rows else _PLAIN
+            split = _PLAIN if not rows else splitter_for(rows) if _row_key(rows[0]) is None else RowPieceSplit(
+                rows[0].device_mesh, _row_key(rows[0])[1])
             plan.append((group, entries, None if split is _PLAIN else split, batched))
             owned.append(pieces)
         self._owners = OwnerPlan(*(list(x) for x in zip(*at_owners, strict=True))) if at_owners else None

@@ -6,7 +6,10 @@
   norms under TP), an elementwise rule's piece of any layout (AdamW), or FSDP2's whole local matrices of a
   stacked view (experts ``Shard(0)``: expert parallelism's layout too).
 - ``ROWS``: FSDP2's / HSDP's row shards (``Shard(0)``, ``(Replicate(), Shard(0))``) of whole matrices: the row
-  exchange of Newton-Schulz inputs per shape bucket (``sharded.py``), sums over shards for statistics.
+  exchange of Newton-Schulz inputs per shape bucket (``sharded.py``), sums over shards for statistics; and
+  whole-row pieces of any other placements for a rule without Newton-Schulz whose statistics are sums over
+  rows (MeqMuon's eq. 9 and 10, SCALE: FSDP2 over TP's vocabulary-parallel embedding and head, its norms):
+  one small all-reduce per statistic (``distributed.RowPieceSplit``), no piece of the tensor travels.
 - ``PIECES``: every other DTensor layout (TP ``Shard(0)``/``Shard(1)``, FSDP2 over TP, vocabulary-parallel
   embeddings, FSDP2 rows of split, transposed or folded views): direction inputs to owners, directions back
   (``owners.py``; a stepping rule that is not elementwise: whole tensors, its documented fallback).
@@ -26,10 +29,10 @@ import torch
 from . import driver
 from .distributed import SHARDED_LAYOUTS, is_dtensor
 from .owners import is_replicated
-from .rule import MomentumRule, Rule
+from .rule import MomentumRule, Rule, SteppingRule
 from .views import Layout
 
-__all__ = ["Path", "cuts", "path_of"]
+__all__ = ["Path", "cuts", "path_of", "whole_rows"]
 
 
 class Path(Enum):
@@ -46,6 +49,11 @@ def cuts(rule: Rule, layout: Layout) -> bool:
                                  or (layout.view == "vectors" and not driver.elementwise(rule)))
 
 
+def whole_rows(p: torch.Tensor) -> bool:
+    """Every rank's piece of DTensor ``p`` is whole rows of its matrix view: only dim 0 is sharded."""
+    return all(q.is_replicate() or getattr(q, "dim", None) == 0 for q in p.placements)
+
+
 def path_of(p: torch.Tensor, rule: Rule, layout: Layout, compiled_batched: bool = False) -> Path:
     """The path of parameter ``p`` (see the module's table). Under ``compiled_batched`` (``compile=True`` with
     the batched step) row shards of the elementwise momentum rules go to ``PIECES`` too: their statistics
@@ -58,8 +66,12 @@ def path_of(p: torch.Tensor, rule: Rule, layout: Layout, compiled_batched: bool 
     cut = cuts(rule, layout)
     if driver.elementwise(rule):
         return Path.LOCAL if cut or not rows else Path.ROWS
-    if not rows or (rows and compiled_batched and isinstance(rule, MomentumRule)):
+    if rows and compiled_batched and isinstance(rule, MomentumRule):
         return Path.PIECES
+    if not rows:
+        sums = isinstance(rule, MomentumRule) and not compiled_batched or isinstance(rule, SteppingRule)
+        spans = p.device_mesh.size() == torch.distributed.get_world_size()  # the sums run over the default group
+        return Path.ROWS if sums and layout.whole and spans and whole_rows(p) else Path.PIECES
     if cut:  # whole local matrices of a stack, unless the view needs rows of several shards
         return Path.PIECES if not layout.batch or layout.folded else Path.LOCAL
     return Path.ROWS
