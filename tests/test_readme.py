@@ -1,5 +1,5 @@
 """Every command of the README's "Commands" table runs, as written, at tiny scale; the README stays short,
-starts with CI's own test command, and every link in it reaches a file and a heading.
+starts with CI's own test command, and every link in it and in docs/ reaches a file and a heading.
 
 The commands are read from README.md itself (so a new row without a tiny form here fails), in the
 table's order, in a fresh working directory, as a new user would type them after the demo. Only the
@@ -134,19 +134,23 @@ def _slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def test_readme_links_reach_a_file_and_a_heading():
-    """Every relative link of the README names a file of the repository, and its ``#anchor`` a heading there."""
-    links = re.findall(r"\]\(([^)\s]+)\)", (REPO / "README.md").read_text())
-    assert len(links) > 10
-    for link in links:
-        if link.startswith(("http://", "https://")):
-            continue
-        path, _, anchor = link.partition("#")
-        target = REPO / path
-        assert target.exists(), link
-        if anchor:
-            headings = [line.lstrip("#") for line in target.read_text().splitlines() if line.startswith("#")]
-            assert anchor in {_slug(h) for h in headings}, link
+def test_links_reach_a_file_and_a_heading():
+    """Every relative link of the README and of docs/ names a file of the repository, and its ``#anchor`` a
+    heading there."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    checked = 0
+    for page in pages:
+        for link in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if link.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = link.partition("#")
+            target = page.parent / path if path else page
+            assert target.exists(), (page.name, link)
+            if anchor and target.is_file():
+                headings = [line.lstrip("#") for line in target.read_text().splitlines() if line.startswith("#")]
+                assert anchor in {_slug(h) for h in headings}, (page.name, link)
+            checked += 1
+    assert checked > 20
 
 
 def test_slug_is_githubs():
