@@ -29,14 +29,14 @@ PACKAGE = "meqmuon"
 #: Layers, lowest first; a module may import modules of its own layer or lower ones (not its own layer's if
 #: that closes a cycle, which the cycle count catches). Names are relative to ``meqmuon``.
 LAYERS: list[list[str]] = [
-    ["precision", "functional"],
+    ["precision", "orthogonalization", "functional"],
     ["optim.views", "optim.inputs", "optim.distributed", "optim.owners", "optim.groups", "optim.structure"],
     ["optim.calls", "optim.blockwise"],  # what a rule call is handed; the row-blocked passes of eq. 9
     ["optim.rule"],  # what a rule is: the elementwise and stepping protocols
     ["optim.newton_schulz"],  # the table of Newton-Schulz methods, their cost
     ["optim.sharded"],  # FSDP2 owners: row shards to whole matrices and back, the body given
     ["optim.driver"],  # HiddenRule, stacks, the seam (pre -> NS -> post), the eager forms
-    ["optim.compiled"],  # the compiled forms and their graphs
+    ["optim.compiled", "optim.exchange", "optim.placement"],  # compiled forms; the owner path's step; paths
     ["optim.rules.adam", "optim.rules.scale", "optim.rules.muon", "optim.rules.meqmuon", "optim.rules.normuon"],
     ["optim.rules"],
     ["optim.engine", "optim.memory"],

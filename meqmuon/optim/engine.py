@@ -30,16 +30,18 @@ from .distributed import (
     splitter_for,
 )
 from .driver import HiddenRule
+from .exchange import Job, directions_at_owners, gather_whole, scatter_whole
 from .groups import KINDS, infer_kind
 from .inputs import FLOAT_KEYS, check_unique_params, listed_params, validate_group, with_floats, wrong_params
-from .owners import Job, OwnerPlan, directions_at_owners, gather_whole, is_replicated, scatter_whole
+from .owners import OwnerPlan, is_replicated
 from .placement import Path, cuts, path_of
 from .rule import MomentumRule, Rule, SteppingRule, rule_defaults, validate_rule
 from .rules import RULES
 from .views import Layout, group_layout, normalise_group_views
 
 #: The forms of a momentum rule's step by ``(foreach, compile)``, one signature (a sequence of rule calls),
-#: picked in :meth:`RoleOptimizer.step`: ``driver.py``'s eager two and ``compiled.py``'s two with graphs.
+#: picked in :meth:`RoleOptimizer._run` (a phase of ``step``): ``driver.py``'s eager two and ``compiled.py``'s
+#: two with graphs.
 FORMS: dict[tuple[bool, bool], Callable[[list[driver.Call]], None]] = {
     (False, False): driver.per_tensor,
     (True, False): driver.batched,
@@ -73,6 +75,12 @@ def _outside_stacklevel() -> int:
 
 #: A group without row-sharded DTensors: the step's splitter (DDP's, or one process's) is theirs.
 _PLAIN = LocalSplit()
+
+
+def _with_floats(plan: list) -> list[dict[str, Any]]:
+    """The plan's param groups, each with its float hyperparameters as Python floats where they are tensors."""
+    return [with_floats(g) if any(isinstance(g.get(k), torch.Tensor) for k in FLOAT_KEYS) or any(
+        isinstance(b, torch.Tensor) for b in g.get("betas", ())) else g for g, _, _, _ in plan]
 
 
 def _shape_buckets(jobs: Any) -> list[list[Job]]:
@@ -434,9 +442,12 @@ class RoleOptimizer(Optimizer):
     def step(self, closure=None):  # noqa: D401 - torch signature
         """Perform one optimisation step (no host-device synchronisation).
 
-        Collects the step's rule calls (per-tensor groups one call each; batched groups with the same rule
-        and hyperparameters merged into one) and runs each in its form: the one place a form is chosen,
-        as torch's ``adam()`` picks among its siblings (``_prepare`` resolves ``foreach`` once). A
+        Three phases: gather (the owner path, ``owners.py``: direction inputs to owners, directions back and
+        applied; a stepping rule's whole tensors to its owner), compute (the step's rule calls collected by
+        :meth:`_calls`: per-tensor groups one call each, batched groups with the same rule and hyperparameters
+        merged into one; and run each in its form by :meth:`_run`, the one place a form is chosen, as torch's
+        ``adam()`` picks among its siblings; ``_prepare`` resolves ``foreach`` once) and scatter (the stepping
+        rules' results back); then the step's workspaces are let go (:meth:`_release`). A
         :class:`SteppingRule` (AdamW, SCALE) runs its own ``step`` or ``step_foreach`` (eagerly, whatever
         ``compile``); the momentum rules run in :data:`FORMS` ``[foreach, compile]``, except that a hidden
         rule's FSDP2 row shards take the batched form whatever ``foreach``: their whole matrices meet at
@@ -444,10 +455,6 @@ class RoleOptimizer(Optimizer):
         Newton-Schulz of the per-tensor form on CPU (``newton_schulz.BATCHED_NS_DEVICES``). The calls are
         independent (no parameter in two), so the order among them changes no bits; it is the same on
         every rank, which the collectives need.
-
-        Three phases: gather (the owner path, ``owners.py``: direction inputs to owners, directions back and
-        applied; a stepping rule's whole tensors to its owner), compute (:meth:`_calls`, :meth:`_run`) and
-        scatter (the stepping rules' results back); then the step's workspaces are let go (:meth:`_release`).
 
         Under ``torch.compile`` (a compiled training step that calls ``opt.step()``) the step is
         not traced: dynamo breaks the graph around it and it runs as here, with a warning once.
@@ -465,23 +472,20 @@ class RoleOptimizer(Optimizer):
         # groups (the embedding and the head land on different ranks).
         replicated = self._local if self._process_group is None else replicated_splitter(self._process_group)
         plan = self._plan()
-        groups = [with_floats(g) if any(isinstance(g.get(k), torch.Tensor) for k in FLOAT_KEYS) or any(
-            isinstance(b, torch.Tensor) for b in g.get("betas", ())) else g for g, _, _, _ in plan]
+        groups = _with_floats(plan)
         # gather: the owner path's direction inputs out, directions back and applied (momentum rules); a
         # stepping rule's whole tensors at its owner (owners.py)
         jobs = self._owner_jobs(plan, groups)
         whole = [j for j in jobs if isinstance(j.rule, SteppingRule)]
-        for bucket in _shape_buckets(j for j in jobs if not isinstance(j.rule, SteppingRule)):
+        for bucket in _shape_buckets([j for j in jobs if not isinstance(j.rule, SteppingRule)]):
             directions_at_owners(self._owners, bucket)  # a shape bucket at a time: bounded transient memory
         wholes = gather_whole(self._owners, whole) if whole else []  # one per job, None where not its owner
-        try:
-            self._run(self._calls(plan, groups, replicated, zip(whole, wholes, strict=True)))  # compute
-            if replicated is not self._local:
-                replicated.finish()  # wait for the owners' broadcasts (DDP)
-            if whole:
-                scatter_whole(self._owners, whole, wholes)  # scatter: every rank's pieces of the owners' results
-        finally:
-            self._release(plan)
+        self._run(self._calls(plan, groups, replicated, list(zip(whole, wholes, strict=True))))  # compute
+        if replicated is not self._local:
+            replicated.finish()  # wait for the owners' broadcasts (DDP)
+        if whole:
+            scatter_whole(self._owners, whole, wholes)  # scatter: every rank's pieces of the owners' results
+        self._release(plan)
         return loss
 
     def _calls(self, plan: list, groups: list[dict[str, Any]], replicated: LocalSplit,
@@ -555,6 +559,23 @@ class RoleOptimizer(Optimizer):
         for call in (*calls[0], *calls[1]):
             for it in call[1]:
                 it.grad = None  # a kept item must not keep its gradient alive past zero_grad()
+
+    # torch._disable_dynamo (torch.optim's own tool) imports dynamo at the first traced call only:
+    # torch.compiler.disable as a decorator would add its ~1 s import to `import meqmuon`.
+    @torch._disable_dynamo
+    def _untraced_step(self, closure):
+        if not self._warned_traced:
+            self._warned_traced = True
+            kernels = "its compile=True kernels still run compiled" if self._compile else (
+                "for compiled update kernels build the optimizer with compile=True"
+            )
+            warnings.warn(
+                f"{type(self).__name__}.step() is called inside torch.compile: it runs eagerly (dynamo would "
+                f"recompile it at every step); {kernels}",
+                UserWarning,
+                stacklevel=2,
+            )
+        return self.step(closure)  # dynamo is off here: is_compiling() is False
 
     def _owner_jobs(self, plan: list, groups: list[dict[str, Any]]) -> list[Job]:
         """The owner path's parameters with gradients in this step (their steps counted), in plan order."""

@@ -1,0 +1,174 @@
+"""The owner path's step (``placement.PIECES``): what travels, what the owner computes, what each rank applies.
+
+Momentum rules (:func:`directions_at_owners`): every rank updates the momentum of its piece where it lies
+and sends its piece of the direction input ``X`` to the owner (``owners.OwnerPlan.to_owners``); the owner
+runs the one-process body on the whole matrix (:func:`_whole_direction`) and returns every rank its piece of
+``D`` with the small per-matrix state the rule changed (``from_owners``); each rank applies
+``W <- (1 - lr wd) W - lr s D`` to its piece. A stepping rule that is not elementwise (SCALE's column rule on
+pieces that are not whole rows) keeps the whole-tensor fallback (:func:`gather_whole`, :func:`scatter_whole`):
+its parameter, gradient and state made whole at the owner for the step and freed after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import functional as F
+from .distributed import is_dtensor
+from .driver import HiddenRule, directions, matrix_shape, needs_matrix, resolve_dtype
+from .owners import OwnerPlan
+
+__all__ = ["Job", "directions_at_owners", "gather_whole", "scatter_whole"]
+
+
+class Job:
+    """One parameter with a gradient on the owner path in this step: its plan index, tensors, rule, layout,
+    its param group (with the step's float hyperparameters), whether the rule sees each matrix of its view
+    (``cut``), whether its group takes the per-tensor form (``fused`` momentum), its call's context."""
+
+    __slots__ = ("index", "param", "grad", "state", "rule", "layout", "group", "cut", "fused", "ctx", "name")
+
+    def __init__(self, index, param, grad, state, rule, layout, group, cut, fused, ctx, name) -> None:
+        self.index, self.param, self.grad, self.state, self.rule, self.layout = index, param, grad, state, rule, layout
+        self.group, self.cut, self.fused, self.ctx, self.name = group, cut, fused, ctx, name
+
+
+def _local_grad(job: Job) -> Tensor:
+    g = job.grad
+    if is_dtensor(g) and tuple(g.placements) != tuple(job.param.placements):  # Partial() under TP
+        g = g.redistribute(g.device_mesh, job.param.placements)
+    return g.to_local() if is_dtensor(g) else g
+
+
+def _scales(job: Job) -> list[float]:
+    """A hidden rule's step multiplier of every matrix of the view; the elementwise rules fold theirs in."""
+    if not isinstance(job.rule, HiddenRule):
+        return [1.0]
+    return [job.rule.lr_scale(r, c, job.group) for r, c in job.layout.shapes()]
+
+
+def _dtypes(job: Job) -> tuple[torch.dtype, torch.dtype]:
+    """What travels: the direction input (the Newton-Schulz dtype where the rule keeps the default ``pre``,
+    else at least float32, as ``pre`` and the elementwise rules compute) and the direction (at least the
+    parameter's dtype, so that the update adds what one process adds)."""
+    p = job.param.to_local()
+    hidden = isinstance(job.rule, HiddenRule)
+    out = resolve_dtype(job.group, p, job.ctx) if hidden and not job.rule._rewrites_input else F._stat_dtype(p)
+    return out, torch.promote_types(out, p.dtype)
+
+
+def directions_at_owners(plan: OwnerPlan, jobs: Sequence[Job]) -> None:
+    """The momentum rules' step on the owner path: momentum where it lies, ``X`` out, whole-matrix
+    directions at owners (:func:`_whole_direction`), ``D`` and the per-matrix state back, each rank's update."""
+    if not jobs:
+        return
+    keys, pieces, wholes, backs = [], [], [], []
+    for job in jobs:
+        b = job.state["momentum_buffer"].to_local()
+        g = _local_grad(job)
+        g = g if g.dtype == b.dtype else g.to(b.dtype)
+        F.momentum_([b], [g], job.group["momentum"], fused=job.fused)
+        x_dtype, d_dtype = _dtypes(job)
+        X = F.direction_input([g], [b], job.group["momentum"], job.group["nesterov"])[0].to(x_dtype)
+        o = plan.owned[job.index]
+        sharded = [k for k in job.rule._owner_state if k in o.state_pieces]
+        keys.append(["param", *sharded])
+        pieces.append([X, *(job.state[k].to_local() for k in sharded)])
+        mine = plan.mine(job.index)
+        wholes.append([torch.empty(job.param.shape, dtype=x_dtype, device=X.device),
+                       *(torch.empty(job.state[k].shape, dtype=job.state[k].dtype, device=X.device) for k in sharded)]
+                      if mine else [None] * len(keys[-1]))
+        backs.append(d_dtype)
+    plan.to_owners([j.index for j in jobs], pieces, wholes, keys)
+    out_wholes, out_keys, into = [], [], []
+    for job, ws, ks, d_dtype in zip(jobs, wholes, keys, backs, strict=True):
+        owner_keys = job.rule._owner_state
+        state = {k: (ws[ks.index(k)] if k in ks else _whole_state(job.state[k])) for k in owner_keys}
+        D = _whole_direction(job, ws[0], state, d_dtype) if ws[0] is not None else None
+        ws[0] = None  # X is let go as soon as its direction exists
+        out_wholes.append([D, *(state[k] for k in owner_keys)])
+        out_keys.append(["param", *(k if k in ks else None for k in owner_keys)])
+        local = job.param.to_local()
+        into.append([torch.empty(local.shape, dtype=d_dtype, device=local.device),
+                     *(job.state[k].to_local() if is_dtensor(job.state[k]) else job.state[k] for k in owner_keys)])
+    plan.from_owners([j.index for j in jobs], out_wholes, out_keys, into)
+    del out_wholes
+    for job, (D, *_) in zip(jobs, into, strict=True):
+        scales = _scales(job)
+        s = scales[0] if len(set(scales)) == 1 else 1.0
+        F.decay_and_update_([job.param.to_local()], [D], job.group["lr"], job.group["weight_decay"], [s])
+
+
+def _whole_state(t: Any) -> Any:
+    return t.to_local() if is_dtensor(t) else t
+
+
+def _whole_direction(job: Job, X: Tensor, state: dict[str, Tensor], dtype: torch.dtype) -> Tensor:
+    """At the owner: the direction of the whole ``X`` (the parameter's global shape) by the one-process body,
+    matrix by matrix of the view as the per-tensor form (``driver._hidden_eager``); ``state`` (whole per-matrix
+    state) updated in place. A view whose matrices have different step multipliers gets them folded in."""
+    rule, layout, group = job.rule, job.layout, job.group
+    if job.ctx.capture is not None:
+        job.ctx.capture(job.name, job.ctx.kind, "momentum_input", X)
+    D = torch.empty(X.shape, dtype=dtype, device=X.device)
+    if not isinstance(rule, HiddenRule):
+        xs, ds = (layout.matrices(X), layout.matrices(D)) if job.cut else ([X], [D])
+        for x, d in zip(xs, ds, strict=True):
+            x = x.reshape(matrix_shape(x.shape)) if needs_matrix(rule) else x
+            y = rule.direction(x.contiguous().to(F._stat_dtype(x))[None], group, None, tuple(x.shape))
+            d.copy_(y[0].reshape(d.shape))
+        return D
+    scales = _scales(job)
+    fold = len(set(scales)) > 1
+    cut = {"rows": layout.row_pieces, "counter": layout.counters}
+    per_key = {k: cut[how](state[k]) for k, how in rule.state_views.items() if how in cut}
+    steps = [k for k, how in rule.state_views.items() if how == "step"]
+    scratch: dict = {}
+    for j, (x, d) in enumerate(zip(layout.matrices(X), layout.matrices(D), strict=True)):
+        st = {k: v[j][None] for k, v in per_key.items()}
+        st.update({k: F.on_device([job.state["step"]], X.device) for k in steps})
+        ((u,),) = directions(rule, [(x.contiguous()[None], 1, st)], group, job.ctx, batched=False, scratch=scratch)
+        d.copy_(u[0] * scales[j] if fold else u[0])
+    return D
+
+
+def gather_whole(plan: OwnerPlan, jobs: Sequence[Job]) -> list[tuple[Tensor, Tensor, dict[str, Any]] | None]:
+    """The whole-tensor fallback (a stepping rule that is not elementwise: SCALE's column and row rules): the
+    parameter, gradient and sharded state pieces to the owner, into whole tensors made for this step. Returns
+    per job, at its owner, ``(param, grad, state)`` whole (the state's other tensors are whole already)."""
+    keys, pieces, wholes = [], [], []
+    for job in jobs:
+        o = plan.owned[job.index]
+        g = _local_grad(job)
+        sharded = list(o.state_pieces)
+        keys.append(["param", "param", *sharded])
+        pieces.append([job.param.to_local(), g, *(job.state[k].to_local() for k in sharded)])
+        like = [job.param.to_local(), g, *(job.state[k].to_local() for k in sharded)]
+        shapes = [job.param.shape, job.param.shape, *(job.state[k].shape for k in sharded)]
+        wholes.append([torch.empty(s, dtype=t.dtype, device=t.device) for s, t in zip(shapes, like, strict=True)]
+                      if plan.mine(job.index) else [None] * len(keys[-1]))
+    plan.to_owners([j.index for j in jobs], pieces, wholes, keys)
+    out = []
+    for job, ws, ks in zip(jobs, wholes, keys, strict=True):
+        if ws[0] is None:
+            out.append(None)
+            continue
+        state = {k: (ws[ks.index(k)] if k in ks[2:] else _whole_state(v)) for k, v in job.state.items()}
+        out.append((ws[0], ws[1], state))
+    return out
+
+
+def scatter_whole(plan: OwnerPlan, jobs: Sequence[Job], wholes: Sequence[tuple | None]) -> None:
+    """The fallback's way back: every rank's piece of the new parameter and of the state tensors."""
+    out_wholes, out_keys, into = [], [], []
+    for job, w in zip(jobs, wholes, strict=True):
+        o = plan.owned[job.index]
+        names = [k for k in sorted(job.state) if isinstance(job.state[k], Tensor)]
+        out_keys.append(["param", *(k if k in o.state_pieces else None for k in names)])
+        out_wholes.append([w[0], *(w[2][k] for k in names)] if w is not None else [None] * (1 + len(names)))
+        into.append([job.param.to_local(), *(_whole_state(job.state[k]) for k in names)])
+    plan.from_owners([j.index for j in jobs], out_wholes, out_keys, into)
