@@ -184,6 +184,8 @@ def table(results: list[list[dict]]) -> str:
         recv = max(rows, key=lambda r: r["received"] / max(r["floor"], 1))
         mem = max(rows, key=lambda r: r["held"]["total"] / r["adamw"]["total"])
         calls = ", ".join(f"{k} {v}" for k, v in sorted(r0["calls"].items())) or "none"
+        groups = sorted({g for r in rows for g in r["bytes_by_group_size"]}, key=str)
+        calls += f" (groups of {', '.join(map(str, groups))})" if groups else ""
         held, adamw = mem["held"], mem["adamw"]
         lines.append(
             f"| {r0['layout']} | {r0['world']} | {r0['optimizer']} | {r0['form']} | "

@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -130,8 +131,12 @@ def _fail_reason(exc: BaseException) -> str:
     """The exception in one line with the innermost frame of ``meqmuon`` that raised it."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/meqmuon/" in f.filename]
     where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {first[:200]}{where}"
+    text = str(exc).strip()
+    if "meta" in text:  # a data-dependent op: what the fake group's collectives return has no data
+        op = re.search(r"(torch\.[\w.]+\(\)|aten::\w+|\.item\(\)|\.tolist\(\))", text)
+        return f"the plan reads tensor data ({op.group(1) if op else 'a data-dependent op'} on meta){where}"
+    first = text.splitlines()[0].split(". ")[0][:120] if text else ""
+    return f"{type(exc).__name__}: {first}{where}"
 
 
 def simulate(model_name: str, layout: str, ranks: str, rank: int, *, layers: int | None, device: str,

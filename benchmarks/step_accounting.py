@@ -11,7 +11,8 @@ optimizer's code looks like inside (it reads nothing of ``meqmuon.optim`` but it
   also those DTensor issues inside its own dispatch (it steps aside for tensor subclasses, as
   ``CommDebugMode`` does). Per collective it counts the bytes of the buffers this rank sends and receives
   (an ``all_to_all_single``'s whole input and output, the share a rank keeps for itself included; an
-  all-reduce's tensor once each way). It also counts matmul FLOPs (``2 m k n`` per product) and, as a counting
+  all-reduce's tensor once each way), also by the size of the group it runs on (HSDP's exchange should stay
+  inside a shard group). It also counts matmul FLOPs (``2 m k n`` per product) and, as a counting
   allocator, the bytes of every storage an op creates while it is active, until that storage is freed
   (a ``weakref.finalize`` on the storage): ``peak`` is the most such bytes alive at once, on CPU, CUDA or
   ``meta`` alike (``meta`` storages have sizes but no memory).
@@ -82,6 +83,21 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def _group_size(args: tuple) -> int | None:
+    """The size of the process group a collective runs on: a ``c10d`` op's ProcessGroup argument, or a
+    functional collective's group name (its last string argument)."""
+    import torch.distributed as dist
+
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a).size()
+            except RuntimeError:  # a ReduceOp
+                continue
+    names = [a for a in args if isinstance(a, str)]
+    return dist.distributed_c10d._resolve_process_group(names[-1]).size() if names else None
+
+
 def _matmul_flops(name: str, args: tuple) -> int:
     a, b = (args[i] for i in MATMULS[name])
     batch = math.prod(a.shape[:-2]) if name in ("bmm", "baddbmm") else 1
@@ -91,13 +107,15 @@ def _matmul_flops(name: str, args: tuple) -> int:
 
 class StepMeter(TorchDispatchMode):
     """Counts, while active: collectives by name and the bytes this rank sends and receives in them
-    (:attr:`calls`, :attr:`sent`, :attr:`received`, per name in :attr:`bytes_by_name`), matmul FLOPs
+    (:attr:`calls`, :attr:`sent`, :attr:`received`, per name in :attr:`bytes_by_name`, per group size in
+    :attr:`bytes_by_group_size`), matmul FLOPs
     (:attr:`flops`) and the bytes of the storages created (:attr:`live` now, :attr:`peak` at most, from 0)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: Counter = Counter()
         self.bytes_by_name: Counter = Counter()
+        self.bytes_by_group_size: Counter = Counter()
         self.sent = self.received = self.flops = 0
         self.live = self.peak = 0
         self._alive: dict[int, int] = {}
@@ -133,6 +151,7 @@ class StepMeter(TorchDispatchMode):
         self.sent += sent
         self.received += received
         self.bytes_by_name[name] += sent + received
+        self.bytes_by_group_size[_group_size(args)] += sent + received
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -151,7 +170,8 @@ class StepMeter(TorchDispatchMode):
     def summary(self) -> dict[str, Any]:
         """The counts as plain values (for ``torch.save`` across processes)."""
         return {"calls": dict(self.calls), "sent": self.sent, "received": self.received, "flops": self.flops,
-                "peak": self.peak, "bytes_by_name": dict(self.bytes_by_name)}
+                "peak": self.peak, "bytes_by_name": dict(self.bytes_by_name),
+                "bytes_by_group_size": dict(self.bytes_by_group_size)}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

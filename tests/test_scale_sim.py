@@ -102,6 +102,7 @@ def test_meter_counts_the_bytes_of_c10d_and_functional_collectives_on_gloo(tmp_p
         # (4, 6) float32 Shard(0): 2 x 6 out, 4 x 6 in
         assert raw["sent"] == 30 * 4 + 24 + 32 + 12 * 4, raw
         assert raw["received"] == recv_a2a + 24 + 64 + 24 * 4, raw
+        assert raw["bytes_by_group_size"] == {2: raw["sent"] + raw["received"]}, raw
         # Muon's FSDP2 step of four 32 x 32 row-sharded matrices: each rank's 16 x 32 pieces out, directions
         # back, float32: the floor is 2 x 4 B x 4 x 512; the step moves at least that and at most 5% more
         assert r["floor"] == 2 * 4 * 4 * 16 * 32
