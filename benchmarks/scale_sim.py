@@ -9,8 +9,9 @@ Usage::
 
 ``dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=N)``: every collective is a no-op
 that returns at once and receives nothing, so a plan that needs data another rank sends cannot be made
-here (the simulator says so per layout: "not plannable on fake PG: <what failed, where>"). The model is the
-transformers class of the real one (Llama-3 8B/70B/405B, a DeepSeek-V3-like MoE with 256 stacked experts),
+here (the simulator says so per layout: "not plannable on fake PG: <what failed, where>"; "step N fails on
+fake PG: ..." where the first step planned). The model is the transformers class of the real one
+(Llama-3 8B/70B/405B, a DeepSeek-V3-like MoE with 256 stacked experts),
 built on ``meta`` and sharded by torch's own APIs on a DeviceMesh of the fake group: FSDP2 (``fully_shard``
 per decoder layer and the root), FSDP2 over TP (torchtitan's TP plan, then FSDP2 over ``dp``), EP (stacked
 experts ``Shard(0)``, every other parameter ``Replicate()``). Gradients are zeros of each parameter's
@@ -167,20 +168,21 @@ def simulate(model_name: str, layout: str, ranks: str, rank: int, *, layers: int
         opt = meqmuon.build_optimizer(optimizer, model, foreach=foreach, ns_dtype=ns_dtype)
         built = time.perf_counter() - t0
         row = {"model": model_name, "layout": layout, "ranks": ranks, "rank": rank, "device": device,
-               "layers": model.config.num_hidden_layers, "build_s": built, "floor": floor_bytes(opt, ns_dtype.itemsize)}
+               "layers": model.config.num_hidden_layers, "build_s": built,
+               "floor": floor_bytes(opt, ns_dtype.itemsize)}
         row["ns_total"], row["ns_largest"] = hidden_ns_flops(opt)
+        meter, times = StepMeter(), [time.perf_counter()]
         try:
-            t1 = time.perf_counter()
             opt.step()  # plans, creates state
-            t2 = time.perf_counter()
+            times.append(time.perf_counter())
             opt.step()
-            t3 = time.perf_counter()
-            meter = StepMeter()
+            times.append(time.perf_counter())
             with meter:
                 opt.step()
         except Exception as exc:  # noqa: BLE001 - what failed is the result
-            return {**row, "error": f"not plannable on fake PG: {_fail_reason(exc)}"}
-        row.update(meter.summary(), first_step_s=t2 - t1, step_s=t3 - t2,
+            what = "not plannable on fake PG" if len(times) == 1 else f"step {len(times)} fails on fake PG"
+            return {**row, "error": f"{what}: {_fail_reason(exc)}"}
+        row.update(meter.summary(), first_step_s=times[1] - times[0], step_s=times[2] - times[1],
                    held=held_bytes(opt))
         return row
     finally:
@@ -191,7 +193,8 @@ def run_one(args: argparse.Namespace) -> dict:
     """One configuration in this process, every sampled rank; adds wall time and peak RSS."""
     t0 = time.perf_counter()
     rows = [simulate(args.model, args.layout, args.ranks, r, layers=args.layers, device=args.device,
-                     optimizer=args.optimizer, ns_dtype=getattr(torch, args.ns_dtype), foreach=args.form == "batched")
+                     optimizer=args.optimizer, ns_dtype=getattr(torch, args.ns_dtype),
+                     foreach=args.form == "batched")
             for r in sample(args.sample_ranks, world_of(args.ranks))]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"rows": rows, "wall_s": time.perf_counter() - t0, "rss": rss}
