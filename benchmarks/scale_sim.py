@@ -25,7 +25,7 @@ peak (a counting allocator: every storage an op creates in the step, until freed
 a device), the time of the first step (which plans) and of the next (both unmetered; on ``meta`` they are the
 Python and dispatch overhead alone), and the owner load: the busiest
 simulated rank's Newton-Schulz FLOPs against ``max(total / ranks, largest matrix)`` (analytic,
-``newton_schulz.ns_flops``). Each configuration runs in its own process; its peak resident memory (RSS) and
+``newton_schulz.method_flops``). Each configuration runs in its own process; its peak resident memory (RSS) and
 wall time are reported beside it.
 """
 
@@ -109,9 +109,10 @@ def world_of(ranks: str) -> int:
     return math.prod(int(x) for x in ranks.split("x"))
 
 
-def hidden_ns_flops(opt, steps: int | None = None) -> tuple[int, int]:
-    """(total, largest) Newton-Schulz FLOPs of the optimizer's hidden-kind matrices, whole (analytic)."""
-    from meqmuon.optim.newton_schulz import ns_flops
+def hidden_ns_flops(opt) -> tuple[int, int]:
+    """(total, largest) Newton-Schulz FLOPs of the optimizer's hidden-kind matrices, whole (analytic: the
+    group's method's count, ``newton_schulz.method_flops``)."""
+    from meqmuon.optim.newton_schulz import method_flops
     from meqmuon.optim.views import group_layout
 
     total = largest = 0
@@ -122,7 +123,7 @@ def hidden_ns_flops(opt, steps: int | None = None) -> tuple[int, int]:
         for i, (p, name) in enumerate(zip(group["params"], names, strict=True)):
             layout = group_layout(group, i, p.shape, name)
             for m, n in layout.shapes():
-                f = ns_flops(m, n, steps or group["ns_steps"])
+                f = method_flops(group, m, n)
                 total += f
                 largest = max(largest, f)
     return total, largest
