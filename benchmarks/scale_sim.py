@@ -25,8 +25,8 @@ peak (a counting allocator: every storage an op creates in the step, until freed
 a device), the time of the first step (which plans) and of the next (both unmetered; on ``meta`` they are the
 Python and dispatch overhead alone), and the owner load: the busiest
 simulated rank's Newton-Schulz FLOPs against ``max(total / ranks, largest matrix)`` (analytic,
-``newton_schulz.method_flops``). Each configuration runs in its own process; its peak resident memory (RSS) and
-wall time are reported beside it.
+``newton_schulz.method_flops``). Each simulated rank runs in its own process; the largest peak resident memory
+(RSS) and the summed wall time of a configuration's are reported beside it.
 """
 
 from __future__ import annotations
@@ -112,8 +112,15 @@ def world_of(ranks: str) -> int:
 def hidden_ns_flops(opt) -> tuple[int, int]:
     """(total, largest) Newton-Schulz FLOPs of the optimizer's hidden-kind matrices, whole (analytic: the
     group's method's count, ``newton_schulz.method_flops``)."""
-    from meqmuon.optim.newton_schulz import method_flops
     from meqmuon.optim.views import group_layout
+
+    try:
+        from meqmuon.optim.newton_schulz import method_flops
+    except ImportError:  # the optimizer before main's refactor (7fbad80): the quintic count, the only one then
+        from meqmuon.optim.newton_schulz import ns_flops
+
+        def method_flops(group: dict, m: int, n: int) -> int:
+            return ns_flops(m, n, group["ns_steps"])
 
     total = largest = 0
     for group in opt.param_groups:
@@ -214,13 +221,15 @@ def sample(spec: str, world: int) -> list[int]:
 
 
 def summarise(result: dict) -> dict:
-    """A table row from one configuration's sampled ranks: rank 0's accounting, the busiest owner."""
+    """A table row from one configuration's sampled ranks: the first's accounting, the busiest owner; the
+    first error of any."""
     rows = result["rows"]
     r0 = rows[0]
     out = {k: r0[k] for k in ("model", "layout", "ranks", "layers", "device")}
     out.update(wall_s=result["wall_s"], rss=result["rss"], sampled=[r["rank"] for r in rows])
-    if "error" in r0:
-        return {**out, "error": r0["error"]}
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        return {**out, "error": failed[0]["error"] + (f" (rank {failed[0]['rank']})" if failed[0]["rank"] else "")}
     world = world_of(r0["ranks"])
     out.update({k: r0[k] for k in ("sent", "received", "floor", "calls", "peak", "first_step_s", "step_s", "held")})
     bound = max(r0["ns_total"] / world, r0["ns_largest"])
@@ -268,6 +277,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run_ranks(args: argparse.Namespace, model: str, layout: str, ranks: str) -> dict:
+    """:func:`run_one` of each sampled rank in a process of its own (a fresh fake group and mesh each);
+    their rows together, the wall times summed, the largest RSS."""
+    result: dict = {"rows": [], "wall_s": 0.0, "rss": 0}
+    for rank in sample(args.sample_ranks, world_of(ranks)):
+        cmd = [sys.executable, __file__, "--json", "--model", model, "--layout", layout, "--ranks", ranks,
+               "--device", args.device, "--optimizer", args.optimizer, "--ns-dtype", args.ns_dtype,
+               "--form", args.form, "--sample-ranks", str(rank)]
+        if args.layers is not None:
+            cmd += ["--layers", str(args.layers)]
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+        if done.returncode:
+            raise SystemExit(f"scale_sim.py: error: {model} {layout} {ranks} rank {rank} failed:\n"
+                             f"{done.stderr[-3000:]}")
+        one = json.loads(done.stdout.strip().splitlines()[-1])
+        result["rows"] += one["rows"]
+        result["wall_s"] += one["wall_s"]
+        result["rss"] = max(result["rss"], one["rss"])
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -283,15 +313,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.optimizer} {args.form}, ns_dtype {args.ns_dtype}, ranks simulated {args.sample_ranks}")
     summaries = []
     for model, layout, ranks in runs:
-        cmd = [sys.executable, __file__, "--json", "--model", model, "--layout", layout, "--ranks", ranks,
-               "--device", args.device, "--optimizer", args.optimizer, "--ns-dtype", args.ns_dtype,
-               "--form", args.form, "--sample-ranks", args.sample_ranks]
-        if args.layers is not None:
-            cmd += ["--layers", str(args.layers)]
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
-        if done.returncode:
-            raise SystemExit(f"scale_sim.py: error: {model} {layout} {ranks} failed:\n{done.stderr[-3000:]}")
-        summaries.append(summarise(json.loads(done.stdout.strip().splitlines()[-1])))
+        summaries.append(summarise(_run_ranks(args, model, layout, ranks)))
         print(table(summaries[-1:]).splitlines()[-1], flush=True)
     print(table(summaries))
     return 0
