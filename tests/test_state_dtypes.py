@@ -46,7 +46,7 @@ class Counting(meqmuon.HiddenRule):
 CASES = [(name, name, {}) for name in REGISTRY] + [("variant", "muon", {"rules": {"hidden": Counting()}})]
 
 
-def _build(name: str, model: torch.nn.Module, foreach: bool, float32_state: bool = True,
+def _build(name: str, model: torch.nn.Module, foreach: bool | None, float32_state: bool = True,
            **extra) -> torch.optim.Optimizer:
     """Optimizer ``name`` with float32 Newton-Schulz and, on a bf16 model, float32 state where it has the option."""
     valid = valid_hyperparameters(name, extra.get("rules"))
