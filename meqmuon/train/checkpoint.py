@@ -131,6 +131,8 @@ def save_checkpoint(run_dir: str | Path, step: int, payload: dict[str, Any], kee
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     torch.save({"format": FORMAT, "step": step, **payload}, tmp)
     os.replace(tmp, path)
+    # a sharded checkpoint of the same step (a resume on one process from before it) is replaced too
+    shutil.rmtree(checkpoint_path(run_dir, step, sharded=True), ignore_errors=True)
     for _, old in list_checkpoints(run_dir)[:-keep]:
         old.unlink(missing_ok=True) if old.is_file() else shutil.rmtree(old, ignore_errors=True)
     return path
@@ -154,6 +156,7 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any
         torch.save({"format": FORMAT, "step": step, **payload}, tmp / META)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
+        checkpoint_path(run_dir, step).unlink(missing_ok=True)  # a single file of the same step is replaced too
         for _, old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
     barrier()

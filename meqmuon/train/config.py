@@ -61,7 +61,7 @@ __all__ = [
     "validate_config",
     "optimizer_kwargs",
     "resume_requests",
-    "PER_LAUNCH_REQUESTS",
+    "REQUESTED_KEYS",
 ]
 
 #: Batch, sequence and validation sizes of the paper (section 4), the defaults of the paper models, and
@@ -499,9 +499,11 @@ class ResolvedConfig:
             values[key] = None if values[key] is None else tuple(values[key])
         return cls(**values)
 
-    def for_model(self, *, unique_params: int, data_source: str) -> ResolvedConfig:
-        """Second stage: the run length (from the model's size) and the data source, once both exist."""
-        return dataclasses.replace(self, data_source=data_source, **_budget(self, unique_params))
+    def for_model(self, *, unique_params: int, data_source: str, vocab_size: int | None = None) -> ResolvedConfig:
+        """Second stage: the run length (from the model's size), the data source and the vocabulary the
+        model was built with (the data's tokenizer may differ from ``vocab_size``: issue 46), once they exist."""
+        vocab = {} if vocab_size is None else {"vocab_size": vocab_size}
+        return dataclasses.replace(self, data_source=data_source, **vocab, **_budget(self, unique_params))
 
     @property
     def run_dir(self) -> Path:
@@ -525,18 +527,20 @@ class ResolvedConfig:
         return out
 
 
-#: Settings resolved per machine or launch that are not :data:`IDENTITY_KEYS`: on resume they are asked
-#: for again as the run first asked (``numerics["requested_<key>"]``), not inherited as resolved.
-PER_LAUNCH_REQUESTS = ("micro_batch", "tf32")
+#: Settings that ``config.json`` states as the run resolved them (what ran) and whose request it keeps in
+#: ``numerics["requested_<key>"]``: the micro-batch ("auto" depends on the world size), TF32 (applies on
+#: CUDA only) and the vocabulary (a tokenizer brought by the data decides it). A resume asks again as the
+#: run first asked (:func:`resume_requests`), instead of inheriting a value resolved for another launch.
+REQUESTED_KEYS = ("micro_batch", "tf32", "vocab_size")
 
 
 def resume_requests(saved: dict[str, Any]) -> dict[str, Any]:
-    """A run's stored ``config.json`` with :data:`PER_LAUNCH_REQUESTS` set back to what was asked:
-    ``micro_batch`` ``"auto"`` -> ``None`` (resolved again for this world size), ``tf32`` as requested
-    (it applies on CUDA only). Configs written before the record are returned unchanged."""
+    """A run's stored ``config.json`` with :data:`REQUESTED_KEYS` set back to what was asked:
+    ``micro_batch`` ``"auto"`` -> ``None`` (resolved again for this world size), ``tf32`` and ``vocab_size``
+    as requested. Configs written before the record are returned unchanged."""
     asked = saved.get("numerics") or {}
     out = dict(saved)
-    for key in PER_LAUNCH_REQUESTS:
+    for key in REQUESTED_KEYS:
         if f"requested_{key}" in asked:
             value = asked[f"requested_{key}"]
             out[key] = None if value == "auto" else value
@@ -555,7 +559,8 @@ def resolve(cfg: TrainConfig, *, device: torch.device | str, world_size: int) ->
     # depends on the world size: the request is recorded beside the value so that a resume on another
     # number of ranks resolves it again (:func:`resume_requests`) instead of inheriting a value that
     # may not divide there (issue 46).
-    record = {**(c.numerics or {}), "requested_micro_batch": "auto" if c.micro_batch is None else c.micro_batch}
+    record = {**(c.numerics or {}), "requested_micro_batch": "auto" if c.micro_batch is None else c.micro_batch,
+              "requested_vocab_size": c.vocab_size}
     c = dataclasses.replace(c, lr=c.lr if c.lr is not None else spec(c.optimizer).default_lr,
                             micro_batch=_micro_batch(c.global_batch, c.micro_batch, world_size),
                             out=str(run_dir_of(c)), numerics=record)

@@ -163,10 +163,13 @@ def build_run(cfg: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
     if rank == 0:
         _warn_bf16(plan, device)
     data = _build_data(plan, rank, world, layout)
-    model = build_model(plan.model, vocab_size=_model_vocab(plan, data.tokenizer), seed=plan.seed, device=device,
+    vocab = _model_vocab(plan, data.tokenizer)
+    if rank == 0:
+        _note_vocab(plan, data.tokenizer, vocab)
+    model = build_model(plan.model, vocab_size=vocab, seed=plan.seed, device=device,
                         attention=attention_of(plan.precision, device, plan.seq_len))
     n_params = count_unique_params(model)
-    final = plan.for_model(unique_params=n_params, data_source=data.source)
+    final = plan.for_model(unique_params=n_params, data_source=data.source, vocab_size=model.config.vocab_size)
     if ckpt is not None and final.resume:
         _check_resume_config(ckpt["config"], final, ckpt_path)
     _check_capture(final, model)
@@ -338,9 +341,25 @@ def _model_vocab(cfg: ResolvedConfig, tokenizer: Any) -> int:
     return tokenizer.vocab_size
 
 
+def _note_vocab(cfg: ResolvedConfig, tokenizer: Any, vocab: int) -> None:
+    """One line when the model's vocabulary is not the config's ``vocab_size`` (``--vocab-size`` or the
+    preset's): the data brought its own tokenizer (a prepared directory, a hub tokenizer), so the
+    embedding and head have another size than the preset's, and with them the parameter count and the
+    default run length. The model's own hub tokenizer is no news and says nothing."""
+    from meqmuon.train.models import get_spec
+
+    own = get_spec(cfg.model).tokenizer
+    if vocab != cfg.vocab_size and not (own is not None and tokenizer.name == own):
+        print(f"meqmuon: note: {cfg.model} is built with the data's vocabulary, {vocab:,} ids ({tokenizer.name}), "
+              f"not the {cfg.vocab_size:,} of its preset or --vocab-size; config.json records vocab_size {vocab}",
+              file=sys.stderr)
+
+
 def _check_resume_config(saved: dict[str, Any], cfg: ResolvedConfig, path: Path) -> None:
     mine = cfg.to_dict()
     for key in IDENTITY_KEYS:
+        if key == "vocab_size" and saved.get(key) == cfg.numerics.get("requested_vocab_size"):
+            continue  # a checkpoint written before config.json recorded the vocabulary as built
         if saved.get(key) != mine.get(key):
             hint = ""
             if key == "precision" or (key == "optimizer_args" and (saved.get(key) or {}).get("ns_dtype")
