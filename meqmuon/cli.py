@@ -463,15 +463,19 @@ def _error_line(e: BaseException, rank: int) -> str | None:
 
 
 def _raised_in_torch_distributed(e: BaseException) -> bool:
-    """Whether ``e`` came out of ``torch.distributed`` (a collective, a store, DCP): its innermost frame."""
+    """Whether ``e`` came out of ``torch.distributed`` (a collective, a store, DCP): a frame of its traceback
+    runs there."""
     import torch.distributed
 
+    if isinstance(e, torch.distributed.DistError):
+        return True
+    home = Path(torch.distributed.__file__).resolve().parent
     tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
+    while tb is not None:
+        if home in Path(tb.tb_frame.f_code.co_filename).resolve().parents:
+            return True
         tb = tb.tb_next
-    where = Path(tb.tb_frame.f_code.co_filename).resolve() if tb is not None else None
-    return isinstance(e, torch.distributed.DistError) or (
-        where is not None and Path(torch.distributed.__file__).resolve().parent in where.parents)
+    return False
 
 
 def _resume_command(args: argparse.Namespace, argv: list[str], stop: Any) -> str:
