@@ -176,8 +176,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         run_dir = run_dir_of(config_from_dict(d))
         saved_path = run_dir / "config.json"
         if saved_path.is_file():
-            # the micro-batch and TF32 as first asked ("auto" resolves again for this world size), and the
-            # layout is per invocation too: a run resumes on whatever ranks and flags it is given
+            # micro-batch, TF32 and vocabulary as first asked (an "auto" micro-batch resolves again for this
+            # world size), and the layout is per invocation too: a run resumes on whatever ranks and flags
+            # it is given
             saved = resume_requests(load_config_file(saved_path))
             for per_invocation in ("stop_at_step", "resume", "quiet", "out", "fsdp", "tp"):
                 saved.pop(per_invocation, None)
