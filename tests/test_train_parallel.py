@@ -136,7 +136,26 @@ def test_one_process_run_resumes_on_two_ranks_ddp_and_fsdp(tmp_path):
     # nothing readable: one line naming the newest, nothing written
     bad = broken / "checkpoints" / older.name
     bad.write_bytes(bad.read_bytes()[:2000])
+    before = {p: p.read_bytes() for p in sorted(broken.rglob("*")) if p.is_file()}
     done = _meqmuon(1, "train", "--out", str(broken), "--resume", "auto", "--quiet")
+    assert {p: p.read_bytes() for p in sorted(broken.rglob("*")) if p.is_file()} == before
     assert done.returncode == 1 and done.stderr.strip().splitlines() == [
         f"meqmuon: error: cannot read checkpoint {broken / 'checkpoints' / newest.name}: shard file(s) __1_0.distcp "
         "missing (1 of 2) (and the 1 older checkpoint(s) of the run)"], done.stderr
+
+
+def test_bad_layouts_are_one_clear_line(tmp_path):
+    from meqmuon.train.parallel import check_layout
+
+    with pytest.raises(ValueError, match="does not divide the 4 ranks"):
+        check_layout(4, 3, True)
+    with pytest.raises(ValueError, match="add --fsdp"):
+        check_layout(4, 2, False)
+    with pytest.raises(ValueError, match="torchrun"):
+        check_layout(1, 1, True)
+
+    class Config:
+        num_attention_heads, num_key_value_heads, intermediate_size = 4, 2, 344
+
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        check_layout(4, 4, False, Config())
