@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,8 +49,14 @@ def _meqmuon(ranks: int, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*launch, "-m", "meqmuon", *args], env=env, capture_output=True, text=True, timeout=600)
 
 
+#: A warning of Python's ``warnings`` or of torch's logging (``[rank0]:W1126 ...``) in a run's stderr.
+TORCH_WARNING = re.compile(r"Warning: |\]:W\d{4} ")
+
+
 def _summary(done: subprocess.CompletedProcess) -> dict:
+    """The summary line of a finished run, which printed no warning (issue 46: FSDP2 over TP printed 8)."""
     assert done.returncode == 0, done.stderr[-3000:]
+    assert not TORCH_WARNING.search(done.stderr), done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
