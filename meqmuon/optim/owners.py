@@ -291,11 +291,16 @@ class OwnerPlan:
     def _exchange(self, send: list[list[Tensor]], sizes: list[list[int]]) -> list[list[Tensor]]:
         """One ``all_to_all_single`` of bytes: ``send[r]`` to rank ``r``; ``sizes[r]`` the byte sizes of the
         pieces rank ``r`` sends here. Returns the received pieces per source rank (views of one buffer)."""
+        send_sizes = [[p.numel() for p in s] for s in send]
         device = self.owned[0].param.device if self.owned else torch.device("cpu")
-        flat = [torch.cat(s) if s else torch.empty(0, dtype=torch.uint8, device=device) for s in send]
+        pieces = [p for s in send for p in s]  # rank-major: one copy into the send buffer
+        flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
+        del pieces
+        for s in send:
+            s.clear()  # the pieces (copies cut out of whole tensors at owners) are let go before the exchange
         out_splits = [sum(s) for s in sizes]
         out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
-        dist.all_to_all_single(out, torch.cat(flat), out_splits, [f.numel() for f in flat])
+        dist.all_to_all_single(out, flat, out_splits, [sum(s) for s in send_sizes])
         recv, start = [], 0
         for r in range(self.world):
             pieces = []
