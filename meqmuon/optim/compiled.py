@@ -41,9 +41,10 @@ from .driver import (
 __all__ = ["BACKEND", "bucket_step", "compiled_batched", "compiled_per_tensor", "elementwise_step", "hidden_step",
            "owner_directions", "scalar"]
 
-def scalar(x: float) -> Tensor:
-    """A 0-D float64 CPU tensor: a graph input whose value may change without recompiling."""
-    return torch.tensor(x, dtype=torch.float64)
+def scalar(x: float | Tensor) -> Tensor:
+    """A 0-D float64 CPU tensor: a graph input whose value may change without recompiling. A tensor is
+    taken as it is (``cuda_graph=True`` passes 0-D device tensors, read by the kernels at replay)."""
+    return x if isinstance(x, Tensor) else torch.tensor(x, dtype=torch.float64)
 
 
 #: The torch.compile backend of the bucket graphs (tests may use a cheaper one to count recompiles).
@@ -120,10 +121,16 @@ def _hidden_bucket(params, grads, bufs, states, steps, lr, wd, mu, scale, *, rul
     if steps is not None:
         state["step"] = steps
     (D,) = directions(rule, [(X, plain, state)], group, None, batched=batched, ns_dtype=group["ns_dtype"])
-    for k, v in states.items():
-        torch._foreach_copy_(v, list(state[k].to(v[0].dtype).unbind(0)))
     rows = [r for d in D for r in d.unbind(0)]
     F.decay_and_update_(params, [d.reshape(p.shape) for d, p in zip(rows, params, strict=True)], lr, wd, scale)
+    # The new per-matrix state into the inputs last, one copy_ each: not torch._foreach_copy_, whose inductor
+    # lowering (mutate_to(..., unsafe_alias=True): "only encountered as outputs of the graph") makes the input's
+    # storage the new value's buffer, so that on CUDA the later reads of NorMuon's v, inlined from the old v,
+    # read the new one: v lerped twice, 5.5e-4 apart from eager after one step (float64, an H100, torch 2.11;
+    # benchmarks/gpu_diag_compile.py). aten.copy_ lowers to a copy of its own.
+    for k, v in states.items():
+        for dst, src in zip(v, state[k].to(v[0].dtype).unbind(0), strict=True):
+            dst.copy_(src)
 
 
 def _elementwise_bucket(params, grads, bufs, lr, wd, mu, rho, *, rule, shape, nesterov, group):

@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 from . import compiled, driver
 from .calls import Item, StepContext
+from .cuda_graph import GraphedStep
 from .distributed import (
     SHARDED_LAYOUTS,
     LocalSplit,
@@ -153,14 +154,18 @@ class RoleOptimizer(Optimizer):
     RULES: ClassVar[dict[str, str]] = {}
 
     def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any = None, compile: bool = False,
-                 rules: dict[str, Rule] | None = None, **hyperparameters: Any) -> None:
+                 rules: dict[str, Rule] | None = None, cuda_graph: bool = False, **hyperparameters: Any) -> None:
         if (what := wrong_params(params)) is not None:
             cls = type(self).__name__
             raise TypeError(f"{cls}(params=...) takes parameters or param groups, e.g. "
                             f"{cls}(meqmuon.param_groups(model)); got {what}")
         if not isinstance(compile, bool):
             raise ValueError(f"Invalid compile: {compile!r} (expected True or False)")
+        if not isinstance(cuda_graph, bool):
+            raise ValueError(f"Invalid cuda_graph: {cuda_graph!r} (expected True or False)")
         self._compile = compile
+        #: ``cuda_graph=True``: the step captured in a CUDA graph and replayed (``cuda_graph.py``).
+        self._graphed = GraphedStep() if cuda_graph else None
         self._rules = self._rule_table(rules)
         # The rules' own hyperparameters (Rule.defaults): keywords for them, their defaults where neither the
         # class nor a keyword gives one. Any other keyword is refused as Python refuses it.
@@ -207,14 +212,14 @@ class RoleOptimizer(Optimizer):
                 "copied; build a new optimizer with that group and load_state_dict() this one's state_dict()"
             )
         return {**super().__getstate__(), "_compile": self._compile, "_warned_inferred": self._warned_inferred,
-                "_rules": self._rules}
+                "_rules": self._rules, "_graphed": None if self._graphed is None else GraphedStep()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy's settings (:meth:`__getstate__`), or, from ``load_state_dict``, new state and param
         groups for this optimizer, which keeps its settings and hook and prepares its next step anew."""
         super().__setstate__(state)
         for key, value in (("_compile", False), ("_warned_inferred", False), ("_warned_traced", False),
-                           ("_capture_hook", None), ("_workspace", {})):
+                           ("_capture_hook", None), ("_workspace", {}), ("_graphed", None)):
             self.__dict__.setdefault(key, value)
         self.__dict__.setdefault("_rules", self._rule_table(None))
         self.__dict__.setdefault("_process_group", resolve_process_group(None))
@@ -453,6 +458,8 @@ class RoleOptimizer(Optimizer):
         """
         if torch.compiler.is_compiling():  # a constant True while dynamo traces
             return self._untraced_step(closure)
+        if self._graphed is not None:
+            return self._graphed.step(self, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
