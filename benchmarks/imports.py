@@ -39,6 +39,7 @@ LAYERS: list[list[str]] = [
     ["optim.compiled"],  # the compiled forms and their graphs
     ["optim.rules.adam", "optim.rules.scale", "optim.rules.muon", "optim.rules.meqmuon", "optim.rules.normuon"],
     ["optim.rules"],
+    ["optim.cuda_graph"],  # cuda_graph=True: the captured step (the engine hands its step over)
     ["optim.engine", "optim.memory"],
     ["optim.presets"],
     ["optim.registry"],

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import MODELS, model_shapes  # noqa: E402
 
 import meqmuon  # noqa: E402
+from meqmuon import orthogonalization  # noqa: E402
 from meqmuon.functional import NS_STEPS  # noqa: E402
 from meqmuon.optim.newton_schulz import ns_flops  # noqa: E402
 from meqmuon.precision import detect_cpu_capability, resolve_ns_dtype  # noqa: E402
@@ -130,9 +131,14 @@ def split_name(name):
     return base, tuple(f.strip() for f in flag.rstrip(")").split(",")) if flag else ()
 
 
+def _symmetric_ns(on: bool, default=orthogonalization.SYMMETRIC_STACK_MIN) -> None:
+    """The batched Newton-Schulz's block-symmetric products from k = 512 (every bucket of the Llama models)."""
+    orthogonalization.SYMMETRIC_STACK_MIN = 512 if on else default
+
+
 #: Row flags that switch a module-level setting on around each step of their optimizer (an A/B in one run):
 #: ``name -> function(on: bool)``.
-SWITCHES: dict[str, Callable[[bool], None]] = {}
+SWITCHES: dict[str, Callable[[bool], None]] = {"symmetric-ns": _symmetric_ns}
 
 
 class Switched:

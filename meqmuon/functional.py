@@ -29,6 +29,7 @@ and the rest keep working.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any

@@ -91,7 +91,6 @@ def _opt(name="meqmuon", device="cpu", **kw):
 
 @pytest.mark.parametrize("make, message", [
     (lambda: _opt(), "needs CUDA parameters; one is on cpu"),
-    (lambda: _opt(foreach=False), "captures the batched step; a group has foreach=False"),
     (lambda: _opt("muoneq-r"), "reads per-step host counters"),
     (lambda: _opt("scale"), "has no graph form"),
 ])
@@ -132,6 +131,13 @@ def test_cuda_graph_equals_the_eager_batched_step(name, compile_):
     graphed, opt = _train(name, "cuda", cuda_graph=True, **kw)
     _assert_close(eager, graphed, 1e-10)
     assert opt._graphed.captures == 1
+
+
+@cuda
+def test_cuda_graph_refuses_the_per_tensor_form():
+    opt = _opt(device="cuda", foreach=False)
+    with pytest.raises(ValueError, match="captures the batched step; a group has foreach=False"):
+        opt.step()
 
 
 @cuda

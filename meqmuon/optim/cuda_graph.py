@@ -109,13 +109,13 @@ def check(opt: Any, closure: Callable | None) -> None:
         if any(how == "step" for how in getattr(rule, "state_views", {}).values()):
             raise ValueError(f"{where}: rule {rule.name!r} ({kind}) reads per-step host counters")
     for group in opt.param_groups:
-        if group.get("foreach") is False:
-            raise ValueError(f"{where} captures the batched step; a group has foreach=False (per-tensor form)")
         for p in group["params"]:
             if is_dtensor(p):
                 raise ValueError(f"{where}: DTensor parameters (FSDP2/TP) need host decisions and collectives")
             if p.device.type != "cuda":
                 raise ValueError(f"{where} needs CUDA parameters; one is on {p.device}")
+    if not all(batched for _, _, _, batched in opt._plan()):
+        raise ValueError(f"{where} captures the batched step; a group has foreach=False (per-tensor form)")
 
 
 def graph_key(opt: Any) -> tuple:
@@ -243,10 +243,8 @@ class GraphedStep:
 
     def body(self, opt: Any, plan: list) -> None:
         """The step's kernels: per group and rule one call, the momentum rules in the optimizer's batched form
-        (``engine.FORMS``) with :func:`device_group`, AdamW in :func:`adamw_foreach`. Groups are not merged
-        (the eager step merges equal ones into shared buckets): their values may part later."""
-        from .engine import FORMS
-
+        (its chooser, ``RoleOptimizer._run``) with :func:`device_group`, AdamW in :func:`adamw_foreach`. Groups
+        are not merged (the eager step merges equal ones into shared buckets): their values may part later."""
         calls = []
         for index, (group, entries, _, _) in enumerate(plan):
             by_rule: dict[Any, list[Item]] = {}
@@ -267,7 +265,7 @@ class GraphedStep:
                     calls.append((rule, items, device_group(group, index, self.scalars),
                                   self._context(len(calls), kind)))
         if calls:
-            FORMS[True, opt._compile](calls)
+            opt._run([], calls)
         for _, entries, _, _ in plan:
             for e in entries:
                 if e.item is not None:
