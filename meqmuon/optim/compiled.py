@@ -41,10 +41,16 @@ from .driver import (
 __all__ = ["BACKEND", "bucket_step", "compiled_batched", "compiled_per_tensor", "elementwise_step", "hidden_step",
            "owner_directions", "scalar"]
 
-def scalar(x: float | Tensor) -> Tensor:
+def scalar(x: float | Tensor, like: Tensor | None = None) -> Tensor:
     """A 0-D float64 CPU tensor: a graph input whose value may change without recompiling. A tensor is
-    taken as it is (``cuda_graph=True`` passes 0-D device tensors, read by the kernels at replay)."""
-    return x if isinstance(x, Tensor) else torch.tensor(x, dtype=torch.float64)
+    taken as it is (``cuda_graph=True`` passes 0-D device tensors, read by the kernels at replay); a number
+    beside such a device tensor ``like`` becomes one too (a fill kernel, which a capture records; no CPU
+    tensor meets a CUDA one in the graph, and no host copy runs during a capture)."""
+    if isinstance(x, Tensor):
+        return x
+    if like is not None and like.device.type != "cpu":
+        return torch.full_like(like, x)
+    return torch.tensor(x, dtype=torch.float64)
 
 
 #: The torch.compile backend of the bucket graphs (tests may use a cheaper one to count recompiles).
@@ -162,10 +168,11 @@ def hidden_step(rule, members, plain: int, shape: tuple[int, int], key: tuple, g
     states = {k: [it.state[k] for it in members] for k, how in per_matrix.items() if how != "step"}
     steps = next((F.on_device([it.state[k] for it in members], members[0].param.device)
                   for k, how in per_matrix.items() if how == "step"), None)
+    lr = scalar(group["lr"])
     bucket_step(rule.name, _hidden_bucket, (key, id(rule), tuple(it.param.ndim for it in members)),
                 [it.param.detach() for it in members], [it.grad for it in members],
-                [it.state["momentum_buffer"] for it in members], states, steps, scalar(group["lr"]),
-                scalar(group["weight_decay"]), scalar(group["momentum"]), scalar(rule.lr_scale(*shape, group)),
+                [it.state["momentum_buffer"] for it in members], states, steps, lr, scalar(group["weight_decay"], lr),
+                scalar(group["momentum"], lr), scalar(rule.lr_scale(*shape, group), lr),
                 rule=rule, plain=plain, nesterov=group["nesterov"], batched=batched,
                 group=static_group(rule, group, ns_dtype))
 
@@ -174,9 +181,10 @@ def elementwise_step(rule, bucket, group: dict) -> None:
     """An elementwise momentum rule's step of one shape bucket as one graph: momentum, :meth:`direction`
     of the stack, the update."""
     static = {k: group[k] for k in rule.hyperparameters if k not in ("momentum", "rho", "nesterov")}
+    lr = scalar(group["lr"])
     bucket_step(rule.name, _elementwise_bucket, bucket.key, [it.param.detach() for it in bucket.items],
                 [it.grad for it in bucket.items], [it.state["momentum_buffer"] for it in bucket.items],
-                scalar(group["lr"]), scalar(group["weight_decay"]), scalar(group["momentum"]), scalar(group["rho"]),
+                lr, scalar(group["weight_decay"], lr), scalar(group["momentum"], lr), scalar(group["rho"], lr),
                 rule=rule, shape=tuple(bucket.global_shape), nesterov=group["nesterov"], group=static)
 
 
