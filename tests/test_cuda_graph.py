@@ -83,6 +83,19 @@ def test_the_key_follows_what_a_capture_bakes_in_and_not_lr():
     assert graph_key(opt) != k0
 
 
+def test_a_parameter_without_a_gradient_keeps_the_key():
+    """Its step count stays behind the others' every step: the key holds the counts of those that step."""
+    model = make_model(dtype=torch.float64)
+    opt = meqmuon.build_optimizer("muon", model, lr=0.02, foreach=True)
+    opt._graphed = body = GraphedStep(capture=False)
+    for ids in batches(4):
+        model.zero_grad(set_to_none=False)
+        loss_fn(model, ids).backward()
+        model.q.weight.grad = None  # q never steps
+        opt.step()
+    assert body.captures == 1 and opt.state[model.q.weight]["step"] == 0
+
+
 def _opt(name="meqmuon", device="cpu", **kw):
     model = make_model(dtype=torch.float32).to(device)
     loss_fn(model, batches(1)[0].to(device)).backward()

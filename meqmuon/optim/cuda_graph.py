@@ -130,7 +130,8 @@ def graph_key(opt: Any) -> tuple:
             st = opt.state.get(p, {})
             key.append((p.data_ptr(), None if g is None else (g.data_ptr(), g.dtype),
                         tuple(v.data_ptr() for v in st.values() if isinstance(v, Tensor))))
-            steps.append(st.get("step", 0))
+            if g is not None:  # the parameters that step: their counts move together
+                steps.append(st.get("step", 0))
         key.append(tuple(s - steps[0] for s in steps) if steps else ())
     return tuple(key)
 
@@ -192,7 +193,7 @@ class GraphedStep:
         self.stream: Any = None
         self.contexts: list[StepContext] = []
         self.workspace: dict = {}
-        #: How many captures so far (a changed key re-captures).
+        #: How many captures so far (a changed key re-captures; without a graph, how many keys).
         self.captures = 0
 
     def step(self, opt: Any, closure: Callable | None = None) -> None:
@@ -215,6 +216,7 @@ class GraphedStep:
         self.key = None
         device = next(p.device for g in opt.param_groups for p in g["params"])
         self.scalars = Scalars(device)
+        self.captures += 1
         if not self.capture:
             self.body(opt, plan)
             self.scalars.freeze()
@@ -231,7 +233,6 @@ class GraphedStep:
             self.body(opt, plan)  # recorded, not run
         torch.cuda.current_stream().wait_stream(self.stream)
         self.graph, self.key = graph, key
-        self.captures += 1
         return None
 
     def _context(self, i: int, kind: str) -> StepContext:
