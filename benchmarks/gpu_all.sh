@@ -8,8 +8,7 @@
 #   2. benchmarks/step_time.py at Llama-60M and Llama-350M shapes: MeqMuon, Muon, NorMuon with and without
 #      cuda_graph, the Newton-Schulz switches (symmetric products), the FLOP floor, per-round medians and
 #      paired ratios (MeqMuon / Muon with the same flags, every row / floor);
-#   3. compile=True warm-up at Llama-60M (capped; per graph as it compiles; Llama-350M's first graph alone took
-#      over 38 s on an H100 in gpu_diag.sh, so it is left out of this call's budget);
+#   3. compile=True warm-up at Llama-60M and Llama-350M (capped; per graph as it compiles);
 #   4. benchmarks/gpu.py: a short Llama-60M training comparison, eager against cuda_graph=True.
 # usage (repo root): OUT=/some/dir bash benchmarks/gpu_all.sh [PEAK_TFLOPS]   (989: H100 SXM; H200 the same chip)
 set -u
@@ -27,14 +26,15 @@ part() {  # NAME LIMIT_S COMMAND...
 { nvidia-smi -L; $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"; git rev-parse --short HEAD 2>/dev/null; } >> "$log" 2>&1
 SWITCHES=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import step_time; print(*sorted(step_time.SWITCHES))" 2>/dev/null)
 
-part tests 150 $PY -m pytest -q -p no:cacheprovider -rs --durations=6 tests/test_cuda.py::test_cuda_compile_equals_eager \
+part tests 140 $PY -m pytest -q -p no:cacheprovider -rs --durations=6 tests/test_cuda.py::test_cuda_compile_equals_eager \
   tests/test_cuda_graph.py tests/test_cuda.py::test_cuda_step_makes_no_host_device_sync \
   tests/test_cuda.py::test_cuda_batched_default_equals_per_tensor_and_cpu "tests/test_inputs.py::test_a_cuda_tensor_lr_is_refused"
-part step60 50 $PY benchmarks/step_time.py --device cuda --model llama-60m --optimizers meqmuon muon normuon \
+part step60 45 $PY benchmarks/step_time.py --device cuda --model llama-60m --optimizers meqmuon muon normuon \
   --cuda-graph ${SWITCHES:+--switches $SWITCHES} --repeats 9
 part step350 55 $PY benchmarks/step_time.py --device cuda --model llama-350m --optimizers meqmuon muon normuon \
   --cuda-graph ${SWITCHES:+--switches $SWITCHES} --repeats 7
-part warmup60 65 $PY benchmarks/gpu_diag_warmup.py --model llama-60m --cap 62
-part train60 30 bash -c "for a in '' '--cuda-graph'; do $PY benchmarks/gpu.py --model llama-60m --batch 16 \
+part warmup60 35 $PY benchmarks/gpu_diag_warmup.py --model llama-60m --cap 32
+part warmup350 50 $PY benchmarks/gpu_diag_warmup.py --model llama-350m --cap 47
+part train60 25 bash -c "for a in '' '--cuda-graph'; do $PY benchmarks/gpu.py --model llama-60m --batch 16 \
   --no-compile --steps 15 --warmup 3 --peak-tflops $PEAK --optimizer meqmuon \$a; done"
 echo "=== done $(date -u +%T)" >> "$log"
