@@ -151,6 +151,11 @@ class RoleOptimizer(Optimizer):
     computes its update and broadcasts it; with DTensor parameters (FSDP2) the work follows their
     mesh. The process group is an attribute, not a param-group entry, so
     ``state_dict()`` is the same as single-process and loads into any world size.
+
+    ``cuda_graph=True`` (every optimizer takes it): the batched step, eager or ``compile=True``, captured in a
+    CUDA graph after one eager step and replayed, with ``lr``, ``weight_decay``, ``momentum`` and AdamW's bias
+    corrections read from device tensors that each step refreshes (``cuda_graph.py``: what it keeps static,
+    what re-captures, what it refuses).
     """
 
     RULES: ClassVar[dict[str, str]] = {}
