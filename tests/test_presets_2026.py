@@ -9,6 +9,9 @@
   only differences are where the Newton-Schulz normalisation puts its 1e-7 (``max(||X||, 1e-7)`` here,
   ``||X|| + 1e-7`` upstream) and Aurora's and MuonH's EMA vs Moonlight momentum (a scalar the normalisations
   remove up to that epsilon).
+- **2 gloo ranks**: under DDP every preset equals one process (1e-6), per-tensor and batched; under FSDP2
+  the hidden rules (Muon+, Aurora, ``meqmuon-shape``) equal the unsharded optimizer (1e-6) and the stepping
+  rules (Muon-VS, MuonH) refuse the row shards with ``ValueError``.
 - **Every form** on tests/test_variants.py's model (a tall and a wide matrix sharing a stack, 3-D experts,
   a transposed stack, a split fused projection): per-tensor, batched, compiled and batched-compiled each equal
   the float64 per-matrix reference to 1e-5 (float32 model and Newton-Schulz).
@@ -24,7 +27,8 @@ from reference_2026 import aurora as aurora_ref
 from reference_2026 import muonh_levanter, muonplus_equations
 from reference_2026.muon_vs import muon_vs_step
 from references import inv, ns, rms_vec
-from test_variants import FORMS, SHAPES, _grad, _groups, _matrices, _tensors
+from test_distributed import _Holder, _spawn
+from test_variants import FORMS, FSDP_SHAPES, SHAPES, _fsdp_params, _grad, _groups, _matrices, _shard, _tensors
 from torch import nn
 
 import meqmuon
@@ -175,3 +179,79 @@ def test_registry_rows_of_the_2026_presets():
         entry = REGISTRY[name]
         assert entry.default_lr > 0 and entry.cls.RULES["hidden"] in RULES
     assert REGISTRY["aurora"].cls([nn.Parameter(torch.randn(4, 2))]).defaults["ns_steps"] == 12
+
+
+# ---- 2 gloo ranks: DDP (every preset) and FSDP2 (the hidden rules; the stepping rules refuse) ----------------
+
+
+def _run_preset(name, params, groups, foreach, grad=lambda i, step: _grad(i, step).float()):
+    opt = meqmuon.build_optimizer(name, groups, lr=LR, weight_decay=_wd(name), momentum=MU,
+                                  ns_dtype=torch.float32, foreach=foreach)
+    for step in range(STEPS):
+        for i, p in enumerate(params):
+            full = grad(i, step)
+            p.grad = full if not hasattr(p, "device_mesh") else _shard(full, p)
+        opt.step()
+
+
+def _ddp_worker(rank):
+    out = {}
+    for name in NAMES:
+        for foreach in (False, True):
+            params = _tensors()
+            _run_preset(name, params, _groups(params), foreach)
+            out[(name, foreach)] = [p.detach().clone() for p in params]
+    return out
+
+
+def test_every_preset_under_ddp_equals_one_process(tmp_path):
+    results = _spawn(_ddp_worker, tmp_path)
+    for name in NAMES:
+        for foreach in (False, True):
+            params = _tensors()
+            _run_preset(name, params, _groups(params), foreach)
+            for r, got in enumerate(results):
+                for i, (p, q) in enumerate(zip(got[(name, foreach)], params, strict=True)):
+                    assert torch.allclose(p, q.detach(), rtol=0, atol=1e-6), (name, foreach, r, i)
+
+
+def _fsdp_grad(i, step):
+    return torch.randn(FSDP_SHAPES[i], generator=torch.Generator().manual_seed(100 * step + i))
+
+
+def _fsdp_groups(params):
+    return [{"params": params, "kind": "hidden", "views": ["matrix"] * 3 + ["stacked"]}]
+
+
+def _fsdp_worker(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    for name in NAMES:
+        for foreach in (False, True):
+            holder = _Holder({"hidden": _fsdp_params()})
+            fully_shard(holder, mesh=mesh)
+            sharded = [getattr(holder, f"hidden_{i}") for i in range(len(FSDP_SHAPES))]
+            try:
+                _run_preset(name, sharded, _fsdp_groups(sharded), foreach, _fsdp_grad)
+            except ValueError as e:
+                out[(name, foreach)] = str(e)
+                continue
+            out[(name, foreach)] = [p.full_tensor().detach().clone() for p in sharded]
+    return out
+
+
+def test_hidden_presets_under_fsdp2_equal_unsharded_and_stepping_ones_refuse(tmp_path):
+    results = _spawn(_fsdp_worker, tmp_path)
+    for name in NAMES:
+        for foreach in (False, True):
+            params = _fsdp_params()
+            _run_preset(name, params, _fsdp_groups(params), foreach, _fsdp_grad)
+            for got in results:
+                if REGISTRY[name].cls.RULES["hidden"] in ("muon_vs", "muonh_hidden"):
+                    assert "row shard" in got[(name, foreach)]
+                    continue
+                for i, (p, q) in enumerate(zip(got[(name, foreach)], params, strict=True)):
+                    assert torch.allclose(p, q.detach(), rtol=0, atol=1e-6), (name, foreach, i)
