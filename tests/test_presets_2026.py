@@ -12,6 +12,7 @@
 - **2 gloo ranks**: under DDP every preset equals one process (1e-6), per-tensor and batched; under FSDP2
   the hidden rules (Muon+, Aurora, ``meqmuon-shape``) equal the unsharded optimizer (1e-6) and the stepping
   rules (Muon-VS, MuonH) refuse the row shards with ``ValueError``.
+- **Resume**: two steps, ``state_dict()`` into a fresh optimizer, one step equals three steps, bit for bit.
 - **Every form** on tests/test_variants.py's model (a tall and a wide matrix sharing a stack, 3-D experts,
   a transposed stack, a split fused projection): per-tensor, batched, compiled and batched-compiled each equal
   the float64 per-matrix reference to 1e-5 (float32 model and Newton-Schulz).
@@ -255,3 +256,30 @@ def test_hidden_presets_under_fsdp2_equal_unsharded_and_stepping_ones_refuse(tmp
                     continue
                 for i, (p, q) in enumerate(zip(got[(name, foreach)], params, strict=True)):
                     assert torch.allclose(p, q.detach(), rtol=0, atol=1e-6), (name, foreach, i)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_resumed_preset_continues_as_if_uninterrupted(name):
+    """``state_dict()`` holds each preset's whole state (Muon-VS's variance, Aurora's momentum, ...): two steps,
+    a fresh optimizer loaded from it, one more step equals three steps of one optimizer, bit for bit."""
+    def build(params):
+        return meqmuon.build_optimizer(name, _groups(params), lr=LR, weight_decay=_wd(name), ns_dtype=torch.float32)
+
+    def step(opt, params, k):
+        for i, p in enumerate(params):
+            p.grad = _grad(i, k).float()
+        opt.step()
+
+    straight = _tensors()
+    opt = build(straight)
+    for k in range(3):
+        step(opt, straight, k)
+    resumed = _tensors()
+    first = build(resumed)
+    for k in range(2):
+        step(first, resumed, k)
+    second = build(resumed)
+    second.load_state_dict(first.state_dict())
+    step(second, resumed, 2)
+    for p, q in zip(resumed, straight, strict=True):
+        assert torch.equal(p, q), (name, (p - q).abs().max().item())
