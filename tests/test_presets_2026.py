@@ -7,7 +7,7 @@
   transcribed to torch, ``aurora`` against tilde-research/aurora-release's vendored ``aurora`` and ``polar``,
   ``meqmuon-shape`` against the paper's eq. 7 with the shape's side (``references.py``). Tolerance 1e-9: the
   only differences are where the Newton-Schulz normalisation puts its 1e-7 (``max(||X||, 1e-7)`` here,
-  ``||X|| + 1e-7`` upstream) and Aurora's and MuonH's EMA vs Moonlight momentum (a scalar the normalisations
+  ``||X|| + 1e-7`` upstream) and Aurora's EMA momentum vs Moonlight's (a scalar the normalisations
   remove up to that epsilon).
 - **2 gloo ranks**: under DDP every preset equals one process (1e-6), per-tensor and batched; under FSDP2
   the hidden rules (Muon+, Aurora, ``meqmuon-shape``) equal the unsharded optimizer (1e-6) and the stepping
