@@ -29,7 +29,7 @@ PACKAGE = "meqmuon"
 #: Layers, lowest first; a module may import modules of its own layer or lower ones (not its own layer's if
 #: that closes a cycle, which the cycle count catches). Names are relative to ``meqmuon``.
 LAYERS: list[list[str]] = [
-    ["precision", "functional"],
+    ["precision", "orthogonalization", "functional"],
     ["optim.views", "optim.inputs", "optim.distributed", "optim.owners", "optim.groups", "optim.structure"],
     ["optim.calls", "optim.blockwise"],  # what a rule call is handed; the row-blocked passes of eq. 9
     ["optim.rule"],  # what a rule is: the elementwise and stepping protocols

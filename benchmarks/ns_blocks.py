@@ -5,7 +5,7 @@ Usage::
     PYTHONPATH=. python benchmarks/ns_blocks.py --threads 2
 
 For every distinct hidden-matrix shape of the paper's six models (plus the tiny CPU preset's), times
-``meqmuon.functional.ns_step`` in the NS dtype (``--dtype``, default ``auto``: bf16 where the CPU
+``meqmuon.orthogonalization.ns_step`` in the NS dtype (``--dtype``, default ``auto``: bf16 where the CPU
 runs it natively, float32 elsewhere; the table in docs/benchmarks.md is bf16) with
 ``SYMMETRIC_MIN`` set so that the block path is taken and so that it is not, interleaved, best of
 several rounds, and checks whether the two outputs are equal bit for bit. ``SYMMETRIC_MIN`` is chosen from this table.
@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import MODELS, model_shapes  # noqa: E402
 
-from meqmuon import functional as F  # noqa: E402
+from meqmuon import orthogonalization as F  # noqa: E402  (SYMMETRIC_MIN is read there)
 from meqmuon.precision import detect_cpu_capability, resolve_ns_dtype  # noqa: E402
 
 

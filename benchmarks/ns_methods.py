@@ -92,7 +92,7 @@ def measure(models: list[str], methods: list[str], repeats: int, steps: int, dty
             out = {}
             for r in range(repeats + 1):
                 for meth in methods if r % 2 else reversed(methods):
-                    fn = NS_METHODS[meth]
+                    fn = NS_METHODS[meth].function
                     if device == "cuda":
                         torch.cuda.synchronize()
                     t0 = time.perf_counter()

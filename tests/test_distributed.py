@@ -206,13 +206,13 @@ def test_process_group_none_without_distributed_is_single_process():
 
 def _ddp_worker(rank, name):
     ns_count = [0]
-    real_ns = NS.NS_METHODS["quintic"]
+    real_ns = NS.NS_METHODS["quintic"].function
 
     def count(x, *args, **kw):  # a stack (k, m, n), per matrix or batched: the one entry of the table
         ns_count[0] += x.shape[0]
         return real_ns(x, *args, **kw)
 
-    NS.NS_METHODS["quintic"] = count
+    NS.NS_METHODS["quintic"] = NS.NSMethod(count)
     equilibrated = []
     real_eq = B.equilibrate_step_
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from meqmuon import functional as F
+from meqmuon import orthogonalization
 
 DELTA = 1e-7
 
@@ -153,7 +154,7 @@ def test_orthogonalize_matches_eq3_in_float64(shape):
 @pytest.mark.parametrize("shape", [(12, 5), (5, 12), (9, 9), (8, 8)])
 def test_orthogonalize_with_symmetric_blocks_matches_eq3_in_float64(shape, monkeypatch):
     """The block-wise symmetric products (3 of 4 blocks, one mirrored) are still eq. 3, also for odd k."""
-    monkeypatch.setattr(F, "SYMMETRIC_MIN", 2)
+    monkeypatch.setattr(orthogonalization, "SYMMETRIC_MIN", 2)
     H = rand(*shape, seed=4)
     assert torch.allclose(F.orthogonalize(H, dtype=torch.float64), ref_ns(H), atol=1e-12)
 
@@ -166,7 +167,7 @@ def test_symmetric_blocks_on_bf16_match_the_plain_products(monkeypatch):
     H = rand(700, 600, seed=6).float()
     assert min(H.shape) >= F.SYMMETRIC_MIN
     blocked = F.orthogonalize(H)
-    monkeypatch.setattr(F, "SYMMETRIC_MIN", 10**9)
+    monkeypatch.setattr(orthogonalization, "SYMMETRIC_MIN", 10**9)
     plain = F.orthogonalize(H)
     assert torch.allclose(blocked.float(), plain.float(), atol=2e-2, rtol=0)
     # A wrong block (e.g. the mirror of the wrong corner) would be O(1) off, far outside bf16 rounding.

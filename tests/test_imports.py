@@ -38,8 +38,9 @@ def test_the_counter_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
 
 def test_the_form_is_chosen_in_two_places():
     """Issue 35: ``foreach`` is resolved once per param group (``RoleOptimizer._prepare``) and the function
-    that runs a call is picked by one chooser, ``RoleOptimizer.step`` (its ``FORMS`` table and a stepping rule's
-    own ``step``/``step_foreach``); nothing else in ``optim/`` looks a form up. Counted on the sources, as anyone
+    that runs a call is picked by one chooser, ``RoleOptimizer._run``, a phase of ``step`` (its ``FORMS`` table
+    and a stepping rule's own ``step``/``step_foreach``); nothing else in ``optim/`` looks a form up. Counted on
+    the sources, as anyone
     can with ``grep -n 'FORMS\\[\\|group.get("foreach")\\|step_foreach if' meqmuon/optim/*.py meqmuon/optim/*/*.py``."""
     import ast
     import re
@@ -55,4 +56,38 @@ def test_the_form_is_chosen_in_two_places():
                 if re.search(r'FORMS\[|group\.get\("foreach"\)|step_foreach if', body):
                     hits.append(f"{path.relative_to(root)}:{node.name}")
     # methods are FunctionDefs too, and nested functions are counted where they are defined
-    assert sorted(set(hits)) == ["engine.py:_prepare", "engine.py:step"], hits
+    assert sorted(set(hits)) == ["engine.py:_prepare", "engine.py:_run"], hits
+
+
+#: The bounds the package sets itself (the developers' brief; issue 46, item 10).
+MAX_FILE_LINES = 700
+MAX_FUNCTION_LINES = 80
+
+
+def _oversized(root: Path) -> list[str]:
+    """Every ``.py`` file under ``root`` over :data:`MAX_FILE_LINES` lines and every function (methods and
+    nested functions included, decorators and docstring counted) over :data:`MAX_FUNCTION_LINES`."""
+    import ast
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        if (n := len(text.splitlines())) > MAX_FILE_LINES:
+            found.append(f"{path.relative_to(root)}: {n} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                if (n := node.end_lineno - start + 1) > MAX_FUNCTION_LINES:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {node.name}: {n} lines")
+    return found
+
+
+def test_no_file_over_700_lines_and_no_function_over_80():
+    assert _oversized(Path(__file__).resolve().parents[1] / "meqmuon") == []
+
+
+def test_the_size_check_sees_a_long_file_and_a_long_function(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "long.py").write_text("def f():\n" + body + "\n" * (MAX_FILE_LINES - MAX_FUNCTION_LINES))
+    (tmp_path / "short.py").write_text("def g():\n" + body[: -len(f"    x{MAX_FUNCTION_LINES - 1} = 79\n")])
+    assert _oversized(tmp_path) == ["long.py: 701 lines", f"long.py:1 f: {MAX_FUNCTION_LINES + 1} lines"]

@@ -166,7 +166,7 @@ def test_gram_falls_back_to_the_quintic_on_square_matrices():
 @pytest.mark.parametrize("method", ["gram", "aol", "cubic"])
 def test_methods_per_matrix_equal_batched_and_write_out(method):
     x = _x((4, 12, 40), seed=2)
-    fn = NS_METHODS[method]
+    fn = NS_METHODS[method].function
     per = fn(x, 5, F.NS_COEFFICIENTS, torch.float64)
     out = torch.empty_like(per)
     assert fn(x.clone(), 5, F.NS_COEFFICIENTS, torch.float64, batched=True, inplace=True, out=out) is out
@@ -247,3 +247,40 @@ def test_batched_op_counts_are_flat_in_depth(method):
     shapes = model_shapes("llama-60m")
     counts = [count_step_ops("meqmuon", deepen(shapes, d), True, ns_method=method).total for d in (1, 3)]
     assert counts[0] == counts[1], counts
+
+
+# ---- one record per method: its FLOPs are what balancing reads (issue 46, item 10) ----------------
+
+
+@pytest.mark.parametrize("method", list(NS_METHODS))
+@pytest.mark.parametrize("shape", [(12, 40), (40, 12), (16, 16)])
+@pytest.mark.parametrize("batched", [False, True])
+def test_each_method_record_counts_the_flops_its_function_runs(method, shape, batched):
+    """A record's ``flops`` equals the matmul FLOPs torch's own ``FlopCounterMode`` counts when the record's
+    function runs (5 steps, the default coefficients: cubic5 for ``"cubic"``)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    record = NS_METHODS[method]
+    x = _x((1, *shape), seed=5)
+    with FlopCounterMode(display=False) as counter:
+        record.function(x, 5, F.NS_COEFFICIENTS, torch.float64, batched=batched)
+    assert counter.get_total_flops() == record.flops(*shape, 5), (method, shape)
+
+
+@pytest.mark.parametrize("method", ["gram", "aol", "cubic"])
+def test_owners_are_balanced_by_the_running_method_flops(method):
+    """``driver.cost`` (what DDP owners, bucket slices and the owner path balance by) reads the group's
+    ``ns_method``'s record, not the quintic's: with ``ns_method="cubic"`` a hidden matrix costs cubic5's
+    FLOPs (10 matmuls of ``2 a^2 b``), with the quintic 5 * (4 a^2 b + 2 a^3)."""
+    from meqmuon.optim import driver
+    from meqmuon.optim.newton_schulz import ns_flops
+
+    w = torch.nn.Parameter(torch.zeros(24, 64))
+    opt = meqmuon.Muon([{"params": [w], "kind": "hidden"}], ns_method=method, ns_dtype=torch.float64)
+    group = opt.param_groups[0]
+    rule = opt._rules["hidden"]
+    elementwise = driver.ELEMENTWISE_COST * w.numel()
+    assert driver.cost(rule, w.shape, group) == NS_METHODS[method].flops(24, 64, 5) + elementwise
+    assert NS_METHODS[method].flops(24, 64, 5) != ns_flops(24, 64, 5)
+    if method == "cubic":
+        assert driver.cost(rule, w.shape, group) == 5 * 4 * 24 * 24 * 64 + elementwise

@@ -111,16 +111,18 @@ def test_the_capability_can_be_replaced_for_running_as_another_cpu(monkeypatch):
 def _ns_dtypes_used(opt_cls, monkeypatch, **kw):
     """The dtype each Newton-Schulz call computed in, recorded from the quintic's entry of the table of
     Newton-Schulz methods (``optim/newton_schulz.py``), which the step looks up."""
+    import dataclasses
+
     from meqmuon.optim.newton_schulz import NS_METHODS
 
     seen = []
-    real = NS_METHODS["quintic"]
+    real = NS_METHODS["quintic"].function
 
     def spy(x, steps, coefficients, dtype, *a, **k):
         seen.append(dtype)
         return real(x, steps, coefficients, dtype, *a, **k)
 
-    monkeypatch.setitem(NS_METHODS, "quintic", spy)
+    monkeypatch.setitem(NS_METHODS, "quintic", dataclasses.replace(NS_METHODS["quintic"], function=spy))
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(12, 8))
     opt = opt_cls([{"params": [w], "kind": "hidden"}], lr=1e-2, **kw)

@@ -1,4 +1,5 @@
-"""Every command of the README's "Commands" table runs, as written, at tiny scale.
+"""Every command of the README's "Commands" table runs, as written, at tiny scale; the README stays short,
+starts with CI's own test command, and every link in it and in docs/ reaches a file and a heading.
 
 The commands are read from README.md itself (so a new row without a tiny form here fails), in the
 table's order, in a fresh working directory, as a new user would type them after the demo. Only the
@@ -110,3 +111,49 @@ def test_every_readme_command_runs_at_tiny_scale(tmp_path, monkeypatch, capsys):
     assert (captured / "imbalance.md").is_file() and (captured / "ns_trajectory_layer3_step1.png").is_file()
     assert (tmp_path / "run1" / "selection.md").is_file() and (tmp_path / "ablation" / "ablation.md").is_file()
     assert json.loads((tmp_path / "prepared" / "manifest.json").read_text())["complete"] is True
+
+
+#: Issue 46: a README a newcomer reads in two minutes.
+README_MAX_LINES = 180
+
+
+def test_readme_is_short_and_runs_ci_own_test_command():
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines()
+          if line and not line.startswith(("#", "set ", "cd "))]
+    assert len(ci) == 1 and ci[0].endswith("python3 -m pytest -q"), ci
+    # the README's first code block is the set-up: a venv, the demo, then CI's test command verbatim
+    first = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    assert [line.split("#")[0].strip() for line in first.splitlines()][1:] == [
+        "./scripts/install.sh train && meqmuon compare", ci[0]]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_reach_a_file_and_a_heading():
+    """Every relative link of the README and of docs/ names a file of the repository, and its ``#anchor`` a
+    heading there."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    checked = 0
+    for page in pages:
+        for link in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if link.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = link.partition("#")
+            target = page.parent / path if path else page
+            assert target.exists(), (page.name, link)
+            if anchor and target.is_file():
+                headings = [line.lstrip("#") for line in target.read_text().splitlines() if line.startswith("#")]
+                assert anchor in {_slug(h) for h in headings}, (page.name, link)
+            checked += 1
+    assert checked > 20
+
+
+def test_slug_is_githubs():
+    assert _slug(" The demo: `meqmuon compare` wall time and losses") == "the-demo-meqmuon-compare-wall-time-and-losses"
+    assert _slug(" Training at scale: DDP, `--fsdp`, `--tp N`") == "training-at-scale-ddp---fsdp---tp-n"
+    assert _slug(" GPU (`benchmarks/gpu.py`)") == "gpu-benchmarksgpupy"

@@ -285,7 +285,7 @@ def test_ns_method_is_looked_up_in_the_table_in_every_form(form, monkeypatch):
     def tripled(X, *args, **kw):
         return F.orthogonalize(X, *args, **kw) * 3
 
-    monkeypatch.setitem(NS.NS_METHODS, "tripled", tripled)
+    monkeypatch.setitem(NS.NS_METHODS, "tripled", NS.NSMethod(tripled))
     params = _tensors()
     opt = meqmuon.Muon(_scaled_groups(params, None), lr=LR, weight_decay=WD, momentum=MU, ns_dtype=torch.float32,
                        rules={"hidden": Scaled()}, ns_method="tripled", **FORMS[form])

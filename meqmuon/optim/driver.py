@@ -47,7 +47,7 @@ from ..precision import resolve_ns_dtype
 from .calls import Item, StepContext, state_dtype
 from .distributed import state_like
 from .inputs import float_dtype, positive_int
-from .newton_schulz import NS_METHODS, NS_SCHEDULES, ns_flops
+from .newton_schulz import NS_METHODS, method_flops
 from .rule import MomentumBase, MomentumRule, Rule, SteppingRule
 from .sharded import Orth, hidden_at_owners
 from .views import Layout
@@ -120,14 +120,13 @@ class HiddenRule(MomentumBase):
 
     def validate(self, group: dict) -> None:
         """``ns_steps`` an integer >= 1, ``ns_dtype`` a floating dtype or ``None``, ``ns_method`` a name of
-        :data:`NS_METHODS`, ``ns_coefficients`` a form its schedule takes (:data:`NS_SCHEDULES`, else
-        :func:`F.ns_schedule`)."""
+        :data:`NS_METHODS`, ``ns_coefficients`` a form its schedule takes (the method's ``schedule``)."""
         positive_int("ns_steps", group["ns_steps"])
         float_dtype("ns_dtype", group["ns_dtype"])
         if group["ns_method"] not in NS_METHODS:
             raise ValueError(f"Invalid ns_method: {group['ns_method']!r} (known methods: {', '.join(NS_METHODS)})")
         # the method's reading of ns_coefficients and ns_steps; raises ValueError naming the valid forms
-        NS_SCHEDULES.get(group["ns_method"], F.ns_schedule)(group["ns_coefficients"], group["ns_steps"])
+        NS_METHODS[group["ns_method"]].schedule(group["ns_coefficients"], group["ns_steps"])
 
 
 # ---- what the driver reads of a rule -------------------------------------------------------------
@@ -154,11 +153,12 @@ def _splits(rule: Rule) -> bool:
 
 
 def cost(rule: Rule, shape: Sequence[int], group: dict) -> float:
-    """Estimated cost of one parameter's update, for balancing owners: Newton-Schulz FLOPs (hidden rules)
-    plus :data:`ELEMENTWISE_COST` per element (every momentum rule); a stepping rule's, its size."""
+    """Estimated cost of one parameter's update, for balancing owners: the FLOPs of the group's Newton-Schulz
+    method (hidden rules; :func:`method_flops`, the method's own record) plus :data:`ELEMENTWISE_COST` per
+    element (every momentum rule); a stepping rule's, its size."""
     if isinstance(rule, SteppingRule):
         return float(math.prod(shape))
-    ns = ns_flops(*matrix_shape(shape), group["ns_steps"]) if isinstance(rule, HiddenRule) else 0
+    ns = method_flops(group, *matrix_shape(shape)) if isinstance(rule, HiddenRule) else 0
     return ns + ELEMENTWISE_COST * math.prod(shape)
 
 
@@ -280,7 +280,7 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
     ``HiddenRule`` ``rule`` and the ``StepContext`` ``ctx`` of its call.
 
     Per stack ``X`` ``(K, m, n)``: ``Y = rule.pre(X)`` (skipped where the rule keeps the default, the
-    identity), ``U = NS_METHODS[group["ns_method"]](Y)`` in the Newton-Schulz dtype, then once for all
+    identity), ``U = NS_METHODS[group["ns_method"]].function(Y)`` in the Newton-Schulz dtype, then once for all
     stacks ``D = rule.post_all(U)``.
 
     ``pre`` and ``post`` see each side of a stack (members as they are, members transposed) in its own
@@ -315,7 +315,7 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
             ys = [y.mT if flip else y for y, (_, flip) in zip(ys, sides, strict=True)]
             X = torch.cat(ys) if len(ys) > 1 else ys[0]
         dt = ns_dtype or resolve_dtype(group, X, ctx)
-        orthogonalize = NS_METHODS[group["ns_method"]]  # the one look-up of the method
+        orthogonalize = NS_METHODS[group["ns_method"]].function  # the one look-up of the method
         if batched:
             U = orthogonalize(X, group["ns_steps"], group["ns_coefficients"], dt, batched=True, inplace=True)
         else:

@@ -37,7 +37,8 @@ from .rules import RULES
 from .views import Layout, group_layout, normalise_group_views
 
 #: The forms of a momentum rule's step by ``(foreach, compile)``, one signature (a sequence of rule calls),
-#: picked in :meth:`RoleOptimizer.step`: ``driver.py``'s eager two and ``compiled.py``'s two with graphs.
+#: picked in :meth:`RoleOptimizer._run` (a phase of ``step``): ``driver.py``'s eager two and ``compiled.py``'s
+#: two with graphs.
 FORMS: dict[tuple[bool, bool], Callable[[list[driver.Call]], None]] = {
     (False, False): driver.per_tensor,
     (True, False): driver.batched,
@@ -434,9 +435,11 @@ class RoleOptimizer(Optimizer):
     def step(self, closure=None):  # noqa: D401 - torch signature
         """Perform one optimisation step (no host-device synchronisation).
 
-        Collects the step's rule calls (per-tensor groups one call each; batched groups with the same rule
-        and hyperparameters merged into one) and runs each in its form: the one place a form is chosen,
-        as torch's ``adam()`` picks among its siblings (``_prepare`` resolves ``foreach`` once). A
+        Three phases: the owner path's whole tensors gathered at their owners (:meth:`_gather_at_owners`);
+        the step's rule calls collected (:meth:`_calls`: per-tensor groups one call each; batched groups with
+        the same rule and hyperparameters merged into one) and run each in its form (:meth:`_run`, the one
+        place a form is chosen, as torch's ``adam()`` picks among its siblings; ``_prepare`` resolves
+        ``foreach`` once); the owners' new parameters and state scattered back to every rank's pieces. A
         :class:`SteppingRule` (AdamW, SCALE) runs its own ``step`` or ``step_foreach`` (eagerly, whatever
         ``compile``); the momentum rules run in :data:`FORMS` ``[foreach, compile]``, except that a hidden
         rule's FSDP2 row shards take the batched form whatever ``foreach``: their whole matrices meet at
@@ -460,40 +463,60 @@ class RoleOptimizer(Optimizer):
         # One splitter for all plain-tensor groups of the step, so that DDP owner loads balance across
         # groups (the embedding and the head land on different ranks).
         replicated = self._local if self._process_group is None else replicated_splitter(self._process_group)
-        # Batched calls: plain-tensor groups with the same rule and the same hyperparameter values (the
-        # embedding and head groups, say) are one call, so that they share shape buckets.
-        batched: dict[tuple, tuple[Rule, dict, list[Item], LocalSplit, str]] = {}
-        single: list[driver.Call] = []  # the per-tensor groups' calls (foreach=False), in group order
         plan = self._plan()
-        moved = [] if self._owners is None else self._gather_at_owners()
+        moved = [] if self._owners is None else self._gather_at_owners()  # gather: whole tensors at owners
+        self._run(*self._calls(plan, replicated))  # compute: every rule call in its form
+        if replicated is not self._local:
+            replicated.finish()  # wait for the owners' broadcasts (DDP)
+        if self._owners is not None:
+            self._owners.scatter(moved)  # scatter: every rank's pieces of the owners' new parameters and state
+        for (_, entries, _, _), owned in zip(plan, self._owned, strict=True):
+            for e in [*entries, *(e for _, _, e in owned if e is not None)]:
+                if e.item is not None:  # a kept item must not keep its gradient alive past zero_grad()
+                    e.item.grad = None
+        return loss
+
+    def _items_by_rule(self, entries: list[_Entry], owned: list) -> dict[tuple[Rule, str], list[Item]]:
+        """A group's items with a gradient, by rule and where they step: ``"split"`` (the group's splitter),
+        ``"local"`` (whole local matrices of shards) or ``"owner"`` (the owner path's whole tensors, this
+        rank's own, gathered before); counts the steps of the first two (the owner path's are counted at
+        the gather)."""
+        by_rule: dict[tuple[Rule, str], list[Item]] = {}
+        for e in entries:
+            g = e.param.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients ({e.name})")
+            e.state["step"] += 1
+            if e.item is not None:
+                e.item.grad = g
+                by_rule.setdefault((e.rule, "split"), []).append(e.item)
+            else:
+                by_rule.setdefault((e.rule, "local" if e.local else "split"), []).extend(e.items(g))
+        for index, p, e in owned:
+            if e is None or p.grad is None:
+                continue
+            e.state["step"] = self.state[p]["step"]
+            grad = self._owners.owned[index].whole_grad
+            if e.item is not None:
+                e.item.grad = grad
+                by_rule.setdefault((e.rule, "owner"), []).append(e.item)
+            else:
+                by_rule.setdefault((e.rule, "owner"), []).extend(e.items(grad))
+        return by_rule
+
+    def _calls(self, plan: list, replicated: LocalSplit) -> tuple[list[driver.Call], list[driver.Call]]:
+        """The step's rule calls: the per-tensor groups' (``foreach=False``), one per group and rule, in group
+        order; and the batched ones, where plain-tensor groups with the same rule and the same hyperparameter
+        values (the embedding and head groups, say) are one call, so that they share shape buckets."""
+        batched: dict[tuple, tuple[Rule, dict, list[Item], LocalSplit, str]] = {}
+        single: list[driver.Call] = []
         for (group, entries, group_split, batched_group), owned in zip(plan, self._owned, strict=True):
             if any(isinstance(group.get(k), torch.Tensor) for k in FLOAT_KEYS) or any(
                     isinstance(b, torch.Tensor) for b in group.get("betas", ())):
                 group = with_floats(group)
-            by_rule: dict[tuple[Rule, bool], list[Item]] = {}
-            for e in entries:  # the items with a gradient, by rule and whether whole local matrices of shards
-                g = e.param.grad
-                if g is None:
-                    continue
-                if g.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients ({e.name})")
-                e.state["step"] += 1
-                if e.item is not None:
-                    e.item.grad = g
-                    by_rule.setdefault((e.rule, "split"), []).append(e.item)
-                else:
-                    by_rule.setdefault((e.rule, "local" if e.local else "split"), []).extend(e.items(g))
-            for index, p, e in owned:  # the owner path: whole tensors, this rank's own (gathered above)
-                if e is None or p.grad is None:
-                    continue
-                e.state["step"] = self.state[p]["step"]
-                grad = self._owners.owned[index].whole_grad
-                if e.item is not None:
-                    e.item.grad = grad
-                    by_rule.setdefault((e.rule, "owner"), []).append(e.item)
-                else:
-                    by_rule.setdefault((e.rule, "owner"), []).extend(e.items(grad))
-            for (rule, mode), items in by_rule.items():
+            for (rule, mode), items in self._items_by_rule(entries, owned).items():
                 # Whole local matrices of a sharded stack (FSDP2 experts) need no other rank.
                 split = (LocalSplit() if mode == "local" else self._owner_split if mode == "owner"
                          else group_split or replicated)
@@ -508,7 +531,12 @@ class RoleOptimizer(Optimizer):
                 batched.setdefault(key, (rule, group, [], split, kind))[2].extend(items)
         merged = [(rule, items, group, self._context(len(single) + i, kind, split))
                   for i, (rule, group, items, split, kind) in enumerate(batched.values())]
-        for foreach, calls in ((False, single), (True, merged)):  # the chooser
+        return single, merged
+
+    def _run(self, single: list[driver.Call], merged: list[driver.Call]) -> None:
+        """Run each call in its form: the chooser (stepping rules their own ``step``/``step_foreach``; the
+        momentum rules :data:`FORMS`; a hidden rule's FSDP2 row shards the batched form)."""
+        for foreach, calls in ((False, single), (True, merged)):
             momentum, at_owners = [], []
             for call in calls:
                 rule = call[0]
@@ -522,15 +550,6 @@ class RoleOptimizer(Optimizer):
                 FORMS[foreach, self._compile](momentum)
             if at_owners:
                 FORMS[True, self._compile](at_owners)
-        if replicated is not self._local:
-            replicated.finish()  # wait for the owners' broadcasts (DDP)
-        if self._owners is not None:
-            self._owners.scatter(moved)  # every rank's pieces of the owners' new parameters and state
-        for (_, entries, _, _), owned in zip(plan, self._owned, strict=True):
-            for e in [*entries, *(e for _, _, e in owned if e is not None)]:
-                if e.item is not None:  # a kept item must not keep its gradient alive past zero_grad()
-                    e.item.grad = None
-        return loss
 
     # torch._disable_dynamo (torch.optim's own tool) imports dynamo at the first traced call only:
     # torch.compiler.disable as a decorator would add its ~1 s import to `import meqmuon`.

@@ -1,11 +1,13 @@
 """Every DTensor layout: whole parameters at owner ranks, the single-process step there.
 
-FSDP2's and HSDP's row shards of whole matrices take the fast path of ``sharded.py`` (only the
-Newton-Schulz inputs travel). Every other layout that torch's parallel APIs give a transformer --
-tensor parallelism's ``Shard(0)`` (colwise) and ``Shard(1)`` (rowwise) on a TP mesh, FSDP2 over TP on a
-2-D mesh (``(_StridedShard(0, sf), Shard(0))``, ``(Shard(0), Shard(1))``, ``(Shard(0), Replicate())``),
-vocabulary-parallel embeddings and heads, and FSDP2 row shards of matrices whose view needs rows of
-several shards (a fused projection's split, ``Conv1D``'s transpose, folded experts) -- goes here:
+Row shards of whole matrices take the fast path of ``sharded.py`` (only the Newton-Schulz inputs travel):
+FSDP2's ``(Shard(0),)``, HSDP's ``(Replicate(), Shard(0))``, and so also tensor parallelism's colwise
+``Shard(0)`` and vocabulary-parallel embeddings and heads on a 1-D TP mesh, whose placements are the same
+(``distributed.SHARDED_LAYOUTS``; rows are rows, whatever mesh made them). Every other layout that torch's
+parallel APIs give a transformer -- tensor parallelism's rowwise ``Shard(1)``, FSDP2 over TP on a 2-D mesh
+(``(_StridedShard(0, sf), Shard(0))``, ``(Shard(0), Shard(1))``, ``(Shard(0), Replicate())``), and row
+shards of matrices whose view needs rows of several shards (a fused projection's split, ``Conv1D``'s
+transpose, folded experts) -- goes here:
 
 1. each parameter has one owner rank (longest-first by Newton-Schulz cost, fixed when the step is
    planned, identical on every rank: :func:`distributed.assign_owners`);

@@ -35,7 +35,48 @@ __all__ = ["ADAMW_BETAS", "ADAMW_EPS", "MOMENTUM", "RHO", "WEIGHT_DECAY", "MeqMu
            "MuonEqR", "MuonEqRC", "MuonOnlyEmbedding", "MuonOnlyHidden", "MuonOnlyVector", "NorMuon", "Scale"]
 
 
-class MeqMuon(RoleOptimizer):
+class _NewtonSchulzOptimizer(RoleOptimizer):
+    """The constructor of the optimizers whose hidden rule runs Newton-Schulz (:class:`MeqMuon`, :class:`Muon`
+    and its subclasses): the one signature, and so the one home of each keyword's default, that ``help()``
+    shows for each of them; its arguments are documented in :class:`MeqMuon`. A kind's rule may take more
+    keywords (``**hyperparameters``, with the defaults its ``defaults`` declares): AdamW's ``betas`` and
+    ``eps`` for :class:`Muon`, NorMuon's ``beta2``, ``ns_method``."""
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        weight_decay: float = WEIGHT_DECAY,
+        momentum: float = MOMENTUM,
+        nesterov: bool = True,
+        rho: float = RHO,
+        ns_steps: int = NS_STEPS,
+        ns_coefficients: Coefficients = NS_COEFFICIENTS,
+        ns_dtype: torch.dtype | None = None,
+        state_dtype: torch.dtype | None = None,
+        foreach: bool | None = None,
+        process_group: Any = None,
+        compile: bool = False,
+        rules: dict[str, Any] | None = None,
+        **hyperparameters: Any,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            rho=rho,
+            ns_steps=ns_steps,
+            ns_coefficients=canonical_coefficients(ns_coefficients),
+            ns_dtype=ns_dtype,
+            state_dtype=state_dtype,
+            foreach=foreach,
+        )
+        super().__init__(params, defaults, process_group=process_group, compile=compile, rules=rules,
+                         **hyperparameters)
+
+
+class MeqMuon(_NewtonSchulzOptimizer):
     r"""MeqMuon: Matrix-Equilibrating Muon (Shi, Wang, Li; paper Algorithm 1).
 
     One momentum buffer per parameter, no second moments. For every parameter
@@ -100,41 +141,8 @@ class MeqMuon(RoleOptimizer):
 
     RULES = {"hidden": "meq_hidden", "embedding": "equilibrate", "head": "equilibrate", "vector": "rms_normalize"}
 
-    def __init__(
-        self,
-        params: Any,
-        lr: float = 1e-3,
-        weight_decay: float = WEIGHT_DECAY,
-        momentum: float = MOMENTUM,
-        nesterov: bool = True,
-        rho: float = RHO,
-        ns_steps: int = NS_STEPS,
-        ns_coefficients: Coefficients = NS_COEFFICIENTS,
-        ns_dtype: torch.dtype | None = None,
-        state_dtype: torch.dtype | None = None,
-        foreach: bool | None = None,
-        process_group: Any = None,
-        compile: bool = False,
-        rules: dict[str, Any] | None = None,
-        **hyperparameters: Any,
-    ) -> None:
-        defaults = dict(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            rho=rho,
-            ns_steps=ns_steps,
-            ns_coefficients=canonical_coefficients(ns_coefficients),
-            ns_dtype=ns_dtype,
-            state_dtype=state_dtype,
-            foreach=foreach,
-        )
-        super().__init__(params, defaults, process_group=process_group, compile=compile, rules=rules,
-                         **hyperparameters)
 
-
-class Muon(RoleOptimizer):
+class Muon(_NewtonSchulzOptimizer):
     r"""Muon in Moonlight's form (Liu et al. 2025, paper eq. 2), with AdamW for the other kinds.
 
     Follows MoonshotAI/Moonlight c2ad5b2 ``examples/toy_train.py``:
@@ -152,49 +160,14 @@ class Muon(RoleOptimizer):
     Identical in exact arithmetic to ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`` plus
     ``torch.optim.AdamW(betas=(0.9, 0.95))`` on the other parameters (tested).
 
-    ``compile``, ``rules`` (e.g. ``rules={"hidden": MyVariant()}``, a :class:`meqmuon.HiddenRule`),
+    :class:`MeqMuon`'s keywords (one signature, ``_NewtonSchulzOptimizer``), and AdamW's own: ``betas``
+    (default ``(0.9, 0.95)``) and ``eps`` (``1e-8``), keywords of the AdamW rule (``AdamW.defaults``, their one
+    home). ``compile``, ``rules`` (e.g. ``rules={"hidden": MyVariant()}``, a :class:`meqmuon.HiddenRule`),
     ``foreach``, ``state_dtype``, ``process_group``, ``ns_method`` and the rules' own hyperparameters
     (``**hyperparameters``): as in :class:`MeqMuon`, for every optimizer here.
     """
 
     RULES = {"hidden": "moonlight_hidden", "embedding": "adamw", "head": "adamw", "vector": "adamw"}
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float = 1e-3,
-        weight_decay: float = WEIGHT_DECAY,
-        momentum: float = MOMENTUM,
-        nesterov: bool = True,
-        rho: float = RHO,
-        ns_steps: int = NS_STEPS,
-        ns_coefficients: Coefficients = NS_COEFFICIENTS,
-        ns_dtype: torch.dtype | None = None,
-        betas: tuple[float, float] = ADAMW_BETAS,
-        eps: float = ADAMW_EPS,
-        state_dtype: torch.dtype | None = None,
-        foreach: bool | None = None,
-        process_group: Any = None,
-        compile: bool = False,
-        rules: dict[str, Any] | None = None,
-        **hyperparameters: Any,
-    ) -> None:
-        defaults = dict(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            rho=rho,
-            ns_steps=ns_steps,
-            ns_coefficients=canonical_coefficients(ns_coefficients),
-            ns_dtype=ns_dtype,
-            betas=tuple(betas),
-            eps=eps,
-            state_dtype=state_dtype,
-            foreach=foreach,
-        )
-        super().__init__(params, defaults, process_group=process_group, compile=compile, rules=rules,
-                         **hyperparameters)
 
 
 class NorMuon(Muon):

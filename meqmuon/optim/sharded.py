@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .calls import StepContext
-from .newton_schulz import batched_ns, ns_flops
+from .newton_schulz import batched_ns, method_flops
 from .rule import MomentumBase
 
 __all__ = ["Orth", "hidden_at_owners"]
@@ -53,7 +53,7 @@ def hidden_at_owners(rule: MomentumBase, X: Tensor, state: dict[str, Tensor], m:
         return torch.cat([D[0].reshape(j, m, n).to(out_dtype), *columns(st, j, m, out_dtype)], dim=-1)
 
     send = torch.cat([X.to(dtype), *columns(state, k, rows, dtype)], dim=-1)
-    back = ctx.split.at_owners(send, whole, m, n + len(keys), out_dtype, ns_flops(m, n, group["ns_steps"]))
+    back = ctx.split.at_owners(send, whole, m, n + len(keys), out_dtype, method_flops(group, m, n))
     for i, (key, row) in enumerate(zip(keys, per_row, strict=True)):
         state[key].copy_(_column(back[:, :rows] if row else back, n + i, row, state[key].dtype))
     return [back[:, :rows, :n]]
