@@ -40,7 +40,7 @@ def aurora_input(X: Tensor, group: dict) -> Tensor:
     M, N = T.shape[-2:]
     G = T.to(torch.promote_types(T.dtype, torch.float32))
     D = 1.0 / torch.linalg.vector_norm(G, dim=-1, keepdim=True).clamp(min=AURORA_EPS)
-    polar = NS_METHODS[group["ns_method"]]
+    polar = NS_METHODS[group["ns_method"]].function
     dtype = resolve_ns_dtype(group["ns_dtype"], G.device)
     for _ in range(group["pp_iterations"] - 1):
         U = polar(D * G, group["ns_steps"], group["ns_coefficients"], dtype, batched=True)

@@ -64,8 +64,8 @@ class _MatrixSteppingRule(SteppingRule):
     def orth(X: Tensor, group: dict) -> Tensor:
         """``Orth`` of a stack ``(K, m, n)`` by the group's Newton-Schulz method, steps, coefficients and dtype."""
         dtype = resolve_ns_dtype(group["ns_dtype"], X.device)
-        return NS_METHODS[group["ns_method"]](X, group["ns_steps"], group["ns_coefficients"], dtype,
-                                              batched=batched_ns(X.device))
+        return NS_METHODS[group["ns_method"]].function(X, group["ns_steps"], group["ns_coefficients"], dtype,
+                                                       batched=batched_ns(X.device))
 
     @staticmethod
     def matrices(tensors: Sequence[Tensor]) -> list[Tensor]:
