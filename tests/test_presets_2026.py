@@ -20,16 +20,18 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
+from capabilities import FORM_KWARGS, reference_cases
 from reference_2026 import aurora as aurora_ref
 from reference_2026 import muonh_levanter, muonplus_equations
 from reference_2026.muon_vs import muon_vs_step
 from references import inv, ns, rms_vec
 from test_distributed import _Holder, _spawn
-from test_variants import FORMS, FSDP_SHAPES, SHAPES, _fsdp_params, _grad, _groups, _matrices, _shard, _tensors
+from test_variants import FSDP_SHAPES, SHAPES, _fsdp_params, _grad, _groups, _matrices, _shard, _tensors
 from torch import nn
 
 import meqmuon
@@ -53,27 +55,28 @@ def _shape_dir(U: torch.Tensor) -> torch.Tensor:
 class _Reference:
     """One preset's official update, matrix by matrix, in place on float64 views ``W``."""
 
-    def __init__(self, name: str, mats: list[torch.Tensor], wd: float, **kw) -> None:
-        self.name, self.wd, self.kw = name, wd, kw
+    def __init__(self, name: str, mats: list[torch.Tensor], wd: float, nesterov: bool = True, **kw) -> None:
+        self.name, self.wd, self.nesterov, self.kw = name, wd, nesterov, kw
         self.bufs = [torch.zeros_like(W) for W in mats]
         self.states = [{} for _ in mats]
 
     def step(self, mats: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         for W, G, b, st in zip(mats, grads, self.bufs, self.states, strict=True):
             if self.name == "muon-plus":
-                muonplus_equations.muonplus_step(W, G, b, LR, self.wd, self.kw.get("norm_mode", "row_col"))
+                muonplus_equations.muonplus_step(W, G, b, LR, self.wd, self.kw.get("norm_mode", "row_col"),
+                                                 nesterov=self.nesterov)
             elif self.name == "muon-vs":
                 muon_vs_step(W, G.clone(), st, {"eps": 1e-8, "momentum": MU, "lr": LR, "weight_decay": self.wd,
                                                  "ns_steps": 5})
             elif self.name == "muonh":
-                new, buf = muonh_levanter.muonh_update(W, G, b, momentum=MU, learning_rate=LR)
+                new, buf = muonh_levanter.muonh_update(W, G, b, momentum=MU, nesterov=self.nesterov, learning_rate=LR)
                 W.copy_(new)
                 b.copy_(buf)
             elif self.name == "aurora":
-                aurora_ref.aurora(W, G.clone(), b, eta=LR, weight_decay=self.wd, mu=MU)
+                aurora_ref.aurora(W, G.clone(), b, eta=LR, weight_decay=self.wd, mu=MU, nesterov=self.nesterov)
             else:  # meqmuon-shape: B <- mu B + G, X = G + mu B, D = rho N_side(Orth(X)), W <- (1 - lr wd) W - lr D
                 b.mul_(MU).add_(G)
-                W.mul_(1 - LR * self.wd).sub_(LR * _shape_dir(ns(G + MU * b)))
+                W.mul_(1 - LR * self.wd).sub_(LR * _shape_dir(ns(G + MU * b if self.nesterov else b)))
 
 
 def _wd(name: str) -> float:
@@ -119,18 +122,28 @@ def test_muon_plus_every_norm_mode_equals_upstream(mode):
         assert torch.allclose(p.detach(), W, rtol=0, atol=1e-9), (mode, (p - W).abs().max().item())
 
 
-@pytest.mark.parametrize("form", list(FORMS))
-@pytest.mark.parametrize("name", NAMES)
-def test_preset_in_every_form_on_views_equals_its_reference(name, form, monkeypatch):
+#: This file is the 2026 presets' rule family (tests/test_capabilities.py): every preset in every step form,
+#: with and without Nesterov (compiled forms: with), against its float64 reference.
+CASES = reference_cases(*NAMES)
+
+
+@pytest.mark.parametrize("name, nesterov, form", CASES)
+def test_matches_float64_reference(name, nesterov, form, monkeypatch):
+    """Every form on test_variants.py's model (views of every kind) equals the preset's float64 reference."""
     from meqmuon.optim import compiled as C
 
     monkeypatch.setattr(C, "BACKEND", "eager")  # dynamo traces the driver's body with the rule inside
     params = _tensors()
-    opt = meqmuon.build_optimizer(name, _groups(params), lr=LR, weight_decay=_wd(name), momentum=MU,
-                                  ns_dtype=torch.float32, **FORMS[form])
+    build = functools.partial(meqmuon.build_optimizer, name, _groups(params), lr=LR, weight_decay=_wd(name),
+                              momentum=MU, nesterov=nesterov, ns_dtype=torch.float32, **FORM_KWARGS[form])
+    if name == "muon-vs" and not nesterov:  # upstream has no other input: refused, not ignored
+        with pytest.raises(ValueError, match="nesterov"):
+            build()
+        return
+    opt = build()
     ref_params = [p.detach().double() for p in _tensors()]
     mats = [m for i, p in enumerate(ref_params) for m in _matrices(p, i)]
-    ref = _Reference(name, mats, _wd(name))
+    ref = _Reference(name, mats, _wd(name), nesterov)
     for step in range(STEPS):
         for i, p in enumerate(params):
             p.grad = _grad(i, step).float()

@@ -86,8 +86,8 @@ class MuonVS(_MatrixSteppingRule):
     ``M`` is upstream's EMA (``momentum_buffer``), ``V`` its ``variance_buffer``; ``eps`` is ``vs_eps``
     (1e-8; named apart from AdamW's ``eps``). The step multiplier is Moonlight's (upstream's
     ``adjust_lr_for_muon(lr, 0.2, shape)``), so Muon-VS shares Muon's lr grid. Upstream ignores its
-    ``nesterov`` flag (always this input); so does this rule. The repository's Suite_B copy
-    (``Suite_B/muon_vs.py``) differs: ``sqrt(max(1, m/n))`` scale and a per-matrix gradient rescaling
+    ``nesterov`` flag (always this input); this rule refuses ``nesterov=False`` rather than ignore it. The
+    repository's Suite_B copy (``Suite_B/muon_vs.py``) differs: ``sqrt(max(1, m/n))`` scale and a per-matrix gradient rescaling
     ``G max(1, 1/||G||)``; the NanoGPT copy, whose scale is ours, is the one followed."""
 
     name = "muon_vs"
@@ -95,7 +95,10 @@ class MuonVS(_MatrixSteppingRule):
     state_views = {"momentum_buffer": "param", "variance_buffer": "param"}
 
     def validate(self, group):
-        """``rho`` > 0, ``vs_eps`` > 0."""
+        """``rho`` > 0, ``vs_eps`` > 0, ``nesterov`` True (upstream has no other input)."""
+        if not group["nesterov"]:
+            raise ValueError("Muon-VS has one input, the bias-corrected Nesterov one (upstream ignores its nesterov "
+                             "flag); nesterov=False is not defined")
         group["rho"] = number("rho", group["rho"], low=0.0, low_inclusive=False)
         group["vs_eps"] = number("vs_eps", group["vs_eps"], low=0.0, low_inclusive=False)
 
@@ -185,7 +188,9 @@ class MuonH(_MatrixSteppingRule):
         torch._foreach_clamp_min_(norms, MUONH_EPS)
         for p, d, r, n in zip(params, directions, radii, norms, strict=True):
             p.add_(d * (r / n), alpha=-group["lr"])
-        for p, r, n in zip(params, radii, torch._foreach_norm(params), strict=True):
+        new = torch._foreach_norm(params)
+        torch._foreach_clamp_min_(new, MUONH_EPS)  # a zero matrix (R = 0) stays zero, where levanter gives NaN
+        for p, r, n in zip(params, radii, new, strict=True):
             p.mul_(r / n)
 
     def step(self, items, group, ctx):
