@@ -296,3 +296,38 @@ def test_a_resumed_preset_continues_as_if_uninterrupted(name):
     step(second, resumed, 2)
     for p, q in zip(resumed, straight, strict=True):
         assert torch.equal(p, q), (name, (p - q).abs().max().item())
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("name", NAMES)
+def test_polar_express_reaches_every_presets_newton_schulz(name, foreach, monkeypatch):
+    """``ns_coefficients="polar_express"`` runs inside each preset (both polars of Aurora's): the preset equals
+    its official update with the official polar replaced by Polar Express (float64, three steps), which
+    tests/test_polar_express.py holds to Amsel et al.'s own iteration."""
+    import sys
+
+    from reference_2026 import muon_vs as muon_vs_ref
+
+    def polar_express(G, steps=5, *_, **__):
+        return meqmuon.functional.orthogonalize(G, steps, "polar_express", torch.float64)
+
+    monkeypatch.setattr(muonplus_equations, "ns5", polar_express)
+    monkeypatch.setattr(muon_vs_ref, "zeropower_via_newtonschulz5", polar_express)
+    monkeypatch.setattr(muonh_levanter, "zeropower_via_newtonschulz5", polar_express)
+    monkeypatch.setattr(aurora_ref, "polar", lambda G: polar_express(G, 12))
+    monkeypatch.setattr(sys.modules[__name__], "ns", polar_express)
+    g = torch.Generator().manual_seed(2)
+    params = [nn.Parameter(torch.randn(s, generator=g, dtype=torch.float64) * 0.1) for s in MATRICES]
+    mats = [p.detach().clone() for p in params]
+    opt = meqmuon.build_optimizer(name, [{"params": params, "kind": "hidden"}], lr=LR, weight_decay=_wd(name),
+                                  momentum=MU, ns_dtype=torch.float64, ns_coefficients="polar_express",
+                                  foreach=foreach)
+    ref = _Reference(name, mats, _wd(name))
+    for _ in range(STEPS):
+        grads = [torch.randn(s, generator=g, dtype=torch.float64) for s in MATRICES]
+        for p, G in zip(params, grads, strict=True):
+            p.grad = G.clone()
+        opt.step()
+        ref.step(mats, grads)
+    for p, W in zip(params, mats, strict=True):
+        assert torch.allclose(p.detach(), W, rtol=0, atol=1e-9), (name, (p - W).abs().max().item())

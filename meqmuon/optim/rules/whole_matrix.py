@@ -36,6 +36,7 @@ class _MatrixSteppingRule(SteppingRule):
     momentum ``mu`` and Nesterov flag, whole matrices only, and ``Orth`` of a stack."""
 
     needs_matrix = True
+    orthogonalizes = True
     defaults = {**HiddenRule.defaults, "momentum": MOMENTUM, "nesterov": True}
     state_views: ClassVar[dict[str, str]] = {"momentum_buffer": "param"}
 
@@ -87,8 +88,8 @@ class MuonVS(_MatrixSteppingRule):
     (1e-8; named apart from AdamW's ``eps``). The step multiplier is Moonlight's (upstream's
     ``adjust_lr_for_muon(lr, 0.2, shape)``), so Muon-VS shares Muon's lr grid. Upstream ignores its
     ``nesterov`` flag (always this input); this rule refuses ``nesterov=False`` rather than ignore it. The
-    repository's Suite_B copy (``Suite_B/muon_vs.py``) differs: ``sqrt(max(1, m/n))`` scale and a per-matrix gradient rescaling
-    ``G max(1, 1/||G||)``; the NanoGPT copy, whose scale is ours, is the one followed."""
+    repository's Suite_B copy (``Suite_B/muon_vs.py``) differs: ``sqrt(max(1, m/n))`` scale and a per-matrix
+    gradient rescaling ``G max(1, 1/||G||)``; the NanoGPT copy, whose scale is ours, is the one followed."""
 
     name = "muon_vs"
     defaults = {"rho": RHO, "vs_eps": 1e-8}
