@@ -30,7 +30,8 @@ PACKAGE = "meqmuon"
 #: that closes a cycle, which the cycle count catches). Names are relative to ``meqmuon``.
 LAYERS: list[list[str]] = [
     ["precision", "orthogonalization", "functional"],
-    ["optim.views", "optim.inputs", "optim.distributed", "optim.owners", "optim.groups", "optim.structure"],
+    ["optim.views", "optim.inputs", "optim.distributed", "optim.owners", "optim.groups", "optim.structure",
+     "optim.saved_state"],  # saved_state: load_state_dict with each state tensor in its saved dtype
     ["optim.calls", "optim.blockwise"],  # what a rule call is handed; the row-blocked passes of eq. 9
     ["optim.rule"],  # what a rule is: the elementwise and stepping protocols
     ["optim.newton_schulz"],  # the table of Newton-Schulz methods, their cost

@@ -57,7 +57,8 @@ def main(argv=None):
     dtype = resolve_ns_dtype(None if args.dtype == "auto" else getattr(torch, args.dtype), "cpu")
     shapes = sorted({s for m in MODELS for s in model_shapes(m)["hidden"]}, key=lambda s: min(s))
     print(f"- date {date.today()}, machine: {platform.processor() or platform.machine()}, "
-          f"CPU capability {detect_cpu_capability()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+          f"CPU capability {detect_cpu_capability()}, {torch.get_num_threads()} thread"
+          f"{'s' * (torch.get_num_threads() != 1)}, torch {torch.__version__}; "
           f"{str(dtype).removeprefix('torch.')}; SYMMETRIC_MIN = {F.SYMMETRIC_MIN}")
     print("\n| shape | k | plain (ms) | blocks (ms) | blocks / plain | bit-equal |\n|---|---:|---:|---:|---:|---|")
     g = torch.Generator().manual_seed(0)

@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
 
     form = "batched" if args.batched else "per matrix"
     print(f"# ns_methods: device {args.device}, dtype {args.dtype}, CPU {detect_cpu_capability()}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}, {form}")
+          f"{torch.get_num_threads()} thread"
+          f"{'s' * (torch.get_num_threads() != 1)}, torch {torch.__version__}, {form}")
     print(table(measure(args.models, args.methods, args.repeats, args.steps, getattr(torch, args.dtype),
                         args.device, args.batched, args.stack)))
     return 0

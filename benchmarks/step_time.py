@@ -258,7 +258,8 @@ def main(argv=None):
         f"### {args.model} optimizer step ({n_params / 1e6:.2f}M parameters, fp32 params, {ns_name} NS)",
         "",
         f"- date {date.today()}, machine: {platform.processor() or platform.machine()}, CPU capability "
-        f"{detect_cpu_capability()}, {torch.get_num_threads()} threads, torch {torch.__version__}, device {device}",
+        f"{detect_cpu_capability()}, {torch.get_num_threads()} thread"
+        f"{'s' * (torch.get_num_threads() != 1)}, torch {torch.__version__}, device {device}",
         f"- clock: {'process CPU time' if args.clock == 'cpu' else 'wall'} (--clock {args.clock}); "
         f"NS dtype {ns_name} (--ns-dtype {args.ns_dtype})"
         + ("" if ns_dtype == torch.bfloat16 else "; torch Muon's NS run in this dtype (torch hard-codes bf16)"),

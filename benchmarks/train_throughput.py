@@ -82,7 +82,8 @@ def main() -> None:
     h, b = statistics.median(harness), statistics.median(bare)
     print(f"### Training throughput, {args.model}, {args.optimizer}, {args.batch} x {args.seq_len} tokens per update\n")
     print(f"- date {date.today()}, machine: {platform.machine()}, CPU capability {detect_cpu_capability()}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}, precision {args.precision}")
+          f"{torch.get_num_threads()} thread"
+          f"{'s' * (torch.get_num_threads() != 1)}, torch {torch.__version__}, precision {args.precision}")
     print(f"- command: `python benchmarks/train_throughput.py --model {args.model} --optimizer {args.optimizer} "
           f"--steps {args.steps} --repeats {args.repeats}`\n")
     print("| loop | median tokens/s | runs | / bare |")

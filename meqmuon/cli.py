@@ -166,7 +166,7 @@ def _base_dict(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from meqmuon.train.checkpoint import list_checkpoints
-    from meqmuon.train.config import config_from_dict, load_config_file, run_dir_of
+    from meqmuon.train.config import config_from_dict, load_config_file, resume_requests, run_dir_of
     from meqmuon.train.loop import train
 
     over = _overrides(args)
@@ -176,8 +176,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         run_dir = run_dir_of(config_from_dict(d))
         saved_path = run_dir / "config.json"
         if saved_path.is_file():
-            saved = load_config_file(saved_path)
-            # the layout is per invocation too: a run resumes on whatever ranks and flags it is given
+            # micro-batch, TF32 and vocabulary as first asked (an "auto" micro-batch resolves again for this
+            # world size), and the layout is per invocation too: a run resumes on whatever ranks and flags
+            # it is given
+            saved = resume_requests(load_config_file(saved_path))
             for per_invocation in ("stop_at_step", "resume", "quiet", "out", "fsdp", "tp"):
                 saved.pop(per_invocation, None)
             d = {**saved, **_base_dict(args), **over}
@@ -432,12 +434,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, CheckpointError, TrainingDiverged, RuntimeError, OSError) as e:
         if os.environ.get("MEQMUON_DEBUG"):
             raise
-        msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"meqmuon: error: {msg}", file=sys.stderr)
+        line = _error_line(e, int(os.environ.get("RANK", "0")))
+        if line:
+            print(line, file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("meqmuon: interrupted", file=sys.stderr)
         return 130
+
+
+def _error_line(e: BaseException, rank: int) -> str | None:
+    """The one ``meqmuon: error:`` line of ``e``, or ``None`` where this rank stays silent under torchrun.
+
+    Every rank checks the same input the same way, so an input error (``ValueError``, ``TypeError``,
+    ``CheckpointError``) or a divergence (the loss is all-reduced) is the same line on every rank: rank 0
+    alone prints it. An error raised inside ``torch.distributed`` on another rank is the echo of a peer
+    that stopped (rank 0 failing while the others wait in a barrier: gloo's "Connection reset by
+    peer"): silent, rank 0 says why. Anything else may be this rank's own: printed with its rank.
+    """
+    from meqmuon.train.checkpoint import CheckpointError
+    from meqmuon.train.loop import TrainingDiverged
+
+    msg = " ".join(str(e).split()) or type(e).__name__
+    if rank == 0:
+        return f"meqmuon: error: {msg}"
+    if isinstance(e, ValueError | TypeError | CheckpointError | TrainingDiverged) or _raised_in_torch_distributed(e):
+        return None
+    return f"meqmuon: error: rank {rank}: {msg}"
+
+
+def _raised_in_torch_distributed(e: BaseException) -> bool:
+    """Whether ``e`` came out of ``torch.distributed`` (a collective, a store, DCP): a frame of its traceback
+    runs there."""
+    import torch.distributed
+
+    if isinstance(e, torch.distributed.DistError):
+        return True
+    home = Path(torch.distributed.__file__).resolve().parent
+    tb = e.__traceback__
+    while tb is not None:
+        if home in Path(tb.tb_frame.f_code.co_filename).resolve().parents:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _resume_command(args: argparse.Namespace, argv: list[str], stop: Any) -> str:

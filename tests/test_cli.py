@@ -220,8 +220,13 @@ def test_plot_and_sweep(cache, tmp_path, capsys):
             "try 0.00033 next." if best["lr"] == 1e-3 else
             "adamw: the best lr 0.003 is the largest of the grid (0.001, 0.003); the optimum may lie above it: "
             "try 0.009 next.")
-    printed = capsys.readouterr().out
-    assert f"- {edge}" in table and edge in printed
+    printed, err = capsys.readouterr()
+    assert f"- {edge}" in table and edge in printed and "reused" not in err
+    # the same command again trains nothing, and says so in one line
+    assert main(args) == 0
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"meqmuon: reused 2 finished run(s) with the same settings in {out}: adamw-lr0.001-s0, adamw-lr0.003-s0 "
+        "(to train them again, delete them or choose another --out)"]
     assert "- val_ppl.png: one evaluation per run (at the end): --eval-every N draws curves" in table
     assert main(["plot", str(out / "adamw-lr0.001-s0" / "metrics.jsonl"), str(out / "adamw-lr0.003-s0"),
                  "--out", str(tmp_path / "p.png"), "--metric", "loss"]) == 0
@@ -351,6 +356,9 @@ ERROR_PATHS = [
     (["train", "--steps", "2", "--capture-steps", "1", "--capture-layers", "0,4,7"], 1,
      "--capture-layers 4,7 not in the model: llama-tiny has layers 0-3"),
     (["train", "--resume", "auto", "--steps", "2", "--bogus"], 2, "unrecognized arguments: --bogus"),
+    (["train", "--device", "cuda:99"], 1, "--device cuda:99: "),  # CPU-only torch, or too few GPUs
+    (["train", "--device", "cdua"], 1, "--device 'cdua' is not a device name"),
+    (["compare", "--device", "cuda:99"], 1, "--device cuda:99: "),
     (["compare", "--optimizers", "lion"], 1, "unknown optimizer(s) ['lion']"),
     (["compare", "--steps", "0"], 1, "steps must be a positive number, got 0"),
     (["compare", "--seeds", "0"], 2, "argument --seeds: expected a number of seeds >= 1"),
@@ -412,3 +420,97 @@ def test_every_command_error_path_is_one_line(cache, captured, tmp_path, capsys,
     assert len(lines) == 1 and lines[0].startswith("meqmuon: error: "), err
     assert needle in lines[0], lines[0]
     assert out == "" and not (tmp_path / "out").exists() and snapshot(captured) == before
+
+
+def test_cuda_on_a_cpu_only_torch_names_the_build(cache, tmp_path, capsys, monkeypatch):
+    """``--device cuda`` where torch has no CUDA: one line saying so (not torch's 37-line assertion), no run
+    directory. Here the CPU-only build is simulated on whatever machine runs the suite."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert main(small(cache, tmp_path / "run", "--device", "cuda")) == 1
+    assert one_error_line(capsys) == (f"meqmuon: error: --device cuda: this torch ({torch.__version__}) is built "
+                                      "without CUDA; use --device cpu (or auto, which picks the GPU when there is one)")
+    assert not (tmp_path / "run").exists()
+
+
+def test_tensorboard_missing_is_one_line_and_writes_nothing(cache, tmp_path, capsys, monkeypatch):
+    """``--tensorboard`` without the package: one line, before anything is written (it used to leave a
+    config.json behind a 25-line traceback). The package's absence is simulated where it is installed."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    for argv in (small(cache, tmp_path / "run", "--tensorboard"),
+                 ["compare", "--steps", "2", "--tensorboard", "--out", str(tmp_path / "run")]):
+        assert main(argv) == 1
+        assert "--tensorboard needs the tensorboard package, which is not installed" in one_error_line(capsys)
+        assert not (tmp_path / "run").exists()
+
+
+def test_error_lines_under_torchrun_come_from_rank_0_alone():
+    """Input errors are the same on every rank: rank 0 prints them. An error out of ``torch.distributed`` on
+    another rank echoes a peer that stopped: silent. Anything else is printed with the rank that had it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from meqmuon.cli import _error_line
+
+    assert _error_line(ValueError("bad lr"), 0) == "meqmuon: error: bad lr"
+    assert _error_line(ValueError("bad lr"), 1) is None
+    assert _error_line(OSError("disk full"), 1) == "meqmuon: error: rank 1: disk full"
+    try:
+        FileSystemReader("/nonexistent/ckpt").read_metadata()  # raised inside torch.distributed
+    except OSError as e:
+        assert _error_line(e, 1) is None and _error_line(e, 0).startswith("meqmuon: error: ")
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    (["--global-batch", "7"], "global batch 7 is not divisible by the world size 2"),  # after the group forms
+    (["--data", "/nonexistent/corpus.jsonl"], "data path does not exist"),  # before it: rank 0 builds the data
+])
+def test_bad_input_under_two_ranks_is_one_line_from_rank_0(cache, tmp_path, extra, needle):
+    """Two processes with torchrun's environment (set by hand, as tests/test_preempt.py does, to see each
+    rank's exit status and stderr): both exit 1 before training, rank 0 prints one line, rank 1 nothing."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": port}
+    procs = [subprocess.Popen([sys.executable, "-m", "meqmuon", *small(cache, tmp_path / "run", *extra)],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [1, 1], errs
+    lines = errs[0].strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("meqmuon: error: ") and needle in lines[0], errs
+    assert errs[1] == "" and not (tmp_path / "run").exists()
+
+
+def test_model_built_with_the_data_vocabulary_says_so_and_records_it(cache, tmp_path, capsys):
+    """``llama-micro`` (1,280 ids by default) on a prepared directory whose tokenizer has 512: one note line,
+    config.json's ``vocab_size`` is the model's (512; the request kept as ``requested_vocab_size``), and a
+    rerun of the same sweep reuses the finished run (the request is what it compares)."""
+    from meqmuon.train.corpus import builtin_documents
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in builtin_documents()[:300]))
+    data = tmp_path / "p512"
+    assert main(["prepare", "--data", str(corpus), "--tokenizer", "builtin", "--vocab-size", "512", "--out", str(data),
+                 "--cache-dir", cache, "--quiet"]) == 0
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--optimizers", "adamw", "--lrs", "1e-3", "--model", "llama-micro", "--data", str(data),
+            "--seq-len", "32", "--global-batch", "8", "--steps", "2", "--val-tokens", "256", "--out", str(out),
+            "--quiet"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "meqmuon: note: llama-micro is built with the data's vocabulary, 512 ids (builtin-bpe), not the 1,280 of "
+        "its preset or --vocab-size; config.json records vocab_size 512"]
+    config = json.loads((out / "adamw-lr0.001-s0" / "config.json").read_text())
+    assert config["vocab_size"] == 512 and config["numerics"]["requested_vocab_size"] == 1280
+    assert main(argv) == 0
+    assert "meqmuon: reused 1 finished run(s)" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """Every command of the README's "Commands" table runs, as written, at tiny scale; the README stays short,
-starts with CI's own test command, and every link in it and in docs/ reaches a file and a heading.
+starts with CI's own test command, and every link in it and in docs/ reaches a file and a heading;
+docs/training.md's Python example runs; every results README's commands build the setting it records.
 
 The commands are read from README.md itself (so a new row without a tiny form here fails), in the
 table's order, in a fresh working directory, as a new user would type them after the demo. Only the
@@ -111,6 +112,83 @@ def test_every_readme_command_runs_at_tiny_scale(tmp_path, monkeypatch, capsys):
     assert (captured / "imbalance.md").is_file() and (captured / "ns_trajectory_layer3_step1.png").is_file()
     assert (tmp_path / "run1" / "selection.md").is_file() and (tmp_path / "ablation" / "ablation.md").is_file()
     assert json.loads((tmp_path / "prepared" / "manifest.json").read_text())["complete"] is True
+
+
+def python_blocks(path: Path) -> list[str]:
+    """The ```python blocks of a markdown file, in order."""
+    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+
+
+def test_training_md_python_example_runs_at_tiny_scale(tmp_path, monkeypatch):
+    """docs/training.md's Python API example (it once failed with ``NameError: Path``), as written, with its
+    runs shrunk to 2 updates of the tiny settings: ``TrainConfig`` and ``demo_config`` are swapped for ones
+    that add them, so the block's own imports, calls and names are what run."""
+    import dataclasses
+
+    from meqmuon.train import compare as compare_mod
+    from meqmuon.train import config as config_mod
+
+    (block,) = python_blocks(REPO / "docs" / "training.md")
+    tiny_settings = dict(steps=2, seq_len=32, global_batch=8, vocab_size=512, val_tokens=256,
+                         cache_dir=str(tmp_path / "cache"), quiet=True)
+    real = config_mod.TrainConfig
+    monkeypatch.setattr(config_mod, "TrainConfig", lambda **kw: real(**{**kw, **tiny_settings}))
+    demo = compare_mod.demo_config
+    monkeypatch.setattr(compare_mod, "demo_config", lambda: dataclasses.replace(demo(), **tiny_settings))
+    monkeypatch.chdir(tmp_path)
+    names: dict = {}
+    exec(compile(block, "docs/training.md", "exec"), names)
+    assert names["summary"] and {s["optimizer"] for s in names["summary"]} == {"adamw", "meqmuon"}
+    assert Path("runs/demo/summary.json").is_file() and len(names["rows"]) == 6
+
+
+#: Tokenizer fingerprints the results READMEs record, and the vocabulary each was built with (pysrc-600's
+#: 4,096-id BPE; horizon-micro's 1,280-id one), as their prepared directories' manifests say.
+PYSRC_BPE = {"bpe-bbf99ebf7fd36a20": 4096, "bpe-f51df48fa96b38c2": 1280}
+
+
+def results_commands(readme: Path) -> list[list[str]]:
+    """The ``meqmuon`` commands of a results README's ```bash blocks (continuation lines joined)."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", readme.read_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line.split(" #")[0], comments=True)
+            if "meqmuon" in words:
+                out.append(words[words.index("meqmuon") + 1:])
+    return out
+
+
+def test_results_readmes_commands_build_their_recorded_setting():
+    """Each results README's ``prepare --data pysrc`` builds the tokenizer it records (the vocabulary of its
+    fingerprint, and of its "N ids"), and its runs' ``--model`` has that vocabulary by default, so the
+    model the commands build is the one the README describes (issue 46: horizon-micro's command built a
+    4,096-id tokenizer and, from it, a 4,096-row llama-micro). Parses the commands; tokenises nothing."""
+    from meqmuon.cli import build_parser
+    from meqmuon.train.config import model_run_defaults
+
+    parser = build_parser()
+    readmes = sorted((REPO / "docs" / "results").glob("*/README.md"))
+    checked = 0
+    for readme in readmes:
+        text = readme.read_text()
+        commands = [c for c in results_commands(readme) if c and "<the" not in " ".join(c)]
+        prepared = {}
+        for argv in commands:
+            if argv[0] == "prepare" and argv[argv.index("--data") + 1] == "pysrc":
+                args = parser.parse_args(argv)
+                prepared[args.out] = args.vocab_size
+        for fingerprint in set(re.findall(r"bpe-[0-9a-f]{16}", text)):
+            assert set(prepared.values()) == {PYSRC_BPE[fingerprint]}, (readme, fingerprint, prepared)
+        for argv in commands:
+            if argv[0] in ("train", "sweep", "compare") and "--data" in argv:
+                data = argv[argv.index("--data") + 1]
+                if data in prepared:
+                    model = argv[argv.index("--model") + 1]
+                    assert model_run_defaults(model)["vocab_size"] == prepared[data], (readme, model, data)
+                    checked += 1
+        for ids in re.findall(r"BPE with \**([\d,]+) ids", text):
+            assert set(prepared.values()) == {int(ids.replace(",", ""))}, (readme, ids, prepared)
+    assert checked >= 3  # pysrc-600, ns-methods-600 and horizon-micro each have one run command at least
 
 
 #: Issue 46: a README a newcomer reads in two minutes.

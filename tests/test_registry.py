@@ -102,7 +102,7 @@ def test_the_other_tables_are_read_from_the_registry(monkeypatch, tmp_path):
     # compare: its default optimizers and each one's demo lr
     seen: dict[str, float] = {}
 
-    def fake_run(cfg):
+    def fake_run(cfg, *_):
         seen[cfg.optimizer] = cfg.lr
         raise SystemExit(0)
 

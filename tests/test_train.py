@@ -167,7 +167,8 @@ def test_resolve_numerics_by_injected_capability(cap, optimizer, args, want_prec
     assert cfg.optimizer_args.get("ns_dtype") == want_ns
     assert cfg.numerics["cpu_capability"] == cap and cfg.numerics["requested_precision"] == "auto"
     assert cfg.numerics["precision"] == want_precision and cfg.numerics["ns_dtype"] == want_ns
-    assert cfg.numerics["tf32"] is False  # CPU: TF32 does not apply
+    assert cfg.numerics["tf32"] is cfg.tf32 is False  # CPU: TF32 does not apply, and the config says so too
+    assert cfg.numerics["requested_tf32"] is True
     # idempotent: resolving the resolved config changes nothing, even on another machine
     other = "AVX2" if cap != "AVX2" else "AVX512+AVX512_BF16"
     again = resolve_numerics(cfg, "cpu", cpu_capability=other)
@@ -177,7 +178,7 @@ def test_resolve_numerics_by_injected_capability(cap, optimizer, args, want_prec
     for p in ("bf16", "fp32"):
         assert resolve_numerics(TrainConfig(optimizer=optimizer, precision=p), "cpu", cpu_capability=cap).precision == p
     cuda = resolve_numerics(TrainConfig(optimizer=optimizer), "cuda", cuda_bf16=True, cpu_capability=cap)
-    assert cuda.precision == "bf16" and cuda.numerics["tf32"] is True
+    assert cuda.precision == "bf16" and cuda.numerics["tf32"] is cuda.tf32 is True
     assert resolve_numerics(TrainConfig(tf32=False), "cuda", cuda_bf16=False).numerics["tf32"] is False
     # attention: float32 SDPA for bf16 autocast on a CPU (its bf16 backward is slow), else the autocast dtype's
     assert cfg.numerics["attention"] == ("sdpa-float32" if want_precision == "bf16" else "sdpa")
@@ -203,7 +204,9 @@ def test_run_records_resolved_numerics_and_refuses_resume_where_auto_differs(cac
     saved = json.loads((run / "config.json").read_text())
     assert saved["precision"] == want_p and saved["optimizer_args"] == {"ns_dtype": want_ns}
     assert saved["numerics"]["cpu_capability"] == cap and saved["numerics"]["requested_precision"] == "auto"
-    assert saved["numerics"]["requested_ns_dtype"] == "auto" and saved["tf32"] is True
+    # TF32 applies on CUDA only: the config says what the run does, the record what was asked (one truth)
+    assert saved["numerics"]["requested_ns_dtype"] == "auto" and saved["tf32"] is saved["numerics"]["tf32"] is False
+    assert saved["numerics"]["requested_tf32"] is True and saved["numerics"]["requested_micro_batch"] == 4  # tiny()
     assert _final_state(run)["config"]["precision"] == want_p
 
     # the other kind of CPU: auto now means the other precision, and the resume is refused
@@ -536,3 +539,22 @@ def test_a_token_budget_given_to_compare_or_sweep_sets_the_run_length():
     assert cfg.steps is None
     assert resolve(cfg, device="cpu", world_size=1).for_model(unique_params=1, data_source="builtin").steps == 7
     assert demo_config(tokens=10_000, steps=5).steps == 5
+
+
+def test_resume_asks_again_for_what_resolves_per_launch():
+    """A run's config.json holds the resolved micro-batch and TF32 (what ran) and what was asked; a resume
+    asks again: "auto" re-resolves for the new world size (8 sequences on 1 rank -> 8; on 2 ranks -> 4), a
+    micro-batch given by hand stays, and TF32 comes back as asked (it applies on CUDA only)."""
+    from meqmuon.train.config import config_to_dict, resolve, resume_requests
+
+    auto = resolve(TrainConfig(global_batch=8), device="cpu", world_size=1).to_dict()
+    assert auto["micro_batch"] == 8 and auto["numerics"]["requested_micro_batch"] == "auto" and auto["tf32"] is False
+    again = resume_requests(auto)
+    assert again["micro_batch"] is None and again["tf32"] is True
+    assert resolve(config_from_dict(again), device="cpu", world_size=2).micro_batch == 4
+    with pytest.raises(ValueError, match="not divisible by world size 2 x micro batch 8"):
+        resolve(config_from_dict(auto), device="cpu", world_size=2)  # the frozen value: issue 46's failure
+    fixed = resolve(TrainConfig(global_batch=8, micro_batch=2, tf32=False), device="cpu", world_size=1).to_dict()
+    assert resume_requests(fixed)["micro_batch"] == 2 and resume_requests(fixed)["tf32"] is False
+    old = config_to_dict(TrainConfig(micro_batch=8))  # a config.json written before the record
+    assert resume_requests(old) == old

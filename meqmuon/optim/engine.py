@@ -34,6 +34,7 @@ from .inputs import FLOAT_KEYS, check_unique_params, listed_params, validate_gro
 from .owners import OwnerPlan, is_replicated
 from .rule import MomentumRule, Rule, SteppingRule, rule_defaults, validate_rule
 from .rules import RULES
+from .saved_state import keeping_saved_dtypes
 from .views import Layout, group_layout, normalise_group_views
 
 #: The forms of a momentum rule's step by ``(foreach, compile)``, one signature (a sequence of rule calls),
@@ -234,13 +235,10 @@ class RoleOptimizer(Optimizer):
         self._local = LocalSplit()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's ``load_state_dict``, which casts every state tensor but ``step`` to its parameter's
-        dtype; MeqMuon's selection counters are cast back to int64 (they count steps)."""
-        super().load_state_dict(state_dict)
-        for st in self.state.values():
-            counter = st.get("rows_chosen")
-            if isinstance(counter, torch.Tensor) and counter.is_floating_point():
-                st["rows_chosen"] = counter.round().to(torch.int64)
+        """torch's ``load_state_dict`` without its cast of state to the parameter's dtype: every state
+        tensor keeps its saved dtype and values, moved to its parameter's device (``saved_state.py``)."""
+        with keeping_saved_dtypes(self):
+            super().load_state_dict(state_dict)
 
     def set_capture_hook(self, hook: Callable[[str, str, str, torch.Tensor], None] | None) -> None:
         """Install (or, with ``None``, remove) an opt-in diagnostics hook called during ``step()``.

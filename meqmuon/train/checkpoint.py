@@ -131,6 +131,8 @@ def save_checkpoint(run_dir: str | Path, step: int, payload: dict[str, Any], kee
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     torch.save({"format": FORMAT, "step": step, **payload}, tmp)
     os.replace(tmp, path)
+    # a sharded checkpoint of the same step (a resume on one process from before it) is replaced too
+    shutil.rmtree(checkpoint_path(run_dir, step, sharded=True), ignore_errors=True)
     for _, old in list_checkpoints(run_dir)[:-keep]:
         old.unlink(missing_ok=True) if old.is_file() else shutil.rmtree(old, ignore_errors=True)
     return path
@@ -154,6 +156,7 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any
         torch.save({"format": FORMAT, "step": step, **payload}, tmp / META)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
+        checkpoint_path(run_dir, step).unlink(missing_ok=True)  # a single file of the same step is replaced too
         for _, old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
     barrier()
@@ -165,6 +168,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     optimizer load through DCP); unreadable or foreign files raise ``CheckpointError``."""
     p = Path(path)
     if p.is_dir():
+        _check_shards(p)
         p = p / META
     try:
         ckpt = torch.load(p, map_location="cpu", weights_only=True)
@@ -173,6 +177,29 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{p} is not a {FORMAT} checkpoint")
     return ckpt
+
+
+def _check_shards(path: Path) -> None:
+    """A sharded checkpoint's DCP files: its ``.metadata`` readable and every shard file it names present
+    and long enough. Checked when the checkpoint is chosen (``--resume auto`` then falls back to an older
+    one, as for a damaged single file) rather than deep inside ``dcp.load`` on every rank."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as e:  # missing or damaged .metadata
+        raise CheckpointError(f"cannot read checkpoint {path}: its DCP .metadata is unreadable "
+                              f"({_reason(e)})") from None
+    need: dict[str, int] = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    missing = sorted(name for name in need if not (path / name).is_file())
+    if missing:
+        raise CheckpointError(f"cannot read checkpoint {path}: shard file(s) {', '.join(missing)} missing "
+                              f"({len(missing)} of {len(need)})")
+    short = sorted(name for name, end in need.items() if (path / name).stat().st_size < end)
+    if short:
+        raise CheckpointError(f"cannot read checkpoint {path}: shard file(s) {', '.join(short)} truncated")
 
 
 def _reason(e: Exception) -> str:

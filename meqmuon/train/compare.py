@@ -26,12 +26,13 @@ import json
 import math
 import os
 import statistics
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from meqmuon.optim.registry import spec
-from meqmuon.train.config import TrainConfig, fill_model_defaults, resolve_numerics, run_name
+from meqmuon.train.config import TrainConfig, fill_model_defaults, resolve_numerics, resume_requests, run_name
 from meqmuon.train.loop import train
 from meqmuon.train.metrics import write_json
 from meqmuon.train.plot import one_point_note, plot_runs, plot_seed_bands
@@ -128,7 +129,7 @@ def _finished_summary(run_dir: Path, cfg: TrainConfig) -> dict[str, Any] | None:
     s, c = run_dir / "summary.json", run_dir / "config.json"
     if not (s.exists() and c.exists()):
         return None
-    saved = json.loads(c.read_text())
+    saved = resume_requests(json.loads(c.read_text()))  # the vocabulary as asked, not as the data built it
     mine = dataclasses.asdict(_resolved(cfg))
     keys = ("model", "optimizer", "lr", "weight_decay", "optimizer_args", "data", "seq_len", "global_batch", "seed",
             "warmup_ratio", "min_lr_ratio", "clip", "precision", "val_tokens", "vocab_size")
@@ -146,14 +147,24 @@ def _resolved(cfg: TrainConfig) -> TrainConfig:
     return resolve_numerics(c, device_of(c, int(os.environ.get("LOCAL_RANK", "0"))))
 
 
-def _train_or_reuse(cfg: TrainConfig) -> dict[str, Any]:
+def _train_or_reuse(cfg: TrainConfig, reused: list[str]) -> dict[str, Any]:
+    """The finished run's summary if ``cfg.out`` holds one with these settings (its name appended to
+    ``reused``), else the summary of training it (resuming an interrupted one)."""
     run_dir = Path(cfg.out)
     done = _finished_summary(run_dir, cfg)
     if done is not None:
+        reused.append(run_dir.name)
         return done
     if (run_dir / "summary.json").exists():
         raise ValueError(f"{run_dir} holds a finished run with different settings; choose another --out")
     return train(dataclasses.replace(cfg, resume="auto"))  # "auto" starts fresh when there is no checkpoint
+
+
+def _say_reused(reused: list[str], out_dir: Path) -> None:
+    """One line naming the finished runs a rerun took as they were, and how to train them again."""
+    if reused:
+        print(f"meqmuon: reused {len(reused)} finished run(s) with the same settings in {out_dir}: "
+              f"{', '.join(reused)} (to train them again, delete them or choose another --out)", file=sys.stderr)
 
 
 def run_compare(optimizers: list[str], lrs: dict[str, float], base: TrainConfig, out_dir: Path,
@@ -182,7 +193,8 @@ def run_compare(optimizers: list[str], lrs: dict[str, float], base: TrainConfig,
         seeds = _check_seeds(seeds)
         _check_distinct("optimizers", optimizers)  # the seed summary keys runs by (optimizer, lr, seed)
     out_dir = Path(out_dir)
-    rows = []
+    rows: list[dict] = []
+    reused: list[str] = []
     for name in optimizers:
         lr = lrs.get(name, base.lr if base.lr is not None else spec(name).demo_lr)
         for seed in ([None] if seeds is None else seeds):
@@ -190,7 +202,8 @@ def run_compare(optimizers: list[str], lrs: dict[str, float], base: TrainConfig,
                                       resume=None, stop_at_step=None)
             if seed is not None:
                 cfg = dataclasses.replace(cfg, seed=seed)
-            rows.append(_row(_train_or_reuse(cfg)))
+            rows.append(_row(_train_or_reuse(cfg, reused)))
+    _say_reused(reused, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     title = f"{base.model}: validation perplexity"
     if seeds is None:
@@ -265,19 +278,20 @@ def run_sweep(optimizers: list[str], lrs: list[float], seeds: list[int], base: T
     _check_distinct("optimizers", optimizers)
     _check_distinct("lrs", lrs)
     out_dir = Path(out_dir)
-    rows, missing = [], []
+    rows, missing, reused = [], [], []
     for name in optimizers:
         for lr in lrs:
             for seed in seeds:
                 cfg = dataclasses.replace(base, optimizer=name, lr=lr, seed=seed, resume=None, stop_at_step=None,
                                           out=str(out_dir / run_name(name, lr=lr, seed=seed)))
-                done = _finished_summary(Path(cfg.out), cfg) if finished_only else _train_or_reuse(cfg)
+                done = _finished_summary(Path(cfg.out), cfg) if finished_only else _train_or_reuse(cfg, reused)
                 if done is None:
                     missing.append(Path(cfg.out).name)
                 else:
                     rows.append(_row(done))
     if not rows:
         raise ValueError(f"no finished run of this grid in {out_dir}")
+    _say_reused(reused, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize_seeds(rows)
     notes = grid_edge_notes(rows, summary)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
+import importlib.util
 import json
 import math
 from collections.abc import Mapping
@@ -59,6 +60,8 @@ __all__ = [
     "parse_int_list",
     "validate_config",
     "optimizer_kwargs",
+    "resume_requests",
+    "REQUESTED_KEYS",
 ]
 
 #: Batch, sequence and validation sizes of the paper (section 4), the defaults of the paper models, and
@@ -230,10 +233,13 @@ def _positive(name: str, value: Any, allow_none: bool = True) -> None:
 
 
 def validate_config(cfg: TrainConfig) -> None:
-    """Cheap checks that need no data or model: names, signs, options. Raises ``ValueError``."""
+    """Cheap checks that need no data or model: names, signs, options, the device, optional packages the
+    options need. Raises ``ValueError``; called before anything is written to disk."""
     from meqmuon import valid_hyperparameters
     from meqmuon.optim.registry import spec
+    from meqmuon.train.data import data_source
     from meqmuon.train.models import MODELS
+    from meqmuon.train.run import check_device
 
     if cfg.model not in MODELS:
         raise ValueError(f"unknown model {cfg.model!r}; valid models: {', '.join(MODELS)}")
@@ -267,6 +273,11 @@ def validate_config(cfg: TrainConfig) -> None:
         raise ValueError(f"tf32 must be true or false, got {cfg.tf32!r}")
     if cfg.resume is not None and cfg.resume != "auto" and not Path(cfg.resume).exists():
         raise ValueError(f"--resume path does not exist: {cfg.resume}")
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("--tensorboard needs the tensorboard package, which is not installed: "
+                         "pip install tensorboard (or leave out --tensorboard)")
+    check_device(cfg.device)
+    data_source(None if cfg.data == "builtin" else cfg.data)  # a missing path: every rank, before any barrier
     if cfg.capture_layers is not None and not cfg.capture_steps:
         raise ValueError("--capture-layers needs --capture-steps")
     for s in cfg.capture_steps or []:
@@ -341,6 +352,7 @@ def resolve_numerics(cfg: TrainConfig, device: torch.device | str, *, cpu_capabi
     * ``precision``: ``"auto"`` -> ``"bf16"`` or ``"fp32"``;
     * ``optimizer_args["ns_dtype"]`` of optimizers that have one: set to the dtype Newton-Schulz will
       use (``"bfloat16"`` or ``"float32"``) when the user did not give one;
+    * ``tf32``: true only where it applies (CUDA), the request kept as ``numerics["requested_tf32"]``;
     * ``numerics``: the record of the decision (what was asked, the CPU capability string, whether
       bf16 is native, TF32, the attention kernel's dtype: :func:`attention_of`), which the harness
       writes into ``config.json``.
@@ -362,15 +374,19 @@ def resolve_numerics(cfg: TrainConfig, device: torch.device | str, *, cpu_capabi
         record.setdefault("requested_ns_dtype", "auto" if asked is None else str(asked).removeprefix("torch."))
         ns = resolve_ns_dtype(_dtype(asked) if asked is not None else None, dev, **hw)
         args["ns_dtype"] = str(ns).removeprefix("torch.")
+    # TF32 exists only on CUDA: the config states what the run does (false elsewhere), the record what was
+    # asked, so that config.json says one thing (issue 46) and a resume on CUDA can ask for it again.
+    record["requested_tf32"] = bool(cfg.tf32)
+    tf32 = bool(cfg.tf32 and dev.type == "cuda")
     record.update(
         device=str(dev),
         cpu_capability=_precision.detect_cpu_capability() if cpu_capability is None else cpu_capability,
         precision=precision,
         ns_dtype=args.get("ns_dtype"),
-        tf32=bool(cfg.tf32 and dev.type == "cuda"),
+        tf32=tf32,
         attention=attention_of(precision, dev, cfg.seq_len or model_run_defaults(cfg.model)["seq_len"]),
     )
-    return dataclasses.replace(cfg, precision=precision, optimizer_args=args, numerics=record)
+    return dataclasses.replace(cfg, precision=precision, tf32=tf32, optimizer_args=args, numerics=record)
 
 
 #: Longest sequence for which a bf16 run on a CPU computes attention in float32 (:func:`attention_of`).
@@ -483,9 +499,11 @@ class ResolvedConfig:
             values[key] = None if values[key] is None else tuple(values[key])
         return cls(**values)
 
-    def for_model(self, *, unique_params: int, data_source: str) -> ResolvedConfig:
-        """Second stage: the run length (from the model's size) and the data source, once both exist."""
-        return dataclasses.replace(self, data_source=data_source, **_budget(self, unique_params))
+    def for_model(self, *, unique_params: int, data_source: str, vocab_size: int | None = None) -> ResolvedConfig:
+        """Second stage: the run length (from the model's size), the data source and the vocabulary the
+        model was built with (the data's tokenizer may differ from ``vocab_size``: issue 46), once they exist."""
+        vocab = {} if vocab_size is None else {"vocab_size": vocab_size}
+        return dataclasses.replace(self, data_source=data_source, **vocab, **_budget(self, unique_params))
 
     @property
     def run_dir(self) -> Path:
@@ -509,6 +527,26 @@ class ResolvedConfig:
         return out
 
 
+#: Settings that ``config.json`` states as the run resolved them (what ran) and whose request it keeps in
+#: ``numerics["requested_<key>"]``: the micro-batch ("auto" depends on the world size), TF32 (applies on
+#: CUDA only) and the vocabulary (a tokenizer brought by the data decides it). A resume asks again as the
+#: run first asked (:func:`resume_requests`), instead of inheriting a value resolved for another launch.
+REQUESTED_KEYS = ("micro_batch", "tf32", "vocab_size")
+
+
+def resume_requests(saved: dict[str, Any]) -> dict[str, Any]:
+    """A run's stored ``config.json`` with :data:`REQUESTED_KEYS` set back to what was asked:
+    ``micro_batch`` ``"auto"`` -> ``None`` (resolved again for this world size), ``tf32`` and ``vocab_size``
+    as requested. Configs written before the record are returned unchanged."""
+    asked = saved.get("numerics") or {}
+    out = dict(saved)
+    for key in REQUESTED_KEYS:
+        if f"requested_{key}" in asked:
+            value = asked[f"requested_{key}"]
+            out[key] = None if value == "auto" else value
+    return out
+
+
 def resolve(cfg: TrainConfig, *, device: torch.device | str, world_size: int) -> ResolvedConfig:
     """First stage: ``cfg`` (already checked by :func:`validate_config`) with everything that needs
     neither data nor model resolved: canonical optimizer name, lr, model defaults, micro-batch,
@@ -517,7 +555,13 @@ def resolve(cfg: TrainConfig, *, device: torch.device | str, world_size: int) ->
 
     c = fill_model_defaults(dataclasses.replace(cfg, optimizer=spec(cfg.optimizer).name))
     c = resolve_numerics(c, device)
+    # The micro-batch only splits a rank's rows (the sums' order changes, not the update), and "auto"
+    # depends on the world size: the request is recorded beside the value so that a resume on another
+    # number of ranks resolves it again (:func:`resume_requests`) instead of inheriting a value that
+    # may not divide there (issue 46).
+    record = {**(c.numerics or {}), "requested_micro_batch": "auto" if c.micro_batch is None else c.micro_batch,
+              "requested_vocab_size": c.vocab_size}
     c = dataclasses.replace(c, lr=c.lr if c.lr is not None else spec(c.optimizer).default_lr,
                             micro_batch=_micro_batch(c.global_batch, c.micro_batch, world_size),
-                            out=str(run_dir_of(c)))
+                            out=str(run_dir_of(c)), numerics=record)
     return ResolvedConfig.of(c)

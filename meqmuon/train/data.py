@@ -546,7 +546,8 @@ def _bundle(prepared: _shards.PreparedData, tokenizer: TextTokenizer, what: str,
     desc = (f"{what}: {tr['documents'] + va['documents']} docs, {(tr['bytes'] + va['bytes']) / 1e6:.2f} MB; "
             f"{tr['documents']} train / {va['documents']} validation docs; tokenizer {tokenizer.name} (vocab "
             f"{tokenizer.vocab_size}); train {train.num_tokens:,} tokens = {train.num_sequences:,} x {seq_len}; "
-            f"validation {val.shape[0]} x {seq_len} tokens from {n_val_docs} docs, {val_bytes:,} bytes")
+            f"validation {val.shape[0]} x {seq_len} tokens from {n_val_docs} doc{'s' * (n_val_docs != 1)}, "
+            f"{val_bytes:,} bytes")
     return DataBundle(tokenizer, train, val, val_bytes, desc, seq_len, source)
 
 
@@ -572,5 +573,6 @@ def _build_c4(source: str, paths: list[str], tokenizer_name: str | None, *, root
     train = StreamingPackedStream(train_docs, tokenizer, seq_len, rank=rank, world_size=world_size)
     desc = (f"C4 en ({where}; rank {rank}/{world_size} reads {len(train_docs.rank_files(0))} of "
             f"{len(files['train'])} train files); tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size}); "
-            f"validation {val.shape[0]} x {seq_len} tokens from {n_val_docs} docs, {val_bytes:,} bytes")
+            f"validation {val.shape[0]} x {seq_len} tokens from {n_val_docs} doc{'s' * (n_val_docs != 1)}, "
+            f"{val_bytes:,} bytes")
     return DataBundle(tokenizer, train, val, val_bytes, desc, seq_len, source)

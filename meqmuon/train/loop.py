@@ -57,6 +57,7 @@ from meqmuon.train.checkpoint import (
 from meqmuon.train.config import ResolvedConfig, TrainConfig, run_dir_of, validate_config
 from meqmuon.train.evaluate import causal_lm_loss, evaluate
 from meqmuon.train.metrics import MetricsLogger, truncate_metrics, write_json
+from meqmuon.train.parallel import gathered_logits_view
 from meqmuon.train.preempt import SIGNALS, RunInterrupted, StopSignals
 from meqmuon.train.run import Run, WarmupCosine, build_run, device_of
 
@@ -193,7 +194,7 @@ def _train_step(run: Run, params: list[torch.nn.Parameter], recorder: Any, step:
         ddp = run.world > 1 and not run.sharded
         sync = run.train_model.no_sync() if ddp and i < len(micro) - 1 else contextlib.nullcontext()
         with sync:
-            with run.autocast():
+            with run.autocast(), gathered_logits_view(run.model, run.layout):
                 loss = causal_lm_loss(run.forward, mb.to(run.device, non_blocking=True))
             (loss / accum).backward()
         loss_sum += loss.detach()

@@ -14,6 +14,8 @@ import contextlib
 import math
 import random
 import sys
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,7 @@ from meqmuon.train.config import (
 )
 from meqmuon.train.parallel import Layout, check_layout, shard_model
 
-__all__ = ["Run", "WarmupCosine", "build_run", "device_of", "seed_all"]
+__all__ = ["Run", "WarmupCosine", "build_run", "check_device", "device_of", "seed_all"]
 
 
 class WarmupCosine:
@@ -114,6 +116,30 @@ def device_of(cfg: TrainConfig, local_rank: int) -> torch.device:
     return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def check_device(spec: str) -> None:
+    """``ValueError`` (one line) for a ``--device`` this process cannot use: a malformed name, CUDA on a
+    torch build without it or a machine without a GPU, a CUDA index past the visible devices, MPS
+    where it is absent. Checked before anything is written (torch's own error is an assertion deep
+    in the first tensor moved there)."""
+    if spec == "auto":
+        return
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {spec!r} is not a device name (auto, cpu, cuda, cuda:0, ...)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = (f"this torch ({torch.__version__}) is built without CUDA" if torch.version.cuda is None
+                   else "no CUDA GPU is visible to this process")
+            raise ValueError(f"--device {spec}: {why}; use --device cpu (or auto, which picks the GPU when there "
+                             "is one)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) are visible "
+                             f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {spec}: MPS is not available here; use --device cpu or auto")
+
+
 def seed_all(seed: int) -> None:
     """Seed Python's, NumPy's and torch's generators (the model's init and the data order follow)."""
     random.seed(seed)
@@ -137,10 +163,13 @@ def build_run(cfg: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
     if rank == 0:
         _warn_bf16(plan, device)
     data = _build_data(plan, rank, world, layout)
-    model = build_model(plan.model, vocab_size=_model_vocab(plan, data.tokenizer), seed=plan.seed, device=device,
+    vocab = _model_vocab(plan, data.tokenizer)
+    if rank == 0:
+        _note_vocab(plan, data.tokenizer, vocab)
+    model = build_model(plan.model, vocab_size=vocab, seed=plan.seed, device=device,
                         attention=attention_of(plan.precision, device, plan.seq_len))
     n_params = count_unique_params(model)
-    final = plan.for_model(unique_params=n_params, data_source=data.source)
+    final = plan.for_model(unique_params=n_params, data_source=data.source, vocab_size=model.config.vocab_size)
     if ckpt is not None and final.resume:
         _check_resume_config(ckpt["config"], final, ckpt_path)
     _check_capture(final, model)
@@ -248,19 +277,34 @@ def _restore_sharded(run: Run, ckpt: dict[str, Any], path: Path) -> None:
             plain.load_state_dict(ckpt["model"])
             opt.load_state_dict(ckpt["optimizer"])
             msd, osd = get_state_dict(plain, opt)
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(converted), no_dist=True)
+            with _dcp_in_one_process(True):
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(converted), no_dist=True)
         if run.world > 1:
             dist.barrier()
         source = converted
     msd, osd = get_state_dict(run.model, run.opt)  # templates: DCP loads into them in place
     state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=str(source))
+    with _dcp_in_one_process(not dist.is_initialized()):
+        dcp.load(state, checkpoint_id=str(source), no_dist=not dist.is_initialized())
     set_state_dict(run.model, run.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if converted is not None:
         if run.world > 1:
             dist.barrier()
         if run.is_main:
             shutil.rmtree(converted, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _dcp_in_one_process(alone: bool) -> Iterator[None]:
+    """Silence DCP's "assuming the intent is to load (save) in a single process" where that is the intent:
+    ``alone`` is true only when this process passes ``no_dist=True`` itself (one process resuming a sharded
+    checkpoint, or rank 0 converting a single-file one), and torch warns even then. Only that message."""
+    with warnings.catch_warnings():
+        if alone:
+            warnings.filterwarnings("ignore", category=UserWarning, message=(
+                r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to "
+                r"(load|save) in a single process"))
+        yield
 
 
 def _check_capture(cfg: ResolvedConfig, model: torch.nn.Module) -> None:
@@ -297,9 +341,25 @@ def _model_vocab(cfg: ResolvedConfig, tokenizer: Any) -> int:
     return tokenizer.vocab_size
 
 
+def _note_vocab(cfg: ResolvedConfig, tokenizer: Any, vocab: int) -> None:
+    """One line when the model's vocabulary is not the config's ``vocab_size`` (``--vocab-size`` or the
+    preset's): the data brought its own tokenizer (a prepared directory, a hub tokenizer), so the
+    embedding and head have another size than the preset's, and with them the parameter count and the
+    default run length. The model's own hub tokenizer is no news and says nothing."""
+    from meqmuon.train.models import get_spec
+
+    own = get_spec(cfg.model).tokenizer
+    if vocab != cfg.vocab_size and not (own is not None and tokenizer.name == own):
+        print(f"meqmuon: note: {cfg.model} is built with the data's vocabulary, {vocab:,} ids ({tokenizer.name}), "
+              f"not the {cfg.vocab_size:,} of its preset or --vocab-size; config.json records vocab_size {vocab}",
+              file=sys.stderr)
+
+
 def _check_resume_config(saved: dict[str, Any], cfg: ResolvedConfig, path: Path) -> None:
     mine = cfg.to_dict()
     for key in IDENTITY_KEYS:
+        if key == "vocab_size" and saved.get(key) == cfg.numerics.get("requested_vocab_size"):
+            continue  # a checkpoint written before config.json recorded the vocabulary as built
         if saved.get(key) != mine.get(key):
             hint = ""
             if key == "precision" or (key == "optimizer_args" and (saved.get(key) or {}).get("ns_dtype")

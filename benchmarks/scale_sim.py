@@ -1,0 +1,323 @@
+"""The optimizer at the scale users train, simulated on one CPU process: torch's fake process group stands
+for one rank of up to 1,024 (issue 47, item 5).
+
+Usage::
+
+    python benchmarks/scale_sim.py                                   # the issue's table (minutes)
+    python benchmarks/scale_sim.py --model llama3-405b --layout fsdp2 --ranks 1024 --layers 2
+    python benchmarks/scale_sim.py --model llama3-70b --layout fsdp2xtp --ranks 128x8 --sample-ranks 0,5,1023
+
+``dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=N)``: every collective is a no-op
+that returns at once and receives nothing, so a plan that needs data another rank sends cannot be made
+here (the simulator says so per layout: "not plannable on fake PG: <what failed, where>"; "step N fails on
+fake PG: ..." where the first step planned). The model is the transformers class of the real one
+(Llama-3 8B/70B/405B, a DeepSeek-V3-like MoE with 256 stacked experts),
+built on ``meta`` and sharded by torch's own APIs on a DeviceMesh of the fake group: FSDP2 (``fully_shard``
+per decoder layer and the root), FSDP2 over TP (torchtitan's TP plan, then FSDP2 over ``dp``), EP (stacked
+experts ``Shard(0)``, every other parameter ``Replicate()``). Gradients are zeros of each parameter's
+placements. With ``--device meta`` (the default) nothing is allocated at all: every op runs on shapes, so
+Newton-Schulz costs no time and its FLOPs are counted; ``--device cpu`` materialises the local shards only
+(``to_empty``) and computes for real (small models).
+
+Per simulated rank, from ``step_accounting``: the bytes of the third step's collectives against the floor,
+the collectives per step, what the optimizer holds after the step beyond its state, the step's transient
+peak (a counting allocator: every storage an op creates in the step, until freed; the same on ``meta`` as on
+a device), the time of the first step (which plans) and of the next (both unmetered; on ``meta`` they are the
+Python and dispatch overhead alone), and the owner load: the busiest
+simulated rank's Newton-Schulz FLOPs against ``max(total / ranks, largest matrix)`` (analytic,
+``newton_schulz.method_flops``). Each simulated rank runs in its own process; the largest peak resident memory
+(RSS) and the summed wall time of a configuration's are reported beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from step_accounting import StepMeter, floor_bytes, held_bytes  # noqa: E402
+
+#: Model shapes (transformers config keywords): Llama-3 (Meta's params.json) and DeepSeek-V3 (its config.json).
+MODELS = {
+    "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)),
+    "llama3-70b": ("llama", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                 num_attention_heads=64, num_key_value_heads=8, vocab_size=128256)),
+    "llama3-405b": ("llama", dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                                  num_attention_heads=128, num_key_value_heads=8, vocab_size=128256)),
+    "deepseek-v3": ("deepseek_v3", dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                                        num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256,
+                                        n_shared_experts=1, num_experts_per_tok=8, num_attention_heads=128,
+                                        num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                                        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                                        vocab_size=129280)),
+    "llama-tiny": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=256)),
+    "moe-tiny": ("deepseek_v3", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                     num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=8,
+                                     n_shared_experts=1, num_experts_per_tok=2, num_attention_heads=4,
+                                     num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                                     qk_nope_head_dim=8, v_head_dim=8, vocab_size=256)),
+}
+#: The issue's configurations: (model, layout, ranks).
+DEFAULT_RUNS = [
+    ("llama3-8b", "fsdp2", "256"), ("llama3-8b", "fsdp2", "1024"), ("llama3-8b", "fsdp2xtp", "128x8"),
+    ("llama3-70b", "fsdp2", "256"), ("llama3-70b", "fsdp2", "512"), ("llama3-70b", "fsdp2", "1024"),
+    ("llama3-70b", "fsdp2xtp", "128x8"),
+    ("llama3-405b", "fsdp2", "256"), ("llama3-405b", "fsdp2", "1024"), ("llama3-405b", "fsdp2xtp", "128x8"),
+    ("deepseek-v3", "fsdp2", "256"), ("deepseek-v3", "ep", "256"),
+]
+
+
+def build_model(name: str, layers: int | None):
+    """The model ``name`` on ``meta``, with ``layers`` decoder layers (all of them for ``None``)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    family, kw = MODELS[name]
+    kw = {**kw, "tie_word_embeddings": False}
+    if layers is not None:
+        kw["num_hidden_layers"] = layers
+    cfg = (LlamaConfig if family == "llama" else DeepseekV3Config)(**kw)
+    with torch.device("meta"):
+        return (LlamaForCausalLM if family == "llama" else DeepseekV3ForCausalLM)(cfg)
+
+
+def mesh_for(layout: str, ranks: str):
+    """The DeviceMesh of ``layout`` over the fake group: ``N`` ranks, or ``DPxTP`` for FSDP2 over TP."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if layout == "fsdp2xtp":
+        dp, tp = (int(x) for x in ranks.split("x"))
+        return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh("cpu", (world_of(ranks),), mesh_dim_names=(layout,))
+
+
+def world_of(ranks: str) -> int:
+    return math.prod(int(x) for x in ranks.split("x"))
+
+
+def hidden_ns_flops(opt) -> tuple[int, int]:
+    """(total, largest) Newton-Schulz FLOPs of the optimizer's hidden-kind matrices, whole (analytic: the
+    group's method's count, ``newton_schulz.method_flops``)."""
+    from meqmuon.optim.views import group_layout
+
+    try:
+        from meqmuon.optim.newton_schulz import method_flops
+    except ImportError:  # the optimizer before main's refactor (7fbad80): the quintic count, the only one then
+        from meqmuon.optim.newton_schulz import ns_flops
+
+        def method_flops(group: dict, m: int, n: int) -> int:
+            return ns_flops(m, n, group["ns_steps"])
+
+    total = largest = 0
+    for group in opt.param_groups:
+        if group.get("kind") != "hidden":
+            continue
+        names = group.get("names") or [f"params[{i}]" for i in range(len(group["params"]))]
+        for i, (p, name) in enumerate(zip(group["params"], names, strict=True)):
+            layout = group_layout(group, i, p.shape, name)
+            for m, n in layout.shapes():
+                f = method_flops(group, m, n)
+                total += f
+                largest = max(largest, f)
+    return total, largest
+
+
+def _fail_reason(exc: BaseException) -> str:
+    """The exception in one line with the innermost frame of ``meqmuon`` that raised it."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/meqmuon/" in f.filename]
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    text = str(exc).strip()
+    if "meta" in text:  # a data-dependent op: what the fake group's collectives return has no data
+        op = re.search(r"(torch\.[\w.]+\(\)|aten::\w+|\.item\(\)|\.tolist\(\))", text)
+        return f"the plan reads tensor data ({op.group(1) if op else 'a data-dependent op'} on meta){where}"
+    first = text.splitlines()[0].split(". ")[0][:120] if text else ""
+    return f"{type(exc).__name__}: {first}{where}"
+
+
+def simulate(model_name: str, layout: str, ranks: str, rank: int, *, layers: int | None, device: str,
+             optimizer: str = "meqmuon", ns_dtype: torch.dtype = torch.float32, foreach: bool = True) -> dict:
+    """One simulated rank: builds, shards, steps three times (the first two timed, the third metered).
+    Returns the measurements, or ``{"error": ...}`` where the optimizer cannot be planned or stepped on the
+    fake group."""
+    import torch.distributed as dist
+    from comm_bytes import expert_parallel, shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import meqmuon
+
+    world = world_of(ranks)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        t0 = time.perf_counter()
+        model = build_model(model_name, layers)
+        mesh = mesh_for(layout, ranks)
+        if layout == "ep":
+            expert_parallel(model, mesh)
+        else:
+            shard(model, layout, mesh)
+        if device != "meta":
+            model.to_empty(device=device)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt = meqmuon.build_optimizer(optimizer, model, foreach=foreach, ns_dtype=ns_dtype)
+        built = time.perf_counter() - t0
+        row = {"model": model_name, "layout": layout, "ranks": ranks, "rank": rank, "device": device,
+               "layers": model.config.num_hidden_layers, "build_s": built,
+               "floor": floor_bytes(opt, ns_dtype.itemsize)}
+        row["ns_total"], row["ns_largest"] = hidden_ns_flops(opt)
+        meter, times = StepMeter(), [time.perf_counter()]
+        try:
+            opt.step()  # plans, creates state
+            times.append(time.perf_counter())
+            opt.step()
+            times.append(time.perf_counter())
+            with meter:
+                opt.step()
+        except Exception as exc:  # noqa: BLE001 - what failed is the result
+            what = "not plannable on fake PG" if len(times) == 1 else f"step {len(times)} fails on fake PG"
+            return {**row, "error": f"{what}: {_fail_reason(exc)}"}
+        row.update(meter.summary(), first_step_s=times[1] - times[0], step_s=times[2] - times[1],
+                   held=held_bytes(opt))
+        return row
+    finally:
+        dist.destroy_process_group()
+
+
+def run_one(args: argparse.Namespace) -> dict:
+    """One configuration in this process, every sampled rank; adds wall time and peak RSS."""
+    t0 = time.perf_counter()
+    rows = [simulate(args.model, args.layout, args.ranks, r, layers=args.layers, device=args.device,
+                     optimizer=args.optimizer, ns_dtype=getattr(torch, args.ns_dtype),
+                     foreach=args.form == "batched")
+            for r in sample(args.sample_ranks, world_of(args.ranks))]
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"rows": rows, "wall_s": time.perf_counter() - t0, "rss": rss}
+
+
+def sample(spec: str, world: int) -> list[int]:
+    """The ranks to simulate: ``0,1,last`` style (``last`` = world - 1), deduplicated."""
+    out = []
+    for x in spec.split(","):
+        r = world - 1 if x == "last" else int(x)
+        if not 0 <= r < world:
+            raise SystemExit(f"scale_sim.py: error: --sample-ranks: rank {r} outside 0..{world - 1}")
+        if r not in out:
+            out.append(r)
+    return out
+
+
+def summarise(result: dict) -> dict:
+    """A table row from one configuration's sampled ranks: the first's accounting, the busiest owner; the
+    first error of any."""
+    rows = result["rows"]
+    r0 = rows[0]
+    out = {k: r0[k] for k in ("model", "layout", "ranks", "layers", "device")}
+    out.update(wall_s=result["wall_s"], rss=result["rss"], sampled=[r["rank"] for r in rows])
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        return {**out, "error": failed[0]["error"] + (f" (rank {failed[0]['rank']})" if failed[0]["rank"] else "")}
+    world = world_of(r0["ranks"])
+    out.update({k: r0[k] for k in ("sent", "received", "floor", "calls", "peak", "first_step_s", "step_s", "held")})
+    bound = max(r0["ns_total"] / world, r0["ns_largest"])
+    out["owner_load"] = max(r["flops"] for r in rows) / bound if bound else 0.0
+    return out
+
+
+def gib(x: float) -> str:
+    return f"{x / 2**30:.2f} GiB" if x >= 2**28 else f"{x / 2**20:.1f} MiB"
+
+
+def table(summaries: list[dict]) -> str:
+    lines = ["| model | layout | ranks | layers | sent / floor | collectives per step | state | held after step / "
+             "state | transient peak | first / next step s | owner load | sim wall s | sim RSS |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in summaries:
+        head = f"| {s['model']} | {s['layout']} | {s['ranks']} | {s['layers']} |"
+        tail = f" {s['wall_s']:.0f} | {gib(s['rss'])} |"
+        if "error" in s:
+            lines.append(f"{head} {s['error']} | | | | | | |{tail}")
+            continue
+        ratio = f"{s['sent'] / s['floor']:.2f}x ({gib(s['sent'])})" if s["floor"] else f"{gib(s['sent'])} (floor 0)"
+        calls = ", ".join(f"{k} {v}" for k, v in sorted(s["calls"].items())) or "none"
+        held = s["held"]
+        beyond = (f"{held['total'] / held['state']:.2f}x (+{gib(held['other'])})" if held["state"]
+                  else gib(held["other"]))
+        steps = f"{s['first_step_s']:.1f} / {s['step_s']:.1f}"
+        lines.append(f"{head} {ratio} | {calls} | {gib(held['state'])} | {beyond} | {gib(s['peak'])} | {steps} | "
+                     f"{s['owner_load']:.2f}x |{tail}")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), help="one configuration (with --layout, --ranks)")
+    parser.add_argument("--layout", choices=("fsdp2", "fsdp2xtp", "ep"))
+    parser.add_argument("--ranks", help="N, or DPxTP for fsdp2xtp")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
+    parser.add_argument("--device", default="meta", choices=("meta", "cpu"))
+    parser.add_argument("--optimizer", default="meqmuon")
+    parser.add_argument("--ns-dtype", default="float32")
+    parser.add_argument("--form", default="batched", choices=("batched", "per-tensor"))
+    parser.add_argument("--sample-ranks", default="0,1,last", help="ranks simulated (owner load: the busiest)")
+    parser.add_argument("--json", action="store_true", help="print the configuration's result as JSON")
+    return parser
+
+
+def _run_ranks(args: argparse.Namespace, model: str, layout: str, ranks: str) -> dict:
+    """:func:`run_one` of each sampled rank in a process of its own (a fresh fake group and mesh each);
+    their rows together, the wall times summed, the largest RSS."""
+    result: dict = {"rows": [], "wall_s": 0.0, "rss": 0}
+    for rank in sample(args.sample_ranks, world_of(ranks)):
+        cmd = [sys.executable, __file__, "--json", "--model", model, "--layout", layout, "--ranks", ranks,
+               "--device", args.device, "--optimizer", args.optimizer, "--ns-dtype", args.ns_dtype,
+               "--form", args.form, "--sample-ranks", str(rank)]
+        if args.layers is not None:
+            cmd += ["--layers", str(args.layers)]
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+        if done.returncode:
+            raise SystemExit(f"scale_sim.py: error: {model} {layout} {ranks} rank {rank} failed:\n"
+                             f"{done.stderr[-3000:]}")
+        one = json.loads(done.stdout.strip().splitlines()[-1])
+        result["rows"] += one["rows"]
+        result["wall_s"] += one["wall_s"]
+        result["rss"] = max(result["rss"], one["rss"])
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.json:
+        print(json.dumps(run_one(args)))
+        return 0
+    runs = [(args.model, args.layout, args.ranks)] if args.model else DEFAULT_RUNS
+    if args.model and not (args.layout and args.ranks):
+        parser.error("--model needs --layout and --ranks")
+    from meqmuon.precision import detect_cpu_capability
+
+    print(f"# fake process group, CPU {detect_cpu_capability()}, torch {torch.__version__}, device {args.device}, "
+          f"{args.optimizer} {args.form}, ns_dtype {args.ns_dtype}, ranks simulated {args.sample_ranks}")
+    summaries = []
+    for model, layout, ranks in runs:
+        summaries.append(summarise(_run_ranks(args, model, layout, ranks)))
+        print(table(summaries[-1:]).splitlines()[-1], flush=True)
+    print(table(summaries))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
