@@ -115,6 +115,12 @@ STATED: dict[str, Stated] = {
     "muoneq-r": Stated(distributed=frozenset({"tp", "tp-batched", "fsdp2-views"}), checks=frozenset({"views"})),
     "muoneq-c": Stated(checks=frozenset({"views"})),
     "muoneq-rc": Stated(checks=frozenset({"views"})),
+    # the 2026 field (issue 48; tests/test_presets_2026.py also runs each under DDP and FSDP2 itself)
+    "muon-plus": Stated(checks=frozenset({"views"})),
+    "muon-vs": Stated(checks=frozenset({"views"})),
+    "muonh": Stated(checks=frozenset({"views"})),
+    "aurora": Stated(checks=frozenset({"views"})),
+    "meqmuon-shape": Stated(transposes=True, checks=frozenset({"views"})),
 }
 
 

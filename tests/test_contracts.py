@@ -409,6 +409,8 @@ def test_micro_batches_equal_one_pass_over_the_global_batch(cache, tmp_path, nam
     args = {"ns_dtype": torch.float32} if CAPABILITIES[name].newton_schulz else {}
     if "eps" in meqmuon.valid_hyperparameters(name):
         args["eps"] = 1e-3
+    if "vs_eps" in meqmuon.valid_hyperparameters(name):  # Muon-VS divides by sqrt(V) + eps, as Adam does
+        args["vs_eps"] = 1e-3
     final, grads = {}, {}
 
     def record(opt, *_):

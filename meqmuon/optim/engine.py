@@ -288,7 +288,8 @@ class RoleOptimizer(Optimizer):
         (``add_param_group``) or live elsewhere (torchtitan builds one optimizer per pipeline stage, and a
         last stage may hold only the final norm and the head).
         """
-        ns = sorted(k for k, r in self._rules.items() if isinstance(r, HiddenRule))
+        ns = sorted(k for k, r in self._rules.items()
+                    if isinstance(r, HiddenRule) or (isinstance(r, SteppingRule) and r.orthogonalizes))
         if not ns:
             return  # no Newton-Schulz to miss (SCALE)
         seen: dict[str, list[tuple[int, ...]]] = {}
