@@ -6,6 +6,7 @@ Usage (one GPU)::
     python benchmarks/gpu.py --optimizer meqmuon --opt-compile        # also MeqMuon's compile=True kernels
     python benchmarks/gpu.py --optimizer meqmuon --ns-per-matrix      # NS matrix by matrix, not batched by shape
     python benchmarks/gpu.py --optimizer meqmuon --foreach off        # the per-tensor step (default on CUDA: batched)
+    python benchmarks/gpu.py --optimizer meqmuon --cuda-graph         # the step captured in a CUDA graph
     python benchmarks/gpu.py --tiny --device cpu --steps 3            # CPU smoke check of the script itself
 
 Model: ``--model``, a registry entry of ``meqmuon.train.models`` (default the paper's Llama-350M,
@@ -56,6 +57,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--optimizer", default="meqmuon", help="meqmuon, muon, normuon, adamw, ...")
     ap.add_argument("--opt-compile", action="store_true", help="MeqMuon compile=True")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="cuda_graph=True: the step captured in a CUDA graph (gradients kept in place: "
+                    "zero_grad(set_to_none=False))")
     ap.add_argument(
         "--ns-per-matrix", action="store_true",
         help="orthogonalise matrix by matrix (the CPU path) instead of one batched call per shape bucket",
@@ -79,6 +83,8 @@ def main(argv=None):
     torch.manual_seed(0)
     model, cfg = build(args.model, device)
     kw = {"compile": True} if args.opt_compile else {}
+    if args.cuda_graph:
+        kw["cuda_graph"] = True
     if args.optimizer != "adamw" or args.foreach != "auto":
         kw["foreach"] = {"auto": None, "on": True, "off": False}[args.foreach]
     if args.ns_per_matrix:
@@ -113,7 +119,7 @@ def main(argv=None):
         opt.step()
         if cuda:
             ev1.record()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=not args.cuda_graph)
         sync()
         t2 = time.perf_counter()
         if step >= args.warmup:
@@ -127,6 +133,7 @@ def main(argv=None):
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(
         f"| {args.model} | {args.optimizer}{' (compile)' if args.opt_compile else ''}"
+        f"{f' (cuda graph, {opt._graphed.captures} captures)' if args.cuda_graph else ''}"
         f"{' (NS per matrix)' if args.ns_per_matrix else ''} foreach={args.foreach} | "
         f"{name} | {args.batch}x{args.seq} | {st * 1e3:.1f} ms | {tok_s:,.0f} tok/s | MFU {mfu:.1%} | "
         f"optimizer {ot * 1e3:.1f} ms ({ot / st:.0%}) | loss {loss.item():.3f} |"

@@ -1,21 +1,19 @@
 #!/bin/bash
-# Every GPU check and benchmark in one call, for a lent GPU (device time is scarce: one prepared call).
-# Run from the repo root on the GPU machine; writes OUT/gpu.log (all output, one file: the device tool
-# brings back at most 8).
-# Each part has its own time limit, and a failing part does not stop the others. The parts, in order
-# of what only a GPU can tell us:
-#   1. tests/test_cuda.py and the CUDA test of test_inputs.py: the batched CUDA default against the
-#      per-tensor and CPU steps, no host-device sync (cuda sync debug mode), compile=True on CUDA;
-#   2. benchmarks/step_time.py on cuda at Llama-60M shapes (against torch Muon+AdamW), with MeqMuon's
-#      Newton-Schulz variants (quintic, gram, Polar Express 4);
-#   3. benchmarks/gpu.py: Llama-350M training tokens/s, MFU and optimizer share (batched, per-tensor,
-#      compile=True), then Llama-60M tokens/s (the horizon comparison's GPU budget);
-#   4. `meqmuon train` end to end on cuda (harness, bf16 autocast, --compile) on the built-in corpus;
-#   5. step_time.py at Llama-350M shapes; 6. benchmarks/ns_methods.py on cuda in bf16 (Gram, quintic).
-# usage: OUT=/some/dir bash benchmarks/gpu_all.sh [PEAK_TFLOPS]   (989: H100 SXM; H200 the same chip)
+# Issue 49's measurements in one call on a lent GPU, at most ~6 minutes: writes OUT/gpu.log (one file; the
+# device tool brings back at most 8). Each part has its own time limit, and a failing part does not stop the
+# others. In order of what only a GPU can tell us:
+#   1. tests/test_cuda.py, tests/test_cuda_graph.py and the CUDA tests of test_inputs.py and test_state_dtypes.py:
+#      the batched CUDA default against the per-tensor and CPU steps, no host-device sync, compile=True equal to
+#      eager (float64, 1e-10: Muon, NorMuon, MeqMuon), cuda_graph=True equal to the eager batched step;
+#   2. benchmarks/step_time.py at Llama-60M and Llama-350M shapes: MeqMuon, Muon, NorMuon with and without
+#      cuda_graph, the Newton-Schulz switches (symmetric products), the FLOP floor, per-round medians and
+#      paired ratios (MeqMuon / Muon with the same flags, every row / floor);
+#   3. compile=True warm-up at Llama-60M and Llama-350M (capped; per graph as it compiles);
+#   4. benchmarks/gpu.py: a short Llama-60M training comparison, eager against cuda_graph=True.
+# usage (repo root): OUT=/some/dir bash benchmarks/gpu_all.sh [PEAK_TFLOPS]   (989: H100 SXM; H200 the same chip)
 set -u
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"; PEAK=${1:-989}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 PY=${PY:-python3}
 log=$OUT/gpu.log
 part() {  # NAME LIMIT_S COMMAND...
@@ -26,15 +24,18 @@ part() {  # NAME LIMIT_S COMMAND...
   echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - t0)) s" | tee -a "$log"
 }
 { nvidia-smi -L; $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"; git rev-parse --short HEAD 2>/dev/null; } >> "$log" 2>&1
+SWITCHES=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import step_time; print(*sorted(step_time.SWITCHES))" 2>/dev/null)
 
-part tests 100 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py "tests/test_inputs.py::test_a_cuda_tensor_lr_is_refused"
-part step60 45 $PY benchmarks/step_time.py --device cuda --model llama-60m --ns-variants quintic gram quintic:4:polar_express
-part train350 200 bash -c "for a in '--optimizer adamw' '--optimizer muon' '--optimizer meqmuon' \
-  '--optimizer meqmuon --foreach off' '--optimizer normuon' '--optimizer meqmuon --opt-compile'; do
-  $PY benchmarks/gpu.py --peak-tflops $PEAK --steps 20 \$a; done"
-part train60 45 bash -c "for a in adamw meqmuon; do $PY benchmarks/gpu.py --model llama-60m --batch 64 --peak-tflops $PEAK --steps 20 --optimizer \$a; done"
-part harness 75 $PY -m meqmuon train --model llama-60m --data builtin --optimizer meqmuon --steps 50 --global-batch 32 \
-  --micro-batch 32 --seq-len 256 --val-tokens 16384 --eval-every 50 --compile --device cuda --out /tmp/harness-run
-part step350 40 $PY benchmarks/step_time.py --device cuda --model llama-350m --optimizers meqmuon muon
-part ns 30 $PY benchmarks/ns_methods.py --device cuda --dtype bfloat16 --models llama-60m,llama-350m --methods quintic,gram
+part tests 125 $PY -m pytest -q -p no:cacheprovider -rs --durations=6 tests/test_cuda.py::test_cuda_compile_equals_eager \
+  tests/test_cuda_graph.py tests/test_cuda.py::test_cuda_step_makes_no_host_device_sync \
+  tests/test_cuda.py::test_cuda_batched_default_equals_per_tensor_and_cpu "tests/test_inputs.py::test_a_cuda_tensor_lr_is_refused"
+part state 35 $PY -m pytest -q -p no:cacheprovider tests/test_state_dtypes.py -k cuda
+part step60 40 $PY benchmarks/step_time.py --device cuda --model llama-60m --optimizers meqmuon muon normuon \
+  --cuda-graph ${SWITCHES:+--switches $SWITCHES} --repeats 9
+part step350 50 $PY benchmarks/step_time.py --device cuda --model llama-350m --optimizers meqmuon muon normuon \
+  --cuda-graph ${SWITCHES:+--switches $SWITCHES} --repeats 7
+part warmup60 35 $PY benchmarks/gpu_diag_warmup.py --model llama-60m --cap 32
+part warmup350 45 $PY benchmarks/gpu_diag_warmup.py --model llama-350m --cap 42
+part train60 25 bash -c "for a in '' '--cuda-graph'; do $PY benchmarks/gpu.py --model llama-60m --batch 16 \
+  --no-compile --steps 15 --warmup 3 --peak-tflops $PEAK --optimizer meqmuon \$a; done"
 echo "=== done $(date -u +%T)" >> "$log"

@@ -38,10 +38,12 @@ LAYERS: list[list[str]] = [
     ["optim.sharded"],  # FSDP2 owners: row shards to whole matrices and back, the body given
     ["optim.driver"],  # HiddenRule, stacks, the seam (pre -> NS -> post), the eager forms
     ["optim.compiled", "optim.exchange", "optim.placement"],  # compiled forms; the owner path's step; paths
-    ["optim.rules.adam", "optim.rules.scale", "optim.rules.muon", "optim.rules.meqmuon", "optim.rules.normuon"],
+    ["optim.rules.adam", "optim.rules.scale", "optim.rules.muon", "optim.rules.meqmuon", "optim.rules.normuon",
+     "optim.rules.muonplus", "optim.rules.aurora", "optim.rules.meq_shape", "optim.rules.whole_matrix"],
     ["optim.rules"],
+    ["optim.cuda_graph"],  # cuda_graph=True: the captured step (the engine hands its step over)
     ["optim.engine", "optim.memory"],
-    ["optim.presets"],
+    ["optim.presets", "optim.presets_2026"],  # the 2026 field's presets subclass presets' (issue 48)
     ["optim.registry"],
     ["optim.factory"],
     ["optim"],

@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import MODELS, model_shapes  # noqa: E402
 
 import meqmuon  # noqa: E402
+from meqmuon import orthogonalization  # noqa: E402
 from meqmuon.functional import NS_STEPS  # noqa: E402
 from meqmuon.optim.newton_schulz import ns_flops  # noqa: E402
 from meqmuon.precision import detect_cpu_capability, resolve_ns_dtype  # noqa: E402
@@ -54,6 +56,16 @@ def make_params(shapes, device, dtype=torch.float32, seed=0):
         for p in ps:
             p.grad = torch.randn_like(p)
     return params
+
+
+def clone_params(params):
+    """A copy of :func:`make_params`' result (parameters and gradients), made on their device: at Llama-350M
+    shapes drawing the values again on the CPU took seconds per optimizer."""
+    out = {k: [nn.Parameter(p.detach().clone()) for p in ps] for k, ps in params.items()}
+    for ps, qs in zip(params.values(), out.values(), strict=True):
+        for p, q in zip(ps, qs, strict=True):
+            q.grad = p.grad.clone()
+    return out
 
 
 def groups_of(params):
@@ -116,9 +128,43 @@ def build(name, params, ns_dtype=torch.bfloat16, **hparams):
         return TorchMuonAdamW(params, ns_dtype=ns_dtype)
     if name == "torch AdamW":
         return torch.optim.AdamW(all_params, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
-    base, _, flag = name.partition(" ")
-    kw = {"compile": True} if flag == "(compile)" else {}
-    return meqmuon.build_optimizer(base, groups_of(params), lr=1e-3, ns_dtype=ns_dtype, **kw, **hparams)
+    base, flags = split_name(name)
+    kw = {k: True for k, flag in (("compile", "compile"), ("cuda_graph", "cuda graph")) if flag in flags}
+    opt = meqmuon.build_optimizer(base, groups_of(params), lr=1e-3, ns_dtype=ns_dtype, **kw, **hparams)
+    switches = [SWITCHES[f] for f in flags if f in SWITCHES]
+    return Switched(opt, switches) if switches else opt
+
+
+def split_name(name):
+    """``"meqmuon (compile, cuda graph)"`` -> ``("meqmuon", ("compile", "cuda graph"))``."""
+    base, _, flag = name.partition(" (")
+    return base, tuple(f.strip() for f in flag.rstrip(")").split(",")) if flag else ()
+
+
+def _symmetric_ns(on: bool, default=orthogonalization.SYMMETRIC_STACK_MIN) -> None:
+    """The batched Newton-Schulz's block-symmetric products from k = 512 (every bucket of the Llama models)."""
+    orthogonalization.SYMMETRIC_STACK_MIN = 512 if on else default
+
+
+#: Row flags that switch a module-level setting on around each step of their optimizer (an A/B in one run):
+#: ``name -> function(on: bool)``.
+SWITCHES: dict[str, Callable[[bool], None]] = {"symmetric-ns": _symmetric_ns}
+
+
+class Switched:
+    """An optimizer whose ``step`` runs with the ``switches`` on (and off again after)."""
+
+    def __init__(self, opt, switches):
+        self.opt, self.switches = opt, switches
+
+    def step(self):
+        for s in self.switches:
+            s(True)
+        try:
+            self.opt.step()
+        finally:
+            for s in self.switches:
+                s(False)
 
 
 def parse_variant(text):
@@ -193,6 +239,11 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="also time MeqMuon with compile=True")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="also time each of meqmuon, muon, normuon chosen with cuda_graph=True (and MeqMuon's "
+                    "compile=True row with it, with --compile)")
+    ap.add_argument("--switches", nargs="+", default=[], choices=sorted(SWITCHES),
+                    help="also time meqmuon and muon with each of these settings on (an A/B in the same rounds)")
     ap.add_argument("--ns-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="Newton-Schulz dtype of every optimizer and of the floor (auto: bf16 where native)")
     ap.add_argument(
@@ -219,15 +270,31 @@ def main(argv=None):
     names = [n for n in ALL_OPTIMIZERS if n in args.optimizers or n == "torch Muon+AdamW"]
     if args.compile and "meqmuon" in names:
         names.insert(1, "meqmuon (compile)")
+    if args.cuda_graph:
+        names += [f"{n} (cuda graph)" for n in ("meqmuon", "muon", "normuon") if n in names]
+        if args.compile and "meqmuon" in names:
+            names.append("meqmuon (compile, cuda graph)")
+    names += [f"{n} ({s})" for s in args.switches for n in ("meqmuon", "muon") if n in names]
     variants = dict(parse_variant(v) for v in args.ns_variants)
     names += [n for n in variants if n not in names]
     opts = {}
     params = {}
-    for name in names:
-        params[name] = make_params(shapes, device)
-        opts[name] = build("meqmuon" if name in variants else name, params[name], ns_dtype, **variants.get(name, {}))
-        for _ in range(args.warmup):
-            opts[name].step()
+    first = None
+    for name in list(names):
+        params[name] = make_params(shapes, device) if first is None else clone_params(first)
+        first = first or params[name]
+        try:
+            opts[name] = build("meqmuon" if name in variants else name, params[name], ns_dtype,
+                               **variants.get(name, {}))
+            for _ in range(args.warmup):
+                opts[name].step()
+        except Exception as e:  # an opt-in row (cuda graph, a switch) that fails is named, the others are timed
+            if name == "torch Muon+AdamW":
+                raise
+            print(f"- {name}: left out, {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            names.remove(name)
+            opts.pop(name, None)
+            del params[name]
     floor_calls, flops = floor_work(shapes["hidden"], device, ns_dtype)
     for fn in floor_calls.values():
         fn()
@@ -279,6 +346,12 @@ def main(argv=None):
             + (f"{floor / med[n]:.0%}" if has_ns else "-")
             + f" | {paired(n, times['torch Muon+AdamW'])} | {paired(n, round_floor)} |"
         )
+    # MeqMuon against Muon with the same flags, per round (issue 49's targets: <= 1.05x at Llama-350M, 1.1x at 60M)
+    for n in names:
+        base, flags = split_name(n)
+        twin = "muon" + (f" ({', '.join(flags)})" if flags else "")
+        if base == "meqmuon" and twin in times and n not in variants:
+            lines.append(f"- {n} / {twin}, per round: {paired(n, times[twin])}")
     print("\n".join(lines))
 
 

@@ -29,6 +29,7 @@ and the rest keep working.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -304,6 +305,19 @@ def adaptive_normalize(u: Tensor, delta: float = DELTA, rho: float = 1.0) -> tup
 COL_BLOCK = 128
 
 
+def _eq8_values(lengths: tuple[tuple[float, float], ...], delta: float, rho: float) -> list:
+    return [[[delta * r, rho * r, 1.0], [delta * c, rho * c, 0.0]] for r, c in lengths]
+
+
+@functools.lru_cache(maxsize=64)
+def _eq8_constants(lengths: tuple[tuple[float, float], ...], delta: float, rho: float, device: torch.device,
+                   dtype: torch.dtype) -> Tensor:
+    """:func:`adaptive_normalize_stacks`' constants, made once per shapes and values and kept (read only): a
+    step then copies nothing from the host, which a CUDA graph capture forbids (``cuda_graph=True``: "Cannot
+    copy between CPU and CUDA tensors during CUDA graph capture", an H100) and which costs a launch."""
+    return on_device(_eq8_values(lengths, delta, rho), device, dtype)
+
+
 def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
                               rho: float = 1.0) -> tuple[list[Tensor], Tensor]:
     """Eq. 8 of every matrix of several stacks ``(k_i, m_i, n_i)`` at once, in a fixed number of kernels.
@@ -325,7 +339,8 @@ def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
     lengths = [(math.sqrt(n), math.sqrt(m)) for k, m, n in shapes for _ in range(k)]
     # One host-to-device copy for the three (K, 2, 1) constants: the zero thresholds, the factors' numerators
     # and which slot holds the rows (1.0, else 0.0; compared with the bool choice below, promoted).
-    consts = on_device([[[delta * r, rho * r, 1.0], [delta * c, rho * c, 0.0]] for r, c in lengths], device, dtype)
+    consts = (on_device(_eq8_values(tuple(lengths), delta, rho), device, dtype) if torch.compiler.is_compiling()
+              else _eq8_constants(tuple(lengths), delta, rho, device, dtype))
     threshold, factor, row_slot = consts[..., :1], consts[..., 1:2], consts[..., 2:]
     # CPU: U is cast once into a float32 copy (a bf16 U: Newton-Schulz's output where the CPU runs bf16
     # natively), which gives the row norms, the column sums of squares block by block (COL_BLOCK rows) and
@@ -431,6 +446,9 @@ def decay_and_update_(
         return
     lrs = lr if isinstance(lr, Sequence) else [lr] * len(params)
     wds = weight_decay if isinstance(weight_decay, Sequence) else [weight_decay] * len(params)
+    if lrs and isinstance(lrs[0], Tensor):  # cuda_graph=True: each group's 0-D device tensors (optim/cuda_graph.py)
+        _decay_and_update_on_device(params, directions, lrs, wds, scales)
+        return
     decays: dict[float, list[Tensor]] = {}
     adds: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
     for p, d, lr_p, wd_p, s in zip(params, directions, lrs, wds, scales, strict=True):
@@ -446,3 +464,21 @@ def decay_and_update_(
             torch._foreach_add_(ps, ds, alpha=alpha)
         else:
             torch._foreach_addcmul_(ps, ds, [col] * len(ds), value=alpha)
+
+
+def _decay_and_update_on_device(params: Sequence[Tensor], directions: Sequence[Tensor], lrs: Sequence[Tensor],
+                                wds: Sequence[Tensor | float], scales: Sequence[float]) -> None:
+    """:func:`decay_and_update_` with per-parameter 0-D tensor ``lr`` (and ``weight_decay``, or a number 0:
+    no decay), one tensor per param group: one decay kernel per group, one scaled add per group and ``s``."""
+    decays: dict[tuple[int, int], tuple[Tensor, Tensor | float, list[Tensor]]] = {}
+    adds: dict[tuple[int, float], tuple[Tensor, float, list[Tensor], list[Tensor]]] = {}
+    for p, d, lr_p, wd_p, s in zip(params, directions, lrs, wds, scales, strict=True):
+        if isinstance(wd_p, Tensor) or wd_p != 0:
+            decays.setdefault((id(lr_p), id(wd_p)), (lr_p, wd_p, []))[2].append(p)
+        entry = adds.setdefault((id(lr_p), s), (lr_p, s, [], []))
+        entry[2].append(p)
+        entry[3].append(d)
+    for lr_p, wd_p, ps in decays.values():
+        torch._foreach_mul_(ps, 1 - lr_p * wd_p)
+    for lr_p, s, ps, ds in adds.values():
+        torch._foreach_add_(ps, torch._foreach_mul(ds, -(lr_p * s)))

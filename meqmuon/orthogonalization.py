@@ -21,8 +21,8 @@ from torch import Tensor
 __all__ = [
     "NS_COEFFICIENTS", "NS_EPS", "NS_SCHEDULES", "NS_STEPS", "POLAR_EXPRESS", "POLAR_EXPRESS_SAFETY",
     "POLAR_EXPRESS_SPEEDRUN", "Coefficients", "canonical_coefficients", "ns_schedule", "orthogonalize",
-    "orthogonalize_stack", "ns_step", "SYMMETRIC_MIN", "GRAM_RESTARTS", "gram_orthogonalize", "aol_orthogonalize",
-    "CUBIC5", "cubic_schedule", "cubic_orthogonalize",
+    "orthogonalize_stack", "ns_step", "SYMMETRIC_MIN", "SYMMETRIC_STACK_MIN", "GRAM_RESTARTS", "gram_orthogonalize",
+    "aol_orthogonalize", "CUBIC5", "cubic_schedule", "cubic_orthogonalize",
 ]
 
 #: Quintic Newton-Schulz coefficients (a, b, c) of Jordan et al. (2024), used by Moonlight,
@@ -289,11 +289,40 @@ def orthogonalize_stack(
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
     X.div_((norm if scale == 1.0 else norm.mul_(scale)).clamp_(min=eps))
     tall = X.shape[-2] > X.shape[-1]
+    symmetric = SYMMETRIC_STACK_MIN is not None and min(X.shape[-2:]) >= SYMMETRIC_STACK_MIN
     for a, b, c in coefficients:
-        A = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        if symmetric:
+            A = _symmetric_baddbmm(None, X.mT, X) if tall else _symmetric_baddbmm(None, X, X.mT)
+            B = _symmetric_baddbmm(A, A, A, beta=b, alpha=c)
+        else:
+            A = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
     return X
+
+
+#: A stack's symmetric products ``A = X X^T`` and ``bA + cA^2`` by blocks (:func:`_symmetric_baddbmm`, 3/4 of
+#: their FLOPs, two more launches and a mirror copy each) from this Gram size ``k`` on; ``None``: the plain
+#: batched products. Off until a GPU run shows it faster (``benchmarks/step_time.py --switches symmetric-ns``
+#: times both in the same rounds; issue 49), as ``SYMMETRIC_MIN`` was measured on CPU.
+SYMMETRIC_STACK_MIN: int | None = None
+
+
+def _symmetric_baddbmm(C: Tensor | None, L: Tensor, R: Tensor, *, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """``beta C + alpha L R`` for a stack whose products are symmetric (``C`` symmetric, or ``None`` for
+    ``L R``), :func:`_symmetric_addmm` batched: the top block rows, the bottom-right block, the bottom-left
+    block mirrored. Each computed entry is the same dot product as in the full product."""
+    k = L.shape[-2]
+    h = k // 2
+    out = torch.empty((L.shape[0], k, k), dtype=L.dtype, device=L.device)
+    if C is None:
+        torch.bmm(L[:, :h], R, out=out[:, :h])
+        torch.bmm(L[:, h:], R[..., h:], out=out[:, h:, h:])
+    else:
+        torch.baddbmm(C[:, :h], L[:, :h], R, beta=beta, alpha=alpha, out=out[:, :h])
+        torch.baddbmm(C[:, h:, h:], L[:, h:], R[..., h:], beta=beta, alpha=alpha, out=out[:, h:, h:])
+    out[:, h:, :h].copy_(out[:, :h, h:].mT)
+    return out
 
 
 #: Iterations before which Gram Newton-Schulz restarts (``X <- Q X``, ``R = X X^T``, ``Q = I``): after

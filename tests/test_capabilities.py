@@ -45,7 +45,8 @@ def test_derived_columns_agree_with_the_library():
     assert having("compile") == having("batched-compile") == ENGINE  # every optimizer takes compile=True
     assert all(c.forms == () for n, c in CAPABILITIES.items() if n not in ENGINE)
     assert all({"per-tensor", "batched"} <= set(c.forms) <= set(FORMS) for n, c in CAPABILITIES.items() if c.engine)
-    assert ONE_PER_HIDDEN_RULE == ["muon", "normuon", "meqmuon", "muoneq-r"]
+    assert ONE_PER_HIDDEN_RULE == ["muon", "normuon", "meqmuon", "muoneq-r", "muon-plus", "muon-vs", "muonh", "aurora",
+                                   "meqmuon-shape"]
     # every MuonEq preset has its mode in the references
     assert [n for n, c in CAPABILITIES.items() if c.rules["hidden"] == "muoneq_hidden"] == list(MUONEQ_MODE)
     hidden = [CAPABILITIES[n].rules["hidden"] for n in ONE_PER_HIDDEN_RULE]
@@ -69,14 +70,14 @@ def test_stated_columns_use_known_words_and_agree_with_each_other():
             assert s.ddp_gathers == (3 if s.transposes else 4) + equilibrated, name
         # MeqMuon's and Muon's hidden rules are transpose-equivariant; NorMuon's per-row second moment,
         # MuonEq's R/C, SCALE's rows and AdamW's elementwise state are not (or need no buckets).
-        assert s.transposes == (c.rules["hidden"] in ("meq_hidden", "moonlight_hidden")), name
+        assert s.transposes == (c.rules["hidden"] in ("meq_hidden", "moonlight_hidden", "meq_shape_hidden")), name
     assert ddp_gathers() == {"muon": 3, "normuon": 4, "meqmuon": 4}
     assert runs("ddp", "ddp-compile") == ["muon", "normuon", "meqmuon", "meqmuon+compile"]
     assert runs("experts-fsdp2", "experts-fsdp2-batched") == ["muon+foreach", "normuon", "meqmuon"]
 
 
 #: The rule families' test files, each holding its optimizers' float64 reference test (``CASES``).
-FAMILIES = ("test_meqmuon", "test_muon", "test_normuon", "test_scale", "test_adamw")
+FAMILIES = ("test_meqmuon", "test_muon", "test_normuon", "test_scale", "test_adamw", "test_presets_2026")
 
 
 def test_the_rule_families_run_every_optimizer_in_every_form():

@@ -514,3 +514,67 @@ def test_model_built_with_the_data_vocabulary_says_so_and_records_it(cache, tmp_
     assert config["vocab_size"] == 512 and config["numerics"]["requested_vocab_size"] == 1280
     assert main(argv) == 0
     assert "meqmuon: reused 1 finished run(s)" in capsys.readouterr().err
+
+
+def test_unreachable_hub_is_one_line_in_seconds_and_writes_nothing(cache, tmp_path, capsys, monkeypatch):
+    """An offline machine: a hub tokenizer that is not cached, and ``--data c4`` (with a local tokenizer),
+    fail with one line naming what to do instead, without the hub library's minute of retries and its
+    22 warning lines (issue 46). HF_ENDPOINT points at a closed local port, so nothing leaves the machine."""
+    import logging
+
+    from meqmuon.train import hub
+    from meqmuon.train.tokenizer import train_bpe
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    loggers = [logging.getLogger(name) for name in hub.RETRY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+    data = tmp_path / "a.jsonl"
+    data.write_text(json.dumps({"text": "one document"}) + "\n")
+    tok_dir = tmp_path / "tok"
+    train_bpe(["some text to learn a few merges from"] * 4, vocab_size=300).save(tok_dir)
+    cache_dir = tmp_path / "cache"
+    try:
+        for extra, needle in (
+            (["--data", str(data), "--tokenizer", "meqmuon-tests/no-such-tokenizer"],
+             "cannot load tokenizer 'meqmuon-tests/no-such-tokenizer': it is not in the Hugging Face cache and the "
+             "Hugging Face hub cannot be reached (http://127.0.0.1:9 is unreachable: "),
+            (["--data", "c4", "--tokenizer", str(tok_dir)],
+             "--data c4 streams allenai/c4 from the hub, but the Hugging Face hub cannot be reached"),
+        ):
+            argv = small(str(cache_dir), tmp_path / "run", *extra)
+            assert main(argv) == 1
+            line = one_error_line(capsys)
+            assert needle in line and "offline: use --data builtin or --data pysrc" in line, line
+            assert not (tmp_path / "run").exists() and not cache_dir.exists()  # nothing was created
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+    assert records == []  # no "'...' thrown while requesting" / "Retrying in 1s [Retry 1/5]." lines
+    assert [lg.level for lg in loggers] == levels  # silenced only around the hub call, never globally
+
+
+def test_quiet_retries_silences_the_hub_retry_loggers_only_inside():
+    import logging
+
+    from meqmuon.train import hub
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    lg = logging.getLogger(hub.RETRY_LOGGERS[0])
+    lg.addHandler(handler)
+    try:
+        with hub.quiet_retries():
+            lg.warning("Retrying in 1s [Retry 1/5].")
+        assert records == []
+        lg.warning("Retrying in 2s [Retry 2/5].")
+        assert [r.getMessage() for r in records] == ["Retrying in 2s [Retry 2/5]."]
+    finally:
+        lg.removeHandler(handler)

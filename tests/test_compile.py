@@ -113,10 +113,10 @@ def test_compile_flag_is_validated():
 
 
 def test_batched_compile_is_one_graph_per_bucket_and_never_recompiles():
-    """``compile=True`` with ``foreach=True``: each bucket's whole step (momentum to update) is one
-    fullgraph graph; TinyNet has 5 buckets (two hidden, the embedding with the head, two vector
-    shapes), so 5 graphs, and 100 steps of an LR schedule (weight decay changing too) add none. The
-    result equals the eager batched step to 1e-5 (float32; inductor fuses the same expressions)."""
+    """``compile=True`` with ``foreach=True``: each bucket's directions (``pre -> NS -> post`` of its stack; momentum
+    and update run eagerly around it) are one fullgraph graph; TinyNet has 5 buckets (two hidden, the embedding
+    with the head, two vector shapes), so 5 graphs, and 100 steps of an LR schedule (weight decay changing too)
+    add none. The result equals the eager batched step to 1e-5 (float32; inductor fuses the same expressions)."""
     from torch._dynamo.utils import counters
 
     from meqmuon.optim import compiled as C

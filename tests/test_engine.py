@@ -321,6 +321,11 @@ def test_optimizer_state_bytes_matches_rule_counts():
         "meqmuon-only-vector": (n_h + 2 * (sizes["embedding"] + sizes["head"]) + sizes["vector"]) * 4,
         "scale": (sizes["head"] + 2 * sizes["vector"]) * 4,
         **{name: (n_h + 2 * n_a) * 4 for name in MUONEQ_MODE},  # Muon's state
+        # the 2026 field (issue 48): Muon's state, Muon-VS with one variance per hidden element besides
+        # the momentum; meqmuon-shape has MeqMuon's (its side is fixed by shape: no selection counts)
+        **{name: (n_h + 2 * n_a) * 4 for name in ("muon-plus", "muonh", "aurora")},
+        "muon-vs": (2 * n_h + 2 * n_a) * 4,
+        "meqmuon-shape": n * 4,
     }
     for name in ALL:
         opt = meqmuon.build_optimizer(name, model, lr=1e-3)

@@ -284,3 +284,18 @@ def test_owners_are_balanced_by_the_running_method_flops(method):
     assert NS_METHODS[method].flops(24, 64, 5) != ns_flops(24, 64, 5)
     if method == "cubic":
         assert driver.cost(rule, w.shape, group) == 5 * 4 * 24 * 24 * 64 + elementwise
+
+
+@pytest.mark.parametrize("shape", [(3, 6, 10), (3, 10, 6), (2, 7, 7)])
+def test_symmetric_stack_products_equal_the_plain_ones(shape, monkeypatch):
+    """``SYMMETRIC_STACK_MIN`` (the batched form's switch, off by default): the block-symmetric products give
+    the plain iteration's result (float64; each entry the same dot product, rounding only), tall, wide, odd k."""
+    from meqmuon import orthogonalization as O
+
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    plain = O.orthogonalize_stack(x)
+    monkeypatch.setattr(O, "SYMMETRIC_STACK_MIN", 2)
+    blocks = O.orthogonalize_stack(x)
+    assert torch.allclose(blocks, plain, rtol=0, atol=1e-12), (blocks - plain).abs().max()
+    A = O._symmetric_baddbmm(None, x, x.mT)
+    assert torch.equal(A, A.mT) and torch.allclose(A, x @ x.mT, atol=1e-12)

@@ -88,8 +88,11 @@ def test_the_other_tables_are_read_from_the_registry(monkeypatch, tmp_path):
     assert {n: s.demo_lr for n, s in REGISTRY.items()} == {
         "adamw": 3e-3, "muon": 1e-2, "normuon": 3e-2, "scale": 1e-2, "meqmuon": 3e-2, "meqmuon-only-hidden": 1e-2,
         "meqmuon-only-embedding": 1e-2, "meqmuon-only-vector": 1e-2, "muoneq-r": 2e-2, "muoneq-c": 1e-2,
-        "muoneq-rc": 1e-2}
-    assert {n: s.default_lr for n, s in REGISTRY.items()} == {n: (1e-3 if n == "adamw" else 2e-3) for n in REGISTRY}
+        "muoneq-rc": 1e-2, "muon-plus": 4e-2, "muon-vs": 1e-2, "muonh": 2e-2, "aurora": 2e-2, "meqmuon-shape": 3e-2}
+    # the 2026 presets (issue 48) take their own code's lrs where their step has another scale than Muon's
+    own = {"muon-plus": 4e-2, "muonh": 2e-2, "aurora": 2e-2}
+    assert {n: s.default_lr for n, s in REGISTRY.items()} == {
+        n: own.get(n, 1e-3 if n == "adamw" else 2e-3) for n in REGISTRY}
     # defaults of the functions and commands
     assert inspect.signature(ablation.run_ablation).parameters["optimizers"].default is ABLATION_NAMES
     for fn in (memory.memory_mib, memory.measure_state_bytes):

@@ -1,10 +1,13 @@
-"""``compile=True``: the driver's two forms with a bucket's step, momentum to update, compiled once.
+"""``compile=True``: the driver's two forms with a bucket's directions compiled once.
 
 The forms (:func:`compiled_per_tensor`, :func:`compiled_batched`, chosen by the engine's ``step`` as the
 eager ``driver.per_tensor`` and ``driver.batched`` are) decide what runs where (DDP slices, FSDP2 owners)
 and call the graphs: :func:`hidden_step` (a hidden rule's bucket: the seam's own body,
-:func:`meqmuon.optim.driver.directions`, wrapped with momentum and the update), :func:`elementwise_step`
-(an elementwise rule's ``direction`` of a stack likewise) and :func:`owner_directions` (FSDP2 owners).
+:func:`meqmuon.optim.driver.directions`; per-tensor with the update inside, batched on the bucket's stack with
+momentum, the stack and the update eagerly around it), :func:`elementwise_step` (an elementwise rule's
+``direction`` of a stack) and :func:`owner_directions` (FSDP2 owners). A batched graph takes the stack, not
+the members as lists: at Llama-350M's 96-matrix bucket a graph over lists (momentum and update inside, foreach
+kernels of 96 tensors) had not compiled after 38 s on an H100 (docs/benchmarks.md, GPU, issue 49).
 Hyperparameters
 (lr, weight decay, momentum, rho) enter the graphs as 0-D float64 CPU tensors (:func:`scalar`), not
 Python floats, so a schedule that changes them every step does not recompile (Python floats would be
@@ -41,8 +44,15 @@ from .driver import (
 __all__ = ["BACKEND", "bucket_step", "compiled_batched", "compiled_per_tensor", "elementwise_step", "hidden_step",
            "owner_directions", "scalar"]
 
-def scalar(x: float) -> Tensor:
-    """A 0-D float64 CPU tensor: a graph input whose value may change without recompiling."""
+def scalar(x: float | Tensor, like: Tensor | None = None) -> Tensor:
+    """A 0-D float64 CPU tensor: a graph input whose value may change without recompiling. A tensor is
+    taken as it is (``cuda_graph=True`` passes 0-D device tensors, read by the kernels at replay); a number
+    beside such a device tensor ``like`` becomes one too (a fill kernel, which a capture records; no CPU
+    tensor meets a CUDA one in the graph, and no host copy runs during a capture)."""
+    if isinstance(x, Tensor):
+        return x
+    if like is not None and like.device.type != "cpu":
+        return torch.full_like(like, x)
     return torch.tensor(x, dtype=torch.float64)
 
 
@@ -120,22 +130,45 @@ def _hidden_bucket(params, grads, bufs, states, steps, lr, wd, mu, scale, *, rul
     if steps is not None:
         state["step"] = steps
     (D,) = directions(rule, [(X, plain, state)], group, None, batched=batched, ns_dtype=group["ns_dtype"])
-    for k, v in states.items():
-        torch._foreach_copy_(v, list(state[k].to(v[0].dtype).unbind(0)))
     rows = [r for d in D for r in d.unbind(0)]
     F.decay_and_update_(params, [d.reshape(p.shape) for d, p in zip(rows, params, strict=True)], lr, wd, scale)
+    # The new per-matrix state into the inputs last, one copy_ each: not torch._foreach_copy_, whose inductor
+    # lowering (mutate_to(..., unsafe_alias=True): "only encountered as outputs of the graph") makes the input's
+    # storage the new value's buffer, so that on CUDA the later reads of NorMuon's v, inlined from the old v,
+    # read the new one: v lerped twice, 5.5e-4 apart from eager after one step (float64, an H100, torch 2.11;
+    # benchmarks/gpu_diag_compile.py). aten.copy_ lowers to a copy of its own.
+    for k, v in states.items():
+        for dst, src in zip(v, state[k].to(v[0].dtype).unbind(0), strict=True):
+            dst.copy_(src)
 
 
-def _elementwise_bucket(params, grads, bufs, lr, wd, mu, rho, *, rule, shape, nesterov, group):
-    """An elementwise momentum rule's step of one bucket: momentum, :meth:`direction` of the stack, update.
+def _hidden_stack(X, states, steps, *, rule, plain, group):
+    """A hidden rule's directions of one bucket's stacked direction inputs (the batched form's graph):
+    :func:`driver.directions` (``pre -> Newton-Schulz -> post``) of ``X`` ``(K, m, n)`` (``plain`` as they
+    are, the rest transposed), ``states`` ``{key: (K, m) or (K,)}`` stacks, ``steps`` ``(K,)`` or ``None``.
+    Returns the directions (one stack per side) and the new state stacks: the graph mutates no input."""
+    state = {k: v.clone() for k, v in states.items()}
+    if steps is not None:
+        state["step"] = steps
+    (D,) = directions(rule, [(X, plain, state)], group, None, batched=True, ns_dtype=group["ns_dtype"])
+    return D, [state[k] for k in states]
 
-    Shapes: ``params``, ``grads``, ``bufs``: ``K`` tensors of one shape; ``lr``, ``wd``, ``mu``, ``rho``: 0-D
-    float64 CPU tensors; ``shape``: one member's unsharded shape, the stack ``(K, *shape)``; ``rule``,
-    ``nesterov``, ``group`` (the rule's other hyperparameters): baked in."""
-    inputs = _momentum_inputs(grads, bufs, mu, nesterov)
-    X = torch.stack([x.reshape(shape) for x in inputs]).to(F._stat_dtype(inputs[0]))
-    D = rule.direction(X, {**group, "rho": rho}, None, shape)
-    F.decay_and_update_(params, [d.reshape(p.shape) for d, p in zip(D.unbind(0), params, strict=True)], lr, wd, 1.0)
+
+def _elementwise_stack(X, rho, *, rule, shape, group):
+    """An elementwise momentum rule's :meth:`direction` of one bucket's stacked direction inputs ``X``
+    ``(K, *shape)`` (at least float32); ``rho``: a 0-D tensor (a graph input: no recompile when it changes)."""
+    return rule.direction(X, {**group, "rho": rho}, None, shape)
+
+
+def _stacked_inputs(members, mu, nesterov, plain: int | None = None, shape=None) -> Tensor:
+    """The batched compiled form's eager prologue: ``B <- mu B + G`` and the direction inputs of ``members``,
+    stacked: matrix views with ``members[plain:]`` transposed, or each reshaped to ``shape``."""
+    bufs = [it.state["momentum_buffer"] for it in members]
+    inputs = _momentum_inputs(grads_like(members, bufs), bufs, mu, nesterov)
+    if shape is not None:
+        return torch.stack([x.reshape(shape) for x in inputs])
+    inputs = [x.reshape(x.shape[0], -1) for x in inputs]
+    return torch.stack(inputs[:plain] + [x.mT for x in inputs[plain:]])
 
 
 def _owner_directions(W, state, *, rule, n, batched, group):
@@ -149,28 +182,55 @@ def _owner_directions(W, state, *, rule, n, batched, group):
 def hidden_step(rule, members, plain: int, shape: tuple[int, int], key: tuple, group: dict, ns_dtype: torch.dtype,
                 *, batched: bool) -> None:
     """A hidden rule's step of ``members`` (of one shape bucket of matrix view ``shape``, ``plain`` of them
-    as they are, the rest transposed) as one graph keyed on ``key``: momentum (``batched``; the per-tensor
-    form updated it before), :func:`driver.directions`, the update, the per-matrix state written back."""
+    as they are, the rest transposed).
+
+    Batched: momentum and the stack of direction inputs eagerly (a few ``torch._foreach_*`` kernels, as the
+    eager batched form), ``pre -> Newton-Schulz -> post`` of the stack as one graph keyed on ``key`` and the
+    stack's shape (:func:`_hidden_stack`: its size does not grow with the bucket's, so neither does its
+    compile time), the per-matrix state written back and the update eagerly. Per-tensor (one matrix, momentum
+    updated before): one graph of :func:`_hidden_bucket`, the update inside."""
     per_matrix = {k: how for k, how in rule.state_views.items() if how in ("rows", "counter", "step")}
     states = {k: [it.state[k] for it in members] for k, how in per_matrix.items() if how != "step"}
     steps = next((F.on_device([it.state[k] for it in members], members[0].param.device)
                   for k, how in per_matrix.items() if how == "step"), None)
+    lr, scale = group["lr"], rule.lr_scale(*shape, group)
+    if batched:
+        X = _stacked_inputs(members, group["momentum"], group["nesterov"], plain)
+        stacks = {k: torch.stack(v) for k, v in states.items()}
+        graph = (key, id(rule), tuple(X.shape), X.dtype, tuple((k, v.dtype) for k, v in stacks.items()))
+        D, new = bucket_step(rule.name, _hidden_stack, graph, X, stacks, steps, rule=rule, plain=plain,
+                             group=static_group(rule, group, ns_dtype))
+        for v, stack in zip(states.values(), new, strict=True):
+            torch._foreach_copy_(v, list(stack.to(v[0].dtype).unbind(0)))
+        rows = [r for d in D for r in d.unbind(0)]
+        n = len(members)
+        F.decay_and_update_([it.param.detach() for it in members],
+                            [d.reshape(it.param.shape) for d, it in zip(rows, members, strict=True)],
+                            [lr] * n, [group["weight_decay"]] * n, [scale] * n)
+        return
+    lr = scalar(lr)
     bucket_step(rule.name, _hidden_bucket, (key, id(rule), tuple(it.param.ndim for it in members)),
                 [it.param.detach() for it in members], [it.grad for it in members],
-                [it.state["momentum_buffer"] for it in members], states, steps, scalar(group["lr"]),
-                scalar(group["weight_decay"]), scalar(group["momentum"]), scalar(rule.lr_scale(*shape, group)),
-                rule=rule, plain=plain, nesterov=group["nesterov"], batched=batched,
+                [it.state["momentum_buffer"] for it in members], states, steps, lr, scalar(group["weight_decay"], lr),
+                scalar(group["momentum"], lr), scalar(scale, lr),
+                rule=rule, plain=plain, nesterov=group["nesterov"], batched=False,
                 group=static_group(rule, group, ns_dtype))
 
 
 def elementwise_step(rule, bucket, group: dict) -> None:
-    """An elementwise momentum rule's step of one shape bucket as one graph: momentum, :meth:`direction`
-    of the stack, the update."""
+    """An elementwise momentum rule's step of one shape bucket: momentum and the stack eagerly, its
+    :meth:`direction` of the stack as one graph (:func:`_elementwise_stack`), the update eagerly."""
     static = {k: group[k] for k in rule.hyperparameters if k not in ("momentum", "rho", "nesterov")}
-    bucket_step(rule.name, _elementwise_bucket, bucket.key, [it.param.detach() for it in bucket.items],
-                [it.grad for it in bucket.items], [it.state["momentum_buffer"] for it in bucket.items],
-                scalar(group["lr"]), scalar(group["weight_decay"]), scalar(group["momentum"]), scalar(group["rho"]),
-                rule=rule, shape=tuple(bucket.global_shape), nesterov=group["nesterov"], group=static)
+    shape = tuple(bucket.global_shape)
+    X = _stacked_inputs(bucket.items, group["momentum"], group["nesterov"], shape=shape)
+    X = X.to(F._stat_dtype(X))
+    D = bucket_step(rule.name, _elementwise_stack, (bucket.key, tuple(X.shape), X.dtype), X,
+                    scalar(group["rho"], group["lr"] if isinstance(group["lr"], Tensor) else None),
+                    rule=rule, shape=shape, group=static)
+    n = len(bucket.items)
+    F.decay_and_update_([it.param.detach() for it in bucket.items],
+                        [d.reshape(it.param.shape) for d, it in zip(D.unbind(0), bucket.items, strict=True)],
+                        [group["lr"]] * n, [group["weight_decay"]] * n, [1.0] * n)
 
 
 def owner_directions(rule, W: Tensor, n: int, state: dict[str, Tensor], group: dict, ctx, *, batched: bool) -> Tensor:
@@ -201,7 +261,7 @@ def compiled_per_tensor(calls: Sequence[Call]) -> None:
 
 
 def compiled_batched(calls: Sequence[Call]) -> None:
-    """The batched form with ``compile=True``: one graph per shape bucket, momentum inside.
+    """The batched form with ``compile=True``: one graph per shape bucket (:func:`hidden_step`).
 
     Under DDP (every rank holds every tensor) a hidden rule's bucket is split into contiguous slices as
     the eager batched form splits it; each rank updates the momentum of the other members eagerly, runs

@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 from . import compiled, driver
 from .calls import Item, StepContext
+from .cuda_graph import GraphedStep
 from .distributed import (
     SHARDED_LAYOUTS,
     LocalSplit,
@@ -161,19 +162,28 @@ class RoleOptimizer(Optimizer):
     computes its update and broadcasts it; with DTensor parameters (FSDP2) the work follows their
     mesh. The process group is an attribute, not a param-group entry, so
     ``state_dict()`` is the same as single-process and loads into any world size.
+
+    ``cuda_graph=True`` (every optimizer takes it): the batched step, eager or ``compile=True``, captured in a
+    CUDA graph after one eager step and replayed, with ``lr``, ``weight_decay``, ``momentum`` and AdamW's bias
+    corrections read from device tensors that each step refreshes (``cuda_graph.py``: what it keeps static,
+    what re-captures, what it refuses).
     """
 
     RULES: ClassVar[dict[str, str]] = {}
 
     def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any = None, compile: bool = False,
-                 rules: dict[str, Rule] | None = None, **hyperparameters: Any) -> None:
+                 rules: dict[str, Rule] | None = None, cuda_graph: bool = False, **hyperparameters: Any) -> None:
         if (what := wrong_params(params)) is not None:
             cls = type(self).__name__
             raise TypeError(f"{cls}(params=...) takes parameters or param groups, e.g. "
                             f"{cls}(meqmuon.param_groups(model)); got {what}")
         if not isinstance(compile, bool):
             raise ValueError(f"Invalid compile: {compile!r} (expected True or False)")
+        if not isinstance(cuda_graph, bool):
+            raise ValueError(f"Invalid cuda_graph: {cuda_graph!r} (expected True or False)")
         self._compile = compile
+        #: ``cuda_graph=True``: the step captured in a CUDA graph and replayed (``cuda_graph.py``).
+        self._graphed = GraphedStep() if cuda_graph else None
         self._rules = self._rule_table(rules)
         # The rules' own hyperparameters (Rule.defaults): keywords for them, their defaults where neither the
         # class nor a keyword gives one. Any other keyword is refused as Python refuses it.
@@ -220,14 +230,14 @@ class RoleOptimizer(Optimizer):
                 "copied; build a new optimizer with that group and load_state_dict() this one's state_dict()"
             )
         return {**super().__getstate__(), "_compile": self._compile, "_warned_inferred": self._warned_inferred,
-                "_rules": self._rules}
+                "_rules": self._rules, "_graphed": None if self._graphed is None else GraphedStep()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy's settings (:meth:`__getstate__`), or, from ``load_state_dict``, new state and param
         groups for this optimizer, which keeps its settings and hook and prepares its next step anew."""
         super().__setstate__(state)
         for key, value in (("_compile", False), ("_warned_inferred", False), ("_warned_traced", False),
-                           ("_capture_hook", None), ("_workspace", {})):
+                           ("_capture_hook", None), ("_workspace", {}), ("_graphed", None)):
             self.__dict__.setdefault(key, value)
         self.__dict__.setdefault("_rules", self._rule_table(None))
         self.__dict__.setdefault("_process_group", resolve_process_group(None))
@@ -290,7 +300,8 @@ class RoleOptimizer(Optimizer):
         (``add_param_group``) or live elsewhere (torchtitan builds one optimizer per pipeline stage, and a
         last stage may hold only the final norm and the head).
         """
-        ns = sorted(k for k, r in self._rules.items() if isinstance(r, HiddenRule))
+        ns = sorted(k for k, r in self._rules.items()
+                    if isinstance(r, HiddenRule) or (isinstance(r, SteppingRule) and r.orthogonalizes))
         if not ns:
             return  # no Newton-Schulz to miss (SCALE)
         seen: dict[str, list[tuple[int, ...]]] = {}
@@ -462,6 +473,8 @@ class RoleOptimizer(Optimizer):
         """
         if torch.compiler.is_compiling():  # a constant True while dynamo traces
             return self._untraced_step(closure)
+        if self._graphed is not None:
+            return self._graphed.step(self, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -34,7 +34,9 @@ def valid_hyperparameters(name: str, rules: Mapping[str, Rule] | None = None) ->
     rules' own hyperparameters (:attr:`Rule.defaults`), with ``rules`` (kind -> instance) replacing its own."""
     names: list[str] = []
     for klass in spec(name).cls.__mro__:  # a subclass that forwards **kwargs takes its parent's too
-        if klass is RoleOptimizer:  # the engine's **kwargs: the rules' hyperparameters, added below
+        if klass is RoleOptimizer:  # the engine's own keywords (cuda_graph), then its **kwargs: the rules', below
+            names += [p.name for p in inspect.signature(klass.__init__).parameters.values()
+                      if p.kind == p.POSITIONAL_OR_KEYWORD and p.name not in ("self", "params", "defaults", *names)]
             break
         if "__init__" not in vars(klass):
             continue

@@ -427,7 +427,10 @@ def open_hub(name: str) -> BinaryIO:
     try:
         from huggingface_hub import HfFileSystem
 
-        return HfFileSystem().open(f"datasets/{C4_HUB_REPO}/{name}", "rb")
+        from meqmuon.train.hub import quiet_retries
+
+        with quiet_retries():  # its retry warnings would bury the one-line error below
+            return HfFileSystem().open(f"datasets/{C4_HUB_REPO}/{name}", "rb")
     except Exception as e:  # noqa: BLE001 - network, auth, missing package: one clear line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise RuntimeError(f"cannot read {C4_HUB_REPO}/{name} from the Hugging Face hub: "

@@ -85,6 +85,7 @@ import numpy as np
 import torch
 
 from meqmuon.train import corpus as _corpus
+from meqmuon.train import hub as _hub
 from meqmuon.train import prepare as _prepare
 from meqmuon.train import shards as _shards
 from meqmuon.train.shards import TokenStore
@@ -563,6 +564,10 @@ def _build_c4(source: str, paths: list[str], tokenizer_name: str | None, *, root
     if tokenizer_name is None:
         raise ValueError(f"C4 ({where}) needs --tokenizer: a hub id (t5-base, HuggingFaceTB/SmolLM2-135M, "
                          "Qwen/Qwen2-0.5B) or a local directory")
+    if source == "c4-hub":  # fail in seconds, before the tokenizer or anything on disk, when offline
+        _hub.require_hub("--data c4 streams allenai/c4 from the hub, but",
+                         "offline: use --data builtin or --data pysrc, a local C4 copy (--data DIR --tokenizer "
+                         "TOKENIZER) or a prepared directory (see docs/training.md)")
     tokenizer = load_tokenizer(tokenizer_name)
     path = root / key / f"val-{tokenizer.fingerprint}-L{seq_len}-T{val_tokens}.pt"
     # Validation: first documents of the validation files, unshuffled and unsplit (same on all ranks).

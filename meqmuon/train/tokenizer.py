@@ -204,18 +204,42 @@ def load_tokenizer(name: str | Path) -> TextTokenizer:
     meta = json.loads(marker.read_text()) if marker is not None and marker.is_file() else {}
     if meta.get("kind") == "bpe":
         return BPETokenizer.load(path / "tokenizer.json", name=meta.get("name", "builtin-bpe"))
-    try:
-        from transformers import AutoTokenizer
+    from meqmuon.train.hub import HubUnreachable
 
-        tok = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name)
+    try:
+        tok = _from_pretrained(str(path) if path.is_dir() else name, hub=not path.is_dir())
+    except HubUnreachable:  # already one line that says what to do instead
+        raise
     except Exception as e:  # noqa: BLE001 - offline, unknown id, missing files: one clear line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        where = "directory" if path.is_dir() else "hub id"
-        raise RuntimeError(
-            f"cannot load tokenizer {name!r} ({where}; a hub id needs the Hugging Face hub or its local "
-            f"cache, a directory must hold save_pretrained files; offline? use the built-in "
-            f"corpus/tokenizer instead): {type(e).__name__}: {first}"
-        ) from None
+        raise _load_error(name, path, e) from None
     # Packed sequences are far longer than a document-level tokenizer limit; silence its warning.
     tok.model_max_length = int(1e30)
     return HFTokenizer(tok, meta.get("name", name))
+
+
+def _from_pretrained(name: str, hub: bool):
+    """``AutoTokenizer.from_pretrained``; for a hub id the local cache first (no network), then, only if
+    the hub answers within a few seconds, the hub itself with its retry warnings silenced."""
+    from transformers import AutoTokenizer
+
+    if not hub:
+        return AutoTokenizer.from_pretrained(name)
+    try:
+        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached (or a broken cached copy): ask the hub below
+        pass
+    from meqmuon.train import hub as _hub
+
+    _hub.require_hub(f"cannot load tokenizer {name!r}: it is not in the Hugging Face cache and")
+    with _hub.quiet_retries():
+        return AutoTokenizer.from_pretrained(name)
+
+
+def _load_error(name: str, path: Path, e: Exception) -> RuntimeError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    where = "directory" if path.is_dir() else "hub id"
+    return RuntimeError(
+        f"cannot load tokenizer {name!r} ({where}; a hub id needs the Hugging Face hub or its local "
+        f"cache, a directory must hold save_pretrained files; offline? use the built-in "
+        f"corpus/tokenizer instead): {type(e).__name__}: {first}"
+    )

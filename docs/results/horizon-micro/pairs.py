@@ -7,7 +7,10 @@
   4x seeds, which chose nothing; then each optimizer's 4x lr grid (means over the seeds every lr of it
   has) and the pairs at the 4x best lrs, chosen on the same seeds that report them (marked so).
 
-Usage: ``python docs/results/horizon-micro/pairs.py [--phase 1x|4x]``.
+``--against meqmuon,muoneq-r`` keeps only the pairs with one of those optimizers (issue 48: every new optimizer
+against MeqMuon and MuonEq-R, not all 45 pairs of ten).
+
+Usage: ``python docs/results/horizon-micro/pairs.py [--phase 1x|4x] [--against NAME,NAME]``.
 """
 
 from __future__ import annotations
@@ -61,12 +64,19 @@ def grid_table(cells: dict[tuple[str, float], dict[int, float]], chosen: dict[st
     return best
 
 
+#: ``--against``: the optimizers every printed pair must contain (empty: every pair).
+AGAINST: set[str] = set()
+
+
 def pair_table(best: dict[str, dict[int, float]], label: str, seeds: tuple[int, ...] | None = None) -> None:
-    """Every pair's paired 95 % interval (first minus second) on the seeds both have (within ``seeds``)."""
+    """Every pair's paired 95 % interval (first minus second) on the seeds both have (within ``seeds``);
+    with :data:`AGAINST`, only the pairs that contain one of its optimizers."""
     print(f"\nΔ = first minus second at their {label}, paired by seed:\n")
     print("| pair | mean Δ | 95 % interval | paired seeds | resolved |")
     print("|---|---:|---|---:|---|")
     for a, b in itertools.combinations(sorted(best, key=lambda o: statistics.fmean(best[o].values())), 2):
+        if AGAINST and not AGAINST & {a, b}:
+            continue
         va = {s: v for s, v in best[a].items() if seeds is None or s in seeds}
         vb = {s: v for s, v in best[b].items() if seeds is None or s in seeds}
         common = sorted(set(va) & set(vb))
@@ -81,7 +91,9 @@ def pair_table(best: dict[str, dict[int, float]], label: str, seeds: tuple[int, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--phase", default="1x", choices=["1x", "4x"])
+    ap.add_argument("--against", default="", help="comma-separated: print only the pairs with one of these")
     args = ap.parse_args()
+    AGAINST.update(n for n in args.against.split(",") if n)
     rows1, cells1 = load("1x")
     chosen1 = best_lrs([r for r in rows1 if r["seed"] in CHOOSE])  # the rule of every sweep table
     if args.phase == "1x":

@@ -7,7 +7,9 @@
 # --steps: sweep's base is the demo config (100 updates), so it needs the length spelled out; PHASE 1x
 # is 1,143 = ceil(20 x 233,904 / (32 x 128)) updates, the 20-tokens-per-parameter run of `meqmuon train`,
 # 4x is 4,572. Runs go to RUNS/PHASE (AdamW: RUNS/PHASE-adamw). Start it as `nice -n 19 queue.sh ...`
-# beside other work.
+# beside other work. Resumable: after an interruption remove RUNS/queue-<JOBS>.next and start it again:
+# jobs that ended with rc=0 are skipped, interrupted ones resume from their last checkpoint (every 500 updates).
+# Issue 48's optimizers (muon-plus, muon-vs, muonh, aurora, meqmuon-shape) run through it unchanged: grid48-1x.txt.
 # usage: queue.sh JOBS FINISH_BY   (environment: WT worktree, RUNS run root, PHASE 1x|4x, EST_S, LANES)
 set -u
 jobs_file=$1; finish_by=$(date -u -d "$2" +%s)
@@ -38,6 +40,9 @@ lane() {
     n=$(flock "$next" -c "n=\$(cat '$next'); echo \$((n + 1)) > '$next'; echo \$n")
     line=$(sed -n "${n}p" "$jobs_file")
     [ -z "$line" ] && return
+    # resumable: a job that already ended well is skipped (restart with the .next file removed); one that
+    # started and did not end is run again, and `meqmuon sweep` resumes it from its last checkpoint
+    grep -qF " $PHASE $line rc=0 " "$log" 2>/dev/null && continue
     if [ $(( $(date +%s) + $(estimate) )) -gt "$finish_by" ]; then
       echo "skip $(date -u +%FT%TZ) $line (estimate $(estimate) s would end after $2)" >> "$log"; return
     fi

@@ -3,7 +3,9 @@
 An optimizer in this package is an assignment of rules to parameter kinds (see ``presets.py``),
 by name through :data:`RULES`, or by instance through ``rules={kind: rule}``. The hidden-matrix rules
 are :class:`~meqmuon.optim.driver.HiddenRule` s, ``pre``/``post`` around the driver's Newton-Schulz:
-``meqmuon.py`` (MeqMuon, eq. 8), ``muon.py`` (Moonlight's Muon, MuonEq), ``normuon.py``. MeqMuon's
+``meqmuon.py`` (MeqMuon, eq. 8), ``muon.py`` (Moonlight's Muon, MuonEq), ``normuon.py``, and the 2026
+field's ``muonplus.py`` (Muon+), ``aurora.py`` (Aurora), ``meq_shape.py`` (MeqMuon's choice fixed by shape);
+Muon-VS and MuonH, which read more than a ``pre``/``post`` sees, are stepping rules (``whole_matrix.py``). MeqMuon's
 embedding/head and vector rules (eq. 9 and 10, ``meqmuon.py``) are :class:`~meqmuon.optim.rule.MomentumRule` s:
 a direction of a stack and a per-tensor update. The Adam-type and SCALE rules write their own per-tensor
 and batched forms (:class:`~meqmuon.optim.rule.SteppingRule`: ``adam.py``, ``scale.py``). What a rule is:
@@ -21,13 +23,18 @@ from __future__ import annotations
 
 from ..rule import Rule
 from .adam import AdamScale, AdamW
+from .aurora import AuroraHidden
+from .meq_shape import MeqShapeHidden
 from .meqmuon import Equilibrate, MeqHidden, RmsNormalize
 from .muon import MoonlightHidden, MuonEqHidden
+from .muonplus import MuonPlusHidden
 from .normuon import NorMuonHidden
 from .scale import ScaleCol, ScaleHead, ScaleRow
+from .whole_matrix import MuonH, MuonVS
 
-__all__ = ["RULES", "AdamScale", "AdamW", "Equilibrate", "MeqHidden", "MoonlightHidden", "MuonEqHidden",
-           "NorMuonHidden", "RmsNormalize", "ScaleCol", "ScaleHead", "ScaleRow"]
+__all__ = ["RULES", "AdamScale", "AdamW", "AuroraHidden", "Equilibrate", "MeqHidden", "MeqShapeHidden",
+           "MoonlightHidden", "MuonEqHidden", "MuonH", "MuonPlusHidden", "MuonVS", "NorMuonHidden", "RmsNormalize",
+           "ScaleCol", "ScaleHead", "ScaleRow"]
 
 #: The rules by name, as the presets' tables (kind -> rule name) and the engine look them up.
 RULES: dict[str, Rule] = {
@@ -44,5 +51,11 @@ RULES: dict[str, Rule] = {
         ScaleRow(),
         ScaleCol(),
         ScaleHead(),
+        # the 2026 field (issue 48; docs/algorithm.md, "The 2026 field")
+        MuonPlusHidden(),
+        MuonVS(),
+        MuonH(),
+        AuroraHidden(),
+        MeqShapeHidden(),
     )
 }
