@@ -10,8 +10,8 @@ model from the registry (``--depths 2`` doubles its decoder layers), sharded by 
 (``fully_shard`` per decoder layer and the root; torchtitan's TP plan, ``tests/test_layouts.py``), a real
 forward and backward on a small batch, then the optimizer's steps. Every ``torch.distributed``
 collective a step calls is counted (by name), on the third step (the first plans the step and creates
-state). A step that moves whole tensors to owner ranks (``owners.py``) issues two ``all_to_all_single``
-for all of them; FSDP2's row shards two per shape bucket of hidden matrices plus the elementwise rules'
+state). The owner path (``owners.py``, ``exchange.py``: Newton-Schulz inputs to owner ranks, directions
+back) issues one pair of ``all_to_all_single`` per shape bucket; FSDP2's row shards two per shape bucket of hidden matrices plus the elementwise rules'
 sums; DDP one ``all_gather_into_tensor`` per bucket (batched) or one ``broadcast`` per owned tensor
 (per-tensor). Counts are per rank and identical on every rank.
 """

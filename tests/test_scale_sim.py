@@ -134,6 +134,7 @@ def test_one_rank_counts_every_newton_schulz_flop_and_table_reports_unplannable_
     assert summary["owner_load"] == pytest.approx(1.0)
     two_d = scale_sim.simulate("llama-tiny", "fsdp2xtp", "4x2", 0, layers=1, device="meta")
     line = scale_sim.table([scale_sim.summarise({"rows": [two_d], "wall_s": 1.0, "rss": 2**30})]).splitlines()[-1]
-    # today's owner path reads data at planning (owners.piece_maps); a plan at the floor will not
+    # the owner path plans from placements alone (no collective), so FSDP2 x TP plans on the fake group;
+    # a layout that cannot be planned would say so in one line instead
     assert ("not plannable on fake PG: " in line) == ("error" in two_d), line
     assert line.startswith("| llama-tiny | fsdp2xtp | 4x2 | 1 |")
