@@ -7,13 +7,14 @@ Usage::
 
 Each layout runs in its own gloo process group on the CPU (2 processes; FSDP2 over TP 4): the paper's
 model from the registry (``--depths 2`` doubles its decoder layers), sharded by torch itself
-(``fully_shard`` per decoder layer and the root; torchtitan's TP plan, ``tests/test_layouts.py``), a real
-forward and backward on a small batch, then the optimizer's steps. Every ``torch.distributed``
+(``fully_shard`` per decoder layer and the root; torchtitan's TP plan, ``tests/test_layouts.py``), a
+real forward and backward on a small batch, then the optimizer's steps. Every ``torch.distributed``
 collective a step calls is counted (by name), on the third step (the first plans the step and creates
 state). The owner path (``owners.py``, ``exchange.py``: Newton-Schulz inputs to owner ranks, directions
-back) issues one pair of ``all_to_all_single`` per shape bucket; FSDP2's row shards two per shape bucket of hidden matrices plus the elementwise rules'
-sums; DDP one ``all_gather_into_tensor`` per bucket (batched) or one ``broadcast`` per owned tensor
-(per-tensor). Counts are per rank and identical on every rank.
+back) issues one pair of ``all_to_all_single`` per shape bucket; FSDP2's row shards two per shape bucket
+of hidden matrices plus the elementwise rules' sums; DDP one ``all_gather_into_tensor`` per bucket
+(batched) or one ``broadcast`` per owned tensor (per-tensor). Counts are per rank and identical on every
+rank.
 """
 
 from __future__ import annotations
