@@ -266,7 +266,7 @@ class GraphedStep:
                     calls.append((rule, items, device_group(group, index, self.scalars),
                                   self._context(len(calls), kind)))
         if calls:
-            opt._run([], calls)
+            opt._run(([], calls))
         for _, entries, _, _ in plan:
             for e in entries:
                 if e.item is not None:
