@@ -10,7 +10,8 @@
 # beside other work. Resumable: after an interruption remove RUNS/queue-<JOBS>.next and start it again:
 # jobs that ended with rc=0 are skipped, interrupted ones resume from their last checkpoint (every 500 updates).
 # Issue 48's optimizers (muon-plus, muon-vs, muonh, aurora, meqmuon-shape) run through it unchanged: grid48-1x.txt.
-# usage: queue.sh JOBS FINISH_BY   (environment: WT worktree, RUNS run root, PHASE 1x|4x, EST_S, LANES)
+# usage: queue.sh JOBS FINISH_BY   (environment: WT worktree, RUNS run root, PHASE 1x|4x, EST_S, LANES,
+# DONE: optional space-separated jobs.log copies whose rc=0 jobs are skipped as well, e.g. jobs48.log)
 set -u
 jobs_file=$1; finish_by=$(date -u -d "$2" +%s)
 WT=${WT:-/work/wt39}; RUNS=${RUNS:-/work/runs39}; EST_S=${EST_S:-900}; LANES=${LANES:-2}; PHASE=${PHASE:-1x}
@@ -42,7 +43,8 @@ lane() {
     [ -z "$line" ] && return
     # resumable: a job that already ended well is skipped (restart with the .next file removed); one that
     # started and did not end is run again, and `meqmuon sweep` resumes it from its last checkpoint
-    grep -qF " $PHASE $line rc=0 " "$log" 2>/dev/null && continue
+    # DONE (optional): further logs of the same lines kept in git (jobs48.log), so a fresh machine skips them too
+    cat "$log" ${DONE:-} 2>/dev/null | grep -qF " $PHASE $line rc=0 " && continue
     if [ $(( $(date +%s) + $(estimate) )) -gt "$finish_by" ]; then
       echo "skip $(date -u +%FT%TZ) $line (estimate $(estimate) s would end after $2)" >> "$log"; return
     fi

@@ -4,12 +4,13 @@ Usage::
 
     python docs/results/horizon-micro/runs_table.py /work/runs39 --phase 1x   # add the new runs, print the table
     python docs/results/horizon-micro/runs_table.py --phase 1x                # the table from the kept runs only
+    python docs/results/horizon-micro/runs_table.py /work/runs48 --kept runs48-1x.json   # issue 48's runs, kept apart
 
 A run's directory (checkpoints included) lives outside git and may not outlive the machine; what the
 comparison needs of it is kept in ``runs-<phase>.json`` beside this script, one row per finished run
 (``{"runs": [...]}``, the rows ``benchmarks/seed_pairs.py`` and ``meqmuon.train.compare.best_lrs`` read:
 ``optimizer``, ``lr``, ``seed``, ``final val loss``), read from queue.sh's ``jobs.log`` and each run's
-``summary.json``. A row already kept is never replaced.
+``summary.json`` (with ``cpu_capability`` where the summary names it). A row already kept is never replaced.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def collect(root: Path, phase: str) -> list[dict]:
             raise ValueError(f"{out}: not a finished {phase} run ({s['steps']} updates)")
         rows.append({"optimizer": opt, "lr": lr, "seed": seed, "final val loss": s["val_loss"],
                      "val_bpb": s["val_bpb"], "tokens_per_s": s["tokens_per_s"], "wall_s": wall,
-                     "started": starts.get((opt, lr, seed)), "commit": commit})
+                     "started": starts.get((opt, lr, seed)), "commit": commit}
+                    | ({"cpu_capability": s["cpu_capability"]} if s.get("cpu_capability") else {}))
     return rows
 
 
@@ -48,8 +50,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", nargs="?", type=Path, help="queue.sh's run root (omit: print the kept runs)")
     ap.add_argument("--phase", choices=sorted(STEPS), default="1x")
+    ap.add_argument("--kept", help="the kept file, beside this script (default runs-<phase>.json)")
     args = ap.parse_args()
-    kept = HERE / f"runs-{args.phase}.json"
+    kept = HERE / (args.kept or f"runs-{args.phase}.json")
     rows = json.loads(kept.read_text())["runs"] if kept.exists() else []
     if args.root is not None:
         have = {(r["optimizer"], r["lr"], r["seed"]) for r in rows}
