@@ -22,7 +22,7 @@ def _cpu_line() -> str:
     forced = f" (from ${precision.CAPABILITY_ENV})" if os.environ.get(precision.CAPABILITY_ENV) else ""
     return (f"meqmuon: CPU capability {cap}{forced} ({'native' if native else 'emulated'} bf16; "
             f"ns_dtype=None -> {str(precision.resolve_ns_dtype(None, 'cpu')).removeprefix('torch.')}), "
-            f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+            f"torch {torch.__version__}, {torch.get_num_threads()} thread{'' if torch.get_num_threads() == 1 else 's'}")
 
 
 def pytest_report_header(config) -> str:
