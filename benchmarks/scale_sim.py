@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from step_accounting import StepMeter, floor_bytes, held_bytes  # noqa: E402
+from step_accounting import StepMeter, floor_bytes, held_bytes, hidden_layouts  # noqa: E402
 
 #: Model shapes (transformers config keywords): Llama-3 (Meta's params.json) and DeepSeek-V3 (its config.json).
 MODELS = {
@@ -112,8 +112,6 @@ def world_of(ranks: str) -> int:
 def hidden_ns_flops(opt) -> tuple[int, int]:
     """(total, largest) Newton-Schulz FLOPs of the optimizer's hidden-kind matrices, whole (analytic: the
     group's method's count, ``newton_schulz.method_flops``)."""
-    from meqmuon.optim.views import group_layout
-
     try:
         from meqmuon.optim.newton_schulz import method_flops
     except ImportError:  # the optimizer before main's refactor (7fbad80): the quintic count, the only one then
@@ -123,16 +121,11 @@ def hidden_ns_flops(opt) -> tuple[int, int]:
             return ns_flops(m, n, group["ns_steps"])
 
     total = largest = 0
-    for group in opt.param_groups:
-        if group.get("kind") != "hidden":
-            continue
-        names = group.get("names") or [f"params[{i}]" for i in range(len(group["params"]))]
-        for i, (p, name) in enumerate(zip(group["params"], names, strict=True)):
-            layout = group_layout(group, i, p.shape, name)
-            for m, n in layout.shapes():
-                f = method_flops(group, m, n)
-                total += f
-                largest = max(largest, f)
+    for _, group, layout in hidden_layouts(opt):
+        for m, n in layout.shapes():
+            f = method_flops(group, m, n)
+            total += f
+            largest = max(largest, f)
     return total, largest
 
 

@@ -189,23 +189,26 @@ def _whole_matrices(p: torch.Tensor, batch_dims: int) -> bool:
     return all(shape[d] == p.shape[d] for d in range(batch_dims, p.ndim))
 
 
-def floor_bytes(opt: torch.optim.Optimizer, itemsize: int) -> int:
-    """Bytes per step a rank's exchange at the floor moves (see the module docstring): ``2 x itemsize`` per
-    local element of every hidden-kind parameter (``kind == "hidden"``, the Newton-Schulz kind of every
-    Muon-family optimizer) whose view's matrices this rank does not hold whole. ``itemsize``: of the
-    Newton-Schulz dtype."""
+def hidden_layouts(opt: torch.optim.Optimizer):
+    """``(param, group, layout)`` of every hidden-kind parameter (``kind == "hidden"``, the Newton-Schulz kind
+    of every Muon-family optimizer), its matrix view as ``views.group_layout`` reads it."""
     from meqmuon.optim.views import group_layout
 
-    total = 0
     for group in opt.param_groups:
         if group.get("kind") != "hidden":
             continue
         names = group.get("names") or [f"params[{i}]" for i in range(len(group["params"]))]
         for i, (p, name) in enumerate(zip(group["params"], names, strict=True)):
-            layout = group_layout(group, i, p.shape, name)
-            if not _whole_matrices(p, len(layout.batch)):
-                total += 2 * itemsize * _local(p).numel()
-    return total
+            yield p, group, group_layout(group, i, p.shape, name)
+
+
+def floor_bytes(opt: torch.optim.Optimizer, itemsize: int) -> int:
+    """Bytes per step a rank's exchange at the floor moves (see the module docstring): ``2 x itemsize`` per
+    local element of every hidden-kind parameter (``kind == "hidden"``, the Newton-Schulz kind of every
+    Muon-family optimizer) whose view's matrices this rank does not hold whole. ``itemsize``: of the
+    Newton-Schulz dtype."""
+    return sum(2 * itemsize * _local(p).numel() for p, _, layout in hidden_layouts(opt)
+               if not _whole_matrices(p, len(layout.batch)))
 
 
 def _reachable(root: Any, skip: set[int]) -> Iterator[torch.Tensor]:
