@@ -423,9 +423,12 @@ def _whole(got: Tensor, ours: int, rows: list[int], c: int) -> Tensor:
     """An owner's whole matrices ``(ours, m, c)`` from the blocks of rows every rank sent, rank-major (FSDP2 pads
     only at the end, so rank ``q``'s rows follow rank ``q - 1``'s: their concatenation is the matrix)."""
     W, m = len(rows), sum(rows)
-    if len(set(rows)) == 1:  # even shards: one copy
-        return got.view(W, ours, rows[0], c).permute(1, 0, 2, 3).reshape(ours, m, c)
+    # a tensor of its own (never a view of the received bytes, which a compiled owner graph would see as
+    # aliasing a uint8 base of another dtype)
     whole = torch.empty((ours, m, c), dtype=got.dtype, device=got.device)
+    if len(set(rows)) == 1:  # even shards: one copy
+        whole.view(ours, W, rows[0], c).copy_(got.view(W, ours, rows[0], c).permute(1, 0, 2, 3))
+        return whole
     start = 0
     for n in rows:
         whole[:, start : start + n].copy_(got[: ours * n * c].view(ours, n, c))

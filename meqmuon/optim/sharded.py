@@ -50,7 +50,9 @@ def hidden_at_owners(rule: MomentumBase, X: Tensor, state: dict[str, Tensor], m:
 
     def whole(W: Tensor) -> Tensor:
         j = W.shape[0]
-        st = {key: _column(W, n + i, row, state[key].dtype)
+        # copies, not views of W: a compiled orth's inputs then do not alias (AOTAutograd's synthetic base of a
+        # view and its own base failed at run time, "wrong number of dimensions")
+        st = {key: _column(W, n + i, row, state[key].dtype).clone()
               for i, (key, row) in enumerate(zip(keys, per_row, strict=True))}
         D = orth(rule, W, n, st, group, ctx, batched=batched_ns(W.device))
         return torch.cat([D[0].reshape(j, m, n).to(out_dtype), *columns(st, j, m, out_dtype)], dim=-1)
