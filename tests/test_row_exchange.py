@@ -4,6 +4,8 @@
   (``distributed.bucket_owners``): for Llama-3 70B's hidden matrices on 512 ranks the busiest rank's
   Newton-Schulz FLOPs are within 1.1x of ``max(total / ranks, largest matrix)``; planned bucket by bucket
   from no load (``assign_counts``, the code before) they were 2.4x.
+- The row path's splitters on the same ranks share one load per step, which starts from the owner path's
+  planned load (``distributed.share_loads``) and is reset every step.
 - On 2 gloo ranks, a step whose shape buckets have fewer matrices than ranks sends every rank's rows once to
   their owner and the owners' directions once back, nothing else (counted by ``benchmarks/step_accounting.py``'s
   meter, which reads only torch's collectives), and equals one process.
@@ -162,3 +164,26 @@ def _equal_one_process(got: list[dict]) -> None:
     for r in got:
         for i, (p, q) in enumerate(zip(r["params"], r["reference"], strict=True)):
             torch.testing.assert_close(p, q, rtol=0, atol=0 if SHAPES[i][0] % 2 == 0 else 1e-6)
+
+
+def _shared_loads(rank: int) -> dict:
+    from meqmuon.optim.distributed import ShardedSplit, share_loads
+
+    a, b = ShardedSplit(dist.group.WORLD), ShardedSplit(dist.group.WORLD)
+    pair = dist.new_group([0, 1])  # the same ranks, another group object: one load still
+    c = ShardedSplit(pair)
+    loads = share_loads([a, b, c, None], base=[5.0, 0.0])  # the owner path planned 5 on rank 0
+    first = a.bucket_owners([1], [3.0])  # to rank 1, the least loaded after the owner path
+    second = c.bucket_owners([2], [1.0])  # the same load: rank 1 (3) then rank 1 again (4 < 5)
+    before_reset = list(a.load.load)
+    for load in loads:
+        load.reset()
+    return {"n": len(loads), "shared": a.load is b.load is c.load, "first": first, "second": second,
+            "before_reset": before_reset, "after_reset": list(b.load.load)}
+
+
+def test_row_path_groups_share_one_load_that_starts_at_the_owner_paths_and_resets(tmp_path):
+    for r in _spawn(_shared_loads, tmp_path):
+        assert r["n"] == 1 and r["shared"], r
+        assert r["first"] == [[1]] and r["second"] == [[1, 1]], r
+        assert r["before_reset"] == [5.0, 5.0] and r["after_reset"] == [5.0, 0.0], r
