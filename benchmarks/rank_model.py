@@ -110,6 +110,7 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
     """
     import torch.distributed as dist
 
+    from meqmuon.optim import distributed, driver
     from meqmuon.optim.distributed import assign_counts
     from meqmuon.optim.newton_schulz import method_flops
     from meqmuon.optim.placement import Path
@@ -117,8 +118,12 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
     world = dist.get_world_size()
     model = RankModel(world, itemsize, [0] * world, [0] * world, [0] * world)
     cache: dict = {}
-    buckets: dict[tuple, list] = {}  # the FSDP2 row path's shape buckets: key -> [count, flops of one]
+    # the row path's owners: carried from the owner path's planned work where the splitter has one
+    # (``ShardedSplit.bucket_owners``: every bucket of a call at once, longest first); else each bucket from
+    # no load (``assign_counts``: the left-over matrices to the lowest ranks)
+    load = list(opt._owners.load) if getattr(opt._owners, "load", None) is not None else [0.0] * world
     for group, entries, split, _ in opt._plan():
+        buckets: dict[tuple, list] = {}  # shape bucket (first-appearance order) -> [count, FLOPs, cost]
         for e in entries:
             if e.kind != "hidden":
                 continue
@@ -130,7 +135,8 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
                 for r, n in enumerate(numels):
                     model.local[r] += n
                 for m, n in shapes:
-                    b = buckets.setdefault((e.param.dtype, m, n), [0, method_flops(group, m, n)])
+                    b = buckets.setdefault((e.param.dtype, m, n), [0, method_flops(group, m, n),
+                                                                   driver.cost(e.rule, (m, n), group)])
                     b[0] += 1
             elif e.path is Path.LOCAL:  # whole local matrices: replicated, or a stack's own members
                 total = sum(method_flops(group, m, n) for m, n in shapes)
@@ -138,10 +144,18 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
                     model.flops[r] += total * n // e.param.numel()
             else:
                 raise NotImplementedError(f"rank_model: path {e.path} of {e.name}")
-    for (_, m, n), (k, f) in buckets.items():
-        for r, c in enumerate(assign_counts([k], [f], world)[0]):
-            model.owned[r] += c * m * n
-            model.flops[r] += c * f
+        if not buckets:
+            continue
+        if hasattr(split, "bucket_owners"):
+            counts, costs = ([b[i] for b in buckets.values()] for i in (0, 2))
+            owners = distributed.bucket_owners(counts, costs, load)
+        else:
+            owners = [[r for r, c in enumerate(assign_counts([k], [f], world)[0]) for _ in range(c)]
+                      for k, f, _ in buckets.values()]
+        for ((_, m, n), (_, f, _)), ranks in zip(buckets.items(), owners, strict=True):
+            for r in ranks:
+                model.owned[r] += m * n
+                model.flops[r] += f
     plan = opt._owners
     for (group, *_), owned in zip(opt._plan(), opt._owned, strict=True):
         for index, p, _, kind, _, layout in owned:
