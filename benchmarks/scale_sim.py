@@ -13,8 +13,10 @@ here (the simulator says so per layout: "not plannable on fake PG: <what failed,
 fake PG: ..." where the first step planned). The model is the transformers class of the real one
 (Llama-3 8B/70B/405B, a DeepSeek-V3-like MoE with 256 stacked experts),
 built on ``meta`` and sharded by torch's own APIs on a DeviceMesh of the fake group: FSDP2 (``fully_shard``
-per decoder layer and the root), FSDP2 over TP (torchtitan's TP plan, then FSDP2 over ``dp``), EP (stacked
-experts ``Shard(0)``, every other parameter ``Replicate()``). Gradients are zeros of each parameter's
+per decoder layer and the root), FSDP2 over TP (torchtitan's TP plan, then FSDP2 over ``dp``), EP as
+torchtitan lays it out (``ep``: stacked experts ``Shard(0)`` over an ``ep`` mesh, every other parameter
+``fully_shard`` over a ``dp`` mesh of the same ranks) or with every other parameter ``Replicate()``
+(``ep-replicated``). Gradients are zeros of each parameter's
 placements. With ``--device meta`` (the default) nothing is allocated at all: every op runs on shapes, so
 Newton-Schulz costs no time and its FLOPs are counted; ``--device cpu`` materialises the local shards only
 (``to_empty``) and computes for real (small models).
@@ -23,10 +25,16 @@ Per simulated rank, from ``step_accounting``: the bytes of the third step's coll
 the collectives per step, what the optimizer holds after the step beyond its state, the step's transient
 peak (a counting allocator: every storage an op creates in the step, until freed; the same on ``meta`` as on
 a device), the time of the first step (which plans) and of the next (both unmetered; on ``meta`` they are the
-Python and dispatch overhead alone), and the owner load: the busiest
-simulated rank's Newton-Schulz FLOPs against ``max(total / ranks, largest matrix)`` (analytic,
-``newton_schulz.method_flops``). Each simulated rank runs in its own process; the largest peak resident memory
-(RSS) and the summed wall time of a configuration's are reported beside it.
+Python and dispatch overhead alone), the optimizer's memory against AdamW's state on the same layout
+(``rank_model.adamw_bytes``), and the owner load: the busiest simulated rank's Newton-Schulz FLOPs against
+``max(total / ranks, largest matrix)`` (analytic, ``newton_schulz.method_flops``).
+
+Which ranks (``--sample-ranks``, default ``0,busiest``): rank 0, then the ranks that ``rank_model`` finds
+busiest in rank 0's plan (deterministic, no collective: one rank's plan is every rank's): the most bytes, the
+most bytes per byte of floor, the most FLOPs, the least bound per byte of floor. From the same model, every
+rank's reachable bound (what whole-matrix owners must move: ``itemsize x (local + owned)``) and the mean over
+all ranks of the bound against the floor. Each simulated rank runs in its own process; the largest peak
+resident memory (RSS) and the summed wall time of a configuration's are reported beside it.
 """
 
 from __future__ import annotations
