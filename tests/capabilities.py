@@ -120,8 +120,8 @@ STATED: dict[str, Stated] = {
     "muoneq-rc": Stated(checks=frozenset({"views"})),
     # the 2026 field (issue 48; tests/test_presets_2026.py also runs each under DDP and FSDP2 itself)
     "muon-plus": Stated(checks=frozenset({"views"})),
-    "muon-vs": Stated(checks=frozenset({"views"}), row_shards=False),
-    "muonh": Stated(checks=frozenset({"views"}), row_shards=False),
+    "muon-vs": Stated(checks=frozenset({"views", "op-count"}), row_shards=False),
+    "muonh": Stated(checks=frozenset({"views", "op-count"}), row_shards=False),
     "aurora": Stated(checks=frozenset({"views"})),
     "meqmuon-shape": Stated(transposes=True, checks=frozenset({"views"})),
 }

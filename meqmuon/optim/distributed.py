@@ -20,9 +20,11 @@ step. Three splitters, chosen by the engine (:func:`splitter_for`):
 ``ShardedSplit``     FSDP2 (``fully_shard``; DTensor parameters ``Shard(0)`` on a 1-D mesh, or
                      HSDP's ``(Replicate(), Shard(0))`` on a 2-D mesh, over its shard dimension):
                      every rank updates its row shard of every matrix. For a hidden matrix's direction
-                     each matrix has an owner rank; one ``all_to_all_single`` per shape bucket sends
-                     every row shard to its owner, the owner computes the direction of whole matrices,
-                     and a second one returns the rows (microsoft/dion ``megabatch_base.py`` does the
+                     each matrix has an owner rank (all shape buckets of a step planned at once, longest
+                     first, the load carried: ``bucket_owners``); one uneven ``all_to_all_single`` per
+                     shape bucket sends each row shard to its owner only (``exchange_flat``, the owner
+                     path's exchange too), the owner computes the direction of whole matrices, and a
+                     second one returns each rank its rows (microsoft/dion ``megabatch_base.py`` does the
                      same for Newton-Schulz). The elementwise rules' column and global statistics use
                      ``psum`` (an all-reduce of partial sums), so the result equals the unsharded
                      optimizer up to the rounding of the partial sums.
@@ -43,6 +45,7 @@ otherwise the collectives do not match.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,15 +66,22 @@ except ImportError:  # pragma: no cover - exercised only on such builds
 
 __all__ = [
     "LocalSplit",
+    "OwnerLoad",
     "ReplicatedSplit",
     "RowPieceSplit",
     "SHARDED_LAYOUTS",
     "ShardedSplit",
     "assign_counts",
     "assign_owners",
+    "bucket_owners",
+    "as_bytes",
+    "exchange_bytes",
+    "exchange_flat",
+    "from_bytes",
     "is_dtensor",
     "local",
     "resolve_process_group",
+    "share_loads",
     "replicated_splitter",
     "splitter_for",
     "state_like",
@@ -146,13 +156,97 @@ def assign_owners(costs: Sequence[float], load: list[float]) -> list[int]:
 
     ``load`` (one entry per rank) is updated in place, so calling this for several param groups
     in turn balances the whole step. Depends only on the arguments, hence identical on every rank.
+    Longest-first greedy (LPT) keeps the busiest rank within 4/3 of the optimum (Graham 1969); where items
+    are fewer than ranks, as hidden matrices of 70B on 512 ranks, each rank gets at most one of the largest.
+    A heap of ``(load, rank)``: ``O(items log ranks)``, the same choices as a scan for the minimum.
     """
+    heap = [(x, r) for r, x in enumerate(load)]
+    heapq.heapify(heap)
     owners = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        r = min(range(len(load)), key=lambda r: (load[r], r))
+        x, r = heapq.heappop(heap)
         owners[i] = r
-        load[r] += costs[i]
+        load[r] = x + costs[i]
+        heapq.heappush(heap, (load[r], r))
     return owners
+
+
+def bucket_owners(sizes: Sequence[int], costs: Sequence[float], load: list[float]) -> list[list[int]]:
+    """The owner of every matrix of shape buckets (``sizes[b]`` matrices of cost ``costs[b]`` each), planned
+    for all buckets at once by :func:`assign_owners` (longest first onto the least-loaded rank, ``load``
+    carried and updated): no collective, identical on every rank. Planned bucket by bucket from no load
+    instead (``assign_counts``), each bucket's remainder lands on the same first ranks: Llama-3 70B's
+    hidden matrices on 512 ranks left the busiest at 2.4x its lower bound (``tests/test_row_exchange.py``)."""
+    flat = [c for k, c in zip(sizes, costs, strict=True) for _ in range(k)]
+    owners = assign_owners(flat, load)
+    out, start = [], 0
+    for k in sizes:
+        out.append(owners[start : start + k])
+        start += k
+    return out
+
+
+class OwnerLoad:
+    """The Newton-Schulz work given to each rank of one process group in a step, shared by every planner of
+    owners on that group, so that a step's owners balance across its shape buckets, its param groups, and the
+    owner path's (``owners.OwnerPlan``) parameters: ``base`` is the work planned once (the owner path's,
+    static), ``load`` the step's so far (reset to ``base`` by :meth:`reset` at the start of every step)."""
+
+    def __init__(self, world: int, base: Sequence[float] | None = None) -> None:
+        self.base = [0.0] * world if base is None else list(base)
+        self.load = list(self.base)
+
+    def reset(self) -> None:
+        self.load[:] = self.base
+
+
+def exchange_flat(send: list[list[Tensor]], out_splits: Sequence[int], group: Any, device: torch.device) -> Tensor:
+    """One uneven ``all_to_all_single`` of bytes, the one exchange of every sharded layout (the row path,
+    :meth:`ShardedSplit.at_owners`, and the owner path, ``owners.OwnerPlan``): ``send[r]`` (uint8 tensors)
+    to rank ``r`` of ``group``, nothing padded; ``out_splits[r]`` the bytes rank ``r`` sends here. ``send``
+    is emptied (its pieces, copies at owners, let go before the exchange). Returns the received bytes, rank
+    ``0``'s first."""
+    send_sizes = [sum(p.numel() for p in s) for s in send]
+    pieces = [p for s in send for p in s]  # rank-major: one copy into the send buffer
+    flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
+    del pieces
+    for s in send:
+        s.clear()
+    out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
+    if not sum(send_sizes) and out.numel() and dist.get_backend(group) == "fake":
+        # torch's FakeProcessGroup (the simulator's, benchmarks/scale_sim.py) fills what a rank receives from
+        # what it sends and refuses an empty input (FakeProcessGroup.hpp, alltoall_base): there a rank that
+        # sends nothing sends itself one byte, which it does not read. Real backends never take this branch.
+        flat = torch.zeros(1, dtype=torch.uint8, device=device)
+        send_sizes[dist.get_rank(group)] = 1
+    dist.all_to_all_single(out, flat, list(out_splits), send_sizes, group=group)
+    return out
+
+
+def exchange_bytes(send: list[list[Tensor]], sizes: list[list[int]], group: Any,
+                   device: torch.device) -> list[list[Tensor]]:
+    """:func:`exchange_flat` with ``sizes[r]`` the byte sizes of the pieces rank ``r`` sends here. Returns the
+    received pieces per source rank (views of one buffer)."""
+    out = exchange_flat(send, [sum(s) for s in sizes], group, device)
+    recv, start = [], 0
+    for s in sizes:
+        got = []
+        for n in s:
+            got.append(out[start : start + n])
+            start += n
+        recv.append(got)
+    return recv
+
+
+def as_bytes(t: Tensor) -> Tensor:
+    """``t``'s elements as a flat uint8 tensor (a view where ``t`` is contiguous)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def from_bytes(piece: Tensor, dtype: torch.dtype) -> Tensor:
+    """Received bytes as ``dtype`` (copied first where the bytes before them leave them unaligned)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return (piece if piece.storage_offset() % size == 0 else piece.clone()).view(dtype)
 
 
 class LocalSplit:
@@ -269,49 +363,77 @@ class ShardedSplit(_CollectiveSplit):
     def __init__(self, process_group: Any) -> None:
         super().__init__(process_group)
         self.psum = self._psum
+        #: The step's owner load on this group; the engine shares one among the splitters of a group and the
+        #: owner path (:class:`OwnerLoad`) and resets it every step.
+        self.load = OwnerLoad(self.world_size)
 
     def _psum(self, t: Tensor) -> Tensor:
         t = t.contiguous()
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.pg)
         return t
 
-    def _shard_rows(self, m: int) -> tuple[int, list[int]]:
-        """``torch.chunk`` row split used by FSDP2: padded shard size and each rank's rows."""
+    def _shard_rows(self, m: int) -> list[int]:
+        """Each rank's rows under FSDP2's ``torch.chunk`` row split (only the last ranks may hold fewer)."""
         s = math.ceil(m / self.world_size)
-        return s, [max(0, min(s, m - r * s)) for r in range(self.world_size)]
+        return [max(0, min(s, m - r * s)) for r in range(self.world_size)]
+
+    def bucket_owners(self, sizes: Sequence[int], costs: Sequence[float]) -> list[list[int]]:
+        """:func:`bucket_owners` of a call's shape buckets, the step's load on this group carried."""
+        return bucket_owners(sizes, costs, self.load.load)
 
     def at_owners(self, X: Tensor, fn: Callable[[Tensor], Tensor], m: int, width: int, dtype: torch.dtype,
-                  cost: float) -> Tensor:
-        """Row shards ``X`` ``(k, rows, c)`` of ``k`` matrices of ``m`` rows -> whole matrices at owner ranks
-        (``assign_counts``, one ``all_to_all_single``) -> ``fn(whole)`` ``(j, m, width)`` in ``dtype`` there ->
-        each rank's rows back (a second one). Returns ``(k, s, width)``: this rank's padded row slab of
-        every result (``s`` rows; the first are its own, the rest, and all of a rank that holds no rows,
-        copies of the matrix's first row, so per-matrix values reach every rank)."""
+                  owners: Sequence[int]) -> Tensor:
+        """Row shards ``X`` ``(k, rows, c)`` of ``k`` matrices of ``m`` rows -> whole matrices at their ``owners``
+        (ranks of the group, :meth:`bucket_owners`; one :func:`exchange_bytes`: each rank sends an owner its
+        rows of that owner's matrices, nothing else) -> ``fn(whole)`` ``(j, m, width)`` in ``dtype`` there ->
+        each rank's rows of its matrices back (a second one). Returns ``(k, max(rows, 1), width)``: this rank's
+        rows of every result (a rank that holds no rows gets the matrix's first row, so that per-matrix values
+        reach every rank)."""
         W, rank = self.world_size, self.rank
         k, mine, c = X.shape
-        s, rows = self._shard_rows(m)
-        if mine != rows[rank]:
+        rows = self._shard_rows(m)
+        if mine != rows[rank] or len(owners) != k:
             raise NotImplementedError(
-                f"ShardedSplit expects FSDP2's torch.chunk row sharding ({rows[rank]} of {m} rows on rank {rank}), "
-                f"got local shapes {tuple(X.shape)}")
-        counts = assign_counts([k], [cost], W)[0]
-        slots, starts = max(counts), [sum(counts[:r]) for r in range(W)]
-        send = X.new_zeros((W, slots, s, c))
-        for r in range(W):
-            send[r, : counts[r], :mine] = X[starts[r] : starts[r] + counts[r]]
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.pg)
-        # recv[q, t] = rank q's rows of my t-th matrix; FSDP2 pads only at the end, so the first m of
-        # the W*s concatenated rows are the matrix.
-        back = torch.zeros((slots, W * s, width), dtype=dtype, device=X.device)
-        if counts[rank]:
-            out = fn(recv.permute(1, 0, 2, 3).reshape(slots, W * s, c)[: counts[rank], :m])
-            back[: counts[rank], :m] = out
-            back[: counts[rank], m:] = out[:, :1]
-        send2 = back.reshape(slots, W, s, width).permute(1, 0, 2, 3).contiguous()
-        recv2 = torch.empty_like(send2)
-        dist.all_to_all_single(recv2, send2, group=self.pg)
-        return torch.cat([recv2[r, : counts[r]] for r in range(W)])
+                f"ShardedSplit expects FSDP2's torch.chunk row sharding ({rows[rank]} of {m} rows on rank {rank}) "
+                f"and an owner per matrix ({len(owners)} for {k}), got local shapes {tuple(X.shape)}")
+        X = X.contiguous()
+        ours = owners.count(rank)
+        send: list[list[Tensor]] = [[] for _ in range(W)]
+        for j in range(k if mine else 0):
+            send[owners[j]].append(as_bytes(X[j]))
+        # from each rank that holds rows, one block: its rows of our matrices, in bucket order
+        got = exchange_flat(send, [ours * n * c * X.element_size() for n in rows], self.pg, X.device)
+        out = fn(_whole(from_bytes(got, X.dtype), ours, rows, c)).to(dtype) if ours else None  # (ours, m, width)
+        del got
+        starts = [sum(rows[:q]) for q in range(W)]
+        back: list[list[Tensor]] = [[] for _ in range(W)]
+        for q in range(W):
+            lo, n = (starts[q], rows[q]) if rows[q] else (0, 1)
+            back[q] = [as_bytes(out[t, lo : lo + n]) for t in range(ours)]
+        del out
+        mine = max(mine, 1)
+        counts = [owners.count(r) for r in range(W)]
+        size = torch.empty((), dtype=dtype).element_size()
+        got = from_bytes(exchange_flat(back, [n * mine * width * size for n in counts], self.pg, X.device), dtype)
+        by_owner = [iter(b.unbind(0)) for b in got.view(k, mine, width).split(counts)]
+        return torch.stack([next(by_owner[owners[j]]) for j in range(k)])
+
+
+def _whole(got: Tensor, ours: int, rows: list[int], c: int) -> Tensor:
+    """An owner's whole matrices ``(ours, m, c)`` from the blocks of rows every rank sent, rank-major (FSDP2 pads
+    only at the end, so rank ``q``'s rows follow rank ``q - 1``'s: their concatenation is the matrix)."""
+    W, m = len(rows), sum(rows)
+    # a tensor of its own (never a view of the received bytes, which a compiled owner graph would see as
+    # aliasing a uint8 base of another dtype)
+    whole = torch.empty((ours, m, c), dtype=got.dtype, device=got.device)
+    if len(set(rows)) == 1:  # even shards: one copy
+        whole.view(ours, W, rows[0], c).copy_(got.view(W, ours, rows[0], c).permute(1, 0, 2, 3))
+        return whole
+    start = 0
+    for n in rows:
+        whole[:, start : start + n].copy_(got[: ours * n * c].view(ours, n, c))
+        got, start = got[ours * n * c :], start + n
+    return whole
 
 
 class RowPieceSplit(ShardedSplit):
@@ -334,6 +456,22 @@ class RowPieceSplit(ShardedSplit):
     def at_owners(self, *args: Any, **kwargs: Any) -> Tensor:
         raise NotImplementedError("RowPieceSplit carries no Newton-Schulz inputs (placement.py routes hidden "
                                   "rules' pieces to owners.py); this call is a bug")
+
+
+def share_loads(splits: Sequence[Any], base: Sequence[float] | None) -> list[OwnerLoad]:
+    """One :class:`OwnerLoad` per process group among the row path's ``splits`` (a step's param groups), shared
+    by the splitters on it, so that a step's owners balance across its param groups; on the group of every
+    rank in order, starting from ``base``, the owner path's planned work (``owners.OwnerPlan.load``), so that
+    the two paths share one load. Returns the loads, which the engine resets at the start of every step."""
+    loads: dict[tuple[int, ...], OwnerLoad] = {}
+    for split in splits:
+        if isinstance(split, ShardedSplit) and not isinstance(split, RowPieceSplit):
+            ranks = tuple(dist.get_process_group_ranks(split.pg))
+            if ranks not in loads:
+                start = base if base is not None and ranks == tuple(range(len(base))) else None
+                loads[ranks] = OwnerLoad(split.world_size, start)
+            split.load = loads[ranks]
+    return list(loads.values())
 
 
 #: DTensor placements of row-sharded parameters: FSDP2 (1-D mesh) and HSDP (replicate x shard).

@@ -255,6 +255,12 @@ def buffer(scratch: dict[tuple, Tensor], role: str, shape: Sequence[int], dtype:
     return t
 
 
+def drop_buffers(scratch: dict, role: Any) -> None:
+    """Let go of the tensors :func:`buffer` keeps in ``scratch`` for ``role`` (a bucket's, once it is done)."""
+    for key in [k for k in scratch if isinstance(k, tuple) and k and k[0] == role]:
+        del scratch[key]
+
+
 # ---- the seam ---------------------------------------------------------------------------------------
 
 
@@ -546,9 +552,17 @@ def _hidden_directions(rule: HiddenRule, buckets: list[Bucket], ranges: list[tup
         state.update({k: v[o : o + hi - lo] for k, v in scalars.items()})
         stacks.append((stack_inputs(ctx, rule.name, b, lo, hi, dtype), max(0, min(b.plain - lo, hi - lo)), state))
         o += hi - lo
-    if ctx.split.sharded:
-        ds = [hidden_at_owners(rule, X, state, b.global_shape[0], group, ctx, orth, resolve_dtype(group, X, ctx))
-              for (X, _, state), b in zip(stacks, buckets, strict=True)]
+    if ctx.split.sharded:  # the owners of all buckets planned at once; each bucket's stack let go after it
+        owners = ctx.split.bucket_owners([len(b.items) for b in buckets],
+                                         [cost(rule, b.global_shape, group) for b in buckets])
+        ds = []
+        for i, b in enumerate(buckets):
+            X, _, state = stacks[i]
+            stacks[i] = (None, None, state)
+            drop_buffers(ctx.workspace, (rule.name, "inputs", ctx.call, b.key, 0))
+            ds.append(hidden_at_owners(rule, X, state, b.global_shape[0], group, ctx, orth,
+                                       resolve_dtype(group, X, ctx), owners[i]))
+            del X
     else:
         ds = directions(rule, stacks, group, ctx, batched=True, dtype=buckets[0].items[0].param.dtype)
     return [(D, [state[k] for k in keys]) for D, (_, _, state) in zip(ds, stacks, strict=True)]

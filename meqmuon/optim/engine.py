@@ -28,6 +28,7 @@ from .distributed import (
     local,
     replicated_splitter,
     resolve_process_group,
+    share_loads,
     splitter_for,
 )
 from .driver import HiddenRule
@@ -249,6 +250,7 @@ class RoleOptimizer(Optimizer):
         self._plan_key: tuple | None = None
         self._plan_cache: list = []
         self._owners: OwnerPlan | None = None
+        self._loads: list = []
         self._owned: list[list[tuple]] = []
         self._last_workspace = 0
         #: The splitter of the owner path's whole tensors: one for all groups, so that they share buckets.
@@ -436,6 +438,7 @@ class RoleOptimizer(Optimizer):
             owned.append(pieces)
         self._owners = OwnerPlan(*(list(x) for x in zip(*at_owners, strict=True))) if at_owners else None
         self._owned = owned
+        self._loads = share_loads([split for _, _, split, _ in plan], self._owners.load if self._owners else None)
         return plan
 
     def _plan(self) -> list[tuple[dict[str, Any], list[_Entry], LocalSplit | None, bool]]:
@@ -483,6 +486,8 @@ class RoleOptimizer(Optimizer):
         # groups (the embedding and the head land on different ranks).
         replicated = self._local if self._process_group is None else replicated_splitter(self._process_group)
         plan = self._plan()
+        for load in self._loads:  # the row path's owners are planned per step, from the planned owner path's load
+            load.reset()
         groups = _with_floats(plan)
         # gather: the owner path's direction inputs out, directions back and applied (momentum rules); a
         # stepping rule's whole tensors at its owner (owners.py)

@@ -1,8 +1,10 @@
 """Every DTensor layout: each rank's piece of a matrix, whole matrices at owner ranks, directions back.
 
-FSDP2's and HSDP's row shards of whole matrices take the bucketed row exchange of ``sharded.py``. Every
-other layout that torch's parallel APIs give a transformer -- tensor parallelism's ``Shard(0)`` (colwise)
-and ``Shard(1)`` (rowwise) on a TP mesh, FSDP2 over TP on a 2-D mesh (``(_StridedShard(0, sf), Shard(0))``,
+FSDP2's and HSDP's row shards of whole matrices take the row path of ``sharded.py``: this path's exchange
+(:func:`distributed.exchange_flat`) and owner assignment (:func:`distributed.assign_owners`, one load per
+step shared with this path's, :attr:`OwnerPlan.load`), cut by whole rows per shape bucket. Every other
+layout that torch's parallel APIs give a transformer -- tensor parallelism's ``Shard(0)`` (colwise) and
+``Shard(1)`` (rowwise) on a TP mesh, FSDP2 over TP on a 2-D mesh (``(_StridedShard(0, sf), Shard(0))``,
 ``(Shard(0), Shard(1))``, ``(Shard(0), Replicate())``), vocabulary-parallel embeddings and heads, and FSDP2
 row shards of matrices whose view needs rows of several shards (a fused projection's split, ``Conv1D``'s
 transpose, folded experts) -- goes here (``placement.PIECES``):
@@ -46,7 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .distributed import assign_owners, is_dtensor
+from .distributed import as_bytes, assign_owners, exchange_bytes, from_bytes, is_dtensor
 
 try:
     import torch.distributed as dist
@@ -181,14 +183,7 @@ class Pieces:
             whole[g].copy_(piece[loc])
 
 
-def _bytes(t: Tensor) -> Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _as(piece: Tensor, dtype: torch.dtype) -> Tensor:
-    """Received bytes as ``dtype`` (copied first where the bytes before them leave them unaligned)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return (piece if piece.storage_offset() % size == 0 else piece.clone()).view(dtype)
+_bytes, _as = as_bytes, from_bytes
 
 
 class Owned:
@@ -224,7 +219,10 @@ class OwnerPlan:
             _world_of(p, name)
         self.rank = dist.get_rank() if params else 0
         self.world = dist.get_world_size() if params else 1
-        owners = assign_owners(list(costs), [0.0] * self.world)
+        #: Each rank's work planned here: the start of every step's load where the row path (``ShardedSplit``)
+        #: runs on the same ranks (the engine shares it), so that one step's owners balance across both paths.
+        self.load = [0.0] * self.world
+        owners = assign_owners(list(costs), self.load)
         cache: dict = {}
         self.owned = [Owned(p, st, o, cache) for p, st, o in zip(params, states, owners, strict=True)]
 
@@ -289,23 +287,6 @@ class OwnerPlan:
         return o.pieces if key == "param" else o.state_pieces[key]
 
     def _exchange(self, send: list[list[Tensor]], sizes: list[list[int]]) -> list[list[Tensor]]:
-        """One ``all_to_all_single`` of bytes: ``send[r]`` to rank ``r``; ``sizes[r]`` the byte sizes of the
-        pieces rank ``r`` sends here. Returns the received pieces per source rank (views of one buffer)."""
-        send_sizes = [[p.numel() for p in s] for s in send]
+        """The row path's exchange (:func:`distributed.exchange_bytes`) over the default group."""
         device = self.owned[0].param.device if self.owned else torch.device("cpu")
-        pieces = [p for s in send for p in s]  # rank-major: one copy into the send buffer
-        flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
-        del pieces
-        for s in send:
-            s.clear()  # the pieces (copies cut out of whole tensors at owners) are let go before the exchange
-        out_splits = [sum(s) for s in sizes]
-        out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
-        dist.all_to_all_single(out, flat, out_splits, [sum(s) for s in send_sizes])
-        recv, start = [], 0
-        for r in range(self.world):
-            pieces = []
-            for n in sizes[r]:
-                pieces.append(out[start : start + n])
-                start += n
-            recv.append(pieces)
-        return recv
+        return exchange_bytes(send, sizes, None, device)

@@ -14,9 +14,14 @@
   embeddings, FSDP2 rows of split, transposed or folded views): direction inputs to owners, directions back
   (``owners.py``; a stepping rule that is not elementwise: whole tensors, its documented fallback).
 
-``ROWS`` is the ``PIECES`` exchange's simplest case (each piece is whole rows of each matrix), kept as its
-own bucketed row exchange: already at the floor of bytes and its collectives per shape bucket are the
-fingerprints of FSDP2 users. Read in code, as microsoft/dion's ``_get_shard_info``: the engine asks
+``ROWS`` is the ``PIECES`` exchange's simplest case (each piece is whole rows of each matrix): the same
+uneven byte exchange (``distributed.exchange_flat``: each rank sends an owner only its pieces of that owner's
+matrices, the owner sends back only their directions, nothing padded) and the same owner assignment
+(``distributed.assign_owners``, longest first, one load per step shared with ``PIECES`` where both run on all
+ranks: ``distributed.share_loads``). What stays its own is the bookkeeping of whole rows: a shape bucket's
+stack goes out as one block per rank (no descriptors), and its owners are planned per step for the buckets
+of the matrices with gradients; its collectives (one pair per shape bucket) are the fingerprints of FSDP2
+users. Read in code, as microsoft/dion's ``_get_shard_info``: the engine asks
 :func:`path_of` once per parameter and keeps the answer on its entry.
 """
 

@@ -2,22 +2,24 @@
 
 Under FSDP2 every rank holds a row shard of each matrix; Newton-Schulz and a hidden rule's ``pre`` and
 ``post`` need whole matrices. :func:`hidden_at_owners` sends a bucket's row shards to owner ranks by one
-``all_to_all_single`` (:meth:`ShardedSplit.at_owners`), runs the driver's body there (an :data:`Orth`:
-:func:`meqmuon.optim.driver.directions`, eager or in a compiled graph), and brings the rows of the
-directions back by a second one (microsoft/dion ``megabatch_base.py`` does the same for Newton-Schulz), so a
-rule never needs a sum over shards. Per-row state travels as extra columns of the rows, per-matrix state as
-a column of all rows.
+uneven ``all_to_all_single`` (:meth:`ShardedSplit.at_owners`; each rank sends an owner only its rows of that
+owner's matrices: the owner path's byte exchange, ``distributed.exchange_flat``), runs the driver's body there
+(an :data:`Orth`: :func:`meqmuon.optim.driver.directions`, eager or in a compiled graph), and brings each rank
+its rows of the directions back by a second one (microsoft/dion ``megabatch_base.py`` does the same for
+Newton-Schulz), so a rule never needs a sum over shards. Owners are planned for all buckets of a step at once
+(``ShardedSplit.bucket_owners``, longest first, the load carried). Per-row state travels as extra columns of
+the rows, per-matrix state as a column of all rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from .calls import StepContext
-from .newton_schulz import batched_ns, method_flops
+from .newton_schulz import batched_ns
 from .rule import MomentumBase
 
 __all__ = ["Orth", "hidden_at_owners"]
@@ -31,10 +33,11 @@ Orth = Callable[..., Tensor]
 
 
 def hidden_at_owners(rule: MomentumBase, X: Tensor, state: dict[str, Tensor], m: int, group: dict,
-                     ctx: StepContext, orth: Orth, ns_dtype: torch.dtype) -> list[Tensor]:
+                     ctx: StepContext, orth: Orth, ns_dtype: torch.dtype, owners: Sequence[int]) -> list[Tensor]:
     """Row shards ``X`` ``(k, rows, n)`` of ``k`` matrices with ``m`` rows of a hidden rule's bucket -> whole
-    matrices at owner ranks -> ``orth`` there (:data:`Orth`) -> the rows of ``D`` back; ``state`` is
-    updated in place. ``ns_dtype``: the group's Newton-Schulz dtype (what travels when no state does)."""
+    matrices at their ``owners`` (ranks of the splitter's group, ``ShardedSplit.bucket_owners``) -> ``orth``
+    there (:data:`Orth`) -> the rows of ``D`` back; ``state`` is updated in place. ``ns_dtype``: the group's
+    Newton-Schulz dtype (what travels when no state does)."""
     k, rows, n = X.shape
     keys = list(state)
     per_row = [rule.state_views[key] == "rows" for key in keys]
@@ -47,13 +50,16 @@ def hidden_at_owners(rule: MomentumBase, X: Tensor, state: dict[str, Tensor], m:
 
     def whole(W: Tensor) -> Tensor:
         j = W.shape[0]
-        st = {key: _column(W, n + i, row, state[key].dtype)
+        # copies, not views of W: a compiled orth's inputs then do not alias (AOTAutograd's synthetic base of a
+        # view and its own base failed at run time, "wrong number of dimensions")
+        st = {key: _column(W, n + i, row, state[key].dtype).clone()
               for i, (key, row) in enumerate(zip(keys, per_row, strict=True))}
         D = orth(rule, W, n, st, group, ctx, batched=batched_ns(W.device))
         return torch.cat([D[0].reshape(j, m, n).to(out_dtype), *columns(st, j, m, out_dtype)], dim=-1)
 
     send = torch.cat([X.to(dtype), *columns(state, k, rows, dtype)], dim=-1)
-    back = ctx.split.at_owners(send, whole, m, n + len(keys), out_dtype, method_flops(group, m, n))
+    back = ctx.split.at_owners(send, whole, m, n + len(keys), out_dtype, owners)
+    del send
     for i, (key, row) in enumerate(zip(keys, per_row, strict=True)):
         state[key].copy_(_column(back[:, :rows] if row else back, n + i, row, state[key].dtype))
     return [back[:, :rows, :n]]

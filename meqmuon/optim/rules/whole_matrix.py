@@ -6,17 +6,19 @@ they also compile, split their Newton-Schulz over DDP ranks and run under FSDP2 
 Muon-VS a parameter-shaped state view and a hook that replaces the direction input ``G + mu B``
 elementwise; MuonH a per-matrix weight norm read before the step and a projection after it.
 
-Both forms here: the per-tensor ``step`` (one matrix at a time) and the batched ``step_foreach`` (the
-elementwise parts in ``torch._foreach_*`` kernels, Newton-Schulz per shape bucket as one stack where the
-device batches it, :data:`~meqmuon.optim.newton_schulz.BATCHED_NS_DEVICES`). ``compile=True`` runs them
-eagerly, as every stepping rule; under DDP every rank repeats the (identical) step. Under FSDP2 a row
-shard is not a matrix: they raise ``ValueError`` at the first step.
+Both forms here: the per-tensor ``step`` (one matrix at a time, Newton-Schulz matrix by matrix) and the
+batched ``step_foreach``, whose dispatched ops do not grow with depth (benchmarks/op_count.py): the
+elementwise parts in ``torch._foreach_*`` kernels over all matrices, and per shape bucket one stack, one
+batched Newton-Schulz on every device (as the driver's batched form), one cast, and MuonH's norms and
+rescales on the stack. ``compile=True`` runs them eagerly, as every stepping rule; under DDP every rank
+repeats the (identical) step. Under FSDP2 a row shard is not a matrix: they raise ``ValueError`` at the
+first step.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
 import torch
@@ -24,10 +26,10 @@ from torch import Tensor
 
 from ... import functional as F
 from ...precision import resolve_ns_dtype
-from ..calls import Item, state_dtype
-from ..driver import HiddenRule, make_buckets, matrix_shape, stack_tensors, unstack
+from ..calls import Item, StepContext, state_dtype
+from ..driver import Bucket, HiddenRule, make_buckets, matrix_shape, stack_tensors, unstack
 from ..inputs import flag, number
-from ..newton_schulz import NS_METHODS, batched_ns
+from ..newton_schulz import NS_METHODS
 from ..rule import MOMENTUM, RHO, SteppingRule
 
 
@@ -62,11 +64,22 @@ class _MatrixSteppingRule(SteppingRule):
                                  "norms; use DDP or one process")
 
     @staticmethod
-    def orth(X: Tensor, group: dict) -> Tensor:
-        """``Orth`` of a stack ``(K, m, n)`` by the group's Newton-Schulz method, steps, coefficients and dtype."""
+    def orth(X: Tensor, group: dict, batched: bool = False) -> Tensor:
+        """``Orth`` of a stack ``(K, m, n)`` by the group's Newton-Schulz method, steps, coefficients and dtype:
+        matrix by matrix (the per-tensor form), or with ``batched`` as one batched call with ``X`` as scratch
+        (the batched form: one call per shape bucket, not per matrix)."""
         dtype = resolve_ns_dtype(group["ns_dtype"], X.device)
         return NS_METHODS[group["ns_method"]].function(X, group["ns_steps"], group["ns_coefficients"], dtype,
-                                                       batched=batched_ns(X.device))
+                                                       batched=batched, inplace=batched)
+
+    def bucket_directions(self, items: Sequence[Item], inputs: Sequence[Tensor], group: dict,
+                          ctx: StepContext) -> Iterator[tuple[Bucket, Tensor]]:
+        """Per shape bucket of ``items``, one after another: the bucket and ``Orth`` of its members' ``inputs``
+        as one stack ``(K, m, n)`` in the parameters' dtype (one stack, one batched Newton-Schulz, one cast)."""
+        by_item = dict(zip(map(id, items), inputs, strict=True))
+        for b in make_buckets(items, matrix=True, transpose=False):
+            X = stack_tensors(ctx, self.name, b, [by_item[id(it)] for it in b.items])
+            yield b, self.orth(X, group, batched=True).to(b.items[0].param.dtype)
 
     @staticmethod
     def matrices(tensors: Sequence[Tensor]) -> list[Tensor]:
@@ -138,15 +151,14 @@ class MuonVS(_MatrixSteppingRule):
                                 group["weight_decay"], [self._scale(it, group)])
 
     def step_foreach(self, items, group, ctx):
-        """Batched: the moments and inputs of all matrices in a few kernels, ``Orth`` per shape bucket."""
+        """Batched: the moments and inputs of all matrices in a few kernels, ``Orth`` per shape bucket, the
+        update in one add per distinct scale."""
         self._whole(items)
         ctx.emit(items, [it.grad for it in items], "gradient")
-        inputs = dict(zip(map(id, items), self._inputs(items, group), strict=True))
         params, directions, scales = [], [], []
-        for b in make_buckets(items, matrix=True, transpose=False):
-            U = self.orth(stack_tensors(ctx, self.name, b, [inputs[id(it)] for it in b.items]), group)
+        for b, U in self.bucket_directions(items, self._inputs(items, group), group, ctx):
             params += [it.param for it in b.items]
-            directions += [d.to(it.param.dtype) for d, it in zip(unstack(b, U), b.items, strict=True)]
+            directions += unstack(b, U)
             scales += [self._scale(it, group) for it in b.items]
         F.decay_and_update_(params, directions, group["lr"], group["weight_decay"], scales)
 
@@ -179,39 +191,38 @@ class MuonH(_MatrixSteppingRule):
         return F.direction_input(grads, bufs, group["momentum"], group["nesterov"])
 
     @staticmethod
-    def _project(params: list[Tensor], directions: list[Tensor], group: dict) -> None:
-        """For every matrix: ``R = ||W||`` (before the decay), the decay, the step ``lr R D / ||D||`` and the
-        projection back to ``R``; the norms as 0-D tensors on the device (no host sync)."""
-        radii = torch._foreach_norm(params)
+    def _project(W: Tensor, U: Tensor, group: dict) -> None:
+        """For every matrix of a stack ``W`` ``(K, ...)``, in place, with its direction ``U`` (same shape and
+        dtype): ``R = ||W||`` (before the decay), the decay, the step ``lr R U / ||U||`` and the projection back
+        to ``R``; the norms per matrix as ``(K, 1, ...)`` tensors on the device (no host sync), each line one
+        kernel for the whole stack."""
+        dims = tuple(range(1, W.ndim))
+        radii = torch.linalg.vector_norm(W, dim=dims, keepdim=True)
         if group["weight_decay"] != 0:
-            F.decay_(params, 1.0 - group["lr"] * group["weight_decay"])
-        norms = torch._foreach_norm(directions)
-        torch._foreach_clamp_min_(norms, MUONH_EPS)
-        for p, d, r, n in zip(params, directions, radii, norms, strict=True):
-            p.add_(d * (r / n), alpha=-group["lr"])
-        new = torch._foreach_norm(params)
-        torch._foreach_clamp_min_(new, MUONH_EPS)  # a zero matrix (R = 0) stays zero, where levanter gives NaN
-        for p, r, n in zip(params, radii, new, strict=True):
-            p.mul_(r / n)
+            W.mul_(1.0 - group["lr"] * group["weight_decay"])  # the factor in float, as F.decay_ for bf16
+        norms = torch.linalg.vector_norm(U, dim=dims, keepdim=True).clamp_min_(MUONH_EPS)
+        W.add_(U * (radii / norms), alpha=-group["lr"])
+        new = torch.linalg.vector_norm(W, dim=dims, keepdim=True)
+        new.clamp_min_(MUONH_EPS)  # a zero matrix (R = 0) stays zero, where levanter gives NaN
+        W.mul_(radii / new)
 
     def step(self, items, group, ctx):
-        """Per tensor: each matrix's momentum, ``Orth``, step and projection in turn."""
+        """Per tensor: each matrix's momentum, ``Orth``, step and projection in turn (on the parameter itself,
+        a stack of one)."""
         self._whole(items)
         ctx.emit(items, [it.grad for it in items], "gradient")
         for it in items:
             (X,) = self._inputs([it], group)
             D = self.orth(self.matrices([X])[0][None], group)[0]
-            self._project([it.param], [D.reshape(it.param.shape).to(it.param.dtype)], group)
+            self._project(it.param[None], D.reshape(it.param.shape).to(it.param.dtype)[None], group)
 
     def step_foreach(self, items, group, ctx):
-        """Batched: momentum in ``torch._foreach_*`` kernels, ``Orth`` per shape bucket, one projection."""
+        """Batched: momentum in ``torch._foreach_*`` kernels, then per shape bucket ``Orth`` and the projection
+        on a stack of the bucket's weights, copied back in one ``torch._foreach_copy_`` (a bucket at a time:
+        the transient is one bucket's weights, not all of them)."""
         self._whole(items)
         ctx.emit(items, [it.grad for it in items], "gradient")
-        inputs = dict(zip(map(id, items), self._inputs(items, group), strict=True))
-        params, directions = [], []
-        for b in make_buckets(items, matrix=True, transpose=False):
-            U = self.orth(stack_tensors(ctx, self.name, b, [inputs[id(it)] for it in b.items]), group)
-            params += [it.param for it in b.items]
-            directions += [d.reshape(it.param.shape).to(it.param.dtype) for d, it in zip(unstack(b, U), b.items,
-                                                                                          strict=True)]
-        self._project(params, directions, group)
+        for b, U in self.bucket_directions(items, self._inputs(items, group), group, ctx):
+            W = torch.stack([it.param.reshape(b.shape) for it in b.items])
+            self._project(W, U, group)
+            torch._foreach_copy_([it.param for it in b.items], unstack(b, W))
