@@ -92,33 +92,36 @@ def _collectives(rank: int) -> dict:
     adamw = torch.optim.AdamW(model.parameters())
     adamw.step()
     return {"raw": raw, "step": step_meter.summary(), "floor": floor_bytes(opt, 4),
-            "adamw": (held_bytes(adamw)["total"], adamw_bytes(model.parameters())), **_owner_bytes(rank, mesh)}
+            "adamw": (held_bytes(adamw)["total"], adamw_bytes(model.parameters())), "owners": _owner_bytes(rank, mesh)}
 
 
 def _owner_bytes(rank: int, mesh) -> dict:
-    """Tensor parallelism's rowwise ``Shard(1)`` of three 32 x 32 matrices on 2 ranks (the owner path): rank 0
-    owns two of them (equal costs, longest-first greedy), so it receives 2 x 1024 elements of pieces and sends
-    2 x 1024 of directions against a floor of its 3 x 512."""
+    """Three 32 x 32 matrices on 2 ranks, rowwise ``Shard(1)`` as tensor parallelism's (the owner path) and
+    ``Shard(0)`` as FSDP2's (the row path): rank 0 owns two of them (equal costs, longest-first greedy), so it
+    receives 2 x 1024 elements of pieces and sends 2 x 1024 of directions against a floor of its 3 x 512."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import meqmuon
 
-    torch.manual_seed(1)
-    params = [torch.nn.Parameter(distribute_tensor(torch.randn(32, 32), mesh, [Shard(1)])) for _ in range(3)]
-    groups = [{"params": params, "kind": "hidden", "names": [f"w{i}" for i in range(3)]}]
-    opt = meqmuon.build_optimizer("muon", groups, ns_dtype=torch.float32, foreach=True)
-    meter = StepMeter()
-    for step in range(2):
-        for p in params:
-            p.grad = distribute_tensor(torch.randn(32, 32), mesh, [Shard(1)])
-        if step:
-            with meter:
+    out = {}
+    for name, placement in (("tp", Shard(1)), ("rows", Shard(0))):
+        torch.manual_seed(1)
+        params = [torch.nn.Parameter(distribute_tensor(torch.randn(32, 32), mesh, [placement])) for _ in range(3)]
+        groups = [{"params": params, "kind": "hidden", "names": [f"w{i}" for i in range(3)]}]
+        opt = meqmuon.build_optimizer("muon", groups, ns_dtype=torch.float32, foreach=True)
+        meter = StepMeter()
+        for step in range(2):
+            for p in params:
+                p.grad = distribute_tensor(torch.randn(32, 32), mesh, [placement])
+            if step:
+                with meter:
+                    opt.step()
+            else:
                 opt.step()
-        else:
-            opt.step()
-    model = rank_model(opt, 4)
-    return {"tp": meter.summary(), "tp_floor": floor_bytes(opt, 4), "tp_model_floor": model.floor(rank),
-            "tp_bound": model.bound(rank), "tp_owned": model.owned}
+        model = rank_model(opt, 4)
+        out[name] = {"step": meter.summary(), "floor": floor_bytes(opt, 4), "model_floor": model.floor(rank),
+                     "bound": model.bound(rank), "owned": model.owned}
+    return out
 
 
 def test_meter_counts_the_bytes_of_c10d_and_functional_collectives_on_gloo(tmp_path):
@@ -140,13 +143,15 @@ def test_meter_counts_the_bytes_of_c10d_and_functional_collectives_on_gloo(tmp_p
         assert r["floor"] <= r["step"]["received"] <= 1.05 * r["floor"], r
         # AdamW's state as torch keeps it (two moments of the local shard, a float32 step per parameter)
         assert r["adamw"][0] == r["adamw"][1] == 4 * (2 * 4 * 16 * 32 + 4), r["adamw"]
-        # the owner path: rank 0 owns matrices 0 and 2, rank 1 matrix 1 (whole 32 x 32 each); the bound,
-        # itemsize x (local + owned), is exactly what the step moves each way, above the floor at rank 0
-        # (4 x (1536 + 2048) B against 8 x 1536 B) and below it at rank 1 (4 x (1536 + 1024) B)
-        assert r["tp_owned"] == [2048, 1024], r["tp_owned"]
-        assert r["tp_floor"] == r["tp_model_floor"] == 2 * 4 * 3 * 32 * 16
-        assert r["tp_bound"] == 4 * (3 * 512 + (2048 if rank == 0 else 1024))
-        assert r["tp"]["sent"] == r["tp"]["received"] == r["tp_bound"], (rank, r["tp"], r["tp_bound"])
+        # rank 0 owns matrices 0 and 2, rank 1 matrix 1 (whole 32 x 32 each), on the owner path (TP's Shard(1))
+        # and the row path (FSDP2's Shard(0)); the bound, itemsize x (local + owned), is exactly what the step
+        # moves each way, above the floor at rank 0 (4 x (1536 + 2048) B against 8 x 1536 B) and below it at
+        # rank 1 (4 x (1536 + 1024) B)
+        for name, o in r["owners"].items():
+            assert o["owned"] == [2048, 1024], (name, o["owned"])
+            assert o["floor"] == o["model_floor"] == 2 * 4 * 3 * 32 * 16, name
+            assert o["bound"] == 4 * (3 * 512 + (2048 if rank == 0 else 1024)), name
+            assert o["step"]["sent"] == o["step"]["received"] == o["bound"], (name, rank, o["step"], o["bound"])
 
 
 def test_simulator_steps_fsdp2_and_ep_on_the_fake_group_and_meta_accounts_as_cpu():
