@@ -13,8 +13,10 @@ here (the simulator says so per layout: "not plannable on fake PG: <what failed,
 fake PG: ..." where the first step planned). The model is the transformers class of the real one
 (Llama-3 8B/70B/405B, a DeepSeek-V3-like MoE with 256 stacked experts),
 built on ``meta`` and sharded by torch's own APIs on a DeviceMesh of the fake group: FSDP2 (``fully_shard``
-per decoder layer and the root), FSDP2 over TP (torchtitan's TP plan, then FSDP2 over ``dp``), EP (stacked
-experts ``Shard(0)``, every other parameter ``Replicate()``). Gradients are zeros of each parameter's
+per decoder layer and the root), FSDP2 over TP (torchtitan's TP plan, then FSDP2 over ``dp``), EP as
+torchtitan lays it out (``ep``: stacked experts ``Shard(0)`` over an ``ep`` mesh, every other parameter
+``fully_shard`` over a ``dp`` mesh of the same ranks) or with every other parameter ``Replicate()``
+(``ep-replicated``). Gradients are zeros of each parameter's
 placements. With ``--device meta`` (the default) nothing is allocated at all: every op runs on shapes, so
 Newton-Schulz costs no time and its FLOPs are counted; ``--device cpu`` materialises the local shards only
 (``to_empty``) and computes for real (small models).
@@ -23,10 +25,16 @@ Per simulated rank, from ``step_accounting``: the bytes of the third step's coll
 the collectives per step, what the optimizer holds after the step beyond its state, the step's transient
 peak (a counting allocator: every storage an op creates in the step, until freed; the same on ``meta`` as on
 a device), the time of the first step (which plans) and of the next (both unmetered; on ``meta`` they are the
-Python and dispatch overhead alone), and the owner load: the busiest
-simulated rank's Newton-Schulz FLOPs against ``max(total / ranks, largest matrix)`` (analytic,
-``newton_schulz.method_flops``). Each simulated rank runs in its own process; the largest peak resident memory
-(RSS) and the summed wall time of a configuration's are reported beside it.
+Python and dispatch overhead alone), the optimizer's memory against AdamW's state on the same layout
+(``rank_model.adamw_bytes``), and the owner load: the busiest simulated rank's Newton-Schulz FLOPs against
+``max(total / ranks, largest matrix)`` (analytic, ``newton_schulz.method_flops``).
+
+Which ranks (``--sample-ranks``, default ``0,busiest``): rank 0, then the ranks that ``rank_model`` finds
+busiest in rank 0's plan (deterministic, no collective: one rank's plan is every rank's): the most bytes, the
+most bytes per byte of floor, the most FLOPs, the least bound per byte of floor. From the same model, every
+rank's reachable bound (what whole-matrix owners must move: ``itemsize x (local + owned)``) and the mean over
+all ranks of the bound against the floor. Each simulated rank runs in its own process; the largest peak
+resident memory (RSS) and the summed wall time of a configuration's are reported beside it.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from rank_model import RankModel, adamw_bytes, rank_model  # noqa: E402
 from step_accounting import StepMeter, floor_bytes, held_bytes, hidden_layouts  # noqa: E402
 
 #: Model shapes (transformers config keywords): Llama-3 (Meta's params.json) and DeepSeek-V3 (its config.json).
@@ -78,7 +87,7 @@ DEFAULT_RUNS = [
     ("llama3-70b", "fsdp2", "256"), ("llama3-70b", "fsdp2", "512"), ("llama3-70b", "fsdp2", "1024"),
     ("llama3-70b", "fsdp2xtp", "128x8"),
     ("llama3-405b", "fsdp2", "256"), ("llama3-405b", "fsdp2", "1024"), ("llama3-405b", "fsdp2xtp", "128x8"),
-    ("deepseek-v3", "fsdp2", "256"), ("deepseek-v3", "ep", "256"),
+    ("deepseek-v3", "fsdp2", "256"), ("deepseek-v3", "ep", "256"), ("deepseek-v3", "ep-replicated", "256"),
 ]
 
 
@@ -103,6 +112,26 @@ def mesh_for(layout: str, ranks: str):
         dp, tp = (int(x) for x in ranks.split("x"))
         return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     return init_device_mesh("cpu", (world_of(ranks),), mesh_dim_names=(layout,))
+
+
+def torchtitan_ep(model, ep, dp) -> None:
+    """torchtitan's expert parallelism: the stacked experts (3-D parameters) ``Shard(0)`` over the EP mesh
+    ``ep``, each rank holding whole experts; every other parameter FSDP2 (``fully_shard`` per decoder layer and
+    the root, the experts ``ignored_params``) over the DP mesh ``dp`` of the same ranks
+    (``tests/test_placement.py``'s EP test, at full scale)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    experts = set()
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.ndim == 3:
+                q = torch.nn.Parameter(distribute_tensor(p.detach(), ep, [Shard(0)]))
+                setattr(module, name, q)
+                experts.add(q)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dp, ignored_params=experts)
+    fully_shard(model, mesh=dp, ignored_params=experts)
 
 
 def world_of(ranks: str) -> int:
@@ -159,6 +188,10 @@ def simulate(model_name: str, layout: str, ranks: str, rank: int, *, layers: int
         model = build_model(model_name, layers)
         mesh = mesh_for(layout, ranks)
         if layout == "ep":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            torchtitan_ep(model, mesh, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+        elif layout == "ep-replicated":
             expert_parallel(model, mesh)
         else:
             shard(model, layout, mesh)
@@ -184,7 +217,12 @@ def simulate(model_name: str, layout: str, ranks: str, rank: int, *, layers: int
             what = "not plannable on fake PG" if len(times) == 1 else f"step {len(times)} fails on fake PG"
             return {**row, "error": f"{what}: {_fail_reason(exc)}"}
         row.update(meter.summary(), first_step_s=times[1] - times[0], step_s=times[2] - times[1],
-                   held=held_bytes(opt))
+                   held=held_bytes(opt), adamw=adamw_bytes(model.parameters()))
+        try:
+            ranks_model = rank_model(opt, ns_dtype.itemsize)
+            row["ranks_model"] = {"local": ranks_model.local, "owned": ranks_model.owned, "flops": ranks_model.flops}
+        except NotImplementedError as exc:
+            row["model_error"] = str(exc)
         return row
     finally:
         dist.destroy_process_group()
@@ -201,21 +239,32 @@ def run_one(args: argparse.Namespace) -> dict:
     return {"rows": rows, "wall_s": time.perf_counter() - t0, "rss": rss}
 
 
-def sample(spec: str, world: int) -> list[int]:
-    """The ranks to simulate: ``0,1,last`` style (``last`` = world - 1), deduplicated."""
+def sample(spec: str, world: int, busiest: dict[str, int] | None = None) -> list[int]:
+    """The ranks to simulate: ``0,1,last`` style (``last`` = world - 1), deduplicated; ``busiest``: the ranks
+    that :class:`rank_model.RankModel` predicts busiest (``busiest``, from a simulated rank's plan; left out
+    while it is ``None``)."""
     out = []
     for x in spec.split(","):
+        if x == "busiest":
+            out += list((busiest or {}).values())
+            continue
         r = world - 1 if x == "last" else int(x)
         if not 0 <= r < world:
             raise SystemExit(f"scale_sim.py: error: --sample-ranks: rank {r} outside 0..{world - 1}")
-        if r not in out:
-            out.append(r)
-    return out
+        out.append(r)
+    return list(dict.fromkeys(out))
 
 
-def summarise(result: dict) -> dict:
-    """A table row from one configuration's sampled ranks: the first's accounting, the busiest owner; the
-    first error of any."""
+def _model_of(row: dict, itemsize: int) -> RankModel | None:
+    m = row.get("ranks_model")
+    return RankModel(world_of(row["ranks"]), itemsize, m["local"], m["owned"], m["flops"]) if m else None
+
+
+def summarise(result: dict, itemsize: int = 4) -> dict:
+    """A table row from one configuration's simulated ranks: rank 0's accounting, the worst simulated rank's
+    bytes against its floor and its bound, the mean over all ranks of the bound against the floor
+    (:mod:`rank_model`), the busiest owner's FLOPs (measured, and predicted over all ranks), the optimizer's
+    memory against AdamW's; the first error of any."""
     rows = result["rows"]
     r0 = rows[0]
     out = {k: r0[k] for k in ("model", "layout", "ranks", "layers", "device")}
@@ -224,9 +273,24 @@ def summarise(result: dict) -> dict:
     if failed:
         return {**out, "error": failed[0]["error"] + (f" (rank {failed[0]['rank']})" if failed[0]["rank"] else "")}
     world = world_of(r0["ranks"])
-    out.update({k: r0[k] for k in ("sent", "received", "floor", "calls", "peak", "first_step_s", "step_s", "held")})
-    bound = max(r0["ns_total"] / world, r0["ns_largest"])
-    out["owner_load"] = max(r["flops"] for r in rows) / bound if bound else 0.0
+    out.update({k: r0[k] for k in ("sent", "received", "floor", "calls", "peak", "first_step_s", "step_s", "held",
+                                   "adamw")})
+    lower = max(r0["ns_total"] / world, r0["ns_largest"])
+    out["owner_load"] = max(r["flops"] for r in rows) / lower if lower else 0.0
+    out["memory_vs_adamw"] = max(r["held"]["total"] / r["adamw"] for r in rows)
+    worst = max(rows, key=lambda r: (max(r["sent"], r["received"]) / r["floor"] if r["floor"] else 0, -r["rank"]))
+    out["worst"] = {"rank": worst["rank"], "ratio": max(worst["sent"], worst["received"]) / worst["floor"]
+                    if worst["floor"] else 0.0}
+    model = _model_of(r0, itemsize)
+    if model is None:
+        out["model_error"] = r0.get("model_error", "no rank model")
+        return out
+    out["busiest"] = model.busiest()
+    out["mean_bound"] = model.mean_bound_over_floor()
+    out["model_owner_load"] = max(model.flops) / lower if lower else 0.0
+    out["over_bound"] = max(max(r["sent"], r["received"]) / model.bound(r["rank"]) if model.bound(r["rank"]) else 0.0
+                            for r in rows)
+    out["flops_model_exact"] = all(r["flops"] == model.flops[r["rank"]] for r in rows)
     return out
 
 
@@ -234,60 +298,88 @@ def gib(x: float) -> str:
     return f"{x / 2**30:.2f} GiB" if x >= 2**28 else f"{x / 2**20:.1f} MiB"
 
 
+HEADER = ("| model | layout | ranks | ranks simulated | sent / floor, rank 0 | most sent or received / floor (rank) | "
+          "mean bound / floor | most sent or received / bound | collectives per step | state | held after step / "
+          "state | optimizer memory / AdamW's | transient peak | first / next step s | owner load: simulated "
+          "(model, all ranks) | sim wall s | sim RSS |")
+
+
 def table(summaries: list[dict]) -> str:
-    lines = ["| model | layout | ranks | layers | sent / floor | collectives per step | state | held after step / "
-             "state | transient peak | first / next step s | owner load | sim wall s | sim RSS |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     for s in summaries:
-        head = f"| {s['model']} | {s['layout']} | {s['ranks']} | {s['layers']} |"
+        head = f"| {s['model']} | {s['layout']} | {s['ranks']} | {','.join(map(str, s['sampled']))} |"
         tail = f" {s['wall_s']:.0f} | {gib(s['rss'])} |"
         if "error" in s:
-            lines.append(f"{head} {s['error']} | | | | | | |{tail}")
+            lines.append(f"{head} {s['error']} |" + " |" * (HEADER.count(" | ") - 6) + tail)
             continue
         ratio = f"{s['sent'] / s['floor']:.2f}x ({gib(s['sent'])})" if s["floor"] else f"{gib(s['sent'])} (floor 0)"
+        worst = f"{s['worst']['ratio']:.2f}x ({s['worst']['rank']})" if s["floor"] else "-"
         calls = ", ".join(f"{k} {v}" for k, v in sorted(s["calls"].items())) or "none"
         held = s["held"]
         beyond = (f"{held['total'] / held['state']:.2f}x (+{gib(held['other'])})" if held["state"]
                   else gib(held["other"]))
         steps = f"{s['first_step_s']:.1f} / {s['step_s']:.1f}"
-        lines.append(f"{head} {ratio} | {calls} | {gib(held['state'])} | {beyond} | {gib(s['peak'])} | {steps} | "
-                     f"{s['owner_load']:.2f}x |{tail}")
+        if "busiest" in s:
+            mean = f"{s['mean_bound']:.2f}x" if s["floor"] else "-"
+            bound = f"{s['over_bound']:.2f}x" if s["floor"] else "-"
+            load = f"{s['owner_load']:.2f}x ({s['model_owner_load']:.2f}x{'' if s['flops_model_exact'] else ', off'})"
+        else:
+            mean = bound = "-"
+            load = f"{s['owner_load']:.2f}x (no model: {s['model_error']})"
+        lines.append(f"{head} {ratio} | {worst} | {mean} | {bound} | {calls} | {gib(held['state'])} | {beyond} | "
+                     f"{s['memory_vs_adamw']:.2f}x | {gib(s['peak'])} | {steps} | {load} |{tail}")
     return "\n".join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), help="one configuration (with --layout, --ranks)")
-    parser.add_argument("--layout", choices=("fsdp2", "fsdp2xtp", "ep"))
+    parser.add_argument("--layout", choices=("fsdp2", "fsdp2xtp", "ep", "ep-replicated"))
     parser.add_argument("--ranks", help="N, or DPxTP for fsdp2xtp")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     parser.add_argument("--device", default="meta", choices=("meta", "cpu"))
     parser.add_argument("--optimizer", default="meqmuon")
     parser.add_argument("--ns-dtype", default="float32")
     parser.add_argument("--form", default="batched", choices=("batched", "per-tensor"))
-    parser.add_argument("--sample-ranks", default="0,1,last", help="ranks simulated (owner load: the busiest)")
+    parser.add_argument("--sample-ranks", default="0,busiest",
+                        help="ranks simulated: numbers, 'last', 'busiest' (the rank model's busiest by bytes, "
+                             "bytes per floor and FLOPs, read from the first rank's plan)")
     parser.add_argument("--json", action="store_true", help="print the configuration's result as JSON")
+    parser.add_argument("--save", help="also write every configuration's summary to this JSON file")
     return parser
 
 
+def _run_rank(args: argparse.Namespace, model: str, layout: str, ranks: str, rank: int) -> dict:
+    """:func:`run_one` of one rank in a process of its own (a fresh fake group and mesh)."""
+    cmd = [sys.executable, __file__, "--json", "--model", model, "--layout", layout, "--ranks", ranks,
+           "--device", args.device, "--optimizer", args.optimizer, "--ns-dtype", args.ns_dtype,
+           "--form", args.form, "--sample-ranks", str(rank)]
+    if args.layers is not None:
+        cmd += ["--layers", str(args.layers)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+    if done.returncode:
+        raise SystemExit(f"scale_sim.py: error: {model} {layout} {ranks} rank {rank} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _run_ranks(args: argparse.Namespace, model: str, layout: str, ranks: str) -> dict:
-    """:func:`run_one` of each sampled rank in a process of its own (a fresh fake group and mesh each);
-    their rows together, the wall times summed, the largest RSS."""
+    """Every sampled rank in a process of its own; ``busiest`` ones once the first rank's plan names them.
+    Their rows together, the wall times summed, the largest RSS."""
     result: dict = {"rows": [], "wall_s": 0.0, "rss": 0}
-    for rank in sample(args.sample_ranks, world_of(ranks)):
-        cmd = [sys.executable, __file__, "--json", "--model", model, "--layout", layout, "--ranks", ranks,
-               "--device", args.device, "--optimizer", args.optimizer, "--ns-dtype", args.ns_dtype,
-               "--form", args.form, "--sample-ranks", str(rank)]
-        if args.layers is not None:
-            cmd += ["--layers", str(args.layers)]
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
-        if done.returncode:
-            raise SystemExit(f"scale_sim.py: error: {model} {layout} {ranks} rank {rank} failed:\n"
-                             f"{done.stderr[-3000:]}")
-        one = json.loads(done.stdout.strip().splitlines()[-1])
+    world, itemsize = world_of(ranks), getattr(torch, args.ns_dtype).itemsize
+    todo, busiest = sample(args.sample_ranks, world), None
+    if not todo:
+        todo = [0]
+    while todo:
+        one = _run_rank(args, model, layout, ranks, todo.pop(0))
         result["rows"] += one["rows"]
         result["wall_s"] += one["wall_s"]
         result["rss"] = max(result["rss"], one["rss"])
+        if busiest is None and "busiest" in args.sample_ranks.split(","):
+            m = _model_of(one["rows"][0], itemsize) if "error" not in one["rows"][0] else None
+            busiest = m.busiest() if m else {}
+            done = {r["rank"] for r in result["rows"]}
+            todo = [r for r in sample(args.sample_ranks, world, busiest) if r not in done and r not in todo] + todo
     return result
 
 
@@ -302,12 +394,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--model needs --layout and --ranks")
     from meqmuon.precision import detect_cpu_capability
 
+    itemsize = getattr(torch, args.ns_dtype).itemsize
     print(f"# fake process group, CPU {detect_cpu_capability()}, torch {torch.__version__}, device {args.device}, "
           f"{args.optimizer} {args.form}, ns_dtype {args.ns_dtype}, ranks simulated {args.sample_ranks}")
     summaries = []
     for model, layout, ranks in runs:
-        summaries.append(summarise(_run_ranks(args, model, layout, ranks)))
+        summaries.append(summarise(_run_ranks(args, model, layout, ranks), itemsize))
         print(table(summaries[-1:]).splitlines()[-1], flush=True)
+        if args.save:
+            Path(args.save).write_text(json.dumps(summaries, indent=1))
     print(table(summaries))
     return 0
 

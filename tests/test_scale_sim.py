@@ -19,6 +19,7 @@ from test_distributed import _spawn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import scale_sim  # noqa: E402
+from rank_model import RankModel, adamw_bytes, rank_model  # noqa: E402
 from step_accounting import StepMeter, floor_bytes, held_bytes  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
@@ -88,7 +89,39 @@ def _collectives(rank: int) -> dict:
                 opt.step()
         else:
             opt.step()
-    return {"raw": raw, "step": step_meter.summary(), "floor": floor_bytes(opt, 4)}
+    adamw = torch.optim.AdamW(model.parameters())
+    adamw.step()
+    return {"raw": raw, "step": step_meter.summary(), "floor": floor_bytes(opt, 4),
+            "adamw": (held_bytes(adamw)["total"], adamw_bytes(model.parameters())), "owners": _owner_bytes(rank, mesh)}
+
+
+def _owner_bytes(rank: int, mesh) -> dict:
+    """Three 32 x 32 matrices on 2 ranks, rowwise ``Shard(1)`` as tensor parallelism's (the owner path) and
+    ``Shard(0)`` as FSDP2's (the row path): rank 0 owns two of them (equal costs, longest-first greedy), so it
+    receives 2 x 1024 elements of pieces and sends 2 x 1024 of directions against a floor of its 3 x 512."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import meqmuon
+
+    out = {}
+    for name, placement in (("tp", Shard(1)), ("rows", Shard(0))):
+        torch.manual_seed(1)
+        params = [torch.nn.Parameter(distribute_tensor(torch.randn(32, 32), mesh, [placement])) for _ in range(3)]
+        groups = [{"params": params, "kind": "hidden", "names": [f"w{i}" for i in range(3)]}]
+        opt = meqmuon.build_optimizer("muon", groups, ns_dtype=torch.float32, foreach=True)
+        meter = StepMeter()
+        for step in range(2):
+            for p in params:
+                p.grad = distribute_tensor(torch.randn(32, 32), mesh, [placement])
+            if step:
+                with meter:
+                    opt.step()
+            else:
+                opt.step()
+        model = rank_model(opt, 4)
+        out[name] = {"step": meter.summary(), "floor": floor_bytes(opt, 4), "model_floor": model.floor(rank),
+                     "bound": model.bound(rank), "owned": model.owned}
+    return out
 
 
 def test_meter_counts_the_bytes_of_c10d_and_functional_collectives_on_gloo(tmp_path):
@@ -108,6 +141,17 @@ def test_meter_counts_the_bytes_of_c10d_and_functional_collectives_on_gloo(tmp_p
         assert r["floor"] == 2 * 4 * 4 * 16 * 32
         assert r["floor"] <= r["step"]["sent"] <= 1.05 * r["floor"], r
         assert r["floor"] <= r["step"]["received"] <= 1.05 * r["floor"], r
+        # AdamW's state as torch keeps it (two moments of the local shard, a float32 step per parameter)
+        assert r["adamw"][0] == r["adamw"][1] == 4 * (2 * 4 * 16 * 32 + 4), r["adamw"]
+        # rank 0 owns matrices 0 and 2, rank 1 matrix 1 (whole 32 x 32 each), on the owner path (TP's Shard(1))
+        # and the row path (FSDP2's Shard(0)); the bound, itemsize x (local + owned), is exactly what the step
+        # moves each way, above the floor at rank 0 (4 x (1536 + 2048) B against 8 x 1536 B) and below it at
+        # rank 1 (4 x (1536 + 1024) B)
+        for name, o in r["owners"].items():
+            assert o["owned"] == [2048, 1024], (name, o["owned"])
+            assert o["floor"] == o["model_floor"] == 2 * 4 * 3 * 32 * 16, name
+            assert o["bound"] == 4 * (3 * 512 + (2048 if rank == 0 else 1024)), name
+            assert o["step"]["sent"] == o["step"]["received"] == o["bound"], (name, rank, o["step"], o["bound"])
 
 
 def test_simulator_steps_fsdp2_and_ep_on_the_fake_group_and_meta_accounts_as_cpu():
@@ -127,8 +171,11 @@ def test_simulator_steps_fsdp2_and_ep_on_the_fake_group_and_meta_accounts_as_cpu
     assert meta["floor"] == 2 * 4 * local
     assert meta["sent"] >= meta["floor"] and meta["calls"]
     assert meta["held"]["state"] > 0
-    ep = scale_sim.simulate("moe-tiny", "ep", "8", 0, layers=2, device="meta")
-    assert ep["floor"] == 0 and ep["sent"] == 0 and ep["received"] == 0, ep  # whole experts, Replicate() rest
+    replicated = scale_sim.simulate("moe-tiny", "ep-replicated", "8", 0, layers=2, device="meta")
+    assert replicated["floor"] == replicated["sent"] == replicated["received"] == 0, replicated
+    # AdamW's state there: whole moments of every replicated parameter, an eighth of the 8 experts' stacks
+    whole = scale_sim.build_model("moe-tiny", 2).parameters()
+    assert replicated["adamw"] == sum(2 * 4 * (p.numel() // 8 if p.ndim == 3 else p.numel()) + 4 for p in whole)
 
 
 def test_one_rank_counts_every_newton_schulz_flop_and_table_reports_unplannable_layouts():
@@ -138,8 +185,65 @@ def test_one_rank_counts_every_newton_schulz_flop_and_table_reports_unplannable_
     summary = scale_sim.summarise({"rows": [one], "wall_s": 1.0, "rss": 2**30})
     assert summary["owner_load"] == pytest.approx(1.0)
     two_d = scale_sim.simulate("llama-tiny", "fsdp2xtp", "4x2", 0, layers=1, device="meta")
-    line = scale_sim.table([scale_sim.summarise({"rows": [two_d], "wall_s": 1.0, "rss": 2**30})]).splitlines()[-1]
+    summary = scale_sim.summarise({"rows": [two_d], "wall_s": 1.0, "rss": 2**30})
+    line = scale_sim.table([summary]).splitlines()[-1]
     # the owner path plans from placements alone (no collective), so FSDP2 x TP plans on the fake group;
     # a layout that cannot be planned would say so in one line instead
     assert ("not plannable on fake PG: " in line) == ("error" in two_d), line
-    assert line.startswith("| llama-tiny | fsdp2xtp | 4x2 | 1 |")
+    assert line.startswith("| llama-tiny | fsdp2xtp | 4x2 | 0 |")
+    assert line.count("|") == scale_sim.HEADER.count("|"), line
+
+
+def _every_rank(model: str, layout: str, ranks: str, optimizer: str = "meqmuon") -> list[dict]:
+    world = scale_sim.world_of(ranks)
+    return [scale_sim.simulate(model, layout, ranks, r, layers=2, device="meta", optimizer=optimizer)
+            for r in range(world)]
+
+
+@pytest.mark.parametrize("model,layout,ranks", [("llama-tiny", "fsdp2", "4"), ("llama-tiny", "fsdp2", "3"),
+                                                ("moe-tiny", "ep", "4")])
+def test_rank_model_read_on_one_rank_predicts_every_rank(model, layout, ranks):
+    """Every rank simulated: the plan read on any rank is the same, and it gives every rank's floor and its
+    Newton-Schulz FLOPs exactly (the FSDP2 row path's owners by shape bucket, torchtitan's EP experts
+    orthogonalised where they lie, its FSDP2 rest at owners); no rank moves less than its bound; the model's
+    busiest rank by FLOPs is the measured one."""
+    rows = _every_rank(model, layout, ranks)
+    assert all("error" not in r for r in rows), [r.get("error") for r in rows]
+    m = rows[0]["ranks_model"]
+    assert all(r["ranks_model"] == m for r in rows)
+    ranks_model = RankModel(len(rows), 4, m["local"], m["owned"], m["flops"])
+    assert sum(m["owned"]) == sum(m["local"])  # every piece goes to exactly one owner
+    for r, row in enumerate(rows):
+        assert ranks_model.floor(r) == row["floor"], r
+        assert row["flops"] == m["flops"][r], (r, row["flops"], m["flops"])
+        assert min(row["sent"], row["received"]) >= ranks_model.bound(r), r
+    assert max(range(len(rows)), key=lambda r: (rows[r]["flops"], -r)) == ranks_model.busiest()["flops"]
+    summary = scale_sim.summarise({"rows": rows, "wall_s": 1.0, "rss": 2**30})
+    assert summary["flops_model_exact"] and summary["worst"]["ratio"] >= rows[0]["sent"] / rows[0]["floor"]
+
+
+def test_torchtitan_ep_keeps_whole_experts_on_every_rank_and_shards_the_rest():
+    """torchtitan's EP: the stacked experts ``Shard(0)`` over the "ep" mesh, everything else FSDP2's ``Shard(0)``
+    over "dp"; the experts take no part in the exchange (their matrices are whole on each rank), so its floor is
+    the rest's, which FSDP2 of the same ranks also has."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        model = scale_sim.build_model("moe-tiny", 2)
+        scale_sim.torchtitan_ep(model, init_device_mesh("cpu", (4,), mesh_dim_names=("ep",)),
+                                init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)))
+        for name, p in model.named_parameters():
+            assert tuple(p.placements) == (Shard(0),), name
+            assert p.device_mesh.mesh_dim_names == (("ep",) if p.ndim == 3 else ("dp",)), name
+        assert any(p.ndim == 3 for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+    ep = scale_sim.simulate("moe-tiny", "ep", "4", 1, layers=2, device="meta")
+    fsdp2 = scale_sim.simulate("moe-tiny", "fsdp2", "4", 1, layers=2, device="meta")
+    assert 0 < ep["floor"] == fsdp2["floor"], (ep["floor"], fsdp2["floor"])
+    experts = sum(p.numel() // 4 for p in scale_sim.build_model("moe-tiny", 2).parameters() if p.ndim == 3)
+    assert ep["ranks_model"]["local"][1] * 4 * 2 == ep["floor"] and experts > 0
