@@ -235,11 +235,12 @@ def _matrix_iteration(
 ) -> Tensor:
     """One 2-D matrix's iteration into ``result`` (contiguous), or a new tensor: ``X_0 = X / max(scale
     ||X||_F, eps)``, then ``step(X_k, coefficients_k, out=, scratch=)`` per entry of ``schedule = (coefficients,
-    scale)`` (:func:`ns_step`, the quintic, or :func:`_cubic_step`), ping-ponging between two buffers.
+    scale)`` (:func:`ns_step`, the quintic, or :func:`_cubic_step`), ping-ponging between the input's buffer and
+    one other (the last step writes ``result``): with the Gram buffers, Newton-Schulz's whole transient memory.
 
     Tall matrices are not transposed: the steps use the right Gram matrix for them (strided transposing
-    copies cost time; docs/benchmarks.md). With a ``workspace`` dict the intermediates (the input, two
-    iterates and ``grams`` ``k x k`` Gram-side buffers) live in buffers kept there, keyed by ``tag`` (the
+    copies cost time; docs/benchmarks.md). With a ``workspace`` dict the intermediates (the input, one more
+    iterate and ``grams`` ``k x k`` Gram-side buffers) live in buffers kept there, keyed by ``tag`` (the
     method), shape, dtype and device, and reused by the next same-shape matrix: on CPU, fresh temporaries
     are page faults.
     """
@@ -249,7 +250,7 @@ def _matrix_iteration(
     ws = None if workspace is None else workspace.get(key)
     if ws is None:
         new = {"dtype": dtype, "device": x.device}
-        ws = {"X": torch.empty((m, n), **new), "Y": (torch.empty((m, n), **new), torch.empty((m, n), **new)),
+        ws = {"X": torch.empty((m, n), **new), "Y": torch.empty((m, n), **new),
               "G": tuple(torch.empty((k, k), **new) for _ in range(grams))}
         if workspace is not None:
             workspace[key] = ws
@@ -261,7 +262,8 @@ def _matrix_iteration(
         result = torch.empty((m, n), dtype=dtype, device=x.device)
     steps = len(coefficients)
     for i, c in enumerate(coefficients):
-        out = result if i == steps - 1 else ws["Y"][i % 2]
+        # the input's buffer is free once the first step has read it: X -> Y -> X -> ... -> result
+        out = result if i == steps - 1 else (ws["Y"], ws["X"])[i % 2]
         step(X, c, out=out, scratch=ws["G"])
         X = out
     return result

@@ -403,8 +403,10 @@ class ShardedSplit(_CollectiveSplit):
             send[owners[j]].append(as_bytes(X[j]))
         # from each rank that holds rows, one block: its rows of our matrices, in bucket order
         got = exchange_flat(send, [ours * n * c * X.element_size() for n in rows], self.pg, X.device)
-        out = fn(_whole(from_bytes(got, X.dtype), ours, rows, c)).to(dtype) if ours else None  # (ours, m, width)
-        del got
+        whole = _whole(from_bytes(got, X.dtype), ours, rows, c) if ours else None
+        del got  # the received bytes, copied into whole: not alive during fn (the step's transient peak)
+        out = fn(whole).to(dtype) if ours else None  # (ours, m, width)
+        del whole
         starts = [sum(rows[:q]) for q in range(W)]
         back: list[list[Tensor]] = [[] for _ in range(W)]
         for q in range(W):

@@ -281,7 +281,7 @@ Stack = tuple[Tensor, int, dict[str, Tensor]]
 
 def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, batched: bool,
                scratch: dict | None = None, dtype: torch.dtype | None = None,
-               ns_dtype: torch.dtype | None = None) -> list[list[Tensor]]:
+               ns_dtype: torch.dtype | None = None, release: bool = False) -> list[list[Tensor]]:
     """``pre -> Newton-Schulz -> post`` of stacks of direction inputs: the body of every form, for a
     ``HiddenRule`` ``rule`` and the ``StepContext`` ``ctx`` of its call.
 
@@ -296,7 +296,9 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
     the bit-exact DDP split relies on); ``post`` runs once, after every stack's Newton-Schulz
     (:meth:`HiddenRule.post_all`). State stacks are handed over as views per side and updated in place.
     ``scratch``: the per-tensor form's buffers. ``dtype``: the parameters' dtype, to which a narrower
-    (bf16) direction is cast. ``ns_dtype``: given by compiled graphs, which have no ``ctx``.
+    (bf16) direction is cast. ``ns_dtype``: given by compiled graphs, which have no ``ctx``. ``release``: an
+    owner's whole matrices, the step's only ones of their shape: Newton-Schulz's iteration buffers are let go
+    before ``post`` instead of kept in ``scratch``, so that they and ``post``'s output are never alive at once.
 
     Args:
         rule: the ``HiddenRule``.
@@ -311,6 +313,7 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
         ``(plain, m, n)`` then ``(K - plain, n, m)``, in ``post_all``'s dtype, cast to ``dtype`` if that is wider.
     """
     us, states, owner = [], [], []
+    iteration = {} if release else scratch  # Newton-Schulz's iterates and Gram buffers
     for i, (X, plain, state) in enumerate(stacks):
         k = X.shape[0]
         sides = [(s, flip) for s, flip in ((slice(0, plain), False), (slice(plain, k), True)) if s.stop > s.start]
@@ -326,10 +329,11 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
             U = orthogonalize(X, group["ns_steps"], group["ns_coefficients"], dt, batched=True, inplace=True)
         else:
             out = None if scratch is None else buffer(scratch, "ns", X.shape, dt, X.device)
-            U = orthogonalize(X, group["ns_steps"], group["ns_coefficients"], dt, workspace=scratch, out=out)
+            U = orthogonalize(X, group["ns_steps"], group["ns_coefficients"], dt, workspace=iteration, out=out)
         us += [U[s].mT if flip else U[s] for s, flip in sides]
         states += views
         owner += [i] * len(sides)
+    del iteration
     ds = rule.post_all(us, group, states)
     # One copy at most per side: the cast of a narrower direction and the transposed side's layout.
     narrower = dtype is not None and ds[0].dtype.itemsize < dtype.itemsize
@@ -343,8 +347,10 @@ def eager_directions(rule: HiddenRule, W: Tensor, n: int, state: dict[str, Tenso
                      *, batched: bool) -> Tensor:
     """:func:`directions` of whole matrices ``W`` ``(j, m, n + s)`` at an FSDP2 owner, eagerly (the eager
     batched form's :data:`~.sharded.Orth`)."""
-    (D,) = directions(rule, [(W[..., :n], W.shape[0], state)], group, ctx, batched=batched,
-                      scratch=ctx.split.workspace)
+    # buffers of this call only (not the splitter's workspace, where each bucket's would stay until the step
+    # ends), the iteration's let go before post: an owner's transient peak is one bucket's Newton-Schulz
+    (D,) = directions(rule, [(W[..., :n], W.shape[0], state)], group, ctx, batched=batched, scratch={},
+                      release=True)
     return D
 
 

@@ -84,6 +84,7 @@ def directions_at_owners(plan: OwnerPlan, jobs: Sequence[Job]) -> None:
                       if mine else [None] * len(keys[-1]))
         backs.append(d_dtype)
     plan.to_owners([j.index for j in jobs], pieces, wholes, keys)
+    del pieces  # X's pieces, in the wholes now
     out_wholes, out_keys, into = [], [], []
     for job, ws, ks, d_dtype in zip(jobs, wholes, keys, backs, strict=True):
         owner_keys = job.rule._owner_state
@@ -114,8 +115,8 @@ def _whole_direction(job: Job, X: Tensor, state: dict[str, Tensor], dtype: torch
     rule, layout, group = job.rule, job.layout, job.group
     if job.ctx.capture is not None:
         job.ctx.capture(job.name, job.ctx.kind, "momentum_input", X)
-    D = torch.empty(X.shape, dtype=dtype, device=X.device)
     if not isinstance(rule, HiddenRule):
+        D = torch.empty(X.shape, dtype=dtype, device=X.device)
         xs, ds = (layout.matrices(X), layout.matrices(D)) if job.cut else ([X], [D])
         for x, d in zip(xs, ds, strict=True):
             x = x.reshape(matrix_shape(x.shape)) if needs_matrix(rule) else x
@@ -128,11 +129,16 @@ def _whole_direction(job: Job, X: Tensor, state: dict[str, Tensor], dtype: torch
     per_key = {k: cut[how](state[k]) for k, how in rule.state_views.items() if how in cut}
     steps = [k for k, how in rule.state_views.items() if how == "step"]
     scratch: dict = {}
-    for j, (x, d) in enumerate(zip(layout.matrices(X), layout.matrices(D), strict=True)):
+    D = ds = None
+    for j, x in enumerate(layout.matrices(X)):
         st = {k: v[j][None] for k, v in per_key.items()}
         st.update({k: F.on_device([job.state["step"]], X.device) for k in steps})
-        ((u,),) = directions(rule, [(x.contiguous()[None], 1, st)], group, job.ctx, batched=False, scratch=scratch)
-        d.copy_(u[0] * scales[j] if fold else u[0])
+        ((u,),) = directions(rule, [(x.contiguous()[None], 1, st)], group, job.ctx, batched=False, scratch=scratch,
+                             release=True)
+        if D is None:  # made once the first direction exists: not alive during Newton-Schulz (the step's peak)
+            D = torch.empty(X.shape, dtype=dtype, device=X.device)
+            ds = layout.matrices(D)
+        ds[j].copy_(u[0] * scales[j] if fold else u[0])
     return D
 
 
