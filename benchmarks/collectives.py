@@ -5,7 +5,8 @@ Usage::
     python benchmarks/collectives.py                                  # Llama-60M: FSDP2, TP, FSDP2 x TP, DDP
     python benchmarks/collectives.py --model llama-tiny --depths 1,2  # seconds; what tests/test_benchmarks.py runs
 
-Each layout runs in its own gloo process group on the CPU (2 processes; FSDP2 over TP 4): the paper's
+The layouts run in gloo process groups on the CPU (2 processes; FSDP2 over TP 4; layouts of one world
+size share one launch, each with its own device mesh): the paper's
 model from the registry (``--depths 2`` doubles its decoder layers), sharded by torch itself
 (``fully_shard`` per decoder layer and the root; torchtitan's TP plan, ``tests/test_layouts.py``), a
 real forward and backward on a small batch, then the optimizer's steps. Every ``torch.distributed``
@@ -82,7 +83,7 @@ def _shard(model, layout: str, mesh_shape) -> None:
         fsdp(model, init_device_mesh("cpu", mesh_shape))
 
 
-def _worker(rank, world, port, out_dir, layout, mesh_shape, args):
+def _worker(rank, world, port, out_dir, layouts, args):
     import meqmuon
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -92,41 +93,47 @@ def _worker(rank, world, port, out_dir, layout, mesh_shape, args):
     active = [False]
     _count_collectives(counter, active)
     rows = []
-    for depth in args.depths:
-        for name in args.optimizers:
-            for foreach in args.forms:
-                model = _model(args.model, depth)
-                _shard(model, layout, mesh_shape)
-                opt = meqmuon.build_optimizer(name, model, foreach=foreach)
-                ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
-                for step in range(3):
-                    model(input_ids=ids, labels=ids).loss.backward()
-                    counter.clear()
-                    active[0] = step == 2
-                    opt.step()
-                    active[0] = False
-                    opt.zero_grad()
-                rows.append((layout, world, name, "batched" if foreach else "per-tensor", depth,
-                             model.config.num_hidden_layers, dict(counter)))
+    for layout in layouts:
+        for depth in args.depths:
+            for name in args.optimizers:
+                for foreach in args.forms:
+                    model = _model(args.model, depth)
+                    _shard(model, layout, LAYOUTS[layout][1])
+                    opt = meqmuon.build_optimizer(name, model, foreach=foreach)
+                    ids = torch.randint(0, model.config.vocab_size, (1, 8),
+                                        generator=torch.Generator().manual_seed(0))
+                    for step in range(3):
+                        model(input_ids=ids, labels=ids).loss.backward()
+                        counter.clear()
+                        active[0] = step == 2
+                        opt.step()
+                        active[0] = False
+                        opt.zero_grad()
+                    rows.append((layout, world, name, "batched" if foreach else "per-tensor", depth,
+                                 model.config.num_hidden_layers, dict(counter)))
     if rank == 0:
-        torch.save(rows, os.path.join(out_dir, f"{layout}.pt"))
+        torch.save(rows, os.path.join(out_dir, f"world{world}.pt"))
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
 
 
 def measure(args: argparse.Namespace) -> list[tuple]:
-    """Run every layout of ``args.layouts``; returns one row per (layout, optimizer, form, depth)."""
+    """Run every layout of ``args.layouts`` (one launch per world size, in the order given); returns one row
+    per (layout, optimizer, form, depth)."""
+    by_world: dict[int, list[str]] = {}
+    for layout in args.layouts:
+        by_world.setdefault(LAYOUTS[layout][0], []).append(layout)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for layout in args.layouts:
-            world, mesh_shape = LAYOUTS[layout]
+        for world, layouts in by_world.items():
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            mp.spawn(_worker, args=(world, port, tmp, layout, mesh_shape, args), nprocs=world, join=True)
-            rows += torch.load(os.path.join(tmp, f"{layout}.pt"))
-    return rows
+            mp.spawn(_worker, args=(world, port, tmp, layouts, args), nprocs=world, join=True)
+            rows += torch.load(os.path.join(tmp, f"world{world}.pt"))
+    order = {layout: i for i, layout in enumerate(args.layouts)}
+    return sorted(rows, key=lambda row: order[row[0]])  # stable: each layout's rows as they were measured
 
 
 def table(rows: list[tuple]) -> str:

@@ -291,20 +291,24 @@ def test_parse_count():
     assert parse_count("1.16B") == 1_160_000_000 and parse_count("500k") == 500_000 and parse_count("2e6") == 2_000_000
 
 
-def test_python_dash_m_and_argparse_errors():
+def test_python_dash_m_and_argparse_errors(capsys):
+    """``python -m meqmuon`` runs (one launch: ``--help``); an argparse error exits 2 with one line, and the
+    commands' help has no literal ``%%`` (those through ``main``, in this process)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     help_ = subprocess.run([sys.executable, "-m", "meqmuon", "--help"], env=env, capture_output=True, text=True)
     assert help_.returncode == 0
     for cmd in ("train", "compare", "sweep", "plot"):
         assert cmd in help_.stdout
-    bad = subprocess.run([sys.executable, "-m", "meqmuon", "train", "--lr", "abc"], env=env, capture_output=True,
-                         text=True)
-    assert bad.returncode == 2 and bad.stderr == ("meqmuon: error: argument --lr: invalid float value: 'abc' (see "
-                                                  "`meqmuon train --help`)\n")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as bad:
+        main(["train", "--lr", "abc"])
+    assert bad.value.code == 2 and capsys.readouterr().err == (
+        "meqmuon: error: argument --lr: invalid float value: 'abc' (see `meqmuon train --help`)\n")
     for cmd in ("compare", "sweep"):  # no literal "95%%" from a description argparse does not %-format
-        text = subprocess.run([sys.executable, "-m", "meqmuon", cmd, "--help"], env=env, capture_output=True,
-                              text=True).stdout
-        assert "%%" not in text and "95 %" in text, cmd
+        with pytest.raises(SystemExit) as done:
+            main([cmd, "--help"])
+        text = capsys.readouterr().out
+        assert done.value.code == 0 and "%%" not in text and "95 %" in text, cmd
 
 
 def test_cli_and_its_parser_import_no_heavy_optional_package():

@@ -442,8 +442,9 @@ def test_micro_batches_equal_one_pass_over_the_global_batch(cache, tmp_path, nam
 def test_micro_batches_under_ddp_equal_one_pass(cache, tmp_path):
     """2 DDP processes (torchrun's environment, as test_preempt.py sets it), MeqMuon: ``--micro-batch 2``
     of ``--global-batch 8`` (2 micro-batches per rank, DDP's no_sync on the first) equals one process's one
-    pass over the whole batch, to 1e-6 (the reduction order of DDP's all-reduce joins the summation's)."""
-    from test_preempt import finish, launch
+    pass over the whole batch, to 1e-6 (the reduction order of DDP's all-reduce joins the summation's). The one
+    process runs here (``meqmuon.cli.main``), the two ranks are launched."""
+    from test_preempt import run_to_end
 
     common = ["train", "--model", "llama-tiny", "--optimizer", "meqmuon", "--lr", "1e-2", "--vocab-size", "512",
               "--seq-len", "32", "--global-batch", "8", "--steps", "3", "--eval-every", "100", "--val-tokens", "64",
@@ -451,7 +452,7 @@ def test_micro_batches_under_ddp_equal_one_pass(cache, tmp_path):
               "--quiet"]
     runs = {"one": (1, "8"), "ddp-accum": (2, "2")}
     for label, (world, micro) in runs.items():
-        codes, errs = finish(launch([*common, "--micro-batch", micro, "--out", str(tmp_path / label)], world))
+        codes, errs = run_to_end([*common, "--micro-batch", micro, "--out", str(tmp_path / label)], world)
         assert codes == [0] * world, errs
     gap = _gap(_final_model(tmp_path / "one"), _final_model(tmp_path / "ddp-accum"))
     assert gap <= 1e-6, gap

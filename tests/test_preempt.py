@@ -1,6 +1,6 @@
 """Preemption: a real SIGTERM to a real ``meqmuon train`` process, then ``--resume auto``.
 
-The signal arrives at a random update of a 60-update ``llama-tiny`` run (the update is drawn afresh
+The signal arrives at a random update of a 40-update ``llama-tiny`` run (the update is drawn afresh
 each time and named in every assertion message). The stopped process must finish that update, save
 a checkpoint at it and exit with status 143 and one line saying how to resume; the resumed run must
 end with the same final validation loss as an uninterrupted run *bit for bit* (both run the same
@@ -8,10 +8,15 @@ deterministic CPU kernels on the same inputs, so any difference means lost state
 ``metrics.jsonl`` must hold every update once, the resume starting exactly where the stop was
 (no update redone). Single process, and two gloo ranks launched by hand so that the signal can be
 sent to rank 1 alone: rank 0, which writes the files, learns of it through the all-reduce.
+
+The signalled run is always a launched process; on one process the uninterrupted run and the resume run
+``meqmuon.cli.main`` in the test process (a launch costs ~5 CPU seconds of imports).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -24,11 +29,12 @@ from pathlib import Path
 
 import pytest
 
+from meqmuon.cli import main
 from meqmuon.train.checkpoint import list_checkpoints
 from meqmuon.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 60
+STEPS = 40
 ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
 
 
@@ -66,6 +72,16 @@ def finish(procs: list[subprocess.Popen]) -> tuple[list[int], list[str]]:
     return [p.returncode for p in procs], errs
 
 
+def run_to_end(cmd: list[str], world: int) -> tuple[list[int], list[str]]:
+    """``meqmuon CMD`` to its end: launched on ``world`` > 1 processes, here (``main``) on one."""
+    if world > 1:
+        return finish(launch(cmd, world))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(cmd)
+    return [code], [err.getvalue()]
+
+
 def train_steps(run: Path) -> list[int]:
     return [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
 
@@ -93,7 +109,7 @@ def stop_at_random_update(cache: str, run: Path, world: int, target_rank: int) -
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_sigterm_at_a_random_update_then_resume_auto_is_bit_exact(cache, tmp_path, world):
-    codes, errs = finish(launch(args(cache, tmp_path / "straight"), world))
+    codes, errs = run_to_end(args(cache, tmp_path / "straight"), world)
     assert codes == [0] * world, errs
 
     run = tmp_path / "stopped"
@@ -108,7 +124,7 @@ def test_sigterm_at_a_random_update_then_resume_auto_is_bit_exact(cache, tmp_pat
                      + f" train --out {run} --resume auto --threads 1"], (k, err)
     assert not (run / "summary.json").exists()
 
-    codes, errs = finish(launch(["train", "--out", str(run), "--resume", "auto", "--quiet"], world))
+    codes, errs = run_to_end(["train", "--out", str(run), "--resume", "auto", "--quiet"], world)
     assert codes == [0] * world, (k, errs)
     starts = [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "run"]
     assert starts == [0, stopped], (k, starts)  # the resume began at the stop: no update redone
@@ -143,7 +159,7 @@ def test_sigterm_stops_compare_and_the_same_command_resumes_it(cache, tmp_path):
     assert line.startswith("meqmuon: stopped by SIGTERM after step ") and line.endswith(
         "resume with: meqmuon " + " ".join(cmd)), (k, line)
     assert not (out / "meqmuon").exists() and not (out / "table.md").exists(), k  # compare stopped too
-    codes, errs = finish(launch(cmd, 1))  # the same command again
+    codes, errs = run_to_end(cmd, 1)  # the same command again
     assert codes == [0], errs
     for name in ("adamw", "meqmuon"):
         assert train_steps(out / name) == list(range(1, 41)), (k, name)

@@ -16,21 +16,29 @@ value and a resume on more ranks failed), and every resume is ``train --out DIR 
 only the layout flags: the rest comes from the run's config.json. Every resumed run ends at update 4 with
 the tokens of 4 updates: each update applied exactly once. A sharded checkpoint with a shard file missing
 is skipped, with one warning line, for the older one.
+
+The runs of one process (the uninterrupted reference, shared by the tests, and the resumes on one
+process) run ``meqmuon.cli.main`` in this process: a launch costs ~5 CPU seconds of imports (torch,
+transformers), the runs themselves a fraction of a second. Every multi-rank run is a real torchrun launch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from meqmuon.cli import main
 from meqmuon.train.checkpoint import list_checkpoints, load_checkpoint
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
@@ -60,23 +68,42 @@ def _summary(done: subprocess.CompletedProcess) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _train(tmp: Path, out: str, ranks: int, *flags: str) -> dict:
-    return _summary(_meqmuon(ranks, "train", *COMMON, "--cache-dir", str(tmp / "cache"), "--out", str(tmp / out),
-                             *flags))
+def _in_process(*argv: str, status: int = 0) -> tuple[str, str]:
+    """``meqmuon ARGV`` on one process, here: ``(stdout, stderr)``; the exit status is ``status`` and no
+    warning is raised (Python's deprecation warnings aside, which a launched ``meqmuon`` does not show)."""
+    out, err = io.StringIO(), io.StringIO()
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err):
+        warnings.simplefilter("always")
+        code = main(list(argv))
+    shown = [f"{w.category.__name__}: {w.message}" for w in caught
+             if not issubclass(w.category, DeprecationWarning | PendingDeprecationWarning)]
+    assert code == status and not shown, (code, shown, err.getvalue()[-3000:])
+    return out.getvalue(), err.getvalue()
+
+
+def _train(tmp: Path, out: str, ranks: int, *flags: str, cache: Path | None = None) -> dict:
+    argv = ["train", *COMMON, "--cache-dir", str(cache or tmp / "cache"), "--out", str(tmp / out), *flags]
+    if ranks == 1:
+        return json.loads(_in_process(*argv)[0].strip().splitlines()[-1])
+    return _summary(_meqmuon(ranks, *argv))
 
 
 def _resume(tmp: Path, out: str, ranks: int, *flags: str) -> dict:
     """``train --out DIR --resume auto`` and the layout flags, nothing else: the run's config.json says the rest."""
-    return _summary(_meqmuon(ranks, "train", "--out", str(tmp / out), "--resume", "auto", "--quiet", *flags))
+    argv = ["train", "--out", str(tmp / out), "--resume", "auto", "--quiet", *flags]
+    if ranks == 1:
+        return json.loads(_in_process(*argv)[0].strip().splitlines()[-1])
+    return _summary(_meqmuon(ranks, *argv))
 
 
-def _from_update(tmp: Path, run: str, copy: str, update: int = 2) -> None:
-    """A copy of ``run`` that holds only its checkpoint of ``update`` (as if it had stopped there)."""
-    shutil.copytree(tmp / run, tmp / copy)
-    for step, path in list_checkpoints(tmp / copy):
+def _from_update(src: Path, copy: Path, update: int = 2) -> None:
+    """A copy of the run ``src`` that holds only its checkpoint of ``update`` (as if it had stopped there)."""
+    shutil.copytree(src, copy)
+    for step, path in list_checkpoints(copy):
         if step != update:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-    (tmp / copy / "summary.json").unlink(missing_ok=True)
+    (copy / "summary.json").unlink(missing_ok=True)
 
 
 def _ended_at_update_4(tmp: Path, run: str) -> None:
@@ -85,24 +112,33 @@ def _ended_at_update_4(tmp: Path, run: str) -> None:
     assert step == meta["step"] == 4 and meta["tokens"] == 4 * 8 * 32
 
 
-def test_fsdp_over_tp_trains_like_one_process_and_resumes_on_any_layout(tmp_path):
-    one = _train(tmp_path, "one", 1)
-    grid = _train(tmp_path, "grid", 4, "--fsdp", "--tp", "2")
+@pytest.fixture(scope="module")
+def one(tmp_path_factory) -> tuple[Path, dict]:
+    """One process's uninterrupted run, the reference of every test here: ``(run directory, summary)``.
+    Its data cache (``run directory/../cache``) is shared by the other runs."""
+    tmp = tmp_path_factory.mktemp("one")
+    return tmp / "one", _train(tmp, "one", 1)
+
+
+def test_fsdp_over_tp_trains_like_one_process_and_resumes_on_any_layout(one, tmp_path):
+    one_dir, one = one
+    cache = one_dir.parent / "cache"
+    grid = _train(tmp_path, "grid", 4, "--fsdp", "--tp", "2", cache=cache)
     assert list_checkpoints(tmp_path / "grid")[-1][1].is_dir()  # a DCP directory
     assert abs(grid["val_loss"] - one["val_loss"]) <= 1e-4 * one["val_loss"]
-    _from_update(tmp_path, "grid", "grid_same")
+    _from_update(tmp_path / "grid", tmp_path / "grid_same")
     same = _resume(tmp_path, "grid_same", 4, "--fsdp", "--tp", "2")
     _ended_at_update_4(tmp_path, "grid_same")
     assert same["val_loss"] == grid["val_loss"]  # the same layout: bit for bit
     # 4 -> 2 (FSDP2) -> 1, and the 2-process checkpoint of update 3 on 4 processes (2 -> 4)
-    _from_update(tmp_path, "grid", "chain")
+    _from_update(tmp_path / "grid", tmp_path / "chain")
     stop = _meqmuon(2, "train", "--out", str(tmp_path / "chain"), "--resume", "auto", "--quiet", "--fsdp",
                     "--stop-at-step", "3")
     assert stop.returncode == 0 and stop.stdout == "", stop.stderr[-3000:]  # stopped early: no summary line
     assert list_checkpoints(tmp_path / "chain")[-1][0] == 3
-    _from_update(tmp_path, "chain", "chain_up", update=3)
+    _from_update(tmp_path / "chain", tmp_path / "chain_up", update=3)
     resumed = {"4-2-1": _resume(tmp_path, "chain", 1), "4-2-4": _resume(tmp_path, "chain_up", 4, "--fsdp", "--tp", "2")}
-    _from_update(tmp_path, "one", "one_grid")
+    _from_update(one_dir, tmp_path / "one_grid")
     resumed["1-4"] = _resume(tmp_path, "one_grid", 4, "--fsdp", "--tp", "2")
     for name, run in (("4-2-1", "chain"), ("4-2-4", "chain_up"), ("1-4", "one_grid")):
         _ended_at_update_4(tmp_path, run)
@@ -110,15 +146,13 @@ def test_fsdp_over_tp_trains_like_one_process_and_resumes_on_any_layout(tmp_path
         assert json.loads((tmp_path / run / "config.json").read_text())["numerics"]["requested_micro_batch"] == "auto"
 
 
-def test_one_process_run_resumes_on_two_ranks_ddp_and_fsdp(tmp_path):
-    """1 -> 2 ranks with a bare ``--resume auto`` (DDP) and ``--resume auto --fsdp``; then the FSDP run's
-    sharded update-4 checkpoint with a shard file missing: ``--resume auto`` on one process warns once and
-    continues from the older (update-2) checkpoint to the same loss, and with nothing readable left the
-    error is one line."""
-    one = _train(tmp_path, "one", 1)
-    stopped = _meqmuon(1, "train", *COMMON, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "half"),
-                       "--stop-at-step", "2")
-    assert stopped.returncode == 0, stopped.stderr
+def test_one_process_run_resumes_on_two_ranks_ddp_and_fsdp(one, tmp_path):
+    """1 -> 2 ranks with a bare ``--resume auto`` (DDP) and ``--resume auto --fsdp`` from the update-2
+    checkpoint of one process's run; then the FSDP run's sharded update-4 checkpoint with a shard file
+    missing: ``--resume auto`` on one process warns once and continues from the older (update-2)
+    checkpoint to the same loss, and with nothing readable left the error is one line."""
+    one_dir, one = one
+    _from_update(one_dir, tmp_path / "half")
     shutil.copytree(tmp_path / "half", tmp_path / "half_fsdp")
     ddp = _resume(tmp_path, "half", 2)
     fsdp = _resume(tmp_path, "half_fsdp", 2, "--fsdp")
@@ -132,23 +166,22 @@ def test_one_process_run_resumes_on_two_ranks_ddp_and_fsdp(tmp_path):
     assert step == 4 and newest.is_dir() and older.is_file()
     (newest / "__1_0.distcp").unlink()
     shutil.copytree(run, broken)
-    done = _meqmuon(1, "train", "--out", str(run), "--resume", "auto", "--quiet")
-    err = done.stderr.strip().splitlines()
-    assert done.returncode == 0 and err == [
+    out, err = _in_process("train", "--out", str(run), "--resume", "auto", "--quiet")
+    assert err.strip().splitlines() == [
         f"meqmuon: warning: skipping unreadable checkpoint {newest}: shard file(s) __1_0.distcp missing (1 of 2); "
-        f"resuming from {older.name}"], done.stderr
-    assert abs(_summary(done)["val_loss"] - one["val_loss"]) <= 1e-5 * one["val_loss"]
+        f"resuming from {older.name}"], err
+    assert abs(json.loads(out.strip().splitlines()[-1])["val_loss"] - one["val_loss"]) <= 1e-5 * one["val_loss"]
     assert [p.name for _, p in list_checkpoints(run)] == [older.name, "step_0000004.pt"]  # the broken one replaced
 
     # nothing readable: one line naming the newest, nothing written
     bad = broken / "checkpoints" / older.name
     bad.write_bytes(bad.read_bytes()[:2000])
     before = {p: p.read_bytes() for p in sorted(broken.rglob("*")) if p.is_file()}
-    done = _meqmuon(1, "train", "--out", str(broken), "--resume", "auto", "--quiet")
+    _, err = _in_process("train", "--out", str(broken), "--resume", "auto", "--quiet", status=1)
     assert {p: p.read_bytes() for p in sorted(broken.rglob("*")) if p.is_file()} == before
-    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+    assert err.strip().splitlines() == [
         f"meqmuon: error: cannot read checkpoint {broken / 'checkpoints' / newest.name}: shard file(s) __1_0.distcp "
-        "missing (1 of 2) (and the 1 older checkpoint(s) of the run)"], done.stderr
+        "missing (1 of 2) (and the 1 older checkpoint(s) of the run)"], err
 
 
 def test_bad_layouts_are_one_clear_line(tmp_path):
