@@ -8,9 +8,10 @@
   has) and the pairs at the 4x best lrs, chosen on the same seeds that report them (marked so).
 
 ``--against meqmuon,muoneq-r`` keeps only the pairs with one of those optimizers (issue 48: every new optimizer
-against MeqMuon and MuonEq-R, not all 45 pairs of ten).
+against MeqMuon and MuonEq-R, not all 45 pairs of ten). ``--kept runs48-1x.json`` adds the rows of further kept
+files to the 1x phase's (issue 48's runs are kept apart from issue 39's; same model, data, schedule and seeds).
 
-Usage: ``python docs/results/horizon-micro/pairs.py [--phase 1x|4x] [--against NAME,NAME]``.
+Usage: ``python docs/results/horizon-micro/pairs.py [--phase 1x|4x] [--against NAME,NAME] [--kept FILE,FILE]``.
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ HERE = Path(__file__).resolve().parent
 CHOOSE = (0, 1)  # the seeds that choose the lr
 
 
-def load(phase: str) -> tuple[list[dict], dict[tuple[str, float], dict[int, float]]]:
-    """The kept rows of ``phase`` and their cells ``(optimizer, lr) -> {seed: final val loss}``."""
+def load(phase: str, kept: tuple[str, ...] = ()) -> tuple[list[dict], dict[tuple[str, float], dict[int, float]]]:
+    """The kept rows of ``phase`` (and of the further kept files ``kept``, beside this script) and their cells
+    ``(optimizer, lr) -> {seed: final val loss}``."""
     rows = json.loads((HERE / f"runs-{phase}.json").read_text())["runs"]
+    for name in kept:
+        rows += json.loads((HERE / name).read_text())["runs"]
     cells: dict[tuple[str, float], dict[int, float]] = defaultdict(dict)
     for r in rows:
         cells[(r["optimizer"], r["lr"])][r["seed"]] = r["final val loss"]
@@ -92,9 +96,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--phase", default="1x", choices=["1x", "4x"])
     ap.add_argument("--against", default="", help="comma-separated: print only the pairs with one of these")
+    ap.add_argument("--kept", default="", help="comma-separated further kept files of 1x rows (runs48-1x.json)")
     args = ap.parse_args()
     AGAINST.update(n for n in args.against.split(",") if n)
-    rows1, cells1 = load("1x")
+    rows1, cells1 = load("1x", tuple(n for n in args.kept.split(",") if n))
     chosen1 = best_lrs([r for r in rows1 if r["seed"] in CHOOSE])  # the rule of every sweep table
     if args.phase == "1x":
         best = grid_table(cells1, chosen1, CHOOSE)
