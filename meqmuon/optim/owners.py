@@ -183,8 +183,6 @@ class Pieces:
             whole[g].copy_(piece[loc])
 
 
-_bytes, _as = as_bytes, from_bytes
-
 
 class Owned:
     """One parameter on the owner path: its tensors, its owner, the descriptors of its layouts."""
@@ -247,7 +245,7 @@ class OwnerPlan:
         ``wholes[j]`` (tensors of the global shapes, ``None`` on the other ranks)."""
         send: list[list[Tensor]] = [[] for _ in range(self.world)]
         for i, ps in zip(indices, pieces, strict=True):
-            send[self.owner_of(i)] += [_bytes(p) for p in ps]
+            send[self.owner_of(i)] += [as_bytes(p) for p in ps]
         sizes: list[list[int]] = [[] for _ in range(self.world)]
         mine = [(i, ws, ks) for i, ws, ks in zip(indices, wholes, keys, strict=True) if self.mine(i)]
         for i, ws, ks in mine:
@@ -259,7 +257,7 @@ class OwnerPlan:
             for i, ws, ks in mine:
                 if r in self.senders(i):
                     for k, w in zip(ks, ws, strict=True):
-                        self._descriptor(i, k).put(w, r, _as(next(got), w.dtype))
+                        self._descriptor(i, k).put(w, r, from_bytes(next(got), w.dtype))
 
     def from_owners(self, indices: Sequence[int], wholes: Sequence[Sequence[Tensor | None]],
                     keys: Sequence[Sequence[str | None]], into: Sequence[Sequence[Tensor]]) -> None:
@@ -270,7 +268,7 @@ class OwnerPlan:
         for i, ws, ks in zip(indices, wholes, keys, strict=True):
             if self.mine(i):
                 for r in self.senders(i):
-                    send[r] += [_bytes(w if k is None else self._descriptor(i, k).take(w, r))
+                    send[r] += [as_bytes(w if k is None else self._descriptor(i, k).take(w, r))
                                 for k, w in zip(ks, ws, strict=True)]
         sizes: list[list[int]] = [[] for _ in range(self.world)]
         for i, ts in zip(indices, into, strict=True):
@@ -280,7 +278,7 @@ class OwnerPlan:
         for i, ts in zip(indices, into, strict=True):
             src = got[self.owner_of(i)]
             for t in ts:
-                t.copy_(_as(next(src), t.dtype).view(t.shape))
+                t.copy_(from_bytes(next(src), t.dtype).view(t.shape))
 
     def _descriptor(self, index: int, key: str) -> Pieces:
         o = self.owned[index]
