@@ -351,7 +351,9 @@ def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
     cpu = device.type == "cpu"
     xs, o = [], 0
     for u, (k, m, n) in zip(us, shapes, strict=True):
-        x = u.to(dtype, copy=True) if cpu else u
+        # contiguous_format: a transposed side (a view) becomes its members' own layout in this one pass, which
+        # the caller would otherwise copy again (driver.directions' .contiguous())
+        x = u.to(dtype, copy=True, memory_format=torch.contiguous_format) if cpu else u
         xs.append(x)
         for slot, dim, size in ((0, -1, m), (1, -2, n)):
             squares = cpu and slot == 1
@@ -377,7 +379,9 @@ def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
         row, col = scales[o : o + k, 0, :m, None], scales[o : o + k, 1, None, :n]
         # >= float32; on CPU the float32 copy scaled in place: the same products as U times the factors
         # (bf16 -> float32 is exact), without a fresh matrix-sized temporary (page faults on CPU)
-        out.append((x.mul_(row) if x is not u else torch.mul(u, row)).mul_(col))
+        # a transposed side (GPU): the first product written in the members' layout, so no copy follows
+        scaled = x.mul_(row) if x is not u else torch.mul(u, row, out=torch.empty(u.shape, dtype=dtype, device=device))
+        out.append(scaled.mul_(col))
         o += k
     return out, chose_rows
 

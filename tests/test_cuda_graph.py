@@ -170,3 +170,33 @@ def test_cuda_graph_replays_without_host_device_sync():
         torch.cuda.set_sync_debug_mode("default")
     assert opt._graphed.captures == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_scalars_are_written_by_fill_only_where_changed():
+    """The slots travel as kernel arguments (``fill_``), never by a copy from host memory (a pageable copy may
+    wait for the stream: a host-device sync in the step), and only the slots whose value changed are written."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meqmuon.optim.cuda_graph import Scalars
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    hp = {"lr": 0.1, "wd": 0.01, "mu": 0.95}
+    scalars = Scalars(torch.device("cpu"))
+    with Ops() as ops:
+        slots = {k: scalars.get(k, lambda k=k: hp[k]) for k in hp}
+        scalars.freeze()
+    assert not {"copy_", "_to_copy", "lift_fresh"} & set(ops.names), ops.names
+    assert [scalars.get(k, None).item() for k in hp] == list(hp.values()) == [s.item() for s in slots.values()]
+    hp["lr"] = 0.05  # a scheduler's step
+    with Ops() as ops:
+        assert scalars.upload() == 1
+    assert [n for n in ops.names if n != "select"] == ["fill_"], ops.names  # select: the slot's view
+    assert scalars.get("lr", None).item() == 0.05 and scalars.upload() == 0

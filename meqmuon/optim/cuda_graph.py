@@ -8,10 +8,11 @@ replays, so:
 
 - **Hyperparameters a scheduler changes live on the device.** ``lr``, ``weight_decay`` and ``momentum`` of
   every param group, and AdamW's per-step ``-lr / (1 - beta1^t)`` and ``1 / sqrt(1 - beta2^t)``, are
-  slots of one float64 device tensor (:class:`Scalars`); each ``step()`` writes their current host values
-  into it with one ``non_blocking`` copy (a pageable copy, staged at once: no host-device sync) before
-  ``replay()``. The momentum rules run their ordinary batched (or compiled batched) form with those
-  0-D device tensors in place of the group's floats (:func:`device_group`); AdamW runs
+  slots of one float64 device tensor (:class:`Scalars`); before ``replay()`` each ``step()`` writes the
+  slots whose host value changed with one ``fill_`` each (the value travels as a kernel argument; a copy
+  from pageable host memory may synchronise with the stream, CUDA's "API synchronization behavior"), as
+  torch's own schedulers update a tensor ``lr``. The momentum rules run their ordinary batched (or compiled
+  batched) form with those 0-D device tensors in place of the group's floats (:func:`device_group`); AdamW runs
   :func:`adamw_foreach`, its batched form with the step-dependent factors as device tensors.
 - **Everything else is static, and a change re-captures.** The graph's key (:func:`graph_key`) is what the
   capture baked in: the parameters, their ``.grad`` tensors and the state tensors by address, which
@@ -55,8 +56,9 @@ class Scalars:
     A slot is asked for by key with the function that gives its current host value
     (:meth:`get`). Before the buffer exists (the warm-up run), :meth:`get` registers the key and returns a
     fresh 0-D tensor of the value; :meth:`freeze` then makes the buffer, after which :meth:`get` returns
-    the slot's 0-D view (what a capture records) and :meth:`upload` writes every slot's current value
-    with one ``non_blocking`` copy.
+    the slot's 0-D view (what a capture records) and :meth:`upload` writes the slots whose value changed.
+    Every write is a ``fill_`` (the value a kernel argument), never a copy from host memory: a copy from
+    pageable memory may wait for the stream (CUDA's "API synchronization behavior"), a host-device sync.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -64,6 +66,8 @@ class Scalars:
         self.keys: dict[Any, int] = {}
         self.values: list[Callable[[], float]] = []
         self.buffer: Tensor | None = None
+        #: The host value each slot holds on the device (what :meth:`upload` compares with).
+        self.held: list[float | None] = []
 
     def get(self, key: Any, value: Callable[[], float]) -> Tensor:
         """The 0-D float64 device tensor of ``key``, whose host value is ``value()``."""
@@ -72,18 +76,24 @@ class Scalars:
         if key not in self.keys:
             self.keys[key] = len(self.values)
             self.values.append(value)
-        return torch.tensor(float(value()), dtype=torch.float64).to(self.device, non_blocking=True)
+        return torch.full((), float(value()), dtype=torch.float64, device=self.device)
 
     def freeze(self) -> None:
         """Make the buffer (every slot registered so far) and fill it."""
         self.buffer = torch.empty(len(self.values), dtype=torch.float64, device=self.device)
+        self.held = [None] * len(self.values)
         self.upload()
 
-    def upload(self) -> None:
-        """Every slot's current host value, in one copy (pageable memory: staged at once, no sync)."""
-        if self.values:
-            host = torch.tensor([float(v()) for v in self.values], dtype=torch.float64)
-            self.buffer.copy_(host, non_blocking=True)
+    def upload(self) -> int:
+        """Every slot whose host value changed since it was written, one ``fill_`` each; returns how many."""
+        written = 0
+        for i, value in enumerate(self.values):
+            v = float(value())
+            if v != self.held[i]:
+                self.buffer[i].fill_(v)
+                self.held[i] = v
+                written += 1
+        return written
 
 
 def device_group(group: dict, index: int, scalars: Scalars) -> dict:
