@@ -238,10 +238,11 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--compile", action="store_true", help="also time MeqMuon with compile=True")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time MeqMuon and Muon with compile=True (a pair: MeqMuon / Muon compiled)")
     ap.add_argument("--cuda-graph", action="store_true",
-                    help="also time each of meqmuon, muon, normuon chosen with cuda_graph=True (and MeqMuon's "
-                    "compile=True row with it, with --compile)")
+                    help="also time each of meqmuon, muon, normuon chosen with cuda_graph=True (and the compile=True "
+                    "rows with it, with --compile)")
     ap.add_argument("--switches", nargs="+", default=[], choices=sorted(SWITCHES),
                     help="also time meqmuon and muon with each of these settings on (an A/B in the same rounds)")
     ap.add_argument("--ns-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
@@ -268,12 +269,11 @@ def main(argv=None):
     ns_name = str(ns_dtype).removeprefix("torch.")
     shapes = model_shapes(args.model)
     names = [n for n in ALL_OPTIMIZERS if n in args.optimizers or n == "torch Muon+AdamW"]
-    if args.compile and "meqmuon" in names:
-        names.insert(1, "meqmuon (compile)")
+    compiled = [n for n in ("meqmuon", "muon") if args.compile and n in names]
+    names += [f"{n} (compile)" for n in compiled]
     if args.cuda_graph:
         names += [f"{n} (cuda graph)" for n in ("meqmuon", "muon", "normuon") if n in names]
-        if args.compile and "meqmuon" in names:
-            names.append("meqmuon (compile, cuda graph)")
+        names += [f"{n} (compile, cuda graph)" for n in compiled]
     names += [f"{n} ({s})" for s in args.switches for n in ("meqmuon", "muon") if n in names]
     variants = dict(parse_variant(v) for v in args.ns_variants)
     names += [n for n in variants if n not in names]
@@ -342,7 +342,7 @@ def main(argv=None):
     for n in names:
         has_ns = n not in ("torch AdamW",)
         lines.append(
-            f"| {n} | {med[n] * 1e3:.0f} | {med[n] / ref:.2f} | {med[n] / floor:.2f} | "
+            f"| {n} | {med[n] * 1e3:.2f} | {med[n] / ref:.2f} | {med[n] / floor:.2f} | "
             + (f"{floor / med[n]:.0%}" if has_ns else "-")
             + f" | {paired(n, times['torch Muon+AdamW'])} | {paired(n, round_floor)} |"
         )
