@@ -6,7 +6,7 @@
 #      the batched CUDA default against the per-tensor and CPU steps, no host-device sync, compile=True equal to
 #      eager (float64, 1e-10: Muon, NorMuon, MeqMuon), cuda_graph=True equal to the eager batched step;
 #   2. benchmarks/step_time.py at Llama-350M and Llama-60M shapes: MeqMuon, Muon, NorMuon eager and with
-#      cuda_graph, MeqMuon and Muon with compile=True (and compile with cuda_graph), the FLOP floor, per-round
+#      cuda_graph, MeqMuon and Muon with compile=True (at Llama-60M also compile with cuda_graph), the FLOP floor, per-round
 #      medians and paired ratios (MeqMuon / Muon with the same flags, every row / floor);
 #   3. benchmarks/gpu_diag_profile.py at both shapes: CUDA-event step times and a kernel profile of Muon and
 #      MeqMuon eager, with cuda_graph and compiled (where the graphed step loses its time), the batched
@@ -31,8 +31,12 @@ part() {  # NAME LIMIT_S COMMAND...
 part tests 150 $PY -m pytest -q -p no:cacheprovider -rs --durations=6 tests/test_cuda.py tests/test_cuda_graph.py \
   "tests/test_inputs.py::test_a_cuda_tensor_lr_is_refused"
 part state 35 $PY -m pytest -q -p no:cacheprovider tests/test_state_dtypes.py -k cuda
-part step350 120 $PY benchmarks/step_time.py --device cuda --model llama-350m --optimizers meqmuon muon normuon \
-  --cuda-graph --compile --repeats 9
+# Llama-350M in two runs: every row holds its parameters, gradients and state, and a graph its private pool
+# (11 rows in one run: out of memory on an H100's 80 GB)
+part step350 80 $PY benchmarks/step_time.py --device cuda --model llama-350m --optimizers meqmuon muon normuon \
+  --cuda-graph --repeats 9
+part step350c 100 $PY benchmarks/step_time.py --device cuda --model llama-350m --optimizers meqmuon muon \
+  --compile --repeats 9
 part step60 80 $PY benchmarks/step_time.py --device cuda --model llama-60m --optimizers meqmuon muon normuon \
   --cuda-graph --compile --repeats 15
 part profile 110 $PY benchmarks/gpu_diag_profile.py --models llama-350m llama-60m --no-graph --top 10 --optimizers \

@@ -189,7 +189,7 @@ def test_scalars_are_written_by_fill_only_where_changed():
             return func(*args, **(kwargs or {}))
 
     hp = {"lr": 0.1, "wd": 0.01, "mu": 0.95}
-    scalars = Scalars(torch.device("cpu"))
+    scalars = Scalars(torch.device("cpu"), torch.float64)
     with Ops() as ops:
         slots = {k: scalars.get(k, lambda k=k: hp[k]) for k in hp}
         scalars.freeze()
@@ -200,3 +200,39 @@ def test_scalars_are_written_by_fill_only_where_changed():
         assert scalars.upload() == 1
     assert [n for n in ops.names if n != "select"] == ["fill_"], ops.names  # select: the slot's view
     assert scalars.get("lr", None).item() == 0.05 and scalars.upload() == 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_device_scalar_has_its_tensors_dtype(name):
+    """A ``torch._foreach_*`` op given a 0-D tensor scalar of another dtype than its tensors takes the per-tensor
+    path on CUDA (a kernel per tensor inside the graph): in the graph's body on a float32 model every such
+    scalar is float32, and the slots are float64 only for a float64 model."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Scalars(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            lists = [a for a in args if isinstance(a, list) and a and isinstance(a[0], torch.Tensor)]
+            if func.overloadpacket.__name__.startswith("_foreach_") and lists:
+                for a in args:
+                    if isinstance(a, torch.Tensor) and a.dim() == 0:
+                        seen.append((func.overloadpacket.__name__, a.dtype, lists[0][0].dtype))
+            return func(*args, **(kwargs or {}))
+
+    model = make_model(dtype=torch.float32)
+    opt = meqmuon.build_optimizer(name, model, lr=0.02, weight_decay=0.1, foreach=True, ns_dtype=torch.float32)
+    opt._graphed = GraphedStep(capture=False)
+    for t, ids in enumerate(batches(3)):
+        model.zero_grad(set_to_none=False)
+        loss_fn(model, ids).backward()
+        if t == 2:
+            with Scalars():
+                opt.step()
+        else:
+            opt.step()
+    assert seen, "the body passed no device scalar to a foreach op"
+    assert all(s == t for _, s, t in seen), sorted(set(seen))
+    assert opt._graphed.scalars.buffer.dtype == torch.float32
+    _, wide = _train(name, "cpu", steps=1, graphed=GraphedStep(capture=False))
+    assert wide._graphed.scalars.buffer.dtype == torch.float64
