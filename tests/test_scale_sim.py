@@ -247,3 +247,64 @@ def test_torchtitan_ep_keeps_whole_experts_on_every_rank_and_shards_the_rest():
     assert 0 < ep["floor"] == fsdp2["floor"], (ep["floor"], fsdp2["floor"])
     experts = sum(p.numel() // 4 for p in scale_sim.build_model("moe-tiny", 2).parameters() if p.ndim == 3)
     assert ep["ranks_model"]["local"][1] * 4 * 2 == ep["floor"] and experts > 0
+
+
+def _row_path_peak(keep: bool) -> tuple[int, int, int]:
+    """Rank 0 of 4 on the fake group, ``meta``: MeqMuon's batched step of four 64 x 48 ``Shard(0)`` matrices (one
+    shape bucket, one matrix owned per rank), metered at its second step. ``keep``: a negative control that
+    keeps references to the bucket's stack of local rows and to its send buffer while the step runs, as the
+    row path did before it handed them over. Returns the peak and the two buffers' bytes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import meqmuon
+    from meqmuon.optim import distributed, driver
+
+    kept: list[torch.Tensor] = []
+    orig_hidden, orig_at = driver.hidden_at_owners, distributed.ShardedSplit.at_owners
+
+    def hidden(rule, stack, *args):
+        kept.extend(stack)
+        return orig_hidden(rule, stack, *args)
+
+    def at_owners(self, stack, *args):
+        kept.extend(stack)
+        return orig_at(self, stack, *args)
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    mp = pytest.MonkeyPatch()
+    try:
+        if keep:
+            mp.setattr(driver, "hidden_at_owners", hidden)
+            mp.setattr(distributed.ShardedSplit, "at_owners", at_owners)
+        mesh = init_device_mesh("cpu", (4,))
+        params = [torch.nn.Parameter(DTensor.from_local(torch.empty(16, 48, device="meta"), mesh, [Shard(0)],
+                                                        run_check=False, shape=(64, 48), stride=(48, 1)))
+                  for _ in range(4)]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        groups = [{"params": params, "kind": "hidden", "names": [f"w{i}" for i in range(4)]}]
+        opt = meqmuon.build_optimizer("meqmuon", groups, ns_dtype=torch.float32, foreach=True)
+        opt.step()
+        kept.clear()
+        meter = StepMeter()
+        with meter:
+            opt.step()
+        sizes = sorted(t.untyped_storage().nbytes() for t in kept)
+        kept.clear()
+        return meter.peak, *(sizes or [0, 0])
+    finally:
+        mp.undo()
+        dist.destroy_process_group()
+
+
+def test_row_path_lets_its_stack_and_send_buffer_go_before_the_owners_newton_schulz():
+    """FSDP2's row path at an owner: the stack of this rank's rows (4 x 16 x 48 float32) and the send buffer
+    (its rows with MeqMuon's per-matrix counter as a 49th column) are not alive during Newton-Schulz, the
+    step's transient peak: keeping them alive (the control) raises the metered peak by exactly their bytes,
+    so the simulator's peak sees them go."""
+    released, _, _ = _row_path_peak(keep=False)
+    kept, stack, send = _row_path_peak(keep=True)
+    assert (stack, send) == (4 * 16 * 48 * 4, 4 * 16 * 49 * 4)
+    assert kept - released == stack + send, (kept, released, stack, send)
