@@ -56,6 +56,32 @@ def test_held_bytes_of_adamw_is_its_state_and_excludes_parameters_and_gradients(
     assert held_bytes(opt)["other"] == 7 * 8  # the gradient's view is the gradient's storage: excluded
 
 
+def test_one_walk_serves_the_package_and_the_benchmark_on_any_device():
+    """``meqmuon.optim.memory.held_tensors`` is the walk of both ``optimizer_held_bytes`` and
+    ``step_accounting.held_bytes``: each storage once with its kind (a parameter's and its gradient's
+    ``params``, ``opt.state``'s ``state``, anything else the optimizer keeps ``other``), on ``meta`` as on CPU
+    (a ``meta`` storage has its size), and torch's AdamW's state is what torch keeps."""
+    from meqmuon.optim.memory import held_tensors, optimizer_held_bytes
+
+    held = {}
+    for device in ("cpu", "meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4, bias=False)).to(device)
+        opt = torch.optim.AdamW(model.parameters(), foreach=False)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        # a workspace, a view of a parameter, a view of a gradient
+        opt.kept = [torch.empty(5, device=device), model[0].weight[1:], model[1].weight.grad[:2]]
+        kinds = [(kind, t.untyped_storage().nbytes()) for t, kind in held_tensors(opt)]
+        # the 3 parameters (one of them also through its view) and the gradient reached; 2 moments and a
+        # float32 step per parameter; the workspace
+        assert sorted(k for k, _ in kinds) == ["other"] + ["params"] * 4 + ["state"] * 9, (device, kinds)
+        held[device] = optimizer_held_bytes(opt)
+        assert held_bytes(opt)["state"] == held[device]["state"] and held_bytes(opt)["other"] == 20, device
+    params = 4 * (16 * 8 + 8 + 8 * 4)
+    assert held["cpu"] == held["meta"] == {"state": 2 * params + 3 * 4, "other": 5 * 4, "params": params}
+
+
 def _collectives(rank: int) -> dict:
     """Known collectives on 2 gloo ranks, and MeqMuon's FSDP2 step of a stack of linears, metered."""
     from torch.distributed.device_mesh import init_device_mesh
