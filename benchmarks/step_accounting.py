@@ -3,7 +3,8 @@ tensors the optimizer keeps after the step, the step's transient allocations and
 
 Shared by ``benchmarks/comm_bytes.py`` (real gloo runs at 2-4 ranks) and ``benchmarks/scale_sim.py``
 (torch's fake process group at 8B-405B shapes), so that both measure with one instrument, whatever the
-optimizer's code looks like inside (it reads nothing of ``meqmuon.optim`` but its public groups):
+optimizer's code looks like inside (it reads nothing of ``meqmuon.optim`` but its public groups and
+``memory``'s walk over what an optimizer holds, which the package's ``optimizer_held_bytes`` uses too):
 
 - :class:`StepMeter`, a ``TorchDispatchMode`` (the mechanism of torch's own ``CommDebugMode``): it sees every
   ``torch.distributed`` collective (``c10d.*`` ops, which ``dist.all_to_all_single`` and friends dispatch to)
@@ -22,7 +23,9 @@ optimizer's code looks like inside (it reads nothing of ``meqmuon.optim`` but it
   holds whole (experts under EP or FSDP2's ``Shard(0)`` of a stack, ``Replicate()``, plain tensors).
 - :func:`held_bytes`: the bytes of the distinct storages reachable from an optimizer object (its ``__dict__``,
   containers and slots, through DTensors to their local tensors), parameters and gradients excluded, split
-  into its state (``opt.state``) and everything else (workspaces, whole copies, index maps).
+  into its state (``opt.state``) and everything else (workspaces, whole copies, index maps). The walk is the
+  package's (``meqmuon.optim.memory.held_tensors``, summed by ``optimizer_held_bytes``): one walk for the
+  package and its instruments, checked against ``torch.optim.AdamW``'s state (``tests/test_scale_sim.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from meqmuon.optim.memory import optimizer_held_bytes, storage_key
 
 __all__ = ["StepMeter", "floor_bytes", "held_bytes", "storage_key", "tensor_bytes"]
 
@@ -76,11 +81,6 @@ def _tensors(x: Any) -> Iterator[torch.Tensor]:
     elif isinstance(x, dict):
         for y in x.values():
             yield from _tensors(y)
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """One key per storage (its ``StorageImpl``): views share it; ``meta`` storages have one too."""
-    return t.untyped_storage()._cdata
 
 
 def _group_size(args: tuple) -> int | None:
@@ -211,60 +211,12 @@ def floor_bytes(opt: torch.optim.Optimizer, itemsize: int) -> int:
                if not _whole_matrices(p, len(layout.batch)))
 
 
-def _reachable(root: Any, skip: set[int]) -> Iterator[torch.Tensor]:
-    """Every tensor reachable from ``root`` through ``__dict__``, ``__slots__``, dicts, lists, tuples and
-    sets, DTensors as their local tensors; objects of ``torch`` itself (process groups, meshes, modules) are
-    not entered but for tensors."""
-    seen: dict[int, Any] = {}  # the objects themselves, so that no id is reused while the walk runs
-    stack = [root]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or id(obj) in skip:
-            continue
-        seen[id(obj)] = obj
-        if isinstance(obj, torch.Tensor):
-            local = _local(obj)
-            if local is not obj:
-                stack.append(local)
-            else:
-                yield obj
-            continue
-        if isinstance(obj, dict):
-            stack.extend(obj.keys())
-            stack.extend(obj.values())
-        elif isinstance(obj, list | tuple | set | frozenset):
-            stack.extend(obj)
-        elif isinstance(obj, str | bytes | int | float | bool | complex | type(None) | torch.dtype | torch.device):
-            continue
-        elif type(obj).__module__.startswith("torch") and not isinstance(obj, torch.optim.Optimizer):
-            continue
-        else:
-            stack.extend(getattr(obj, "__dict__", {}).values())
-            for cls in type(obj).__mro__:
-                for slot in getattr(cls, "__slots__", ()):
-                    if isinstance(slot, str) and hasattr(obj, slot):
-                        stack.append(getattr(obj, slot))
-
-
 def held_bytes(opt: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of the distinct storages the optimizer object holds, parameters and gradients excluded:
     ``state`` (reachable from ``opt.state``), ``other`` (reachable from ``opt`` but not from its state),
-    ``total``; and ``params`` (the local bytes of its parameters, for scale)."""
+    ``total``; and ``params`` (the local bytes of its parameters, for scale). The walk is
+    ``meqmuon.optim.memory.held_tensors``, summed by ``optimizer_held_bytes``."""
+    held = optimizer_held_bytes(opt)
     params = [p for g in opt.param_groups for p in g["params"]]
-    excluded = {storage_key(_local(t)) for p in params for t in (p, p.grad) if t is not None}
-
-    def count(root: Any, skip: set[int]) -> dict[int, int]:
-        out = {}
-        for t in _reachable(root, skip):
-            key = storage_key(t)
-            if key not in excluded:
-                out[key] = t.untyped_storage().nbytes()
-        return out
-
-    state = count(dict(opt.state), set())
-    # Parameters are keys of opt.state and members of param_groups: skip them (their locals are excluded anyway).
-    everything = count(opt, {id(p) for p in params})
-    other = {k: v for k, v in everything.items() if k not in state}
-    return {"state": sum(state.values()), "other": sum(other.values()),
-            "total": sum(state.values()) + sum(other.values()),
+    return {"state": held["state"], "other": held["other"], "total": held["state"] + held["other"],
             "params": sum(_local(p).numel() * p.element_size() for p in params)}

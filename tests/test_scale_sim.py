@@ -56,6 +56,32 @@ def test_held_bytes_of_adamw_is_its_state_and_excludes_parameters_and_gradients(
     assert held_bytes(opt)["other"] == 7 * 8  # the gradient's view is the gradient's storage: excluded
 
 
+def test_one_walk_serves_the_package_and_the_benchmark_on_any_device():
+    """``meqmuon.optim.memory.held_tensors`` is the walk of both ``optimizer_held_bytes`` and
+    ``step_accounting.held_bytes``: each storage once with its kind (a parameter's and its gradient's
+    ``params``, ``opt.state``'s ``state``, anything else the optimizer keeps ``other``), on ``meta`` as on CPU
+    (a ``meta`` storage has its size), and torch's AdamW's state is what torch keeps."""
+    from meqmuon.optim.memory import held_tensors, optimizer_held_bytes
+
+    held = {}
+    for device in ("cpu", "meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4, bias=False)).to(device)
+        opt = torch.optim.AdamW(model.parameters(), foreach=False)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        # a workspace, a view of a parameter, a view of a gradient
+        opt.kept = [torch.empty(5, device=device), model[0].weight[1:], model[1].weight.grad[:2]]
+        kinds = [(kind, t.untyped_storage().nbytes()) for t, kind in held_tensors(opt)]
+        # the 3 parameters (one of them also through its view) and the gradient reached; 2 moments and a
+        # float32 step per parameter; the workspace
+        assert sorted(k for k, _ in kinds) == ["other"] + ["params"] * 4 + ["state"] * 9, (device, kinds)
+        held[device] = optimizer_held_bytes(opt)
+        assert held_bytes(opt)["state"] == held[device]["state"] and held_bytes(opt)["other"] == 20, device
+    params = 4 * (16 * 8 + 8 + 8 * 4)
+    assert held["cpu"] == held["meta"] == {"state": 2 * params + 3 * 4, "other": 5 * 4, "params": params}
+
+
 def _collectives(rank: int) -> dict:
     """Known collectives on 2 gloo ranks, and MeqMuon's FSDP2 step of a stack of linears, metered."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -247,3 +273,64 @@ def test_torchtitan_ep_keeps_whole_experts_on_every_rank_and_shards_the_rest():
     assert 0 < ep["floor"] == fsdp2["floor"], (ep["floor"], fsdp2["floor"])
     experts = sum(p.numel() // 4 for p in scale_sim.build_model("moe-tiny", 2).parameters() if p.ndim == 3)
     assert ep["ranks_model"]["local"][1] * 4 * 2 == ep["floor"] and experts > 0
+
+
+def _row_path_peak(keep: bool) -> tuple[int, int, int]:
+    """Rank 0 of 4 on the fake group, ``meta``: MeqMuon's batched step of four 64 x 48 ``Shard(0)`` matrices (one
+    shape bucket, one matrix owned per rank), metered at its second step. ``keep``: a negative control that
+    keeps references to the bucket's stack of local rows and to its send buffer while the step runs, as the
+    row path did before it handed them over. Returns the peak and the two buffers' bytes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import meqmuon
+    from meqmuon.optim import distributed, driver
+
+    kept: list[torch.Tensor] = []
+    orig_hidden, orig_at = driver.hidden_at_owners, distributed.ShardedSplit.at_owners
+
+    def hidden(rule, stack, *args):
+        kept.extend(stack)
+        return orig_hidden(rule, stack, *args)
+
+    def at_owners(self, stack, *args):
+        kept.extend(stack)
+        return orig_at(self, stack, *args)
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    mp = pytest.MonkeyPatch()
+    try:
+        if keep:
+            mp.setattr(driver, "hidden_at_owners", hidden)
+            mp.setattr(distributed.ShardedSplit, "at_owners", at_owners)
+        mesh = init_device_mesh("cpu", (4,))
+        params = [torch.nn.Parameter(DTensor.from_local(torch.empty(16, 48, device="meta"), mesh, [Shard(0)],
+                                                        run_check=False, shape=(64, 48), stride=(48, 1)))
+                  for _ in range(4)]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        groups = [{"params": params, "kind": "hidden", "names": [f"w{i}" for i in range(4)]}]
+        opt = meqmuon.build_optimizer("meqmuon", groups, ns_dtype=torch.float32, foreach=True)
+        opt.step()
+        kept.clear()
+        meter = StepMeter()
+        with meter:
+            opt.step()
+        sizes = sorted(t.untyped_storage().nbytes() for t in kept)
+        kept.clear()
+        return meter.peak, *(sizes or [0, 0])
+    finally:
+        mp.undo()
+        dist.destroy_process_group()
+
+
+def test_row_path_lets_its_stack_and_send_buffer_go_before_the_owners_newton_schulz():
+    """FSDP2's row path at an owner: the stack of this rank's rows (4 x 16 x 48 float32) and the send buffer
+    (its rows with MeqMuon's per-matrix counter as a 49th column) are not alive during Newton-Schulz, the
+    step's transient peak: keeping them alive (the control) raises the metered peak by exactly their bytes,
+    so the simulator's peak sees them go."""
+    released, _, _ = _row_path_peak(keep=False)
+    kept, stack, send = _row_path_peak(keep=True)
+    assert (stack, send) == (4 * 16 * 48 * 4, 4 * 16 * 49 * 4)
+    assert kept - released == stack + send, (kept, released, stack, send)

@@ -381,15 +381,17 @@ class ShardedSplit(_CollectiveSplit):
         """:func:`bucket_owners` of a call's shape buckets, the step's load on this group carried."""
         return bucket_owners(sizes, costs, self.load.load)
 
-    def at_owners(self, X: Tensor, fn: Callable[[Tensor], Tensor], m: int, width: int, dtype: torch.dtype,
-                  owners: Sequence[int]) -> Tensor:
+    def at_owners(self, stack: list[Tensor], fn: Callable[[Tensor], Tensor], m: int, width: int,
+                  dtype: torch.dtype, owners: Sequence[int]) -> Tensor:
         """Row shards ``X`` ``(k, rows, c)`` of ``k`` matrices of ``m`` rows -> whole matrices at their ``owners``
-        (ranks of the group, :meth:`bucket_owners`; one :func:`exchange_bytes`: each rank sends an owner its
+        (ranks of the group, :meth:`bucket_owners`; one :func:`exchange_flat`: each rank sends an owner its
         rows of that owner's matrices, nothing else) -> ``fn(whole)`` ``(j, m, width)`` in ``dtype`` there ->
         each rank's rows of its matrices back (a second one). Returns ``(k, max(rows, 1), width)``: this rank's
         rows of every result (a rank that holds no rows gets the matrix's first row, so that per-matrix values
-        reach every rank)."""
+        reach every rank). ``X`` is handed over as ``stack == [X]`` and the list emptied, so that ``X`` is let go
+        once sent, before ``fn`` (the caller keeps no reference: ``fn`` is an owner's Newton-Schulz)."""
         W, rank = self.world_size, self.rank
+        X = stack.pop()
         k, mine, c = X.shape
         rows = self._shard_rows(m)
         if mine != rows[rank] or len(owners) != k:
@@ -397,13 +399,15 @@ class ShardedSplit(_CollectiveSplit):
                 f"ShardedSplit expects FSDP2's torch.chunk row sharding ({rows[rank]} of {m} rows on rank {rank}) "
                 f"and an owner per matrix ({len(owners)} for {k}), got local shapes {tuple(X.shape)}")
         X = X.contiguous()
+        x_dtype, device = X.dtype, X.device
         ours = owners.count(rank)
         send: list[list[Tensor]] = [[] for _ in range(W)]
         for j in range(k if mine else 0):
             send[owners[j]].append(as_bytes(X[j]))
         # from each rank that holds rows, one block: its rows of our matrices, in bucket order
-        got = exchange_flat(send, [ours * n * c * X.element_size() for n in rows], self.pg, X.device)
-        whole = _whole(from_bytes(got, X.dtype), ours, rows, c) if ours else None
+        got = exchange_flat(send, [ours * n * c * X.element_size() for n in rows], self.pg, device)
+        del X  # sent (exchange_flat let its views go): not alive during fn
+        whole = _whole(from_bytes(got, x_dtype), ours, rows, c) if ours else None
         del got  # the received bytes, copied into whole: not alive during fn (the step's transient peak)
         out = fn(whole).to(dtype) if ours else None  # (ours, m, width)
         del whole
@@ -416,7 +420,7 @@ class ShardedSplit(_CollectiveSplit):
         mine = max(mine, 1)
         counts = [owners.count(r) for r in range(W)]
         size = torch.empty((), dtype=dtype).element_size()
-        got = from_bytes(exchange_flat(back, [n * mine * width * size for n in counts], self.pg, X.device), dtype)
+        got = from_bytes(exchange_flat(back, [n * mine * width * size for n in counts], self.pg, device), dtype)
         by_owner = [iter(b.unbind(0)) for b in got.view(k, mine, width).split(counts)]
         return torch.stack([next(by_owner[owners[j]]) for j in range(k)])
 

@@ -566,9 +566,10 @@ def _hidden_directions(rule: HiddenRule, buckets: list[Bucket], ranges: list[tup
             X, _, state = stacks[i]
             stacks[i] = (None, None, state)
             drop_buffers(ctx.workspace, (rule.name, "inputs", ctx.call, b.key, 0))
-            ds.append(hidden_at_owners(rule, X, state, b.global_shape[0], group, ctx, orth,
-                                       resolve_dtype(group, X, ctx), owners[i]))
-            del X
+            ns_dtype, handed = resolve_dtype(group, X, ctx), [X]
+            del X  # handed over: hidden_at_owners lets it go once sent, before the owners' Newton-Schulz
+            ds.append(hidden_at_owners(rule, handed, state, b.global_shape[0], group, ctx, orth, ns_dtype,
+                                       owners[i]))
     else:
         ds = directions(rule, stacks, group, ctx, batched=True, dtype=buckets[0].items[0].param.dtype)
     return [(D, [state[k] for k in keys]) for D, (_, _, state) in zip(ds, stacks, strict=True)]

@@ -8,7 +8,7 @@ counted (they are bookkeeping, not per-element state, and the paper's Table 5 om
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -58,61 +58,84 @@ def predicted_state_elements(rules: Mapping[str, str], groups: Iterable[Mapping[
 
 
 def optimizer_held_bytes(opt: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of every tensor storage reachable from ``opt`` (its attributes, followed through dicts, lists,
-    tuples and objects), by what holds them: ``"state"`` (reachable from ``opt.state``), ``"params"`` (the
-    parameters and their gradients, which the model owns) and ``"other"`` (everything else the optimizer
-    keeps: workspaces, whole copies, index maps). A storage counts once, whole (a view keeps all of it
-    alive); a DTensor counts its local tensor. Process groups and device meshes are not followed.
+    """Bytes of every tensor storage reachable from ``opt`` (:func:`held_tensors`), by what holds them:
+    ``"state"`` (reachable from ``opt.state``), ``"other"`` (everything else the optimizer keeps: workspaces,
+    whole copies, index maps) and ``"params"`` (the bytes of the parameters' storages, which the model owns;
+    their gradients are not counted anywhere). A storage counts once, whole (a view keeps all of it alive); a
+    DTensor counts its local tensor.
 
     What issue 47 asks of a step: after it, ``other`` is metadata only (0 bytes of tensors).
     """
-    params: set[int] = set()
-    for group in opt.param_groups:
-        for p in group["params"]:
-            for t in (p, p.grad):
-                if t is not None:
-                    params.add(_storage(t)[0])
-    state: dict[int, int] = {}
-    _walk(opt.state, state, set())
-    other: dict[int, int] = {}
-    _walk({k: v for k, v in vars(opt).items() if k not in ("state", "param_groups")}, other, set())
-    _walk(opt.param_groups, other, set())
-    other = {k: v for k, v in other.items() if k not in state and k not in params}
-    return {"state": sum(v for k, v in state.items() if k not in params), "other": sum(other.values()),
-            "params": sum(_storage(p)[1] for g in opt.param_groups for p in g["params"])}
+    held = {"state": 0, "other": 0}
+    for t, kind in held_tensors(opt):
+        if kind != "params":
+            held[kind] += t.untyped_storage().nbytes()
+    held["params"] = sum(_local(p).untyped_storage().nbytes() for g in opt.param_groups for p in g["params"])
+    return held
 
 
-def _storage(t: torch.Tensor) -> tuple[int, int]:
-    local = getattr(t, "_local_tensor", None)
-    t = local if local is not None else t
-    s = t.untyped_storage()
-    return (s.data_ptr() or id(s)), s.nbytes()
+def storage_key(t: torch.Tensor) -> int:
+    """One key per storage (its ``StorageImpl``): views share it; ``meta`` storages have one too."""
+    return t.untyped_storage()._cdata
 
 
-def _walk(obj: Any, out: dict[int, int], seen: set[int]) -> None:
-    stack = [obj]
+def held_tensors(opt: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, str]]:
+    """Every tensor storage reachable from ``opt`` once, as ``(tensor, kind)``: ``kind`` is ``"params"`` for the
+    storages of the parameters and their gradients (the model's), ``"state"`` for the rest of what
+    ``opt.state`` reaches, ``"other"`` for the rest of what ``opt`` reaches (its ``__dict__``, containers and
+    slots). DTensors are followed to their local tensors; objects of ``torch`` itself (process groups, device
+    meshes, modules) are not entered, but for optimizers; classes are not entered. Any device, ``meta``
+    included (its storages have sizes). The one walk of :func:`optimizer_held_bytes` and of the benchmarks'
+    ``step_accounting.held_bytes``."""
+    params = {storage_key(_local(t)) for g in opt.param_groups for p in g["params"] for t in (p, p.grad)
+              if t is not None}
+    seen: dict[int, Any] = {}  # shared by both walks: what the state reaches is the state's
+    found: set[int] = set()
+    for root, kind in ((opt.state, "state"), (opt, "other")):
+        for t in _reachable(root, seen):
+            key = storage_key(t)
+            if key not in found:
+                found.add(key)
+                yield t, "params" if key in params else kind
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (the object it keeps, not a new alias), else ``t``."""
+    return getattr(t, "_local_tensor", t)
+
+
+#: Leaves of the walk that hold no tensor.
+_ATOMS = (str, bytes, int, float, complex, type(None), type, torch.dtype, torch.device)
+
+
+def _reachable(root: Any, seen: dict[int, Any]) -> Iterator[torch.Tensor]:
+    """Every tensor reachable from ``root`` and not in ``seen`` (ids of the objects visited, kept with them so
+    that no id is reused while the walk runs; updated), through ``__dict__``, ``__slots__``, dicts, lists,
+    tuples and sets; DTensors as their local tensors."""
+    stack = [root]
     while stack:
-        o = stack.pop()
-        if id(o) in seen or o is None or isinstance(o, str | int | float | bool | bytes | type):
+        obj = stack.pop()
+        if id(obj) in seen:
             continue
-        seen.add(id(o))
-        if isinstance(o, torch.Tensor):
-            if o.device.type != "meta":
-                key, n = _storage(o)
-                out[key] = n
-            if o.grad is not None if isinstance(o, torch.nn.Parameter) else False:
-                stack.append(o.grad)
+        seen[id(obj)] = obj
+        if isinstance(obj, torch.Tensor):
+            local = _local(obj)
+            if local is obj:
+                yield obj
+            else:
+                stack.append(local)
+        elif isinstance(obj, _ATOMS):
             continue
-        name = type(o).__name__
-        if name in ("DeviceMesh", "ProcessGroup") or callable(o) and not hasattr(o, "__dict__"):
+        elif isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, list | tuple | set | frozenset):
+            stack.extend(obj)
+        elif type(obj).__module__.startswith("torch") and not isinstance(obj, torch.optim.Optimizer):
             continue
-        if isinstance(o, dict):
-            stack.extend(o.keys())
-            stack.extend(o.values())
-        elif isinstance(o, list | tuple | set | frozenset):
-            stack.extend(o)
         else:
-            stack.extend(getattr(o, "__dict__", {}).values())
-            for klass in type(o).__mro__:
-                for slot in getattr(klass, "__slots__", ()):
-                    stack.append(getattr(o, slot, None))
+            stack.extend(getattr(obj, "__dict__", {}).values())
+            for cls in type(obj).__mro__:
+                for slot in getattr(cls, "__slots__", ()):
+                    if isinstance(slot, str) and hasattr(obj, slot):
+                        stack.append(getattr(obj, slot))

@@ -32,12 +32,17 @@ __all__ = ["Orth", "hidden_at_owners"]
 Orth = Callable[..., Tensor]
 
 
-def hidden_at_owners(rule: MomentumBase, X: Tensor, state: dict[str, Tensor], m: int, group: dict,
+def hidden_at_owners(rule: MomentumBase, stack: list[Tensor], state: dict[str, Tensor], m: int, group: dict,
                      ctx: StepContext, orth: Orth, ns_dtype: torch.dtype, owners: Sequence[int]) -> list[Tensor]:
     """Row shards ``X`` ``(k, rows, n)`` of ``k`` matrices with ``m`` rows of a hidden rule's bucket -> whole
     matrices at their ``owners`` (ranks of the splitter's group, ``ShardedSplit.bucket_owners``) -> ``orth``
     there (:data:`Orth`) -> the rows of ``D`` back; ``state`` is updated in place. ``ns_dtype``: the group's
-    Newton-Schulz dtype (what travels when no state does)."""
+    Newton-Schulz dtype (what travels when no state does).
+
+    ``X`` is handed over as ``stack == [X]`` and the list emptied: ``X``, once in the send buffer, and the send
+    buffer, once sent, are let go before ``orth`` runs (neither is read again; alive beside an owner's
+    Newton-Schulz they were a tenth of the step's transient peak, docs/benchmarks.md)."""
+    X = stack.pop()
     k, rows, n = X.shape
     keys = list(state)
     per_row = [rule.state_views[key] == "rows" for key in keys]
@@ -57,9 +62,9 @@ def hidden_at_owners(rule: MomentumBase, X: Tensor, state: dict[str, Tensor], m:
         D = orth(rule, W, n, st, group, ctx, batched=batched_ns(W.device))
         return torch.cat([D[0].reshape(j, m, n).to(out_dtype), *columns(st, j, m, out_dtype)], dim=-1)
 
-    send = torch.cat([X.to(dtype), *columns(state, k, rows, dtype)], dim=-1)
+    send = [torch.cat([X.to(dtype), *columns(state, k, rows, dtype)], dim=-1)]
+    del X
     back = ctx.split.at_owners(send, whole, m, n + len(keys), out_dtype, owners)
-    del send
     for i, (key, row) in enumerate(zip(keys, per_row, strict=True)):
         state[key].copy_(_column(back[:, :rows] if row else back, n + i, row, state[key].dtype))
     return [back[:, :rows, :n]]
