@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import MODELS, model_shapes  # noqa: E402
 
 import meqmuon  # noqa: E402
+from meqmuon.optim.cuda_graph import GraphedStep  # noqa: E402
 
 #: The optimizers of the comparison that run our engine (``adamw`` is torch's own).
 OPTIMIZERS = [n for n in meqmuon.OPTIMIZERS if n != "adamw"]
@@ -59,6 +60,45 @@ class OpCounter(TorchDispatchMode):
         return sum(self.ops.values())
 
 
+
+#: Ops whose cost is FLOPs, not bytes (:class:`TrafficCounter` leaves them out: the FLOP floor counts them).
+MATMULS = frozenset({"mm", "bmm", "addmm", "baddbmm", "matmul", "addbmm"})
+
+
+class TrafficCounter(OpCounter):
+    """:class:`OpCounter` plus the bytes each non-matmul op moves through memory: every tensor argument read
+    once, the result written once (``out=``: that tensor; an in-place op: its first argument). The step's
+    memory-bound work, which the op count does not see: at Llama-350M shapes on an H100 (docs/benchmarks.md,
+    GPU) MeqMuon's 3.7 GB over Muon's batched step came to 2.2 ms of its 1.08x."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        name = func.overloadpacket.__name__
+        if func.is_view or name in ALLOCATIONS or name in MATMULS:
+            return out
+        kw = dict(kwargs or {})
+        written = kw.pop("out", None)
+        if written is None:
+            written = args[0] if name.endswith("_") else out
+        self.bytes[name] += _nbytes(args) + _nbytes(list(kw.values())) + _nbytes(written)
+        return out
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(y) for y in x)
+    return 0
+
 def deepen(shapes: dict[str, list[tuple[int, ...]]], depth: int) -> dict[str, list[tuple[int, ...]]]:
     """The shapes of a model ``depth`` times as deep with the same widths: per-layer tensors (hidden
     matrices and vectors) repeated, embedding and head once."""
@@ -79,9 +119,12 @@ def mixtral_shapes(experts: int, layers: int = 2, d: int = 512, inner: int = 137
 
 
 def count_step_ops(name: str, shapes: dict[str, list[tuple[int, ...]]], foreach: bool,
-                   hidden_views: dict[str, list] | None = None, **hparams) -> OpCounter:
+                   hidden_views: dict[str, list] | None = None, counter: type[OpCounter] = OpCounter,
+                   graph_body: bool = False, **hparams) -> OpCounter:
     """Ops dispatched by the second ``step()`` of optimizer ``name`` over meta tensors of ``shapes``;
-    ``hidden_views`` (``views`` and ``splits`` lists) declares the hidden tensors' matrix views."""
+    ``hidden_views`` (``views`` and ``splits`` lists) declares the hidden tensors' matrix views; ``counter``
+    what counts them (:class:`TrafficCounter`: bytes too); ``graph_body``: the body ``cuda_graph=True``
+    captures (hyperparameters as device scalars), run without a graph."""
     groups = []
     for kind, kind_shapes in shapes.items():
         params = [nn.Parameter(torch.empty(s, device="meta")) for s in kind_shapes]
@@ -94,10 +137,12 @@ def count_step_ops(name: str, shapes: dict[str, list[tuple[int, ...]]], foreach:
         # would resolve to float32 and drop the casts a GPU step makes.
         hparams.setdefault("ns_dtype", torch.bfloat16)
     opt = meqmuon.build_optimizer(name, groups, lr=1e-3, foreach=foreach, **hparams)
+    if graph_body:
+        opt._graphed = GraphedStep(capture=False)
     opt.step()
-    with OpCounter() as counter:
+    with counter() as counted:
         opt.step()
-    return counter
+    return counted
 
 
 def main(argv=None) -> None:
@@ -105,7 +150,12 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="llama-60m", choices=MODELS)
     ap.add_argument("--depth", type=int, default=3, help="also count a model this many times as deep")
     ap.add_argument("--top", type=int, default=0, help="list the N most frequent ops of each batched step")
+    ap.add_argument("--bytes", action="store_true",
+                    help="instead: the bytes the batched step and cuda_graph's body move through memory (matmuls out)")
     args = ap.parse_args(argv)
+    if args.bytes:
+        print_traffic(args.model, args.top)
+        return
     shapes = model_shapes(args.model)
     deep = deepen(shapes, args.depth)
     print(f"# dispatched non-view aten ops per optimizer step, {args.model} shapes (meta device)\n")
@@ -129,6 +179,23 @@ def main(argv=None) -> None:
     if args.top:
         for name, c in counts.items():
             print(f"\n{name}: " + ", ".join(f"{op} {k}" for op, k in c.ops.most_common(args.top)))
+
+
+def print_traffic(model: str, top: int = 0) -> None:
+    """``--bytes``: per optimizer the memory traffic of the batched step and of the graph's body."""
+    shapes = model_shapes(model)
+    print(f"# bytes moved through memory per batched step, {model} shapes (meta device, bf16 Newton-Schulz; "
+          "matmuls left out)\n")
+    print("| optimizer | eager batched (GB) | ops | cuda_graph body (GB) | ops |\n|---|---:|---:|---:|---:|")
+    counted = {}
+    for name in ("muon", "normuon", "meqmuon"):
+        eager, body = (count_step_ops(name, shapes, True, counter=TrafficCounter, graph_body=g) for g in (False, True))
+        counted[name] = eager
+        print(f"| {name} | {eager.total_bytes / 1e9:.2f} | {eager.total} | {body.total_bytes / 1e9:.2f} "
+              f"| {body.total} |")
+    if top:
+        for name, c in counted.items():
+            print(f"\n{name}: " + ", ".join(f"{op} {b / 1e9:.2f} GB" for op, b in c.bytes.most_common(top)))
 
 
 if __name__ == "__main__":

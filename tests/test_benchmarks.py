@@ -162,3 +162,24 @@ def test_train_phases_prints_cpu_seconds_per_phase(tmp_path):
     assert list(rows)[:2] == ["import meqmuon.cli + loop", "import meqmuon.train.models (transformers)"]
     assert {"data, model, optimizer", "updates", "evaluation", "checkpoints"} <= set(rows)
     assert all(float(v) >= 0 for v in rows.values()) and float(rows["updates"]) > 0
+
+
+def test_traffic_counter_counts_each_read_and_write_once_and_leaves_matmuls_out():
+    """``op_count.py --bytes``: an in-place add of float32 lists moves 12 B per element (two reads, one write),
+    an ``out=`` product of a bf16 matrix and a float32 column 2 + 4 B per element plus the column, a matmul
+    nothing (the FLOP floor counts it); MeqMuon's batched step moves more than Muon's (eq. 8's passes)."""
+    import op_count
+    import torch
+
+    a, b = torch.empty(1000, device="meta"), torch.empty(1000, device="meta")
+    x = torch.empty(10, 100, device="meta", dtype=torch.bfloat16)
+    col, z = torch.empty(10, 1, device="meta"), torch.empty(10, 100, device="meta")
+    with op_count.TrafficCounter() as counted:
+        torch._foreach_add_([a], [b])
+        torch.mul(x, col, out=z)
+        torch.mm(z, z.T)
+    assert counted.bytes == {"_foreach_add_": 12_000, "mul": 2_000 + 40 + 4_000}, counted.bytes
+    shapes_ = op_count.model_shapes("llama-tiny")
+    muon, meq = (op_count.count_step_ops(n, shapes_, True, counter=op_count.TrafficCounter).total_bytes
+                 for n in ("muon", "meqmuon"))
+    assert meq > muon > 0
