@@ -178,3 +178,41 @@ def test_op_counts_at_llama_60m_shapes():
     assert counts["muon"] <= 58 and counts["normuon"] <= 118 and counts["meqmuon"] <= 98, counts
     assert op_count.count_step_ops("meqmuon", shapes, foreach=False).total > 10 * counts["meqmuon"]
 
+
+
+@pytest.mark.parametrize("fold_min", [1, 145])
+def test_eq8_column_factors_inside_the_update_equal_their_own_pass(monkeypatch, fold_min):
+    """The batched step on CUDA applies eq. 8's column factors inside each large matrix's update
+    (``driver.FOLD_DEVICES``, ``FOLD_MIN``), one pass fewer: here on CPU, with some buckets folded or none, in
+    float64 the same parameters, state and choices as the pass over the stack; a subclass that changes
+    ``post`` is never folded with MeqMuon's factors."""
+    from meqmuon.optim import driver
+    from meqmuon.optim.rules import MeqHidden
+
+    monkeypatch.setattr(driver, "FOLD_DEVICES", ())
+    m0, o0 = _run("meqmuon", True, dtype=torch.float64, steps=6)
+    monkeypatch.setattr(driver, "FOLD_DEVICES", ("cpu",))
+    monkeypatch.setattr(driver, "FOLD_MIN", fold_min)
+    folded = []
+    real = driver._fold
+    monkeypatch.setattr(driver, "_fold", lambda b, D, c: (r := real(b, D, c), c and folded.append(r))[0])
+    m1, o1 = _run("meqmuon", True, dtype=torch.float64, steps=6)
+    # q and k (12 x 12, a bucket of 2-D parameters) fold from 1 element, not from 145; up, down and the conv
+    # weight viewed (12, 36) share a bucket with a 3-D member, which keeps the pass either way
+    assert sum(c is not None for r in folded for c in r) == (6 * 2 if fold_min == 1 else 0), folded  # 6 steps
+    for (n, p), q in zip(m0.named_parameters(), m1.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-12, atol=1e-12 * p.abs().max().item()), (n, (p - q).abs().max().item())
+    assert [s["rows_chosen"].tolist() for s in o0.state.values() if "rows_chosen" in s] == \
+        [s["rows_chosen"].tolist() for s in o1.state.values() if "rows_chosen" in s]
+
+    class Halved(MeqHidden):
+        def post(self, U, group, state=None):
+            return super().post(U, group, state) / 2
+
+    model = make_model(dtype=torch.float64)
+    opt = meqmuon.build_optimizer("meqmuon", model, lr=0.02, foreach=True, ns_dtype=torch.float64,
+                                  rules={"hidden": Halved()})
+    Us = [torch.randn(2, 8, 8, dtype=torch.float64)]
+    counters = [{"rows_chosen": torch.zeros(2, dtype=torch.long)}]
+    Ds, cols = opt._rules["hidden"]._post_all_factored(Us, {"rho": 0.2}, counters)
+    assert cols == [None] and torch.equal(Ds[0], Halved().post_all(Us, {"rho": 0.2}, counters)[0])
