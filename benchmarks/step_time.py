@@ -38,7 +38,6 @@ from shapes import MODELS, model_shapes  # noqa: E402
 import meqmuon  # noqa: E402
 from meqmuon import orthogonalization  # noqa: E402
 from meqmuon.functional import NS_STEPS  # noqa: E402
-from meqmuon.optim import driver  # noqa: E402
 from meqmuon.optim.newton_schulz import ns_flops  # noqa: E402
 from meqmuon.precision import detect_cpu_capability, resolve_ns_dtype  # noqa: E402
 
@@ -147,14 +146,9 @@ def _symmetric_ns(on: bool, default=orthogonalization.SYMMETRIC_STACK_MIN) -> No
     orthogonalization.SYMMETRIC_STACK_MIN = 512 if on else default
 
 
-def _unfolded(on: bool, default=driver.FOLD_DEVICES) -> None:
-    """eq. 8's column factors as their own pass over each stack on every device (``driver.FOLD_DEVICES``)."""
-    driver.FOLD_DEVICES = () if on else default
-
-
 #: Row flags that switch a module-level setting on around each step of their optimizer (an A/B in one run):
 #: ``name -> function(on: bool)``.
-SWITCHES: dict[str, Callable[[bool], None]] = {"symmetric-ns": _symmetric_ns, "unfolded": _unfolded}
+SWITCHES: dict[str, Callable[[bool], None]] = {"symmetric-ns": _symmetric_ns}
 
 
 class Switched:
