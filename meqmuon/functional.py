@@ -320,31 +320,16 @@ def _eq8_constants(lengths: tuple[tuple[float, float], ...], delta: float, rho: 
 
 def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
                               rho: float = 1.0) -> tuple[list[Tensor], Tensor]:
-    """Eq. 8 of every matrix of several stacks ``(k_i, m_i, n_i)`` at once (:func:`eq8_factored`, then each
-    stack times its column factors in place).
-
-    Returns:
-        the normalised stacks (float32, or float64) and ``chose_rows`` ``(K,)`` bool, stack by stack.
-    """
-    out, chose_rows, cols = eq8_factored(us, delta, rho)
-    return [x.mul_(col) for x, col in zip(out, cols, strict=True)], chose_rows
-
-
-def eq8_factored(us: Sequence[Tensor], delta: float = DELTA,
-                 rho: float = 1.0) -> tuple[list[Tensor], Tensor, list[Tensor]]:
     """Eq. 8 of every matrix of several stacks ``(k_i, m_i, n_i)`` at once, in a fixed number of kernels.
 
     The row and column norms of all ``K`` matrices go into one zero-padded ``(K, 2, L)`` buffer (slot 0:
     the ``m`` row norms of ``n`` entries each; slot 1: the ``n`` column norms), so one
     :func:`cv_of_norms` gives all ``2K`` CVs (eq. 5: norms at or below ``delta sqrt(length)``, i.e.
     RMS <= delta, and the padding count as zero). The factors ``rho / RMS`` (0 for zero rows or
-    columns) multiply the chosen side, 1 the other: here the row factors, in one pass over each stack; the
-    column factors are returned apart, for the caller to apply in a pass of its own
-    (:func:`adaptive_normalize_stacks`) or inside the update (``W += -lr s (U r) c``, one pass fewer).
+    columns) multiply the chosen side, 1 the other: two passes over each stack.
 
     Returns:
-        per stack ``U`` times its row factors (float32, or float64; contiguous in the members' layout),
-        ``chose_rows`` ``(K,)`` bool, and per stack the column factors ``(k, 1, n)`` (1 where rows were chosen).
+        the normalised stacks (float32, or float64) and ``chose_rows`` ``(K,)`` bool, stack by stack.
     """
     dtype, device = torch.float64 if us[0].dtype == torch.float64 else torch.float32, us[0].device  # _stat_dtype
     shapes = [u.shape for u in us]
@@ -389,17 +374,16 @@ def eq8_factored(us: Sequence[Tensor], delta: float = DELTA,
     chose_rows = choose_rows(gamma[:, 0], gamma[:, 1])
     scales = torch.where(counted, torch.div(factor, norms), 0.0)
     scales.masked_fill_(chose_rows[:, None, None] != row_slot, 1.0)  # 1 on the side not chosen
-    out, cols, o = [], [], 0
+    out, o = [], 0
     for u, x, (k, m, n) in zip(us, xs, shapes, strict=True):
-        row = scales[o : o + k, 0, :m, None]
+        row, col = scales[o : o + k, 0, :m, None], scales[o : o + k, 1, None, :n]
         # >= float32; on CPU the float32 copy scaled in place: the same products as U times the factors
         # (bf16 -> float32 is exact), without a fresh matrix-sized temporary (page faults on CPU)
         # a transposed side (GPU): the first product written in the members' layout, so no copy follows
-        out.append(x.mul_(row) if x is not u else
-                   torch.mul(u, row, out=torch.empty(u.shape, dtype=dtype, device=device)))
-        cols.append(scales[o : o + k, 1, None, :n])
+        scaled = x.mul_(row) if x is not u else torch.mul(u, row, out=torch.empty(u.shape, dtype=dtype, device=device))
+        out.append(scaled.mul_(col))
         o += k
-    return out, chose_rows, cols
+    return out, chose_rows
 
 
 # ---- the step every momentum rule shares: momentum, direction input, decoupled decay and update ----
@@ -450,20 +434,16 @@ def decay_(params: Sequence[Tensor], factor: float | Tensor) -> None:
 
 def decay_and_update_(
     params: Sequence[Tensor], directions: Sequence[Tensor], lr: float | Sequence[float] | Tensor,
-    weight_decay: float | Sequence[float] | Tensor, scales: Sequence[float] | Tensor,
-    cols: Sequence[Tensor | None] | None = None,
+    weight_decay: float | Sequence[float] | Tensor, scales: Sequence[float] | Tensor, col: Tensor | None = None,
 ) -> None:
     r"""``W <- (1 - lr wd) W - lr s D`` for every parameter (decoupled weight decay, unadjusted lr).
 
     ``lr``, ``weight_decay``: one value for all, or one per parameter; ``scales``: one ``s`` per
     parameter. One decay kernel per distinct ``1 - lr wd``, then one add per distinct ``lr s``.
     Compiled graphs pass 0-D tensors (values unknown while tracing): ``lr``, ``weight_decay`` and
-    one ``scales`` for all. ``cols``: per direction ``None`` or a factor that multiplies it inside its add,
-    one ``addcmul_`` per such parameter (``W += -lr s D c``; eq. 8's column factors, sparing a pass over ``D``).
+    one ``scales`` for all. ``col``: a factor that multiplies every direction inside the add
+    (``addcmul``), sparing a pass over the matrix.
     """
-    on_device = isinstance(lr, Tensor) or (isinstance(lr, Sequence) and bool(lr) and isinstance(lr[0], Tensor))
-    if on_device and cols is not None and any(c is not None for c in cols):  # addcmul_'s value is a number
-        raise ValueError("decay_and_update_: column factors need float learning rates, not device tensors")
     if isinstance(lr, Tensor):
         decay_(params, 1 - lr * weight_decay)
         torch._foreach_add_(list(params), torch._foreach_mul(list(directions), -(lr * scales)))
@@ -475,23 +455,19 @@ def decay_and_update_(
         return
     decays: dict[float, list[Tensor]] = {}
     adds: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
-    factored = []
-    for p, d, lr_p, wd_p, s, c in zip(params, directions, lrs, wds, scales, cols or [None] * len(params),
-                                      strict=True):
+    for p, d, lr_p, wd_p, s in zip(params, directions, lrs, wds, scales, strict=True):
         if wd_p != 0:
             decays.setdefault(1.0 - lr_p * wd_p, []).append(p)
-        if c is not None:
-            factored.append((p, d, c, -lr_p * s))
-            continue
         ps, ds = adds.setdefault(-lr_p * s, ([], []))
         ps.append(p)
         ds.append(d)
     for factor, ps in decays.items():
         decay_(ps, factor)
     for alpha, (ps, ds) in adds.items():
-        torch._foreach_add_(ps, ds, alpha=alpha)
-    for p, d, c, alpha in factored:
-        p.addcmul_(d, c, value=alpha)
+        if col is None:
+            torch._foreach_add_(ps, ds, alpha=alpha)
+        else:
+            torch._foreach_addcmul_(ps, ds, [col] * len(ds), value=alpha)
 
 
 def _decay_and_update_on_device(params: Sequence[Tensor], directions: Sequence[Tensor], lrs: Sequence[Tensor],

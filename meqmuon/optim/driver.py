@@ -113,14 +113,6 @@ class HiddenRule(MomentumBase):
             return Us
         return [self.post(U, group, st) if st else self.post(U, group) for U, st in zip(Us, states, strict=True)]
 
-    def _post_all_factored(self, Us: list[Tensor], group: dict,
-                          states: list[dict[str, Tensor]]) -> tuple[list[Tensor], list[Tensor | None]]:
-        """:meth:`post_all` with a last column scaling left apart: ``(Ds, cols)``, ``D c`` being the direction
-        (``cols[i]`` ``(k, 1, n)``, or ``None``: ``D`` is the direction). Here ``(post_all(Us), None...)``;
-        MeqMuon's eq. 8 returns its column factors, which the batched step on CUDA applies inside the update
-        (:data:`FOLD_MIN`)."""
-        return self.post_all(Us, group, states), [None] * len(Us)
-
     def lr_scale(self, m: int, n: int, group: dict) -> float:
         """A step multiplier ``s`` of an ``m x n`` matrix, applied inside the update (``-lr s D``) instead
         of as a pass over ``D``; 1 here."""
@@ -282,15 +274,6 @@ def resolve_dtype(group: dict, x: Tensor, ctx: Any) -> torch.dtype:
     return dtype
 
 
-#: The batched eager step on these devices applies a rule's column factors (:meth:`HiddenRule._post_all_factored`,
-#: MeqMuon's eq. 8) inside the update of each matrix of at least :data:`FOLD_MIN` elements, one ``addcmul_``
-#: per matrix instead of a pass over the stack (8 bytes per element: 2.4 GB a step at Llama-350M shapes); the
-#: smaller matrices keep the pass, where per-matrix launches would cost more than the bytes
-#: (docs/benchmarks.md, GPU). Not on CPU, where the in-place pass measures as fast; ``meta``: the op and byte
-#: counts of benchmarks/op_count.py stand for a GPU's.
-FOLD_DEVICES = ("cuda", "meta")
-FOLD_MIN = 1 << 20
-
 #: One stack for :func:`directions`: direction inputs ``(K, m, n)`` in the bucket's orientation, the
 #: number of members stored as they are (the rest transposed), and the members' state stacks.
 Stack = tuple[Tensor, int, dict[str, Tensor]]
@@ -298,8 +281,7 @@ Stack = tuple[Tensor, int, dict[str, Tensor]]
 
 def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, batched: bool,
                scratch: dict | None = None, dtype: torch.dtype | None = None,
-               ns_dtype: torch.dtype | None = None, release: bool = False,
-               cols: list[list[Tensor | None]] | None = None) -> list[list[Tensor]]:
+               ns_dtype: torch.dtype | None = None, release: bool = False) -> list[list[Tensor]]:
     """``pre -> Newton-Schulz -> post`` of stacks of direction inputs: the body of every form, for a
     ``HiddenRule`` ``rule`` and the ``StepContext`` ``ctx`` of its call.
 
@@ -317,8 +299,6 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
     (bf16) direction is cast. ``ns_dtype``: given by compiled graphs, which have no ``ctx``. ``release``: an
     owner's whole matrices, the step's only ones of their shape: Newton-Schulz's iteration buffers are let go
     before ``post`` instead of kept in ``scratch``, so that they and ``post``'s output are never alive at once.
-    ``cols``: a list that receives, per stack, each side's column factors left apart
-    (:meth:`HiddenRule._post_all_factored`; the directions returned are then without them).
 
     Args:
         rule: the ``HiddenRule``.
@@ -354,17 +334,12 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
         states += views
         owner += [i] * len(sides)
     del iteration
-    ds, side_cols = rule._post_all_factored(us, group, states) if cols is not None else \
-        (rule.post_all(us, group, states), [None] * len(us))
+    ds = rule.post_all(us, group, states)
     # One copy at most per side: the cast of a narrower direction and the transposed side's layout.
     narrower = dtype is not None and ds[0].dtype.itemsize < dtype.itemsize
     result: list[list[Tensor]] = [[] for _ in stacks]
-    factors: list[list[Tensor | None]] = [[] for _ in stacks]
-    for i, d, c in zip(owner, ds, side_cols, strict=True):
+    for i, d in zip(owner, ds, strict=True):
         result[i].append(d.to(dtype, memory_format=torch.contiguous_format) if narrower else d.contiguous())
-        factors[i].append(c)
-    if cols is not None:
-        cols.extend(factors)
     return result
 
 
@@ -504,25 +479,22 @@ def batched(calls: Sequence[Call], orth: Orth = eager_directions) -> None:
         inputs.update(zip(map(id, members), F.direction_input(grads, bufs, mu, nesterov), strict=True))
     for call in calls:
         call[3].inputs = inputs
-    params, dirs, lrs, wds, scales, cols = [], [], [], [], [], []
+    params, dirs, lrs, wds, scales = [], [], [], [], []
     for rule, items, group, ctx in calls:
-        ps, ds, ss, cs = _pending(rule, items, group, ctx, orth)
+        ps, ds, ss = _pending(rule, items, group, ctx, orth)
         params += ps
         dirs += ds
         scales += ss
-        cols += cs
         lrs += [group["lr"]] * len(ps)
         wds += [group["weight_decay"]] * len(ps)
     inputs.clear()  # what DDP ranks did not stack: not kept past the step
-    F.decay_and_update_(params, dirs, lrs, wds, scales, cols)
+    F.decay_and_update_(params, dirs, lrs, wds, scales)
 
 
-def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext,
-             orth: Orth) -> tuple[list, list, list, list]:
+def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext, orth: Orth) -> tuple[list, list, list]:
     """The batched update of one call's ``items`` (momentum already updated), not applied: per shape bucket
     the directions of this rank's slice, gathered across DDP ranks (one collective per bucket).
-    Returns ``(params, directions, scales, cols)`` (``cols``: per parameter a column factor that its update
-    applies, or ``None``; :data:`FOLD_MIN`)."""
+    Returns ``(params, directions, scales)``."""
     if ctx.capture is not None:
         ctx.emit(items, [ctx.inputs[id(it)] for it in items], "momentum_input")
     hidden = isinstance(rule, HiddenRule)
@@ -538,18 +510,12 @@ def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext,
     busy = [i for i, (lo, hi) in enumerate(ranges) if hi > lo]
     mine = ([buckets[i] for i in busy], [ranges[i] for i in busy])
     keys = rule._owner_state
-    # eq. 8's column factors into the update: one process's (or FSDP2-free) eager step on CUDA, float lrs
-    fold = (hidden and not split and not ctx.split.sharded and bool(items) and not isinstance(group["lr"], Tensor)
-            and items[0].param.device.type in FOLD_DEVICES and not torch.compiler.is_compiling())
-    factors: list[list[Tensor | None]] | None = [] if fold else None
-    found = _hidden_directions(rule, *mine, group, ctx, orth, keys, factors) if hidden else \
-        _elementwise_directions(rule, *mine, group, ctx)
+    found = _hidden_directions(rule, *mine, group, ctx, orth, keys) if hidden else _elementwise_directions(
+        rule, *mine, group, ctx)
     results = dict(zip(busy, found, strict=True))
-    sides = dict(zip(busy, factors, strict=True)) if fold else {}
-    params, dirs, scales, extras, cols = [], [], [], [], []
+    params, dirs, scales, extras = [], [], [], []
     for i, (bucket, plan) in enumerate(zip(buckets, plans, strict=True)):
         D, owned = results[i] if i in results else _no_directions(bucket, keys)
-        cols += _fold(bucket, D, sides.get(i))
         if split:  # one stack per bucket travels (a hidden rule's sides: flattened into one)
             D = D if isinstance(D, Tensor) else torch.cat([d.flatten(1) for d in D])
             D, *owned = ctx.split.gather([D, *owned], plan)
@@ -561,21 +527,7 @@ def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext,
     for j, key in enumerate(keys):  # the gathered owner state back: one copy kernel per key
         states = [it.state[key] for b in buckets for it in b.items]
         torch._foreach_copy_(states, [s for owned in extras for s in owned[j].to(states[0].dtype).unbind(0)])
-    return params, dirs, scales, cols
-
-
-def _fold(bucket: Bucket, D: Tensor | Sequence[Tensor], side_cols: list[Tensor | None] | None) -> list:
-    """Per member of ``bucket`` the column factor its update applies (``None``: none). A bucket of 2-D
-    parameters of at least :data:`FOLD_MIN` elements keeps its factors (each member's ``(1, n)``, broadcast in
-    its ``addcmul_``); any other applies them here, one in-place pass per side (the bits of ``post_all``)."""
-    if not side_cols or all(c is None for c in side_cols):
-        return [None] * len(bucket.items)
-    sides = [D] if isinstance(D, Tensor) else list(D)
-    if math.prod(bucket.shape) >= FOLD_MIN and all(it.param.ndim == 2 for it in bucket.items):
-        return [row for c in side_cols for row in c.unbind(0)]
-    for d, c in zip(sides, side_cols, strict=True):
-        d.mul_(c)
-    return [None] * len(bucket.items)
+    return params, dirs, scales
 
 
 def _elementwise_directions(rule: MomentumRule, buckets: list[Bucket], ranges: list[tuple[int, int]], group: dict,
@@ -587,11 +539,9 @@ def _elementwise_directions(rule: MomentumRule, buckets: list[Bucket], ranges: l
 
 
 def _hidden_directions(rule: HiddenRule, buckets: list[Bucket], ranges: list[tuple[int, int]], group: dict,
-                       ctx: StepContext, orth: Orth, keys: tuple[str, ...],
-                       cols: list[list[Tensor | None]] | None = None) -> list[Directions]:
+                       ctx: StepContext, orth: Orth, keys: tuple[str, ...]) -> list[Directions]:
     """Per bucket the stack of members ``lo..hi``, then :func:`directions` of all (FSDP2: ``orth`` of each
-    bucket's whole matrices at its owners, :func:`hidden_at_owners`). ``cols``: receives each bucket's
-    column factors left apart (:func:`directions`; one process only)."""
+    bucket's whole matrices at its owners, :func:`hidden_at_owners`)."""
     # Per-matrix values (counters, steps) of all buckets in one stack, each bucket's a view of it.
     mine = [it for b, (lo, hi) in zip(buckets, ranges, strict=True) for it in b.items[lo:hi]]
     device = mine[0].param.device
@@ -621,7 +571,7 @@ def _hidden_directions(rule: HiddenRule, buckets: list[Bucket], ranges: list[tup
             ds.append(hidden_at_owners(rule, handed, state, b.global_shape[0], group, ctx, orth, ns_dtype,
                                        owners[i]))
     else:
-        ds = directions(rule, stacks, group, ctx, batched=True, dtype=buckets[0].items[0].param.dtype, cols=cols)
+        ds = directions(rule, stacks, group, ctx, batched=True, dtype=buckets[0].items[0].param.dtype)
     return [(D, [state[k] for k in keys]) for D, (_, _, state) in zip(ds, stacks, strict=True)]
 
 

@@ -46,15 +46,6 @@ class MeqHidden(HiddenRule):
         torch._foreach_add_([st["rows_chosen"] for st in states], list(rows.split([U.shape[0] for U in Us])))
         return Ds
 
-    def _post_all_factored(self, Us, group, states):
-        """:meth:`post_all` with the column factors left apart (:func:`F.eq8_factored`): ``(U r, c)``; a
-        subclass that changes ``post`` or ``post_all`` gets its own ``post_all`` and no factors."""
-        if type(self).post_all is not MeqHidden.post_all or type(self).post is not MeqHidden.post:
-            return super()._post_all_factored(Us, group, states)
-        Ds, rows, cols = F.eq8_factored(Us, rho=group["rho"])
-        torch._foreach_add_([st["rows_chosen"] for st in states], list(rows.split([U.shape[0] for U in Us])))
-        return Ds, cols
-
 
 class Equilibrate(MomentumRule):
     """MeqMuon for embeddings and LM heads (paper eq. 9): ``rho N_c(N_r(B))`` (:func:`F.equilibrate`).
