@@ -11,8 +11,8 @@
 #   3. benchmarks/gpu_diag_profile.py at both shapes: CUDA-event step times and a kernel profile of Muon and
 #      MeqMuon eager, with cuda_graph and compiled (where the graphed step loses its time), the batched
 #      Newton-Schulz alone against its floor.
-# compile=True's warm-up (met: 17.2 s cold at Llama-350M) and the training loop (gpu.py) are measured by
-# benchmarks/gpu_diag_warmup.py and benchmarks/gpu.py on their own.
+#   4. benchmarks/gpu.py: a short Llama-60M MeqMuon training run, eager against cuda_graph=True.
+# compile=True's warm-up (met: 17.2 s cold at Llama-350M) is measured by benchmarks/gpu_diag_warmup.py.
 # usage (repo root): OUT=/some/dir bash benchmarks/gpu_all.sh
 set -u
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
@@ -41,4 +41,6 @@ part step60 80 $PY benchmarks/step_time.py --device cuda --model llama-60m --opt
   --cuda-graph --compile --repeats 15
 part profile 110 $PY benchmarks/gpu_diag_profile.py --models llama-350m llama-60m --no-graph --top 10 --optimizers \
   muon "muon (cuda graph)" "muon (compile)" meqmuon "meqmuon (cuda graph)" "meqmuon (compile)"
+part train60 70 bash -c "for a in '' '--cuda-graph'; do $PY benchmarks/gpu.py --model llama-60m --batch 16 \
+  --no-compile --steps 15 --warmup 3 --optimizer meqmuon \$a; done"
 echo "=== done $(date -u +%T)" >> "$log"
