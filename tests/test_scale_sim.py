@@ -334,3 +334,25 @@ def test_row_path_lets_its_stack_and_send_buffer_go_before_the_owners_newton_sch
     kept, stack, send = _row_path_peak(keep=True)
     assert (stack, send) == (4 * 16 * 48 * 4, 4 * 16 * 49 * 4)
     assert kept - released == stack + send, (kept, released, stack, send)
+
+
+@pytest.mark.parametrize("layout,ranks", [("fsdp2", "4"), ("fsdp2xtp", "2x2")])
+def test_owners_newton_schulz_iterates_in_the_received_matrices(layout, ranks, monkeypatch):
+    """At an owner, FSDP2's row path (``fsdp2``) and the owner path (``fsdp2xtp``, FSDP2 over TP): Newton-Schulz
+    iterates in the received whole matrix (its first iterate, ``driver.directions``' ``consume``), so no copy of
+    it is alive beside it. Rank 0 of the simulator (fake group, ``meta``, MeqMuon, float32 Newton-Schulz); the
+    control copies every input first (``inplace`` off, as before): the metered peak rises by exactly that copy
+    of the largest matrix rank 0 orthogonalises, llama-tiny's 128 x 64 ``gate``/``up``, 128 x 64 x 4 B."""
+    from meqmuon import orthogonalization
+
+    def peak(copy: bool) -> int:
+        with monkeypatch.context() as mp:
+            if copy:
+                iterate = orthogonalization._matrix_iteration
+                mp.setattr(orthogonalization, "_matrix_iteration",
+                           lambda *a, **k: iterate(*a, **{**k, "inplace": False}))
+            row = scale_sim.simulate("llama-tiny", layout, ranks, 0, layers=1, device="meta")
+        assert "error" not in row, row["error"]
+        return row["peak"]
+
+    assert peak(copy=True) - peak(copy=False) == 128 * 64 * 4

@@ -111,7 +111,8 @@ def _whole_state(t: Any) -> Any:
 def _whole_direction(job: Job, X: Tensor, state: dict[str, Tensor], dtype: torch.dtype) -> Tensor:
     """At the owner: the direction of the whole ``X`` (the parameter's global shape) by the one-process body,
     matrix by matrix of the view as the per-tensor form (``driver._hidden_eager``); ``state`` (whole per-matrix
-    state) updated in place. A view whose matrices have different step multipliers gets them folded in."""
+    state) updated in place. A view whose matrices have different step multipliers gets them folded in. ``X``
+    is scratch: Newton-Schulz overwrites it where it iterates in place (``driver.directions``' ``consume``)."""
     rule, layout, group = job.rule, job.layout, job.group
     if job.ctx.capture is not None:
         job.ctx.capture(job.name, job.ctx.kind, "momentum_input", X)
@@ -133,8 +134,10 @@ def _whole_direction(job: Job, X: Tensor, state: dict[str, Tensor], dtype: torch
     for j, x in enumerate(layout.matrices(X)):
         st = {k: v[j][None] for k, v in per_key.items()}
         st.update({k: F.on_device([job.state["step"]], X.device) for k in steps})
+        # X, the received bytes, is read by nothing after (its matrices are disjoint views): Newton-Schulz
+        # iterates each in place where it can (consume), not beside a copy of it
         ((u,),) = directions(rule, [(x.contiguous()[None], 1, st)], group, job.ctx, batched=False, scratch=scratch,
-                             release=True)
+                             release=True, consume=True)
         if D is None:  # made once the first direction exists: not alive during Newton-Schulz (the step's peak)
             D = torch.empty(X.shape, dtype=dtype, device=X.device)
             ds = layout.matrices(D)
