@@ -242,33 +242,33 @@ def _matrix_iteration(
     """One 2-D matrix's iteration into ``result`` (contiguous), or a new tensor: ``X_0 = X / max(scale
     ||X||_F, eps)``, then ``step(X_k, coefficients_k, out=, scratch=)`` per entry of ``schedule = (coefficients,
     scale)`` (:func:`ns_step`, the quintic, or :func:`_cubic_step`), ping-ponging between the input's buffer and
-    one other (the last step writes ``result``): with the Gram buffers, Newton-Schulz's whole transient memory.
+    ``result`` (an odd number of steps, the default 5: the last step reads the input's buffer and writes
+    ``result``), or for an even number between the input's buffer and one more, the last step writing
+    ``result``: with the Gram buffers, Newton-Schulz's whole transient memory.
 
     Tall matrices are not transposed: the steps use the right Gram matrix for them (strided transposing
-    copies cost time; docs/benchmarks.md). With a ``workspace`` dict the intermediates (the input, one more
-    iterate and ``grams`` ``k x k`` Gram-side buffers) live in buffers kept there, keyed by ``tag`` (the
-    method), shape, dtype and device, and reused by the next same-shape matrix: on CPU, fresh temporaries
-    are page faults.
+    copies cost time; docs/benchmarks.md). With a ``workspace`` dict the intermediates (the input, for an even
+    number of steps one more iterate, and ``grams`` ``k x k`` Gram-side buffers) live in buffers kept there,
+    keyed by ``tag`` (the method), shape, dtype and device, and reused by the next same-shape matrix: on CPU,
+    fresh temporaries are page faults.
 
-    ``inplace``: ``x`` is scratch; if it is contiguous and in ``dtype`` it is the first iterate's buffer itself
-    (the ping-pong runs between it and one buffer), not copied into one: the copy was exact, so the bits are
-    the same, and ``x`` is not alive beside a copy of itself. ``result`` must then not overlap ``x``.
+    ``inplace``: ``x`` is scratch; if it is contiguous and in ``dtype`` it is the first iterate's buffer itself,
+    not copied into one: the copy was exact, so the bits are the same, and ``x`` is not alive beside a copy of
+    itself. ``result`` must then not overlap ``x``. Every step is the same op on the same values whichever
+    buffers hold them.
     """
     m, n = x.shape
     k = min(m, n)
     key = (*tag, m, n, k, dtype, x.device)
     ws = None if workspace is None else workspace.get(key)
     if ws is None:
-        new = {"dtype": dtype, "device": x.device}
-        ws = {"Y": torch.empty((m, n), **new), "G": tuple(torch.empty((k, k), **new) for _ in range(grams))}
+        ws = {"G": tuple(torch.empty((k, k), dtype=dtype, device=x.device) for _ in range(grams))}
         if workspace is not None:
             workspace[key] = ws
     if inplace and x.dtype == dtype and x.is_contiguous():
         X = x  # the first iterate in the input's own buffer
-    else:  # the input in the compute dtype, contiguous, in a buffer made when first needed
-        if "X" not in ws:
-            ws["X"] = torch.empty((m, n), dtype=dtype, device=x.device)
-        X = ws["X"].copy_(x)
+    else:  # the input in the compute dtype, contiguous
+        X = _buffer(ws, "X", (m, n), dtype, x.device).copy_(x)
     first = X
     coefficients, scale = schedule
     norm = torch.linalg.vector_norm(X)
@@ -276,12 +276,21 @@ def _matrix_iteration(
     if result is None:
         result = torch.empty((m, n), dtype=dtype, device=x.device)
     steps = len(coefficients)
+    # the input's buffer is free once the first step has read it: X -> result -> X -> ... -> result (odd), or
+    # X -> Y -> X -> ... -> Y -> result (even)
+    other = result if steps % 2 else _buffer(ws, "Y", (m, n), dtype, x.device)
     for i, c in enumerate(coefficients):
-        # the input's buffer is free once the first step has read it: X -> Y -> X -> ... -> result
-        out = result if i == steps - 1 else (ws["Y"], first)[i % 2]
+        out = result if i == steps - 1 else (other, first)[i % 2]
         step(X, c, out=out, scratch=ws["G"])
         X = out
     return result
+
+
+def _buffer(ws: dict, name: str, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``ws[name]``, made when first needed."""
+    if name not in ws:
+        ws[name] = torch.empty(shape, dtype=dtype, device=device)
+    return ws[name]
 
 
 

@@ -336,23 +336,48 @@ def test_row_path_lets_its_stack_and_send_buffer_go_before_the_owners_newton_sch
     assert kept - released == stack + send, (kept, released, stack, send)
 
 
-@pytest.mark.parametrize("layout,ranks", [("fsdp2", "4"), ("fsdp2xtp", "2x2")])
-def test_owners_newton_schulz_iterates_in_the_received_matrices(layout, ranks, monkeypatch):
-    """At an owner, FSDP2's row path (``fsdp2``) and the owner path (``fsdp2xtp``, FSDP2 over TP): Newton-Schulz
-    iterates in the received whole matrix (its first iterate, ``driver.directions``' ``consume``), so no copy of
-    it is alive beside it. Rank 0 of the simulator (fake group, ``meta``, MeqMuon, float32 Newton-Schulz); the
-    control copies every input first (``inplace`` off, as before): the metered peak rises by exactly that copy
-    of the largest matrix rank 0 orthogonalises, llama-tiny's 128 x 64 ``gate``/``up``, 128 x 64 x 4 B."""
+def _owner_peak(placements: tuple, copy: bool) -> int:
+    """Rank 0 of 4 on the fake group, ``meta``: MeqMuon's batched step (float32 Newton-Schulz) of one 64 x 64
+    matrix placed by ``placements`` on a 1-D mesh of 4 or a 2 x 2 one (rank 0 its owner), metered at its second
+    step. ``copy``: the control, Newton-Schulz copying its input into a buffer of its own first (its ``inplace``
+    off, as before). One square matrix, so that Newton-Schulz (two 64 x 64 Gram buffers beside the received
+    matrix and the result) is the step's peak."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import meqmuon
     from meqmuon import orthogonalization
 
-    def peak(copy: bool) -> int:
-        with monkeypatch.context() as mp:
-            if copy:
-                iterate = orthogonalization._matrix_iteration
-                mp.setattr(orthogonalization, "_matrix_iteration",
-                           lambda *a, **k: iterate(*a, **{**k, "inplace": False}))
-            row = scale_sim.simulate("llama-tiny", layout, ranks, 0, layers=1, device="meta")
-        assert "error" not in row, row["error"]
-        return row["peak"]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    mp = pytest.MonkeyPatch()
+    try:
+        if copy:
+            iterate = orthogonalization._matrix_iteration
+            mp.setattr(orthogonalization, "_matrix_iteration", lambda *a, **k: iterate(*a, **{**k, "inplace": False}))
+        mesh = init_device_mesh("cpu", (4,) if len(placements) == 1 else (2, 2))
+        local = (16, 64) if len(placements) == 1 else (32, 32)
+        w = torch.nn.Parameter(DTensor.from_local(torch.empty(local, device="meta"), mesh, placements,
+                                                  run_check=False, shape=(64, 64), stride=(64, 1)))
+        w.grad = torch.zeros_like(w)
+        opt = meqmuon.build_optimizer("meqmuon", [{"params": [w], "kind": "hidden", "names": ["w"]}],
+                                      ns_dtype=torch.float32, foreach=True)
+        opt.step()
+        meter = StepMeter()
+        with meter:
+            opt.step()
+        return meter.peak
+    finally:
+        mp.undo()
+        dist.destroy_process_group()
 
-    assert peak(copy=True) - peak(copy=False) == 128 * 64 * 4
+
+def test_owners_newton_schulz_iterates_in_the_received_matrices():
+    """At an owner, FSDP2's row path (``Shard(0)``) and the owner path (``(Shard(0), Shard(1))``, FSDP2 over TP):
+    Newton-Schulz iterates in the received whole matrix (its first iterate, ``driver.directions``' ``consume``),
+    so that no copy of it is alive beside it: the control, which copies it first, raises the metered peak by
+    exactly that copy, 64 x 64 x 4 B."""
+    from torch.distributed.tensor import Shard
+
+    for placements in ((Shard(0),), (Shard(0), Shard(1))):
+        assert _owner_peak(placements, copy=True) - _owner_peak(placements, copy=False) == 64 * 64 * 4, placements

@@ -437,16 +437,17 @@ def _whole(got: Tensor, ours: int, rows: list[int], c: int, n: int) -> tuple[Ten
     # aliasing a uint8 base of another dtype)
     parts = (torch.empty((ours, m, n), dtype=got.dtype, device=got.device),
              torch.empty((ours, m, c - n), dtype=got.dtype, device=got.device))
+    cols = [(part, s) for part, s in zip(parts, (slice(0, n), slice(n, c)), strict=True) if part.shape[-1]]
     if len(set(rows)) == 1:  # even shards: one copy each
         blocks = got.view(W, ours, rows[0], c).permute(1, 0, 2, 3)
-        for part, cols in zip(parts, (slice(0, n), slice(n, c)), strict=True):
-            part.view(ours, W, rows[0], part.shape[-1]).copy_(blocks[..., cols])
+        for part, s in cols:
+            part.view(ours, W, rows[0], part.shape[-1]).copy_(blocks[..., s])
         return parts
     start = 0
     for r in rows:
         block = got[: ours * r * c].view(ours, r, c)
-        parts[0][:, start : start + r].copy_(block[..., :n])
-        parts[1][:, start : start + r].copy_(block[..., n:])
+        for part, s in cols:
+            part[:, start : start + r].copy_(block[..., s])
         got, start = got[ours * r * c :], start + r
     return parts
 
