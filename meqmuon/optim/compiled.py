@@ -233,9 +233,11 @@ def elementwise_step(rule, bucket, group: dict) -> None:
                         [group["lr"]] * n, [group["weight_decay"]] * n, [1.0] * n)
 
 
-def owner_directions(rule, W: Tensor, n: int, state: dict[str, Tensor], group: dict, ctx, *, batched: bool) -> Tensor:
-    """FSDP2 owners' directions of whole matrices ``W`` ``(j, m, n)`` as one graph per stack shape
-    (``sharded.hidden_at_owners``' ``orth`` under ``compile=True``)."""
+def owner_directions(rule, handed: list[Tensor], n: int, state: dict[str, Tensor], group: dict, ctx, *,
+                     batched: bool) -> Tensor:
+    """FSDP2 owners' directions of whole matrices ``W`` ``(j, m, n)``, handed over as ``handed == [W]``, as one
+    graph per stack shape (``sharded.hidden_at_owners``' ``orth`` under ``compile=True``)."""
+    W = handed.pop()
     static = static_group(rule, group, resolve_dtype(group, W, ctx))
     return bucket_step(rule.name, _owner_directions, (tuple(W.shape), W.dtype, id(rule)), W, state,
                        rule=rule, n=n, batched=batched, group=static)

@@ -381,14 +381,15 @@ class ShardedSplit(_CollectiveSplit):
         """:func:`bucket_owners` of a call's shape buckets, the step's load on this group carried."""
         return bucket_owners(sizes, costs, self.load.load)
 
-    def at_owners(self, stack: list[Tensor], fn: Callable[[Tensor, Tensor], Tensor], m: int, n: int, width: int,
+    def at_owners(self, stack: list[Tensor], fn: Callable[[list[Tensor]], Tensor], m: int, n: int, width: int,
                   dtype: torch.dtype, owners: Sequence[int]) -> Tensor:
         """Row shards ``X`` ``(k, rows, c)`` of ``k`` matrices of ``m`` rows (their first ``n`` columns the matrix,
         the rest extra columns) -> whole matrices at their ``owners`` (ranks of the group, :meth:`bucket_owners`;
         one :func:`exchange_flat`: each rank sends an owner its rows of that owner's matrices, nothing else) ->
-        ``fn(M, C)`` ``(j, m, width)`` in ``dtype`` there, with ``M`` ``(j, m, n)`` the whole matrices, contiguous,
+        ``fn([M, C])`` ``(j, m, width)`` in ``dtype`` there, with ``M`` ``(j, m, n)`` the whole matrices, contiguous,
         and ``C`` ``(j, m, c - n)`` their extra columns (a tensor apart: ``M`` is then fit for Newton-Schulz to
-        iterate in place) -> each rank's rows of its matrices back (a second one). Returns ``(k, max(rows, 1),
+        iterate in place), handed over (``fn`` empties the list: nothing here keeps them) -> each rank's rows of
+        its matrices back (a second one). Returns ``(k, max(rows, 1),
         width)``: this rank's rows of every result (a rank that holds no rows gets the matrix's first row, so
         that per-matrix values reach every rank). ``X`` is handed over as ``stack == [X]`` and the list emptied,
         so that ``X`` is let go once sent, before ``fn`` (the caller keeps no reference: ``fn`` is an owner's
@@ -410,9 +411,9 @@ class ShardedSplit(_CollectiveSplit):
         # from each rank that holds rows, one block: its rows of our matrices, in bucket order
         got = exchange_flat(send, [ours * q * c * X.element_size() for q in rows], self.pg, device)
         del X  # sent (exchange_flat let its views go): not alive during fn
-        parts = _whole(from_bytes(got, x_dtype), ours, rows, c, n) if ours else None
+        parts = list(_whole(from_bytes(got, x_dtype), ours, rows, c, n)) if ours else None
         del got  # the received bytes, copied into parts: not alive during fn (the step's transient peak)
-        out = fn(*parts).to(dtype) if ours else None  # (ours, m, width)
+        out = fn(parts).to(dtype) if ours else None  # (ours, m, width); fn let parts go
         del parts
         starts = [sum(rows[:q]) for q in range(W)]
         back: list[list[Tensor]] = [[] for _ in range(W)]
