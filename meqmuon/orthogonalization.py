@@ -174,8 +174,12 @@ def orthogonalize(
             iteration) instead of matrix by matrix. Fewer, larger kernels: what GPUs want when
             there are many small matrices. On CPU the per-matrix loop is faster, and it
             keeps each matrix's bits independent of the batch it travels in (see below).
-        inplace: with ``batched``, ``x`` is scratch: a 3-D ``x`` in ``dtype`` is iterated in place
-            (:func:`orthogonalize_stack`) instead of copied first.
+        inplace: ``x`` is scratch, read by nobody afterwards. With ``batched``, a 3-D ``x`` in ``dtype`` is
+            iterated in place (:func:`orthogonalize_stack`) instead of copied first; matrix by matrix, each
+            matrix of ``x`` that is contiguous and in ``dtype`` is its own first iterate (normalised in place
+            and overwritten by later iterates, :func:`_matrix_iteration`) instead of copied into a buffer, so
+            that it is not alive beside a copy of itself (an owner's received whole matrices). The same ops
+            on the same values either way: the same bits.
 
     Returns:
         The approximate orthogonalisation, same shape as ``x``, in ``dtype``.
@@ -186,7 +190,7 @@ def orthogonalize(
     return _orthogonalization_frame(
         "orthogonalize", x, dtype, out, batched, inplace,
         lambda X: orthogonalize_stack(X, steps, coefficients, eps, inplace=True),
-        lambda X, d, o: _matrix_iteration(X, schedule, d, eps, workspace, o, ns_step, grams=2))
+        lambda X, d, o: _matrix_iteration(X, schedule, d, eps, workspace, o, ns_step, grams=2, inplace=inplace))
 
 
 def _orthogonalization_frame(name: str, x: Tensor, dtype: torch.dtype | None, out: Tensor | None, batched: bool,
@@ -194,7 +198,8 @@ def _orthogonalization_frame(name: str, x: Tensor, dtype: torch.dtype | None, ou
                              matrix: Callable[[Tensor, torch.dtype, Tensor | None], Tensor]) -> Tensor:
     """The frame of :func:`orthogonalize` and :func:`cubic_orthogonalize`: checks ``x`` and ``out``, then
     runs ``stack`` on a batch as one ``(K, m, n)`` stack in the compute dtype (``batched``; a copy of ``x``
-    unless ``inplace``), else ``matrix(x_i, dtype, out_i)`` on one matrix after another into ``out``.
+    unless ``inplace``), else ``matrix(x_i, dtype, out_i)`` on one matrix after another into ``out`` (which
+    iterates ``x_i`` in place where ``inplace``: then ``out`` must not overlap ``x``).
 
     One matrix at a time with fused addmm, exactly torch.optim.Muon's iteration: faster on CPU than one
     batched call (docs/benchmarks.md). It also makes each matrix's bits independent of the batch it travels
@@ -232,41 +237,60 @@ def _matrix_iteration(
     step: Callable[..., Tensor],
     grams: int,
     tag: tuple[str, ...] = (),
+    inplace: bool = False,
 ) -> Tensor:
     """One 2-D matrix's iteration into ``result`` (contiguous), or a new tensor: ``X_0 = X / max(scale
     ||X||_F, eps)``, then ``step(X_k, coefficients_k, out=, scratch=)`` per entry of ``schedule = (coefficients,
     scale)`` (:func:`ns_step`, the quintic, or :func:`_cubic_step`), ping-ponging between the input's buffer and
-    one other (the last step writes ``result``): with the Gram buffers, Newton-Schulz's whole transient memory.
+    ``result`` (an odd number of steps, the default 5: the last step reads the input's buffer and writes
+    ``result``), or for an even number between the input's buffer and one more, the last step writing
+    ``result``: with the Gram buffers, Newton-Schulz's whole transient memory.
 
     Tall matrices are not transposed: the steps use the right Gram matrix for them (strided transposing
-    copies cost time; docs/benchmarks.md). With a ``workspace`` dict the intermediates (the input, one more
-    iterate and ``grams`` ``k x k`` Gram-side buffers) live in buffers kept there, keyed by ``tag`` (the
-    method), shape, dtype and device, and reused by the next same-shape matrix: on CPU, fresh temporaries
-    are page faults.
+    copies cost time; docs/benchmarks.md). With a ``workspace`` dict the intermediates (the input, for an even
+    number of steps one more iterate, and ``grams`` ``k x k`` Gram-side buffers) live in buffers kept there,
+    keyed by ``tag`` (the method), shape, dtype and device, and reused by the next same-shape matrix: on CPU,
+    fresh temporaries are page faults.
+
+    ``inplace``: ``x`` is scratch; if it is contiguous and in ``dtype`` it is the first iterate's buffer itself,
+    not copied into one: the copy was exact, so the bits are the same, and ``x`` is not alive beside a copy of
+    itself. ``result`` must then not overlap ``x``. Every step is the same op on the same values whichever
+    buffers hold them.
     """
     m, n = x.shape
     k = min(m, n)
     key = (*tag, m, n, k, dtype, x.device)
     ws = None if workspace is None else workspace.get(key)
     if ws is None:
-        new = {"dtype": dtype, "device": x.device}
-        ws = {"X": torch.empty((m, n), **new), "Y": torch.empty((m, n), **new),
-              "G": tuple(torch.empty((k, k), **new) for _ in range(grams))}
+        ws = {"G": tuple(torch.empty((k, k), dtype=dtype, device=x.device) for _ in range(grams))}
         if workspace is not None:
             workspace[key] = ws
-    X = ws["X"].copy_(x)  # the input in the compute dtype, contiguous
+    if inplace and x.dtype == dtype and x.is_contiguous():
+        X = x  # the first iterate in the input's own buffer
+    else:  # the input in the compute dtype, contiguous
+        X = _buffer(ws, "X", (m, n), dtype, x.device).copy_(x)
+    first = X
     coefficients, scale = schedule
     norm = torch.linalg.vector_norm(X)
     X.div_((norm if scale == 1.0 else norm * scale).clamp(min=eps))
     if result is None:
         result = torch.empty((m, n), dtype=dtype, device=x.device)
     steps = len(coefficients)
+    # the input's buffer is free once the first step has read it: X -> result -> X -> ... -> result (odd), or
+    # X -> Y -> X -> ... -> Y -> result (even)
+    other = result if steps % 2 else _buffer(ws, "Y", (m, n), dtype, x.device)
     for i, c in enumerate(coefficients):
-        # the input's buffer is free once the first step has read it: X -> Y -> X -> ... -> result
-        out = result if i == steps - 1 else (ws["Y"], ws["X"])[i % 2]
+        out = result if i == steps - 1 else (other, first)[i % 2]
         step(X, c, out=out, scratch=ws["G"])
         X = out
     return result
+
+
+def _buffer(ws: dict, name: str, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``ws[name]``, made when first needed."""
+    if name not in ws:
+        ws[name] = torch.empty(shape, dtype=dtype, device=device)
+    return ws[name]
 
 
 
@@ -337,12 +361,13 @@ def _method_stacks(x: Tensor, dtype: torch.dtype | None, out: Tensor | None, bat
                    core: Any) -> Tensor:
     """Run ``core`` (a function of a wide stack ``(K, m, n)``, ``m <= n``, in the compute dtype) on ``x``:
     tall matrices as their transposes (views), a batch as one stack (``batched``) or matrix by matrix
-    (each matrix's bits independent of its neighbours, as :func:`orthogonalize`'s per-matrix loop)."""
+    (each matrix's bits independent of its neighbours, as :func:`orthogonalize`'s per-matrix loop).
+    ``inplace``: ``x`` is scratch, so no copy of it is made where it is in ``dtype`` already."""
     if x.ndim < 2:
         raise ValueError(f"orthogonalization needs a matrix or a batch of matrices, got shape {tuple(x.shape)}")
     dtype = dtype or x.dtype
     flat = x.reshape(-1, *x.shape[-2:])
-    flat = flat.to(dtype, copy=not (inplace and batched))
+    flat = flat.to(dtype, copy=not inplace)
     tall = flat.shape[-2] > flat.shape[-1]
     run = (lambda s: core(s.mT).mT) if tall else core  # noqa: E731
     if batched:
@@ -530,7 +555,7 @@ def cubic_orthogonalize(
     return _orthogonalization_frame(
         "cubic_orthogonalize", x, dtype, out, batched, inplace, lambda X: _cubic_stack(X, schedule, eps),
         lambda X, d, o: _matrix_iteration(X, (schedule, 1.0), d, eps, workspace, o, _cubic_step, grams=1,
-                                          tag=("cubic",)))
+                                          tag=("cubic",), inplace=inplace))
 
 
 def _cubic_stack(X: Tensor, schedule: tuple[tuple[float, float], ...], eps: float) -> Tensor:

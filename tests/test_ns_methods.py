@@ -174,6 +174,33 @@ def test_methods_per_matrix_equal_batched_and_write_out(method):
     assert torch.equal(fn(x[1:2], 5, F.NS_COEFFICIENTS, torch.float64)[0], per[1])  # bits of a matrix alone
 
 
+@pytest.mark.parametrize("method", ["quintic", "gram", "aol", "cubic"])
+@pytest.mark.parametrize("shape", [(3, 12, 40), (2, 40, 12), (2, 16, 16)])
+@pytest.mark.parametrize("steps", [5, 4])
+def test_per_matrix_inplace_is_the_same_bits_and_spends_its_input(method, shape, steps):
+    """Matrix by matrix with ``inplace`` (an owner's received matrices, ``driver.directions``' ``consume``): the
+    same bits as with a copy; the quintic and cubic iterate in the input's own buffer (it is overwritten, so
+    no copy of it was made) and, for an odd number of steps, in the result (no third buffer kept), the others
+    make no copy; an input in another dtype or not contiguous is left alone."""
+    fn = NS_METHODS[method].function
+    coefficients = F.CUBIC5[:steps] if method == "cubic" else F.NS_COEFFICIENTS
+    x = _x(shape, seed=4).float()
+    ref = fn(x, steps, coefficients, torch.float32)
+    scratch, workspace = x.clone(), {}
+    out = torch.empty_like(ref)
+    assert fn(scratch, steps, coefficients, torch.float32, inplace=True, out=out, workspace=workspace) is out
+    assert torch.equal(out, ref)
+    iterates = method in ("quintic", "cubic") or (method == "gram" and shape[-1] == shape[-2])
+    assert torch.equal(scratch, x) != iterates  # overwritten exactly where Newton-Schulz iterated in it
+    # what Newton-Schulz keeps beside the input and the result: the Gram buffers, and an iterate for even steps
+    assert [sorted(ws) for ws in workspace.values()] == ([["G"] if steps % 2 else ["G", "Y"]] if iterates else [])
+    for other in (x.double(), x.mT.contiguous().mT):  # a cast, a strided input: copied, not written
+        kept = other.clone()
+        assert torch.equal(fn(other, steps, coefficients, torch.float32, inplace=True),
+                           fn(kept, steps, coefficients, torch.float32))
+        assert torch.equal(other, kept)
+
+
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Embedding(20, 8), torch.nn.Linear(8, 24), torch.nn.Linear(24, 8),

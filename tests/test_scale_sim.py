@@ -334,3 +334,70 @@ def test_row_path_lets_its_stack_and_send_buffer_go_before_the_owners_newton_sch
     kept, stack, send = _row_path_peak(keep=True)
     assert (stack, send) == (4 * 16 * 48 * 4, 4 * 16 * 49 * 4)
     assert kept - released == stack + send, (kept, released, stack, send)
+
+
+def _owner_peak(placements: tuple, control: str | None, shape: tuple[int, int] = (64, 64)) -> int:
+    """Rank 0 of 4 on the fake group, ``meta``: MeqMuon's batched step (float32 Newton-Schulz) of one ``shape``
+    matrix placed by ``placements`` on a 1-D mesh of 4 or a 2 x 2 one (rank 0 its owner), metered at its second
+    step. ``control``: ``"copy"``, Newton-Schulz copying its input into a buffer of its own first (its ``inplace``
+    off, as before); ``"keep"``, a reference kept to every received matrix handed to ``driver.directions``, as
+    before it was handed over and let go once Newton-Schulz had run."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import meqmuon
+    from meqmuon import orthogonalization
+    from meqmuon.optim import driver, exchange
+
+    kept: list = []
+    directions = driver.directions
+
+    def keeping(rule, stacks, *args, **kwargs):
+        kept.extend(x for x, _, _ in stacks)
+        return directions(rule, stacks, *args, **kwargs)
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    mp = pytest.MonkeyPatch()
+    try:
+        if control == "copy":
+            iterate = orthogonalization._matrix_iteration
+            mp.setattr(orthogonalization, "_matrix_iteration", lambda *a, **k: iterate(*a, **{**k, "inplace": False}))
+        elif control == "keep":
+            mp.setattr(driver, "directions", keeping)
+            mp.setattr(exchange, "directions", keeping)
+        mesh = init_device_mesh("cpu", (4,) if len(placements) == 1 else (2, 2))
+        m, n = shape
+        local = (m // 4, n) if len(placements) == 1 else (m // 2, n // 2)
+        w = torch.nn.Parameter(DTensor.from_local(torch.empty(local, device="meta"), mesh, placements,
+                                                  run_check=False, shape=shape, stride=(n, 1)))
+        w.grad = torch.zeros_like(w)
+        opt = meqmuon.build_optimizer("meqmuon", [{"params": [w], "kind": "hidden", "names": ["w"]}],
+                                      ns_dtype=torch.float32, foreach=True)
+        opt.step()
+        kept.clear()
+        meter = StepMeter()
+        with meter:
+            opt.step()
+        assert (len(kept) == 1) == (control == "keep")
+        kept.clear()
+        return meter.peak
+    finally:
+        mp.undo()
+        dist.destroy_process_group()
+
+
+def test_owners_newton_schulz_iterates_in_the_received_matrices_and_lets_them_go():
+    """At an owner, FSDP2's row path (``Shard(0)``) and the owner path (``(Shard(0), Shard(1))``, FSDP2 over TP):
+    Newton-Schulz iterates in the received whole matrix (its first iterate, ``driver.directions``' ``consume``),
+    so that no copy of it is alive beside it: with one square 64 x 64 matrix (Newton-Schulz's two Gram buffers
+    make it the step's peak) the control that copies it first raises the metered peak by exactly that copy,
+    64 x 64 x 4 B. And it is let go once Newton-Schulz has run: with one wide 16 x 256 matrix (small Gram
+    buffers: ``post``, eq. 8, makes the peak) the control that keeps it alive raises the peak by exactly its
+    16 x 256 x 4 B."""
+    from torch.distributed.tensor import Shard
+
+    for placements in ((Shard(0),), (Shard(0), Shard(1))):
+        assert _owner_peak(placements, "copy") - _owner_peak(placements, None) == 64 * 64 * 4, placements
+        wide = (16, 256)
+        assert _owner_peak(placements, "keep", wide) - _owner_peak(placements, None, wide) == 16 * 256 * 4, placements

@@ -381,15 +381,19 @@ class ShardedSplit(_CollectiveSplit):
         """:func:`bucket_owners` of a call's shape buckets, the step's load on this group carried."""
         return bucket_owners(sizes, costs, self.load.load)
 
-    def at_owners(self, stack: list[Tensor], fn: Callable[[Tensor], Tensor], m: int, width: int,
+    def at_owners(self, stack: list[Tensor], fn: Callable[[list[Tensor]], Tensor], m: int, n: int, width: int,
                   dtype: torch.dtype, owners: Sequence[int]) -> Tensor:
-        """Row shards ``X`` ``(k, rows, c)`` of ``k`` matrices of ``m`` rows -> whole matrices at their ``owners``
-        (ranks of the group, :meth:`bucket_owners`; one :func:`exchange_flat`: each rank sends an owner its
-        rows of that owner's matrices, nothing else) -> ``fn(whole)`` ``(j, m, width)`` in ``dtype`` there ->
-        each rank's rows of its matrices back (a second one). Returns ``(k, max(rows, 1), width)``: this rank's
-        rows of every result (a rank that holds no rows gets the matrix's first row, so that per-matrix values
-        reach every rank). ``X`` is handed over as ``stack == [X]`` and the list emptied, so that ``X`` is let go
-        once sent, before ``fn`` (the caller keeps no reference: ``fn`` is an owner's Newton-Schulz)."""
+        """Row shards ``X`` ``(k, rows, c)`` of ``k`` matrices of ``m`` rows (their first ``n`` columns the matrix,
+        the rest extra columns) -> whole matrices at their ``owners`` (ranks of the group, :meth:`bucket_owners`;
+        one :func:`exchange_flat`: each rank sends an owner its rows of that owner's matrices, nothing else) ->
+        ``fn([M, C])`` ``(j, m, width)`` in ``dtype`` there, with ``M`` ``(j, m, n)`` the whole matrices, contiguous,
+        and ``C`` ``(j, m, c - n)`` their extra columns (a tensor apart: ``M`` is then fit for Newton-Schulz to
+        iterate in place), handed over (``fn`` empties the list: nothing here keeps them) -> each rank's rows of
+        its matrices back (a second one). Returns ``(k, max(rows, 1),
+        width)``: this rank's rows of every result (a rank that holds no rows gets the matrix's first row, so
+        that per-matrix values reach every rank). ``X`` is handed over as ``stack == [X]`` and the list emptied,
+        so that ``X`` is let go once sent, before ``fn`` (the caller keeps no reference: ``fn`` is an owner's
+        Newton-Schulz)."""
         W, rank = self.world_size, self.rank
         X = stack.pop()
         k, mine, c = X.shape
@@ -405,41 +409,48 @@ class ShardedSplit(_CollectiveSplit):
         for j in range(k if mine else 0):
             send[owners[j]].append(as_bytes(X[j]))
         # from each rank that holds rows, one block: its rows of our matrices, in bucket order
-        got = exchange_flat(send, [ours * n * c * X.element_size() for n in rows], self.pg, device)
+        got = exchange_flat(send, [ours * q * c * X.element_size() for q in rows], self.pg, device)
         del X  # sent (exchange_flat let its views go): not alive during fn
-        whole = _whole(from_bytes(got, x_dtype), ours, rows, c) if ours else None
-        del got  # the received bytes, copied into whole: not alive during fn (the step's transient peak)
-        out = fn(whole).to(dtype) if ours else None  # (ours, m, width)
-        del whole
+        parts = list(_whole(from_bytes(got, x_dtype), ours, rows, c, n)) if ours else None
+        del got  # the received bytes, copied into parts: not alive during fn (the step's transient peak)
+        out = fn(parts).to(dtype) if ours else None  # (ours, m, width); fn let parts go
+        del parts
         starts = [sum(rows[:q]) for q in range(W)]
         back: list[list[Tensor]] = [[] for _ in range(W)]
         for q in range(W):
-            lo, n = (starts[q], rows[q]) if rows[q] else (0, 1)
-            back[q] = [as_bytes(out[t, lo : lo + n]) for t in range(ours)]
+            lo, r = (starts[q], rows[q]) if rows[q] else (0, 1)
+            back[q] = [as_bytes(out[t, lo : lo + r]) for t in range(ours)]
         del out
         mine = max(mine, 1)
         counts = [owners.count(r) for r in range(W)]
         size = torch.empty((), dtype=dtype).element_size()
-        got = from_bytes(exchange_flat(back, [n * mine * width * size for n in counts], self.pg, device), dtype)
+        got = from_bytes(exchange_flat(back, [q * mine * width * size for q in counts], self.pg, device), dtype)
         by_owner = [iter(b.unbind(0)) for b in got.view(k, mine, width).split(counts)]
         return torch.stack([next(by_owner[owners[j]]) for j in range(k)])
 
 
-def _whole(got: Tensor, ours: int, rows: list[int], c: int) -> Tensor:
-    """An owner's whole matrices ``(ours, m, c)`` from the blocks of rows every rank sent, rank-major (FSDP2 pads
-    only at the end, so rank ``q``'s rows follow rank ``q - 1``'s: their concatenation is the matrix)."""
+def _whole(got: Tensor, ours: int, rows: list[int], c: int, n: int) -> tuple[Tensor, Tensor]:
+    """An owner's whole matrices ``(ours, m, n)`` and their extra columns ``(ours, m, c - n)``, each contiguous,
+    from the blocks of rows ``(ours, rows, c)`` every rank sent, rank-major (FSDP2 pads only at the end, so rank
+    ``q``'s rows follow rank ``q - 1``'s: their concatenation is the matrix)."""
     W, m = len(rows), sum(rows)
-    # a tensor of its own (never a view of the received bytes, which a compiled owner graph would see as
+    # tensors of their own (never views of the received bytes, which a compiled owner graph would see as
     # aliasing a uint8 base of another dtype)
-    whole = torch.empty((ours, m, c), dtype=got.dtype, device=got.device)
-    if len(set(rows)) == 1:  # even shards: one copy
-        whole.view(ours, W, rows[0], c).copy_(got.view(W, ours, rows[0], c).permute(1, 0, 2, 3))
-        return whole
+    parts = (torch.empty((ours, m, n), dtype=got.dtype, device=got.device),
+             torch.empty((ours, m, c - n), dtype=got.dtype, device=got.device))
+    cols = [(part, s) for part, s in zip(parts, (slice(0, n), slice(n, c)), strict=True) if part.shape[-1]]
+    if len(set(rows)) == 1:  # even shards: one copy each
+        blocks = got.view(W, ours, rows[0], c).permute(1, 0, 2, 3)
+        for part, s in cols:
+            part.view(ours, W, rows[0], part.shape[-1]).copy_(blocks[..., s])
+        return parts
     start = 0
-    for n in rows:
-        whole[:, start : start + n].copy_(got[: ours * n * c].view(ours, n, c))
-        got, start = got[ours * n * c :], start + n
-    return whole
+    for r in rows:
+        block = got[: ours * r * c].view(ours, r, c)
+        for part, s in cols:
+            part[:, start : start + r].copy_(block[..., s])
+        got, start = got[ours * r * c :], start + r
+    return parts
 
 
 class RowPieceSplit(ShardedSplit):

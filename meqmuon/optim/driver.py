@@ -281,7 +281,8 @@ Stack = tuple[Tensor, int, dict[str, Tensor]]
 
 def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, batched: bool,
                scratch: dict | None = None, dtype: torch.dtype | None = None,
-               ns_dtype: torch.dtype | None = None, release: bool = False) -> list[list[Tensor]]:
+               ns_dtype: torch.dtype | None = None, release: bool = False,
+               consume: bool = False) -> list[list[Tensor]]:
     """``pre -> Newton-Schulz -> post`` of stacks of direction inputs: the body of every form, for a
     ``HiddenRule`` ``rule`` and the ``StepContext`` ``ctx`` of its call.
 
@@ -299,6 +300,12 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
     (bf16) direction is cast. ``ns_dtype``: given by compiled graphs, which have no ``ctx``. ``release``: an
     owner's whole matrices, the step's only ones of their shape: Newton-Schulz's iteration buffers are let go
     before ``post`` instead of kept in ``scratch``, so that they and ``post``'s output are never alive at once.
+    ``consume``: the stacks' ``X`` are scratch that nothing reads after Newton-Schulz starts (an owner's received
+    whole matrices): where the rule keeps the identity ``pre``, matrix-by-matrix Newton-Schulz iterates each
+    contiguous matrix already in its dtype in place (``inplace``: the first iterate is ``X``'s own buffer), so
+    that the received bytes are not alive beside Newton-Schulz's copy of them; the same ops on the same values.
+    The caller hands them over (keeps no reference): each entry of ``stacks`` loses its ``X`` once Newton-Schulz
+    has run, so that the spent bytes are let go before ``post``.
 
     Args:
         rule: the ``HiddenRule``.
@@ -329,7 +336,12 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
             U = orthogonalize(X, group["ns_steps"], group["ns_coefficients"], dt, batched=True, inplace=True)
         else:
             out = None if scratch is None else buffer(scratch, "ns", X.shape, dt, X.device)
-            U = orthogonalize(X, group["ns_steps"], group["ns_coefficients"], dt, workspace=iteration, out=out)
+            # a pre's output may be any tensor the rule holds: only the handed-over X is iterated in place
+            U = orthogonalize(X, group["ns_steps"], group["ns_coefficients"], dt, workspace=iteration, out=out,
+                              inplace=consume and not rule._rewrites_input)
+        if consume:  # spent: the stack's last reference goes, so that post never meets it
+            stacks[i] = (None, plain, state)
+            X = ys = None
         us += [U[s].mT if flip else U[s] for s, flip in sides]
         states += views
         owner += [i] * len(sides)
@@ -343,14 +355,17 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
     return result
 
 
-def eager_directions(rule: HiddenRule, W: Tensor, n: int, state: dict[str, Tensor], group: dict, ctx: StepContext,
-                     *, batched: bool) -> Tensor:
-    """:func:`directions` of whole matrices ``W`` ``(j, m, n + s)`` at an FSDP2 owner, eagerly (the eager
-    batched form's :data:`~.sharded.Orth`)."""
+def eager_directions(rule: HiddenRule, handed: list[Tensor], n: int, state: dict[str, Tensor], group: dict,
+                     ctx: StepContext, *, batched: bool) -> Tensor:
+    """:func:`directions` of whole matrices ``W`` ``(j, m, n)`` at an FSDP2 owner, eagerly (the eager
+    batched form's :data:`~.sharded.Orth`; ``W``, the received bytes, handed over as ``handed == [W]``)."""
     # buffers of this call only (not the splitter's workspace, where each bucket's would stay until the step
-    # ends), the iteration's let go before post: an owner's transient peak is one bucket's Newton-Schulz
-    (D,) = directions(rule, [(W[..., :n], W.shape[0], state)], group, ctx, batched=batched, scratch={},
-                      release=True)
+    # ends), the iteration's let go before post: an owner's transient peak is one bucket's Newton-Schulz.
+    # W is read by nothing after: Newton-Schulz iterates in it where it can and lets it go (consume)
+    W = handed.pop()
+    stacks = [(W[..., :n], W.shape[0], state)]
+    del W
+    (D,) = directions(rule, stacks, group, ctx, batched=batched, scratch={}, release=True, consume=True)
     return D
 
 

@@ -89,8 +89,7 @@ def directions_at_owners(plan: OwnerPlan, jobs: Sequence[Job]) -> None:
     for job, ws, ks, d_dtype in zip(jobs, wholes, keys, backs, strict=True):
         owner_keys = job.rule._owner_state
         state = {k: (ws[ks.index(k)] if k in ks else _whole_state(job.state[k])) for k in owner_keys}
-        D = _whole_direction(job, ws[0], state, d_dtype) if ws[0] is not None else None
-        ws[0] = None  # X is let go as soon as its direction exists
+        D = _whole_direction(job, ws, state, d_dtype) if ws[0] is not None else None  # lets X (ws[0]) go
         out_wholes.append([D, *(state[k] for k in owner_keys)])
         out_keys.append(["param", *(k if k in ks else None for k in owner_keys)])
         local = job.param.to_local()
@@ -108,10 +107,13 @@ def _whole_state(t: Any) -> Any:
     return t.to_local() if is_dtensor(t) else t
 
 
-def _whole_direction(job: Job, X: Tensor, state: dict[str, Tensor], dtype: torch.dtype) -> Tensor:
+def _whole_direction(job: Job, wholes: list[Tensor | None], state: dict[str, Tensor], dtype: torch.dtype) -> Tensor:
     """At the owner: the direction of the whole ``X`` (the parameter's global shape) by the one-process body,
     matrix by matrix of the view as the per-tensor form (``driver._hidden_eager``); ``state`` (whole per-matrix
-    state) updated in place. A view whose matrices have different step multipliers gets them folded in."""
+    state) updated in place. A view whose matrices have different step multipliers gets them folded in. ``X`` is
+    ``wholes[0]``, handed over (set to ``None`` here): scratch, which Newton-Schulz overwrites where it iterates
+    in place and lets go, matrix by matrix, before ``post`` (``driver.directions``' ``consume``)."""
+    X, wholes[0] = wholes[0], None
     rule, layout, group = job.rule, job.layout, job.group
     if job.ctx.capture is not None:
         job.ctx.capture(job.name, job.ctx.kind, "momentum_input", X)
@@ -130,13 +132,22 @@ def _whole_direction(job: Job, X: Tensor, state: dict[str, Tensor], dtype: torch
     steps = [k for k, how in rule.state_views.items() if how == "step"]
     scratch: dict = {}
     D = ds = None
-    for j, x in enumerate(layout.matrices(X)):
+    xs, shape, device = layout.matrices(X), X.shape, X.device
+    # a plain matrix: its direction is D itself where it has D's dtype (a copy into D was exact, and beside it)
+    whole = len(xs) == 1 and xs[0].shape == shape and xs[0].stride() == X.stride() and not fold
+    del X  # its matrices (disjoint views) are read by nothing after their Newton-Schulz
+    for j in range(len(xs)):
         st = {k: v[j][None] for k, v in per_key.items()}
-        st.update({k: F.on_device([job.state["step"]], X.device) for k in steps})
-        ((u,),) = directions(rule, [(x.contiguous()[None], 1, st)], group, job.ctx, batched=False, scratch=scratch,
-                             release=True)
+        st.update({k: F.on_device([job.state["step"]], device) for k in steps})
+        # handed over: Newton-Schulz iterates in the received matrix where it can, not beside a copy of it, and
+        # lets it go before post (consume; X's storage goes with its last matrix)
+        stack, xs[j] = [(xs[j].contiguous()[None], 1, st)], None
+        ((u,),) = directions(rule, stack, group, job.ctx, batched=False, scratch=scratch, release=True,
+                             consume=True)
+        if whole and u.dtype == dtype:
+            return u[0]
         if D is None:  # made once the first direction exists: not alive during Newton-Schulz (the step's peak)
-            D = torch.empty(X.shape, dtype=dtype, device=X.device)
+            D = torch.empty(shape, dtype=dtype, device=device)
             ds = layout.matrices(D)
         ds[j].copy_(u[0] * scales[j] if fold else u[0])
     return D

@@ -24,11 +24,12 @@ from .rule import MomentumBase
 
 __all__ = ["Orth", "hidden_at_owners"]
 
-#: How an owner turns whole matrices into directions: ``orth(rule, W, n, state, group, ctx, batched=...)``
-#: with ``W`` ``(j, m, n + s)`` (``s`` state columns after the ``n`` matrix columns) and ``state``
-#: ``{key: (j, m) or (j,)}``, updated in place; returns ``D`` ``(j, m, n)``. The driver's form picks it:
-#: ``driver.eager_directions``, or the compiled graph (``compiled.owner_directions``). Given, not imported:
-#: this module sits below the driver, which calls it.
+#: How an owner turns whole matrices into directions: ``orth(rule, [W], n, state, group, ctx, batched=...)``
+#: with ``W`` ``(j, m, n)`` contiguous, the received matrices handed over in a one-element list (which ``orth``
+#: empties: they are scratch, read by nothing after Newton-Schulz, which may iterate in them and let them go
+#: before ``post``) and ``state`` ``{key: (j, m) or (j,)}``, updated in place; returns ``D`` ``(j, m, n)``.
+#: The driver's form picks it: ``driver.eager_directions``, or the compiled graph (``compiled.owner_directions``).
+#: Given, not imported: this module sits below the driver, which calls it.
 Orth = Callable[..., Tensor]
 
 
@@ -53,18 +54,25 @@ def hidden_at_owners(rule: MomentumBase, stack: list[Tensor], state: dict[str, T
         return [st[key].to(dt)[..., None] if row else st[key].to(dt)[:, None, None].expand(j, length, 1)
                 for key, row in zip(keys, per_row, strict=True)]
 
-    def whole(W: Tensor) -> Tensor:
-        j = W.shape[0]
-        # copies, not views of W: a compiled orth's inputs then do not alias (AOTAutograd's synthetic base of a
+    def whole(parts: list[Tensor]) -> Tensor:
+        # parts == [W, C], handed over (ShardedSplit.at_owners): the whole matrices, contiguous, and their state
+        # columns; W is read by nothing after orth, which may iterate Newton-Schulz in it and let it go before
+        # post (driver.directions' consume)
+        W, C = parts
+        parts.clear()
+        j, device = W.shape[0], W.device
+        # copies, not views of C: a compiled orth's inputs then do not alias (AOTAutograd's synthetic base of a
         # view and its own base failed at run time, "wrong number of dimensions")
-        st = {key: _column(W, n + i, row, state[key].dtype).clone()
+        st = {key: _column(C, i, row, state[key].dtype).clone()
               for i, (key, row) in enumerate(zip(keys, per_row, strict=True))}
-        D = orth(rule, W, n, st, group, ctx, batched=batched_ns(W.device))
+        handed = [W]
+        del W, C
+        D = orth(rule, handed, n, st, group, ctx, batched=batched_ns(device))
         return torch.cat([D[0].reshape(j, m, n).to(out_dtype), *columns(st, j, m, out_dtype)], dim=-1)
 
     send = [torch.cat([X.to(dtype), *columns(state, k, rows, dtype)], dim=-1)]
     del X
-    back = ctx.split.at_owners(send, whole, m, n + len(keys), out_dtype, owners)
+    back = ctx.split.at_owners(send, whole, m, n, n + len(keys), out_dtype, owners)
     for i, (key, row) in enumerate(zip(keys, per_row, strict=True)):
         state[key].copy_(_column(back[:, :rows] if row else back, n + i, row, state[key].dtype))
     return [back[:, :rows, :n]]
