@@ -82,12 +82,18 @@ def on_device(values: Any, device: torch.device, dtype: torch.dtype | None = Non
 
     ``torch.tensor(values, device="cuda")`` copies with a blocking ``cudaMemcpy``: the host waits for
     every kernel queued before it, which ``torch.cuda.set_sync_debug_mode("error")`` reports as a
-    synchronising operation (seen on an H200, tests/test_cuda.py). Built on the CPU and copied with
-    ``non_blocking=True``, the copy is a ``cudaMemcpyAsync`` from pageable memory, which CUDA stages
-    at once without waiting for the stream. On the CPU it is ``torch.tensor`` itself.
+    synchronising operation (seen on an H200, tests/test_cuda.py). Built on the CPU in pinned memory and
+    copied with ``non_blocking=True``, the copy is a ``cudaMemcpyAsync`` that returns at once: from
+    pageable memory "the driver may synchronize with the stream" to stage it (CUDA's "API synchronization
+    behavior"), and torch's pinned-memory cache keeps the block until the copy has run. On the CPU (and
+    ``meta``) it is ``torch.tensor`` itself, moved.
     """
     t = torch.tensor(values, dtype=dtype)
-    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+    if device.type != "cuda":
+        return t if device.type == "cpu" else t.to(device)
+    if torch.compiler.is_compiling():  # traced into a graph, as on GPUs it has run (calls 2-6, issue 49)
+        return t.to(device, non_blocking=True)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _stat_dtype(x: Tensor) -> torch.dtype:
