@@ -171,10 +171,10 @@ def _stacked_inputs(members, mu, nesterov, plain: int | None = None, shape=None)
     return torch.stack(inputs[:plain] + [x.mT for x in inputs[plain:]])
 
 
-def _owner_directions(W, state, *, rule, n, batched, group):
+def _owner_directions(W, state, *, rule, batched, group):
     """FSDP2 owners' :func:`driver.directions` of whole matrices: ``W`` ``(j, m, n)``, the ``j`` matrices
     (:data:`~.sharded.Orth`); ``state``: ``{key: (j, m) or (j,)}``."""
-    (D,) = directions(rule, [(W[..., :n], W.shape[0], state)], group, None, batched=batched,
+    (D,) = directions(rule, [(W, W.shape[0], state)], group, None, batched=batched,
                       ns_dtype=group["ns_dtype"])
     return D
 
@@ -233,14 +233,14 @@ def elementwise_step(rule, bucket, group: dict) -> None:
                         [group["lr"]] * n, [group["weight_decay"]] * n, [1.0] * n)
 
 
-def owner_directions(rule, handed: list[Tensor], n: int, state: dict[str, Tensor], group: dict, ctx, *,
+def owner_directions(rule, handed: list[Tensor], state: dict[str, Tensor], group: dict, ctx, *,
                      batched: bool) -> Tensor:
     """FSDP2 owners' directions of whole matrices ``W`` ``(j, m, n)``, handed over as ``handed == [W]``, as one
     graph per stack shape (``sharded.hidden_at_owners``' ``orth`` under ``compile=True``)."""
     W = handed.pop()
     static = static_group(rule, group, resolve_dtype(group, W, ctx))
     return bucket_step(rule.name, _owner_directions, (tuple(W.shape), W.dtype, id(rule)), W, state,
-                       rule=rule, n=n, batched=batched, group=static)
+                       rule=rule, batched=batched, group=static)
 
 
 # ---- the forms ---------------------------------------------------------------------------------------

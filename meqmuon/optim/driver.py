@@ -355,7 +355,7 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
     return result
 
 
-def eager_directions(rule: HiddenRule, handed: list[Tensor], n: int, state: dict[str, Tensor], group: dict,
+def eager_directions(rule: HiddenRule, handed: list[Tensor], state: dict[str, Tensor], group: dict,
                      ctx: StepContext, *, batched: bool) -> Tensor:
     """:func:`directions` of whole matrices ``W`` ``(j, m, n)`` at an FSDP2 owner, eagerly (the eager
     batched form's :data:`~.sharded.Orth`; ``W``, the received bytes, handed over as ``handed == [W]``)."""
@@ -363,7 +363,7 @@ def eager_directions(rule: HiddenRule, handed: list[Tensor], n: int, state: dict
     # ends), the iteration's let go before post: an owner's transient peak is one bucket's Newton-Schulz.
     # W is read by nothing after: Newton-Schulz iterates in it where it can and lets it go (consume)
     W = handed.pop()
-    stacks = [(W[..., :n], W.shape[0], state)]
+    stacks = [(W, W.shape[0], state)]
     del W
     (D,) = directions(rule, stacks, group, ctx, batched=batched, scratch={}, release=True, consume=True)
     return D

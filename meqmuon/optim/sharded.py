@@ -24,7 +24,7 @@ from .rule import MomentumBase
 
 __all__ = ["Orth", "hidden_at_owners"]
 
-#: How an owner turns whole matrices into directions: ``orth(rule, [W], n, state, group, ctx, batched=...)``
+#: How an owner turns whole matrices into directions: ``orth(rule, [W], state, group, ctx, batched=...)``
 #: with ``W`` ``(j, m, n)`` contiguous, the received matrices handed over in a one-element list (which ``orth``
 #: empties: they are scratch, read by nothing after Newton-Schulz, which may iterate in them and let them go
 #: before ``post``) and ``state`` ``{key: (j, m) or (j,)}``, updated in place; returns ``D`` ``(j, m, n)``.
@@ -67,7 +67,7 @@ def hidden_at_owners(rule: MomentumBase, stack: list[Tensor], state: dict[str, T
               for i, (key, row) in enumerate(zip(keys, per_row, strict=True))}
         handed = [W]
         del W, C
-        D = orth(rule, handed, n, st, group, ctx, batched=batched_ns(device))
+        D = orth(rule, handed, st, group, ctx, batched=batched_ns(device))
         return torch.cat([D[0].reshape(j, m, n).to(out_dtype), *columns(st, j, m, out_dtype)], dim=-1)
 
     send = [torch.cat([X.to(dtype), *columns(state, k, rows, dtype)], dim=-1)]
