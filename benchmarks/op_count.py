@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import MODELS, model_shapes  # noqa: E402
+from step_accounting import tensor_bytes  # noqa: E402
 
 import meqmuon  # noqa: E402
 from meqmuon.optim.cuda_graph import GraphedStep  # noqa: E402
@@ -84,20 +85,13 @@ class TrafficCounter(OpCounter):
         written = kw.pop("out", None)
         if written is None:
             written = args[0] if name.endswith("_") else out
-        self.bytes[name] += _nbytes(args) + _nbytes(list(kw.values())) + _nbytes(written)
+        self.bytes[name] += tensor_bytes(args) + tensor_bytes(list(kw.values())) + tensor_bytes(written)
         return out
 
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
 
-
-def _nbytes(x) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_nbytes(y) for y in x)
-    return 0
 
 def deepen(shapes: dict[str, list[tuple[int, ...]]], depth: int) -> dict[str, list[tuple[int, ...]]]:
     """The shapes of a model ``depth`` times as deep with the same widths: per-layer tensors (hidden
