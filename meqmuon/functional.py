@@ -65,7 +65,8 @@ __all__ = [
     "canonical_coefficients", "ns_schedule", "orthogonalize", "orthogonalize_stack", "ns_step", "row_rms",
     "GRAM_RESTARTS", "gram_orthogonalize", "aol_orthogonalize", "CUBIC5", "cubic_schedule", "cubic_orthogonalize",
     "col_rms", "cv", "cv_of_norms", "MUONEQ_MODES", "muoneq_equilibrate", "row_col_cv", "row_normalize",
-    "col_normalize", "equilibrate", "rms_normalize", "adaptive_normalize",
+    "col_normalize", "equilibrate", "rms_normalize", "adaptive_normalize", "adaptive_normalize_factors",
+    "apply_factors",
     "as_matrix", "choose_rows", "rms_of_sumsq", "inverse_rms", "row_factors",
     "divisor_of_norms", "momentum_", "direction_input", "decay_", "decay_and_update_",
 ]
@@ -332,11 +333,44 @@ def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
     the ``m`` row norms of ``n`` entries each; slot 1: the ``n`` column norms), so one
     :func:`cv_of_norms` gives all ``2K`` CVs (eq. 5: norms at or below ``delta sqrt(length)``, i.e.
     RMS <= delta, and the padding count as zero). The factors ``rho / RMS`` (0 for zero rows or
-    columns) multiply the chosen side, 1 the other: two passes over each stack.
+    columns) multiply the chosen side, 1 the other: two passes over each stack, ``(U * row) * col``
+    (:func:`apply_factors`; :func:`adaptive_normalize_factors` gives the factors alone).
 
     Returns:
         the normalised stacks (float32, or float64) and ``chose_rows`` ``(K,)`` bool, stack by stack.
     """
+    xs, factors, chose_rows = _eq8(us, delta, rho, keep_copies=True)
+    return [apply_factors(u, row, col, x) for u, x, (row, col) in zip(us, xs, factors, strict=True)], chose_rows
+
+
+def adaptive_normalize_factors(us: Sequence[Tensor], delta: float = DELTA,
+                               rho: float = 1.0) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
+    """Eq. 8's factors of every matrix of stacks ``us`` without applying them: per stack ``(row, col)``,
+    ``(k, m, 1)`` and ``(k, 1, n)`` (float32, or float64), one of the two all ones per matrix, such that
+    :func:`apply_factors` gives :func:`adaptive_normalize_stacks`' output bit for bit, on the whole
+    matrix or on any block of its rows and columns. An FSDP2 owner sends ``U`` in the Newton-Schulz dtype
+    and these instead of a float32 ``D`` (``sharded.py``). Returns ``(factors, chose_rows)``."""
+    _, factors, chose_rows = _eq8(us, delta, rho, keep_copies=False)
+    return factors, chose_rows
+
+
+def apply_factors(u: Tensor, row: Tensor, col: Tensor, x: Tensor | None = None) -> Tensor:
+    """``(U * row) * col`` at least in float32: eq. 8's one product, each element ``u_ij`` times ``row_i``
+    rounded, then times ``col_j`` (the order every rank that applies the factors to its block keeps).
+    ``x``: ``U``'s float32 copy, scaled in place (CPU: the same products as ``U`` times the factors, since
+    bf16 -> float32 is exact, without a fresh matrix-sized temporary, page faults on CPU)."""
+    if x is None or x is u:
+        # a transposed side (GPU): the first product written in the members' layout, so no copy follows
+        x = torch.mul(u, row, out=torch.empty(u.shape, dtype=row.dtype, device=u.device))
+    else:
+        x.mul_(row)
+    return x.mul_(col)
+
+
+def _eq8(us: Sequence[Tensor], delta: float, rho: float, *,
+         keep_copies: bool) -> tuple[list[Tensor], list[tuple[Tensor, Tensor]], Tensor]:
+    """Eq. 8's statistics of stacks ``us``: per stack the float32 copy its norms were taken from (CPU, where
+    ``keep_copies``; else ``U`` itself), its ``(row, col)`` factors, and ``chose_rows`` ``(K,)``."""
     dtype, device = torch.float64 if us[0].dtype == torch.float64 else torch.float32, us[0].device  # _stat_dtype
     shapes = [u.shape for u in us]
     L = max(max(m, n) for _, m, n in shapes)
@@ -360,7 +394,6 @@ def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
         # contiguous_format: a transposed side (a view) becomes its members' own layout in this one pass, which
         # the caller would otherwise copy again (driver.directions' .contiguous())
         x = u.to(dtype, copy=True, memory_format=torch.contiguous_format) if cpu else u
-        xs.append(x)
         for slot, dim, size in ((0, -1, m), (1, -2, n)):
             squares = cpu and slot == 1
             if torch.compiler.is_compiling():  # dynamo takes no strided out=
@@ -372,6 +405,7 @@ def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
                     acc.add_(torch.sum(block * block, dim=-2))
             else:
                 torch.linalg.vector_norm(x, dim=dim, dtype=dtype, out=norms[o : o + k, slot, :size])
+        xs.append(x if keep_copies else u)
         o += k
     if cpu:
         norms[:, 1].sqrt_()  # the column norms from their sums of squares (padding: sqrt(0) = 0)
@@ -380,16 +414,11 @@ def adaptive_normalize_stacks(us: Sequence[Tensor], delta: float = DELTA,
     chose_rows = choose_rows(gamma[:, 0], gamma[:, 1])
     scales = torch.where(counted, torch.div(factor, norms), 0.0)
     scales.masked_fill_(chose_rows[:, None, None] != row_slot, 1.0)  # 1 on the side not chosen
-    out, o = [], 0
-    for u, x, (k, m, n) in zip(us, xs, shapes, strict=True):
-        row, col = scales[o : o + k, 0, :m, None], scales[o : o + k, 1, None, :n]
-        # >= float32; on CPU the float32 copy scaled in place: the same products as U times the factors
-        # (bf16 -> float32 is exact), without a fresh matrix-sized temporary (page faults on CPU)
-        # a transposed side (GPU): the first product written in the members' layout, so no copy follows
-        scaled = x.mul_(row) if x is not u else torch.mul(u, row, out=torch.empty(u.shape, dtype=dtype, device=device))
-        out.append(scaled.mul_(col))
+    factors, o = [], 0
+    for k, m, n in shapes:
+        factors.append((scales[o : o + k, 0, :m, None], scales[o : o + k, 1, None, :n]))
         o += k
-    return out, chose_rows
+    return xs, factors, chose_rows
 
 
 # ---- the step every momentum rule shares: momentum, direction input, decoupled decay and update ----

@@ -229,6 +229,34 @@ def test_adaptive_normalize_matches_eq8(shape):
     assert torch.allclose(out, expected, atol=1e-13)
 
 
+@pytest.mark.parametrize("shape", [(10, 6), (6, 10)])
+def test_eq8_factors_are_the_paper_normalisers_and_give_its_output_on_every_block_of_rows(shape):
+    """Eq. 8 as factors (an FSDP2 owner sends ``U`` with them, ``optim/sharded.py``): in float64 the chosen
+    side's factor is ``rho / RMS`` of each row (or column) from the paper's equations and the other side's is 1;
+    applied to the whole matrix or to any block of its rows (a rank's shard) they give
+    :func:`F.adaptive_normalize_stacks`' output bit for bit, for a bf16 ``U`` (Newton-Schulz's output) too."""
+    m, n = shape
+    by_row = torch.linspace(0.1, 3.0, m, dtype=torch.float64)[:, None]
+    by_col = torch.linspace(0.1, 3.0, n, dtype=torch.float64)
+    U = torch.stack([rand(m, n, seed=4) * by_row, rand(m, n, seed=5) * by_col])  # eq. 8 holds for any U
+    ((row, col),), chose = F.adaptive_normalize_factors([U], rho=0.7)
+    assert chose[0] != chose[1]  # one matrix of each side
+    for k in range(2):
+        gr, gc = ref_cv(ref_row_rms(U[k])), ref_cv(ref_col_rms(U[k]))
+        assert bool(chose[k]) == (gr >= gc)
+        side, other = (row[k, :, 0], col[k, 0]) if gr >= gc else (col[k, 0], row[k, :, 0])
+        rms = ref_row_rms(U[k]) if gr >= gc else ref_col_rms(U[k])
+        torch.testing.assert_close(side, 0.7 / torch.tensor(rms, dtype=torch.float64), rtol=1e-13, atol=0)
+        assert torch.equal(other, torch.ones_like(other))
+    for u in (U.float(), U.to(torch.bfloat16)):
+        (whole,), chose_whole = F.adaptive_normalize_stacks([u], rho=0.7)
+        ((row, col),), chose_f = F.adaptive_normalize_factors([u], rho=0.7)
+        assert torch.equal(chose_f, chose_whole)
+        assert torch.equal(F.apply_factors(u, row, col), whole)
+        for lo, hi in ((0, 1), (1, 4), (4, shape[0])):  # a rank's rows, as it applies them
+            assert torch.equal(F.apply_factors(u[:, lo:hi], row[:, lo:hi], col), whole[:, lo:hi])
+
+
 def test_adaptive_normalize_ties_choose_rows():
     U = torch.ones(4, 4, dtype=torch.float64)  # both CVs are exactly 0
     out, chose_rows = F.adaptive_normalize(U)

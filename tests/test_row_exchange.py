@@ -84,7 +84,7 @@ def _grads(step: int) -> list[torch.Tensor]:
     return [torch.randn(s, generator=g) for s in SHAPES]
 
 
-def _fsdp2_step(rank: int, name: str) -> dict:
+def _fsdp2_step(rank: int, name: str, ns: str = "float32") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
@@ -96,7 +96,7 @@ def _fsdp2_step(rank: int, name: str) -> dict:
         fully_shard(layer, mesh=mesh)
     params = [layer.weight for layer in model]
     groups = [{"params": params, "kind": "hidden", "names": [f"{i}.weight" for i in range(len(params))]}]
-    opt = meqmuon.build_optimizer(name, groups, ns_dtype=torch.float32, foreach=True)
+    opt = meqmuon.build_optimizer(name, groups, ns_dtype=getattr(torch, ns), foreach=True)
     out = {}
     for step in range(3):
         for p, g in zip(params, _grads(step), strict=True):
@@ -108,18 +108,19 @@ def _fsdp2_step(rank: int, name: str) -> dict:
         with meter:
             opt.step()
         out = meter.summary()
-    out["floor"] = floor_bytes(opt, 4)
+    out["floor"] = floor_bytes(opt, getattr(torch, ns).itemsize)
     out["local"] = [tuple(p.to_local().shape) for p in params]
     out["params"] = [p.full_tensor() for p in params]
-    out["reference"] = _one_process(name)  # in the worker: the same threads as the sharded step
+    out["reference"] = _one_process(name, ns)  # in the worker: the same threads as the sharded step
     return out
 
 
-def _one_process(name: str) -> list[torch.Tensor]:
+def _one_process(name: str, ns: str = "float32") -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = torch.nn.ModuleList(torch.nn.Linear(n, m, bias=False) for m, n in SHAPES)
     params = [layer.weight for layer in model]
-    opt = meqmuon.build_optimizer(name, [{"params": params, "kind": "hidden"}], ns_dtype=torch.float32, foreach=True)
+    opt = meqmuon.build_optimizer(name, [{"params": params, "kind": "hidden"}], ns_dtype=getattr(torch, ns),
+                                  foreach=True)
     for step in range(3):
         for p, g in zip(params, _grads(step), strict=True):
             p.grad = g
@@ -158,6 +159,50 @@ def test_meqmuon_row_exchange_with_per_matrix_state_equals_one_process(tmp_path)
     _equal_one_process(got)
 
 
+def _bf16_steps(rank: int) -> dict:
+    return {name: _fsdp2_step(rank, name, "bfloat16") for name in ("muon", "meqmuon", "normuon")}
+
+
+def test_bf16_newton_schulz_rows_go_out_and_directions_come_back_in_bf16(tmp_path):
+    """With bf16 Newton-Schulz (the CUDA default) the rows travel in bf16 whatever state rides with them (their
+    columns apart, float32), and the directions come back in bf16: Muon's ``U`` itself, MeqMuon's ``U`` with
+    eq. 8's factors (a row factor per row, ``n`` column factors per matrix), which each rank applies to its rows;
+    NorMuon, whose ``post`` is not of that form, its float32 ``D``. Counted exactly per rank from the shapes; the
+    same bits as one process with bf16 Newton-Schulz. Before, the rows of MeqMuon and NorMuon went out in float32
+    (to carry their state columns) and every direction came back in float32."""
+    got = _spawn(_bf16_steps, tmp_path)
+    world = len(got)
+    chunks = [[c.numel() for c in torch.arange(m).chunk(world)] for m, _ in SHAPES]  # FSDP2's rows per rank
+    rows = [c + [0] * (world - len(c)) for c in chunks]
+    # bytes per matrix: (what each rank q sends of its rows, what q gets back, what the owner gets, what it sends)
+    forms = {
+        "muon": lambda m, n, r: (2 * r * n, 2 * r * n),
+        "meqmuon": lambda m, n, r: (2 * r * n + 4 * r, 2 * r * n + 8 * r + 4 * n),  # counter column; factors
+        "normuon": lambda m, n, r: (2 * r * n + 4 * r, 4 * r * n + 4 * r),  # second-moment column; float32 D
+    }
+    for name, per_matrix in forms.items():
+        owner_in = [sum(per_matrix(m, n, rows[i][q])[0] for q in range(world)) for i, (m, n) in enumerate(SHAPES)]
+        owner_out = [sum(per_matrix(m, n, rows[i][q])[1] for q in range(world)) for i, (m, n) in enumerate(SHAPES)]
+        owned_in, owned_out = [], []
+        for q, r in enumerate(got):
+            r = r[name]
+            out = sum(per_matrix(m, n, rows[i][q])[0] for i, (m, n) in enumerate(SHAPES))
+            back = sum(per_matrix(m, n, rows[i][q])[1] for i, (m, n) in enumerate(SHAPES))
+            owned_out.append(r["sent"] - out)  # what q sent as an owner: its matrices' directions
+            owned_in.append(r["received"] - back)  # what q received as an owner: its matrices' rows
+            assert r["calls"]["alltoall_base_"] == 6, (name, r["calls"])  # one pair per shape bucket
+            if name == "muon":  # no state, post the identity: at the bound, 2 bytes per element each way
+                assert r["floor"] == 2 * 2 * sum(a * b for a, b in r["local"]), (q, r["floor"])
+        # the owners' shares are those of whole matrices, each owned once, the same matrices both ways
+        assert sum(owned_out) == sum(owner_out) and sum(owned_in) == sum(owner_in), (name, owned_out, owner_out)
+        for q in range(world):
+            ways = [(sum(i for i, o in zip(owner_in, pick, strict=True) if o),
+                     sum(x for x, o in zip(owner_out, pick, strict=True) if o))
+                    for pick in itertools.product((0, 1), repeat=len(SHAPES))]
+            assert (owned_in[q], owned_out[q]) in ways, (name, q, owned_in[q], owned_out[q])
+        _equal_one_process([r[name] for r in got])
+
+
 def _equal_one_process(got: list[dict]) -> None:
     """Within tests/test_layouts.py's bound (1e-6) of one process; the matrices with even shards bit for bit
     (the 3 x 32 one differs by an ulp of one process's, before this exchange as after)."""
@@ -187,3 +232,35 @@ def test_row_path_groups_share_one_load_that_starts_at_the_owner_paths_and_reset
         assert r["n"] == 1 and r["shared"], r
         assert r["first"] == [[1]] and r["second"] == [[1, 1]], r
         assert r["before_reset"] == [5.0, 5.0] and r["after_reset"] == [5.0, 0.0], r
+
+
+def test_what_an_owner_sends_back_follows_the_rules_post():
+    """``HiddenRule._direction_form``, derived per class: ``U`` alone where ``post`` is the identity (a ``pre`` does
+    not matter), ``U`` and factors where the class that defines ``post_factors`` also defines (or inherits below)
+    ``post`` and ``post_all``, else ``D``: a user's subclass of MeqMuon's rule that changes ``post`` must not
+    travel as eq. 8's factors."""
+    from meqmuon.optim.rules.meqmuon import MeqHidden
+    from meqmuon.optim.rules.muon import MoonlightHidden
+    from meqmuon.optim.rules.normuon import NorMuonHidden
+
+    class OnlyPre(meqmuon.HiddenRule):
+        name = "only_pre"
+
+        def pre(self, X, group, state=None):
+            return X * 2
+
+    class OwnPost(MeqHidden):
+        name = "own_post"
+
+        def post(self, U, group, state):
+            return U * 2
+
+    class OwnPostAll(MeqHidden):
+        name = "own_post_all"
+
+        def post_all(self, Us, group, states):
+            return [U * 2 for U in Us]
+
+    forms = {c: c._direction_form for c in (MoonlightHidden, OnlyPre, MeqHidden, NorMuonHidden, OwnPost, OwnPostAll)}
+    assert forms == {MoonlightHidden: "identity", OnlyPre: "identity", MeqHidden: "factors",
+                     NorMuonHidden: "direction", OwnPost: "direction", OwnPostAll: "direction"}, forms

@@ -171,12 +171,12 @@ def _stacked_inputs(members, mu, nesterov, plain: int | None = None, shape=None)
     return torch.stack(inputs[:plain] + [x.mT for x in inputs[plain:]])
 
 
-def _owner_directions(W, state, *, rule, batched, group):
+def _owner_directions(W, state, *, rule, batched, group, factored):
     """FSDP2 owners' :func:`driver.directions` of whole matrices: ``W`` ``(j, m, n)``, the ``j`` matrices
-    (:data:`~.sharded.Orth`); ``state``: ``{key: (j, m) or (j,)}``."""
-    (D,) = directions(rule, [(W, W.shape[0], state)], group, None, batched=batched,
-                      ns_dtype=group["ns_dtype"])
-    return D
+    (:data:`~.sharded.Orth`): ``(U, row, col)``; ``state``: ``{key: (j, m) or (j,)}``."""
+    ((D,),) = directions(rule, [(W, W.shape[0], state)], group, None, batched=batched,
+                         ns_dtype=group["ns_dtype"], factored=factored)
+    return D if isinstance(D, tuple) else (D, None, None)
 
 
 def hidden_step(rule, members, plain: int, shape: tuple[int, int], key: tuple, group: dict, ns_dtype: torch.dtype,
@@ -234,13 +234,13 @@ def elementwise_step(rule, bucket, group: dict) -> None:
 
 
 def owner_directions(rule, handed: list[Tensor], state: dict[str, Tensor], group: dict, ctx, *,
-                     batched: bool) -> Tensor:
+                     batched: bool, factored: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """FSDP2 owners' directions of whole matrices ``W`` ``(j, m, n)``, handed over as ``handed == [W]``, as one
     graph per stack shape (``sharded.hidden_at_owners``' ``orth`` under ``compile=True``)."""
     W = handed.pop()
     static = static_group(rule, group, resolve_dtype(group, W, ctx))
     return bucket_step(rule.name, _owner_directions, (tuple(W.shape), W.dtype, id(rule)), W, state,
-                       rule=rule, batched=batched, group=static)
+                       rule=rule, batched=batched, group=static, factored=factored)
 
 
 # ---- the forms ---------------------------------------------------------------------------------------

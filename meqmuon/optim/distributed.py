@@ -381,76 +381,98 @@ class ShardedSplit(_CollectiveSplit):
         """:func:`bucket_owners` of a call's shape buckets, the step's load on this group carried."""
         return bucket_owners(sizes, costs, self.load.load)
 
-    def at_owners(self, stack: list[Tensor], fn: Callable[[list[Tensor]], Tensor], m: int, n: int, width: int,
-                  dtype: torch.dtype, owners: Sequence[int]) -> Tensor:
-        """Row shards ``X`` ``(k, rows, c)`` of ``k`` matrices of ``m`` rows (their first ``n`` columns the matrix,
-        the rest extra columns) -> whole matrices at their ``owners`` (ranks of the group, :meth:`bucket_owners`;
-        one :func:`exchange_flat`: each rank sends an owner its rows of that owner's matrices, nothing else) ->
-        ``fn([M, C])`` ``(j, m, width)`` in ``dtype`` there, with ``M`` ``(j, m, n)`` the whole matrices, contiguous,
-        and ``C`` ``(j, m, c - n)`` their extra columns (a tensor apart: ``M`` is then fit for Newton-Schulz to
-        iterate in place), handed over (``fn`` empties the list: nothing here keeps them) -> each rank's rows of
-        its matrices back (a second one). Returns ``(k, max(rows, 1),
-        width)``: this rank's rows of every result (a rank that holds no rows gets the matrix's first row, so
-        that per-matrix values reach every rank). ``X`` is handed over as ``stack == [X]`` and the list emptied,
-        so that ``X`` is let go once sent, before ``fn`` (the caller keeps no reference: ``fn`` is an owner's
-        Newton-Schulz)."""
+    def at_owners(self, stack: list[Tensor], fn: Callable[[list[Tensor]], list[Tensor]], m: int,
+                  back: Sequence[tuple[torch.dtype, int, bool]], owners: Sequence[int]) -> list[Tensor]:
+        """Row shards of ``k`` matrices of ``m`` rows -> whole matrices at their ``owners`` (ranks of the group,
+        :meth:`bucket_owners`) -> ``fn`` there -> each rank's rows of ``fn``'s results back: one
+        :func:`exchange_flat` of bytes each way, each rank sending an owner only its rows of that owner's
+        matrices, and the owner each rank only its rows of the results, nothing padded.
+
+        ``stack == [X, C]``, handed over (the list emptied; both let go once sent, before ``fn``, an owner's
+        Newton-Schulz): ``X`` ``(k, rows, n)`` this rank's rows of the matrices, in the Newton-Schulz dtype, and
+        ``C`` ``(k, rows, c)`` extra columns (per-row and per-matrix state) in a dtype of their own, ``c`` may be
+        0. At an owner ``fn([M, C])``, ``M`` ``(j, m, n)`` its whole matrices, contiguous (fit for Newton-Schulz
+        to iterate in place), and ``C`` ``(j, m, c)``, handed over, returns a tensor per entry ``(dtype, width,
+        per_row)`` of ``back``: ``(j, m, width)`` per row or ``(j, width)`` per matrix. Returns this rank's part
+        of each: ``(k, max(rows, 1), width)`` (a rank that holds no rows gets each matrix's first row, so that
+        per-matrix values reach every rank) or ``(k, width)``."""
         W, rank = self.world_size, self.rank
-        X = stack.pop()
-        k, mine, c = X.shape
+        X, C = stack
+        stack.clear()
+        k, mine, n = X.shape
         rows = self._shard_rows(m)
         if mine != rows[rank] or len(owners) != k:
             raise NotImplementedError(
                 f"ShardedSplit expects FSDP2's torch.chunk row sharding ({rows[rank]} of {m} rows on rank {rank}) "
                 f"and an owner per matrix ({len(owners)} for {k}), got local shapes {tuple(X.shape)}")
-        X = X.contiguous()
-        x_dtype, device = X.dtype, X.device
-        ours = owners.count(rank)
+        out_parts = [(X.dtype, n), (C.dtype, C.shape[-1])]
+        device, ours = X.device, owners.count(rank)
+        per_row = sum(w * _itemsize(dt) for dt, w in out_parts)  # bytes of one row of X and C
         send: list[list[Tensor]] = [[] for _ in range(W)]
         for j in range(k if mine else 0):
-            send[owners[j]].append(as_bytes(X[j]))
-        # from each rank that holds rows, one block: its rows of our matrices, in bucket order
-        got = exchange_flat(send, [ours * q * c * X.element_size() for q in rows], self.pg, device)
-        del X  # sent (exchange_flat let its views go): not alive during fn
-        parts = list(_whole(from_bytes(got, x_dtype), ours, rows, c, n)) if ours else None
+            send[owners[j]] += [as_bytes(t[j]) for t in (X, C) if t.shape[-1]]
+        del X, C
+        # from each rank that holds rows, one block: per matrix of ours, its rows of X, then of C
+        got = exchange_flat(send, [ours * q * per_row for q in rows], self.pg, device)
+        parts = _whole(got, ours, rows, out_parts) if ours else None
         del got  # the received bytes, copied into parts: not alive during fn (the step's transient peak)
-        out = fn(parts).to(dtype) if ours else None  # (ours, m, width); fn let parts go
+        out = fn(parts) if ours else None  # fn let parts go
         del parts
         starts = [sum(rows[:q]) for q in range(W)]
-        back: list[list[Tensor]] = [[] for _ in range(W)]
+        send = [[] for _ in range(W)]
         for q in range(W):
             lo, r = (starts[q], rows[q]) if rows[q] else (0, 1)
-            back[q] = [as_bytes(out[t, lo : lo + r]) for t in range(ours)]
+            for t in range(ours):
+                send[q] += [as_bytes(o[t, lo : lo + r] if by_row else o[t])
+                            for o, (_, w, by_row) in zip(out, back, strict=True) if w]
         del out
         mine = max(mine, 1)
+        sizes = [(mine if by_row else 1) * w * _itemsize(dt) for dt, w, by_row in back]
         counts = [owners.count(r) for r in range(W)]
-        size = torch.empty((), dtype=dtype).element_size()
-        got = from_bytes(exchange_flat(back, [q * mine * width * size for q in counts], self.pg, device), dtype)
-        by_owner = [iter(b.unbind(0)) for b in got.view(k, mine, width).split(counts)]
-        return torch.stack([next(by_owner[owners[j]]) for j in range(k)])
+        got = exchange_flat(send, [q * sum(sizes) for q in counts], self.pg, device)
+        # owner-major blocks of sum(sizes) bytes per matrix, in each owner's bucket order -> bucket order
+        by_owner = [iter(b.unbind(0)) for b in got.view(k, sum(sizes)).split(counts)]
+        ordered = torch.stack([next(by_owner[owners[j]]) for j in range(k)])
+        del got, by_owner
+        results, o = [], 0
+        for (dt, w, by_row), size in zip(back, sizes, strict=True):
+            res = torch.empty((k, mine, w) if by_row else (k, w), dtype=dt, device=device)
+            if size:
+                res.view(torch.uint8).view(k, size).copy_(ordered[:, o : o + size])
+            results.append(res)
+            o += size
+        return results
 
 
-def _whole(got: Tensor, ours: int, rows: list[int], c: int, n: int) -> tuple[Tensor, Tensor]:
-    """An owner's whole matrices ``(ours, m, n)`` and their extra columns ``(ours, m, c - n)``, each contiguous,
-    from the blocks of rows ``(ours, rows, c)`` every rank sent, rank-major (FSDP2 pads only at the end, so rank
-    ``q``'s rows follow rank ``q - 1``'s: their concatenation is the matrix)."""
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _whole(got: Tensor, ours: int, rows: list[int], parts: list[tuple[torch.dtype, int]]) -> list[Tensor]:
+    """An owner's whole matrices ``(ours, m, width)``, one contiguous tensor per ``(dtype, width)`` of ``parts``,
+    from the received bytes: rank-major (FSDP2 pads only at the end, so rank ``q``'s rows follow rank ``q - 1``'s:
+    their concatenation is the matrix), from each rank per matrix its rows of each part in turn. Copied as bytes
+    (tensors of their own, never views of the received bytes, which a compiled owner graph would see as aliasing
+    a uint8 base of another dtype)."""
     W, m = len(rows), sum(rows)
-    # tensors of their own (never views of the received bytes, which a compiled owner graph would see as
-    # aliasing a uint8 base of another dtype)
-    parts = (torch.empty((ours, m, n), dtype=got.dtype, device=got.device),
-             torch.empty((ours, m, c - n), dtype=got.dtype, device=got.device))
-    cols = [(part, s) for part, s in zip(parts, (slice(0, n), slice(n, c)), strict=True) if part.shape[-1]]
+    out = [torch.empty((ours, m, w), dtype=dt, device=got.device) for dt, w in parts]
+    widths = [w * _itemsize(dt) for dt, w in parts]  # bytes per row of each part
+    per_row = sum(widths)
+    cols = [(t.view(torch.uint8), sum(widths[:i]), b) for i, (t, b) in enumerate(zip(out, widths, strict=True)) if b]
     if len(set(rows)) == 1:  # even shards: one copy each
-        blocks = got.view(W, ours, rows[0], c).permute(1, 0, 2, 3)
-        for part, s in cols:
-            part.view(ours, W, rows[0], part.shape[-1]).copy_(blocks[..., s])
-        return parts
-    start = 0
+        r = rows[0]
+        blocks = got.view(W, ours, r * per_row)
+        for t, o, b in cols:
+            t.view(ours, W, r, b).copy_(blocks[..., r * o : r * (o + b)].view(W, ours, r, b).permute(1, 0, 2, 3))
+        return out
+    start, row = 0, 0
     for r in rows:
-        block = got[: ours * r * c].view(ours, r, c)
-        for part, s in cols:
-            part[:, start : start + r].copy_(block[..., s])
-        got, start = got[ours * r * c :], start + r
-    return parts
+        if r:
+            block = got[start : start + ours * r * per_row].view(ours, r * per_row)
+            for t, o, b in cols:
+                t[:, row : row + r].copy_(block[:, r * o : r * (o + b)].view(ours, r, b))
+        start, row = start + ours * r * per_row, row + r
+    return out
 
 
 class RowPieceSplit(ShardedSplit):

@@ -70,6 +70,11 @@ ELEMENTWISE_COST = 1000.0
 # ---- the protocol of a hidden rule -------------------------------------------------------------
 
 
+def _defined_by(cls: type, name: str) -> type:
+    """The class of ``cls``'s MRO whose body defines ``name``."""
+    return next(c for c in cls.__mro__ if name in vars(c))
+
+
 class HiddenRule(MomentumBase):
     """A rule for hidden matrices: ``D = post(Orth(pre(X)))``, stepped as ``W <- (1 - lr wd) W - lr s D``.
 
@@ -89,10 +94,21 @@ class HiddenRule(MomentumBase):
     #: Whether the class overrides :meth:`pre` (set per class; :func:`directions` skips the identity ``pre``,
     #: and the batched form stacks the inputs of a rule that rewrites them in float32). Derived, not declared.
     _rewrites_input: ClassVar[bool] = False
+    #: What an FSDP2 owner sends back for this class's directions (``sharded.py``), derived per class:
+    #: ``"identity"`` (``post`` is the identity: ``U`` itself, in the Newton-Schulz dtype; bf16 -> float32 is
+    #: exact), ``"factors"`` (the class's own :meth:`post_factors` gives ``post_all`` as ``(U * row) * col``:
+    #: ``U`` in the Newton-Schulz dtype and the factors, each rank applying them to its rows), ``"direction"``
+    #: (any other ``post``, or a subclass that overrides ``post`` but not ``post_factors``: ``D`` itself, in the
+    #: statistics' dtype).
+    _direction_form: ClassVar[str] = "identity"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._rewrites_input = cls.pre is not HiddenRule.pre
+        post, post_all, factors = (_defined_by(cls, name) for name in ("post", "post_all", "post_factors"))
+        cls._direction_form = ("identity" if post is post_all is HiddenRule else
+                               "factors" if factors is not HiddenRule and issubclass(factors, post)
+                               and issubclass(factors, post_all) else "direction")
         if cls.transposes and "rows" in cls.state_views.values():
             raise TypeError(f"{cls.__name__}: per-row state needs transposes = False (rows would change length)")
 
@@ -112,6 +128,16 @@ class HiddenRule(MomentumBase):
         if type(self).post is HiddenRule.post:
             return Us
         return [self.post(U, group, st) if st else self.post(U, group) for U, st in zip(Us, states, strict=True)]
+
+    def post_factors(self, Us: list[Tensor], group: dict,
+                     states: list[dict[str, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+        """:meth:`post_all` as per-row and per-column factors, for a rule whose direction is ``(U * row) * col``
+        (MeqMuon's eq. 8): per stack ``(row, col)``, ``(K, m, 1)`` and ``(K, 1, n)``, such that
+        :func:`meqmuon.functional.apply_factors` gives ``post_all``'s ``D`` bit for bit, on the whole matrix or
+        on any block of its rows; the state updated as ``post_all`` updates it. Overriding it lets an FSDP2
+        owner send ``U`` in the Newton-Schulz dtype and the factors instead of ``D`` (``sharded.py``); a rule
+        that does not is still exact there, ``D`` travelling in float32."""
+        raise NotImplementedError(f"{type(self).__name__} has no post_factors: its post is not (U * row) * col")
 
     def lr_scale(self, m: int, n: int, group: dict) -> float:
         """A step multiplier ``s`` of an ``m x n`` matrix, applied inside the update (``-lr s D``) instead
@@ -282,7 +308,7 @@ Stack = tuple[Tensor, int, dict[str, Tensor]]
 def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, batched: bool,
                scratch: dict | None = None, dtype: torch.dtype | None = None,
                ns_dtype: torch.dtype | None = None, release: bool = False,
-               consume: bool = False) -> list[list[Tensor]]:
+               consume: bool = False, factored: bool = False) -> list[list[Any]]:
     """``pre -> Newton-Schulz -> post`` of stacks of direction inputs: the body of every form, for a
     ``HiddenRule`` ``rule`` and the ``StepContext`` ``ctx`` of its call.
 
@@ -305,7 +331,10 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
     contiguous matrix already in its dtype in place (``inplace``: the first iterate is ``X``'s own buffer), so
     that the received bytes are not alive beside Newton-Schulz's copy of them; the same ops on the same values.
     The caller hands them over (keeps no reference): each entry of ``stacks`` loses its ``X`` once Newton-Schulz
-    has run, so that the spent bytes are let go before ``post``.
+    has run, so that the spent bytes are let go before ``post``. ``factored``: an FSDP2 owner's stacks (one side
+    each): per side ``(U, row, col)`` instead of ``D``, as :attr:`HiddenRule._direction_form` allows (``U`` in
+    the Newton-Schulz dtype, ``row`` and ``col`` the rule's :meth:`~HiddenRule.post_factors` or ``None`` where
+    ``post`` is the identity; its ``"direction"`` form gives ``(D, None, None)``).
 
     Args:
         rule: the ``HiddenRule``.
@@ -346,6 +375,8 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
         states += views
         owner += [i] * len(sides)
     del iteration
+    if factored and rule._direction_form != "direction":
+        return _factored(rule, us, len(stacks), group, states)
     ds = rule.post_all(us, group, states)
     # One copy at most per side: the cast of a narrower direction and the transposed side's layout.
     narrower = dtype is not None and ds[0].dtype.itemsize < dtype.itemsize
@@ -355,18 +386,30 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
     return result
 
 
+def _factored(rule: HiddenRule, us: list[Tensor], n_stacks: int, group: dict,
+              states: list[dict[str, Tensor]]) -> list[list[tuple[Tensor, Tensor | None, Tensor | None]]]:
+    """:func:`directions`' ``factored`` result: per stack ``[(U, row, col)]``."""
+    if len(us) != n_stacks:
+        raise NotImplementedError("factored directions of transposed members: the row path never stacks them")
+    factors = rule.post_factors(us, group, states) if rule._direction_form == "factors" else [(None, None)] * len(us)
+    return [[(u, *f)] for u, f in zip(us, factors, strict=True)]
+
+
 def eager_directions(rule: HiddenRule, handed: list[Tensor], state: dict[str, Tensor], group: dict,
-                     ctx: StepContext, *, batched: bool) -> Tensor:
+                     ctx: StepContext, *, batched: bool,
+                     factored: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """:func:`directions` of whole matrices ``W`` ``(j, m, n)`` at an FSDP2 owner, eagerly (the eager
-    batched form's :data:`~.sharded.Orth`; ``W``, the received bytes, handed over as ``handed == [W]``)."""
+    batched form's :data:`~.sharded.Orth`; ``W``, the received bytes, handed over as ``handed == [W]``),
+    ``(U, row, col)`` (``factored``: as :func:`directions` gives them; else ``(D, None, None)``)."""
     # buffers of this call only (not the splitter's workspace, where each bucket's would stay until the step
     # ends), the iteration's let go before post: an owner's transient peak is one bucket's Newton-Schulz.
     # W is read by nothing after: Newton-Schulz iterates in it where it can and lets it go (consume)
     W = handed.pop()
     stacks = [(W, W.shape[0], state)]
     del W
-    (D,) = directions(rule, stacks, group, ctx, batched=batched, scratch={}, release=True, consume=True)
-    return D
+    ((D,),) = directions(rule, stacks, group, ctx, batched=batched, scratch={}, release=True, consume=True,
+                         factored=factored)
+    return D if isinstance(D, tuple) else (D, None, None)
 
 
 # ---- what every form uses --------------------------------------------------------------------------
@@ -566,7 +609,7 @@ def _hidden_directions(rule: HiddenRule, buckets: list[Bucket], ranges: list[tup
     stacks, o = [], 0
     for b, (lo, hi) in zip(buckets, ranges, strict=True):
         items = b.items[lo:hi]
-        carry = ctx.split.sharded or rule._rewrites_input  # pre works in float32
+        carry = rule._rewrites_input  # pre works in float32
         dtype = F._stat_dtype(items[0].param) if carry else resolve_dtype(group, items[0].param, ctx)
         state = {k: torch.stack([it.state[k] for it in items]) for k, how in rule.state_views.items()
                  if how == "rows"}
@@ -581,10 +624,10 @@ def _hidden_directions(rule: HiddenRule, buckets: list[Bucket], ranges: list[tup
             X, _, state = stacks[i]
             stacks[i] = (None, None, state)
             drop_buffers(ctx.workspace, (rule.name, "inputs", ctx.call, b.key, 0))
-            ns_dtype, handed = resolve_dtype(group, X, ctx), [X]
+            ns_dtype, stat_dtype, handed = resolve_dtype(group, X, ctx), F._stat_dtype(b.items[0].param), [X]
             del X  # handed over: hidden_at_owners lets it go once sent, before the owners' Newton-Schulz
             ds.append(hidden_at_owners(rule, handed, state, b.global_shape[0], group, ctx, orth, ns_dtype,
-                                       owners[i]))
+                                       stat_dtype, owners[i]))
     else:
         ds = directions(rule, stacks, group, ctx, batched=True, dtype=buckets[0].items[0].param.dtype)
     return [(D, [state[k] for k in keys]) for D, (_, _, state) in zip(ds, stacks, strict=True)]

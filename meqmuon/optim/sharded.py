@@ -7,8 +7,10 @@ owner's matrices: the owner path's byte exchange, ``distributed.exchange_flat``)
 (an :data:`Orth`: :func:`meqmuon.optim.driver.directions`, eager or in a compiled graph), and brings each rank
 its rows of the directions back by a second one (microsoft/dion ``megabatch_base.py`` does the same for
 Newton-Schulz), so a rule never needs a sum over shards. Owners are planned for all buckets of a step at once
-(``ShardedSplit.bucket_owners``, longest first, the load carried). Per-row state travels as extra columns of
-the rows, per-matrix state as a column of all rows.
+(``ShardedSplit.bucket_owners``, longest first, the load carried). The rows travel in the Newton-Schulz dtype;
+per-row state as extra columns of the rows and per-matrix state as a column of all rows, in the statistics'
+dtype, apart from them; the directions come back in the Newton-Schulz dtype where the rule allows it exactly
+(:func:`hidden_at_owners`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from .. import functional as F
 from .calls import StepContext
 from .newton_schulz import batched_ns
 from .rule import MomentumBase
@@ -27,18 +30,30 @@ __all__ = ["Orth", "hidden_at_owners"]
 #: How an owner turns whole matrices into directions: ``orth(rule, [W], state, group, ctx, batched=...)``
 #: with ``W`` ``(j, m, n)`` contiguous, the received matrices handed over in a one-element list (which ``orth``
 #: empties: they are scratch, read by nothing after Newton-Schulz, which may iterate in them and let them go
-#: before ``post``) and ``state`` ``{key: (j, m) or (j,)}``, updated in place; returns ``D`` ``(j, m, n)``.
+#: before ``post``) and ``state`` ``{key: (j, m) or (j,)}``, updated in place; returns ``(U, row, col)``, the
+#: directions as ``factored`` asks (``driver.directions``: ``U`` and the factors the rule's ``_direction_form``
+#: allows, or ``(D, None, None)``).
 #: The driver's form picks it: ``driver.eager_directions``, or the compiled graph (``compiled.owner_directions``).
 #: Given, not imported: this module sits below the driver, which calls it.
-Orth = Callable[..., Tensor]
+Orth = Callable[..., tuple[Tensor, Tensor | None, Tensor | None]]
 
 
 def hidden_at_owners(rule: MomentumBase, stack: list[Tensor], state: dict[str, Tensor], m: int, group: dict,
-                     ctx: StepContext, orth: Orth, ns_dtype: torch.dtype, owners: Sequence[int]) -> list[Tensor]:
+                     ctx: StepContext, orth: Orth, ns_dtype: torch.dtype, stat_dtype: torch.dtype,
+                     owners: Sequence[int]) -> list[Tensor]:
     """Row shards ``X`` ``(k, rows, n)`` of ``k`` matrices with ``m`` rows of a hidden rule's bucket -> whole
     matrices at their ``owners`` (ranks of the splitter's group, ``ShardedSplit.bucket_owners``) -> ``orth``
-    there (:data:`Orth`) -> the rows of ``D`` back; ``state`` is updated in place. ``ns_dtype``: the group's
-    Newton-Schulz dtype (what travels when no state does).
+    there (:data:`Orth`) -> the rows of ``D`` back; ``state`` is updated in place. ``X`` is in the Newton-Schulz
+    dtype ``ns_dtype`` (float32 for a rule with its own ``pre``); the state travels as extra columns in the
+    statistics' dtype ``stat_dtype``, apart from ``X``, so that ``X`` never widens to carry it.
+
+    What comes back follows the rule's ``_direction_form`` (``driver.HiddenRule``): where ``post`` is the
+    identity, ``U`` in the Newton-Schulz dtype; where the rule gives its ``post`` as factors (MeqMuon's eq. 8),
+    ``U`` in the Newton-Schulz dtype, each row's factor and the matrix's column factors, which every rank
+    applies to its rows (``F.apply_factors``: the same products as the owner's ``post_all``, bit for bit);
+    otherwise ``D`` in ``stat_dtype``. With bf16 Newton-Schulz the way back is then bf16, not float32, but for
+    the factors: ``n`` column factors per matrix per rank, ``2 / rows`` of a bf16 piece of ``rows`` rows, so
+    where they would be as many bytes as ``D`` (float32 Newton-Schulz, or 2 rows a rank) ``D`` travels.
 
     ``X`` is handed over as ``stack == [X]`` and the list emptied: ``X``, once in the send buffer, and the send
     buffer, once sent, are let go before ``orth`` runs (neither is read again; alive beside an owner's
@@ -47,14 +62,20 @@ def hidden_at_owners(rule: MomentumBase, stack: list[Tensor], state: dict[str, T
     k, rows, n = X.shape
     keys = list(state)
     per_row = [rule.state_views[key] == "rows" for key in keys]
-    dtype = X.dtype if keys else ns_dtype
-    out_dtype = torch.promote_types(dtype, torch.float32)
+    # Factors pay where they are fewer bytes than D: per rank and matrix, U's rows, a row factor each and n column
+    # factors against D's rows, with r rows a rank (FSDP2's even share). Not with float32 U, nor with r <= 2 rows.
+    form, r, iu, i_d = rule._direction_form, -(-m // ctx.split.world_size), _itemsize(ns_dtype), _itemsize(stat_dtype)
+    form = "direction" if form == "factors" and r * n * iu + r * i_d + n * i_d >= r * n * i_d else form
+    factors = form == "factors"
+    u_dtype = stat_dtype if form == "direction" else ns_dtype
+    extra = int(factors) + len(keys)  # per-row columns back: the row factor, then the state
 
-    def columns(st: dict[str, Tensor], j: int, length: int, dt: torch.dtype) -> list[Tensor]:
-        return [st[key].to(dt)[..., None] if row else st[key].to(dt)[:, None, None].expand(j, length, 1)
+    def columns(st: dict[str, Tensor], j: int, length: int) -> list[Tensor]:
+        return [st[key].to(stat_dtype)[..., None] if row else
+                st[key].to(stat_dtype)[:, None, None].expand(j, length, 1)
                 for key, row in zip(keys, per_row, strict=True)]
 
-    def whole(parts: list[Tensor]) -> Tensor:
+    def whole(parts: list[Tensor]) -> list[Tensor]:
         # parts == [W, C], handed over (ShardedSplit.at_owners): the whole matrices, contiguous, and their state
         # columns; W is read by nothing after orth, which may iterate Newton-Schulz in it and let it go before
         # post (driver.directions' consume)
@@ -67,15 +88,27 @@ def hidden_at_owners(rule: MomentumBase, stack: list[Tensor], state: dict[str, T
               for i, (key, row) in enumerate(zip(keys, per_row, strict=True))}
         handed = [W]
         del W, C
-        D = orth(rule, handed, st, group, ctx, batched=batched_ns(device))
-        return torch.cat([D[0].reshape(j, m, n).to(out_dtype), *columns(st, j, m, out_dtype)], dim=-1)
+        U, row_f, col_f = orth(rule, handed, st, group, ctx, batched=batched_ns(device), factored=form != "direction")
+        cols = ([row_f.reshape(j, m, 1).to(stat_dtype)] if factors else []) + columns(st, j, m)
+        return [U.reshape(j, m, n).to(u_dtype),
+                torch.cat(cols, dim=-1) if cols else U.new_empty((j, m, 0), dtype=stat_dtype),
+                col_f.reshape(j, n).to(stat_dtype) if factors else U.new_empty((j, 0), dtype=stat_dtype)]
 
-    send = [torch.cat([X.to(dtype), *columns(state, k, rows, dtype)], dim=-1)]
-    del X
-    back = ctx.split.at_owners(send, whole, m, n, n + len(keys), out_dtype, owners)
+    C = torch.cat(columns(state, k, rows), dim=-1) if keys else X.new_empty((k, rows, 0), dtype=stat_dtype)
+    back = [(u_dtype, n, True), (stat_dtype, extra, True), (stat_dtype, n if factors else 0, False)]
+    send = [X, C]
+    del X, C
+    U, E, V = ctx.split.at_owners(send, whole, m, back, owners)
     for i, (key, row) in enumerate(zip(keys, per_row, strict=True)):
-        state[key].copy_(_column(back[:, :rows] if row else back, n + i, row, state[key].dtype))
-    return [back[:, :rows, :n]]
+        state[key].copy_(_column(E[:, :rows] if row else E, int(factors) + i, row, state[key].dtype))
+    U = U[:, :rows]
+    if factors:
+        return [F.apply_factors(U, E[:, :rows, :1], V[:, None, :])]
+    return [U.to(torch.promote_types(u_dtype, stat_dtype))]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _column(W: Tensor, c: int, per_row: bool, dtype: torch.dtype) -> Tensor:
