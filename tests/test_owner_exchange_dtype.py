@@ -44,16 +44,17 @@ def _batch(step: int) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def _run(mesh, float32_back: bool) -> dict:
-    """Muon with bf16 Newton-Schulz under TP against one process fed the same gradients; the last step metered.
-    ``float32_back``: the control, ``returns_orth`` answering no (the way back at the parameters' dtype)."""
+def _run(mesh, name: str, float32_back: bool = False) -> dict:
+    """Optimizer ``name`` with bf16 Newton-Schulz under TP against one process fed the same gradients; the last
+    step metered. ``float32_back``: the control, ``returns_orth`` answering no (the way back at the parameters'
+    dtype)."""
     from meqmuon.optim import exchange
 
     model, _ = zoo.llama()
     ref = copy.deepcopy(model)
     tp_plan(model, mesh)
     kw = dict(lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16)
-    opt, ref_opt = meqmuon.build_optimizer("muon", model, **kw), meqmuon.build_optimizer("muon", ref, **kw)
+    opt, ref_opt = meqmuon.build_optimizer(name, model, **kw), meqmuon.build_optimizer(name, ref, **kw)
     meter, owner_meter, orth = StepMeter(), StepMeter(), exchange.returns_orth
     exchange.returns_orth = (lambda rule: False) if float32_back else orth
     try:
@@ -95,7 +96,31 @@ def _worker(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    return {"bf16": _run(mesh, False), "float32": _run(mesh, True)}
+    return {"bf16": _run(mesh, "muon"), "float32": _run(mesh, "muon", float32_back=True),
+            "muoneq": _run(mesh, "muoneq-r")}
+
+
+def test_returns_orth_is_the_rules_whose_direction_is_newton_schulzs_output():
+    """Muon (Moonlight's), MuonEq and Aurora keep the identity ``post``; every rule with a ``post`` or a
+    ``post_all`` of its own (MeqMuon's eq. 8, NorMuon, Muon+, MeqShape, a user's variant) does not."""
+    from meqmuon.optim.exchange import returns_orth
+    from meqmuon.optim.rules import RULES
+
+    assert {n for n, r in RULES.items() if returns_orth(r)} == {"moonlight_hidden", "muoneq_hidden", "aurora_hidden"}
+
+    class PostAll(meqmuon.HiddenRule):
+        name = "post_all_only"
+
+        def post_all(self, Us, group, states):
+            return [U * 2 for U in Us]
+
+    class Pre(meqmuon.HiddenRule):
+        name = "pre_only"
+
+        def pre(self, X, group, state=None):
+            return X * 2
+
+    assert not returns_orth(PostAll()) and returns_orth(Pre())
 
 
 def test_tp_muon_bf16_directions_come_back_in_bf16_at_the_floor_and_equal_one_process(tmp_path):
@@ -114,6 +139,10 @@ def test_tp_muon_bf16_directions_come_back_in_bf16_at_the_floor_and_equal_one_pr
         # the rest of the step (the row path's exchange) is not touched
         rest = [r["step"]["sent"] - r["owner_path"]["sent"] for r in (new, old)]
         assert rest[0] == rest[1] > 0, rest
+        # MuonEq: its pre computes in float32 (X goes out in float32), its direction is Newton-Schulz's (bf16 back)
+        eq = r["muoneq"]
+        assert eq["unequal"] == [], (rank, eq["unequal"])
+        assert eq["owner_path"]["sent"] == 4 * eq["local"] + 2 * eq["owned"], (rank, eq["owner_path"])
     floor = sum(2 * 2 * r["bf16"]["local"] for r in got)  # the floor: 2 x itemsize(bf16) x local elements
     assert sum(r["bf16"]["owner_path"]["sent"] for r in got) == floor
     assert sum(r["bf16"]["owner_path"]["received"] for r in got) == floor
