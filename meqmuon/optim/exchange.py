@@ -3,7 +3,8 @@
 Momentum rules (:func:`directions_at_owners`): every rank updates the momentum of its piece where it lies
 and sends its piece of the direction input ``X`` to the owner (``owners.OwnerPlan.to_owners``); the owner
 runs the one-process body on the whole matrix (:func:`_whole_direction`) and returns every rank its piece of
-``D`` with the small per-matrix state the rule changed (``from_owners``); each rank applies
+``D`` (in the Newton-Schulz dtype where ``D`` is its output unscaled: :func:`returns_orth`) with the small
+per-matrix state the rule changed (``from_owners``); each rank applies
 ``W <- (1 - lr wd) W - lr s D`` to its piece. A stepping rule that is not elementwise (SCALE's column rule on
 pieces that are not whole rows) keeps the whole-tensor fallback (:func:`gather_whole`, :func:`scatter_whole`):
 its parameter, gradient and state made whole at the owner for the step and freed after it.
