@@ -3,7 +3,8 @@
 Momentum rules (:func:`directions_at_owners`): every rank updates the momentum of its piece where it lies
 and sends its piece of the direction input ``X`` to the owner (``owners.OwnerPlan.to_owners``); the owner
 runs the one-process body on the whole matrix (:func:`_whole_direction`) and returns every rank its piece of
-``D`` with the small per-matrix state the rule changed (``from_owners``); each rank applies
+``D`` (in the Newton-Schulz dtype where ``D`` is its output unscaled: :func:`returns_orth`) with the small
+per-matrix state the rule changed (``from_owners``); each rank applies
 ``W <- (1 - lr wd) W - lr s D`` to its piece. A stepping rule that is not elementwise (SCALE's column rule on
 pieces that are not whole rows) keeps the whole-tensor fallback (:func:`gather_whole`, :func:`scatter_whole`):
 its parameter, gradient and state made whole at the owner for the step and freed after it.
@@ -18,11 +19,12 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
+from .calls import Item
 from .distributed import is_dtensor
-from .driver import HiddenRule, directions, matrix_shape, needs_matrix, resolve_dtype
+from .driver import HiddenRule, apply_update, directions, matrix_shape, needs_matrix, resolve_dtype
 from .owners import OwnerPlan
 
-__all__ = ["Job", "directions_at_owners", "gather_whole", "scatter_whole"]
+__all__ = ["Job", "directions_at_owners", "gather_whole", "returns_orth", "scatter_whole"]
 
 
 class Job:
@@ -51,14 +53,32 @@ def _scales(job: Job) -> list[float]:
     return [job.rule.lr_scale(r, c, job.group) for r, c in job.layout.shapes()]
 
 
+def returns_orth(rule: Any) -> bool:
+    """Whether a rule's direction is Newton-Schulz's output itself: a ``HiddenRule`` that keeps the identity
+    ``post`` (and ``post_all``), as Muon (Moonlight's), MuonEq and Aurora do. Its ``D`` then has the Newton-Schulz
+    dtype's values, so that it travels back in that dtype: widening bf16 to float32 is exact, and each rank adds
+    what one process adds (:func:`driver.apply_update`)."""
+    return (isinstance(rule, HiddenRule) and type(rule).post is HiddenRule.post
+            and type(rule).post_all is HiddenRule.post_all)
+
+
 def _dtypes(job: Job) -> tuple[torch.dtype, torch.dtype]:
     """What travels: the direction input (the Newton-Schulz dtype where the rule keeps the default ``pre``,
-    else at least float32, as ``pre`` and the elementwise rules compute) and the direction (at least the
-    parameter's dtype, so that the update adds what one process adds)."""
+    else at least float32, as ``pre`` and the elementwise rules compute) and the direction: the Newton-Schulz
+    dtype where ``D`` is its output unscaled (:func:`returns_orth`, no step multipliers folded in:
+    :func:`_folds`), else at least the parameter's dtype, so that the update adds what one process adds (a
+    ``post`` or a fold computes in float32: its bf16 rounding would change the bits)."""
     p = job.param.to_local()
     hidden = isinstance(job.rule, HiddenRule)
     out = resolve_dtype(job.group, p, job.ctx) if hidden and not job.rule._rewrites_input else F._stat_dtype(p)
+    if returns_orth(job.rule) and not _folds(job):
+        return out, resolve_dtype(job.group, p, job.ctx)
     return out, torch.promote_types(out, p.dtype)
+
+
+def _folds(job: Job) -> bool:
+    """Whether the owner folds the step multipliers into ``D``: a view whose matrices have different ones."""
+    return len(set(_scales(job))) > 1
 
 
 def directions_at_owners(plan: OwnerPlan, jobs: Sequence[Job]) -> None:
@@ -97,10 +117,10 @@ def directions_at_owners(plan: OwnerPlan, jobs: Sequence[Job]) -> None:
                      *(job.state[k].to_local() if is_dtensor(job.state[k]) else job.state[k] for k in owner_keys)])
     plan.from_owners([j.index for j in jobs], out_wholes, out_keys, into)
     del out_wholes
+    scratch: dict = {}  # one float32 buffer per shape for the bf16 directions, as one process's update
     for job, (D, *_) in zip(jobs, into, strict=True):
-        scales = _scales(job)
-        s = scales[0] if len(set(scales)) == 1 else 1.0
-        F.decay_and_update_([job.param.to_local()], [D], job.group["lr"], job.group["weight_decay"], [s])
+        s = 1.0 if _folds(job) else _scales(job)[0]
+        apply_update([Item(job.param.to_local(), None, {}, job.name)], [D], [s], job.group, scratch)
 
 
 def _whole_state(t: Any) -> Any:
@@ -125,8 +145,7 @@ def _whole_direction(job: Job, wholes: list[Tensor | None], state: dict[str, Ten
             y = rule.direction(x.contiguous().to(F._stat_dtype(x))[None], group, None, tuple(x.shape))
             d.copy_(y[0].reshape(d.shape))
         return D
-    scales = _scales(job)
-    fold = len(set(scales)) > 1
+    scales, fold = _scales(job), _folds(job)
     cut = {"rows": layout.row_pieces, "counter": layout.counters}
     per_key = {k: cut[how](state[k]) for k, how in rule.state_views.items() if how in cut}
     steps = [k for k, how in rule.state_views.items() if how == "step"]
