@@ -57,9 +57,9 @@ def returns_orth(rule: Any) -> bool:
     """Whether a rule's direction is Newton-Schulz's output itself: a ``HiddenRule`` that keeps the identity
     ``post`` (and ``post_all``), as Muon (Moonlight's), MuonEq and Aurora do. Its ``D`` then has the Newton-Schulz
     dtype's values, so that it travels back in that dtype: widening bf16 to float32 is exact, and each rank adds
-    what one process adds (:func:`driver.apply_update`)."""
-    return (isinstance(rule, HiddenRule) and type(rule).post is HiddenRule.post
-            and type(rule).post_all is HiddenRule.post_all)
+    what one process adds (:func:`driver.apply_update`). The row path's reading of the same fact:
+    ``HiddenRule._direction_form`` (``sharded.py``)."""
+    return isinstance(rule, HiddenRule) and rule._direction_form == "identity"
 
 
 def _dtypes(job: Job) -> tuple[torch.dtype, torch.dtype]:
