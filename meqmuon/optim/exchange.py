@@ -86,7 +86,8 @@ def factors_pay(plan: OwnerPlan, job: Job, d_dtype: torch.dtype) -> bool:
     ``post_all`` bit for bit on any block). Where that is fewer bytes than ``D`` for every rank's (non-empty)
     piece: with bf16 ``U`` and float32 ``D``, pieces with ``2 (m + n) < m n``; never with a float32 ``U``. Read from
     shapes and placements alone (the plan's :class:`~.owners.Pieces`), so that every rank decides it alike,
-    knowing what it will receive, with no collective: the row path's rule (``sharded.hidden_at_owners``)."""
+    knowing what it will receive, with no collective: the row path's rule (``sharded.hidden_at_owners``). A rank
+    whose piece is empty (uneven shards) still receives the factors of the dimension it covers: a few bytes."""
     rule, p = job.rule, job.param
     if not (isinstance(rule, HiddenRule) and rule._direction_form == "factors" and job.layout.whole
             and not job.cut and p.ndim == 2 and not _folds(job)):
