@@ -12,6 +12,12 @@ bf16 direction (``driver.apply_update``). On 2 gloo ranks, the tiny Llama under 
   (torch's own c10d ops), carry each rank exactly ``2 B x (local + owned)`` elements each way (the bf16 input
   out, the bf16 direction back), and over both ranks exactly the floor ``2 x 2 B x local elements``; the negative
   control, the float32 way back, moves 1.5x the floor and fails it; the rest of the step moves the same bytes.
+
+MeqMuon's direction is eq. 8's ``(U * row) * col``: on those plain matrices the owner sends each rank its piece of
+``U`` in bf16 with the row factors of its rows and the column factors of its columns (float32), from which the
+rank makes its ``D`` (``exchange.factors_pay``): the update equals one process's bit for bit, and equals the
+float32 ``D`` way back's (the control: the decision patched to no), whose bytes are more; each way's bytes are
+exactly what the pieces' shapes give; the per-matrix counter ``rows_chosen`` comes back as one process counts.
 """
 
 from __future__ import annotations
@@ -46,8 +52,8 @@ def _batch(step: int) -> dict:
 
 def _run(mesh, name: str, float32_back: bool = False) -> dict:
     """Optimizer ``name`` with bf16 Newton-Schulz under TP against one process fed the same gradients; the last
-    step metered. ``float32_back``: the control, ``returns_orth`` answering no (the way back at the parameters'
-    dtype)."""
+    step metered. ``float32_back``: the control, ``returns_orth`` and ``factors_pay`` answering no (the way back
+    at the parameters' dtype). ``factored``: how many of the step's owner-path jobs took eq. 8's factors."""
     from meqmuon.optim import exchange
 
     model, _ = zoo.llama()
@@ -55,8 +61,15 @@ def _run(mesh, name: str, float32_back: bool = False) -> dict:
     tp_plan(model, mesh)
     kw = dict(lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16)
     opt, ref_opt = meqmuon.build_optimizer(name, model, **kw), meqmuon.build_optimizer(name, ref, **kw)
-    meter, owner_meter, orth = StepMeter(), StepMeter(), exchange.returns_orth
+    meter, owner_meter, orth, pay = StepMeter(), StepMeter(), exchange.returns_orth, exchange.factors_pay
+    decisions: list[bool] = []
+
+    def factors_pay(plan, job, d_dtype):
+        decisions.append(False if float32_back else pay(plan, job, d_dtype))
+        return decisions[-1]
+
     exchange.returns_orth = (lambda rule: False) if float32_back else orth
+    exchange.factors_pay = factors_pay
     try:
         for step in range(STEPS):
             model(**_batch(step)).loss.backward()
@@ -74,14 +87,35 @@ def _run(mesh, name: str, float32_back: bool = False) -> dict:
             opt.zero_grad()
             ref_opt.zero_grad()
     finally:
-        exchange.returns_orth = orth
+        exchange.returns_orth, exchange.factors_pay = orth, pay
     full = {n: (p.full_tensor() if is_dtensor(p) else p).detach().clone() for n, p in model.named_parameters()}
     unequal = [n for n, q in ref.named_parameters() if not torch.equal(full[n], q.detach())]
     local = sum(o.param.to_local().numel() for o in plan.owned)
     owned = sum(o.param.numel() for i, o in enumerate(plan.owned) if plan.mine(i))
     return {"unequal": unequal, "params": full, "step": meter.summary(), "owner_path": owner_meter.summary(),
             "local": local, "owned": owned, "on_owner_path": len(plan.owned),
-            "dtensors": sum(is_dtensor(p) for p in model.parameters())}
+            "owner_names": [n for n, p in model.named_parameters() if any(o.param is p for o in plan.owned)],
+            "dtensors": sum(is_dtensor(p) for p in model.parameters()), "factored": sum(decisions[-len(plan.owned):]),
+            **({"back": {f: _back_bytes(plan, f) for f in (False, True)},
+                "counts": (opt.selection_counts(), ref_opt.selection_counts())} if name == "meqmuon" else {})}
+
+
+def _back_bytes(plan, factored: bool) -> int:
+    """What this rank, as owner, sends back for MeqMuon from the pieces' shapes (``Pieces.local_shape``): per
+    matrix it owns and rank ``r`` of its group with a piece of ``m x n``, float32 ``D`` (``4 m n``) or bf16 ``U``
+    with ``m`` row and ``n`` column float32 factors (``2 m n + 4 (m + n)``), and the matrix's counter
+    ``rows_chosen`` whole (int64, the only per-matrix state of MeqMuon's hidden rule)."""
+    total = 0
+    for i, o in enumerate(plan.owned):
+        if not plan.mine(i):
+            continue
+        counter = o.state["rows_chosen"]
+        counter = counter.to_local() if is_dtensor(counter) else counter
+        assert counter.dtype == torch.int64 and counter.numel() == 1
+        for r in plan.senders(i):
+            m, n = o.pieces.local_shape(r)
+            total += (2 * m * n + 4 * (m + n) if factored else 4 * m * n) + 8
+    return total
 
 
 def _metered(exchange, meter: StepMeter):
@@ -98,6 +132,30 @@ def _worker(rank: int) -> dict:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     return {"bf16": _run(mesh, "muon"), "float32": _run(mesh, "muon", float32_back=True),
             "muoneq": _run(mesh, "muoneq-r")}
+
+
+def _meq_worker(rank: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    return {"factors": _run(mesh, "meqmuon"), "direction": _run(mesh, "meqmuon", float32_back=True)}
+
+
+def test_eq8_factors_give_the_direction_on_every_piece_of_rows_and_columns():
+    """``F.apply_factors`` on any box of a matrix (a TP ``Shard(1)`` piece is a block of columns; FSDP2 over TP's
+    a block of rows of a block of columns; ``_StridedShard`` pieces are runs of rows) with the factors of the
+    rows and columns it covers gives that box of eq. 8's direction, bit for bit, for a bf16 ``U``."""
+    from meqmuon import functional as F
+
+    g = torch.Generator().manual_seed(3)
+    U = (torch.randn(2, 24, 40, generator=g) * torch.linspace(0.1, 3.0, 40)).to(torch.bfloat16)
+    (whole,), _ = F.adaptive_normalize_stacks([U], rho=0.8)
+    ((row, col),), _ = F.adaptive_normalize_factors([U], rho=0.8)
+    for k in range(2):
+        boxes = ((slice(0, 24), slice(20, 40)), (slice(6, 12), slice(0, 20)), ([0, 1, 8, 9, 16], slice(5, 7)))
+        for rows, cols in boxes:
+            got = F.apply_factors(U[k][rows][:, cols], row[k, :, 0][rows][:, None], col[k, 0][cols][None, :])
+            assert torch.equal(got, whole[k][rows][:, cols]), (k, rows, cols)
 
 
 def test_returns_orth_is_the_rules_whose_direction_is_newton_schulzs_output():
@@ -148,3 +206,32 @@ def test_tp_muon_bf16_directions_come_back_in_bf16_at_the_floor_and_equal_one_pr
     assert sum(r["bf16"]["owner_path"]["received"] for r in got) == floor
     # the negative control: 2 B out and 4 B back per element, 1.5x the floor
     assert sum(r["float32"]["owner_path"]["sent"] for r in got) == 3 * floor // 2 > floor
+
+
+def test_tp_meqmuon_bf16_eq8_factors_come_back_with_u_and_equal_one_process(tmp_path):
+    """MeqMuon, bf16 Newton-Schulz, TP on 2 ranks: its 4 owner-path matrices (rowwise, ``Shard(1)``) come back
+    as bf16 ``U`` with eq. 8's factors of each piece, equal to one process bit for bit, and every parameter to
+    the float32 ``D`` way back's (the control), at exactly the bytes the pieces' shapes give; the control's
+    bytes are exactly ``D``'s, more."""
+    got = _spawn(_meq_worker, tmp_path)
+    for rank, r in enumerate(got):
+        new, old = r["factors"], r["direction"]
+        assert new["on_owner_path"] == new["factored"] == 4 and old["factored"] == 0, (new["factored"], old["factored"])
+        owner_names = new["owner_names"]
+        assert len(owner_names) == 4 and all(n.endswith(("o_proj.weight", "down_proj.weight")) for n in owner_names)
+        # the owner path's matrices equal one process bit for bit (the rest of the step, the row path and the
+        # embeddings, is not this path's: with bf16 Newton-Schulz it is not bit for bit one process's)
+        assert not set(owner_names) & set(new["unequal"] + old["unequal"]), (rank, new["unequal"], old["unequal"])
+        assert all(torch.equal(new["params"][n], p) for n, p in old["params"].items())  # today's bits, everywhere
+        for way in (new, old):  # rows_chosen as one process counts it, on the owner path's matrices too
+            mine, ref = way["counts"]
+            assert mine == ref and set(owner_names) <= set(ref), (rank, mine, ref)
+        # bf16 X pieces out, then the way back: exactly the pieces' shapes' bytes (_back_bytes)
+        assert new["owner_path"]["sent"] == 2 * new["local"] + new["back"][True], (rank, new["owner_path"])
+        assert old["owner_path"]["sent"] == 2 * old["local"] + old["back"][False], (rank, old["owner_path"])
+        assert new["back"][True] < new["back"][False]
+        rest = [w["step"]["sent"] - w["owner_path"]["sent"] for w in (new, old)]
+        assert rest[0] == rest[1] > 0, rest  # the row path's bytes are not touched
+    for way in ("factors", "direction"):  # what the owners send is what the ranks receive
+        assert sum(r[way]["owner_path"]["sent"] for r in got) == sum(r[way]["owner_path"]["received"] for r in got)
+    assert sum(r["factors"]["owner_path"]["sent"] for r in got) < sum(r["direction"]["owner_path"]["sent"] for r in got)

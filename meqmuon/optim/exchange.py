@@ -3,9 +3,10 @@
 Momentum rules (:func:`directions_at_owners`): every rank updates the momentum of its piece where it lies
 and sends its piece of the direction input ``X`` to the owner (``owners.OwnerPlan.to_owners``); the owner
 runs the one-process body on the whole matrix (:func:`_whole_direction`) and returns every rank its piece of
-``D`` (in the Newton-Schulz dtype where ``D`` is its output unscaled: :func:`returns_orth`) with the small
-per-matrix state the rule changed (``from_owners``); each rank applies
-``W <- (1 - lr wd) W - lr s D`` to its piece. A stepping rule that is not elementwise (SCALE's column rule on
+``D`` (in the Newton-Schulz dtype where ``D`` is its output unscaled: :func:`returns_orth`; for MeqMuon's eq. 8
+on a plain matrix, ``U`` in the Newton-Schulz dtype with the row and column factors of its piece, where fewer
+bytes: :func:`factors_pay`) with the small per-matrix state the rule changed (``from_owners``); each rank
+applies ``W <- (1 - lr wd) W - lr s D`` to its piece. A stepping rule that is not elementwise (SCALE's column rule on
 pieces that are not whole rows) keeps the whole-tensor fallback (:func:`gather_whole`, :func:`scatter_whole`):
 its parameter, gradient and state made whole at the owner for the step and freed after it.
 """
@@ -22,9 +23,9 @@ from .. import functional as F
 from .calls import Item
 from .distributed import is_dtensor
 from .driver import HiddenRule, apply_update, directions, matrix_shape, needs_matrix, resolve_dtype
-from .owners import OwnerPlan
+from .owners import AXES, OwnerPlan
 
-__all__ = ["Job", "directions_at_owners", "gather_whole", "returns_orth", "scatter_whole"]
+__all__ = ["Job", "directions_at_owners", "factors_pay", "gather_whole", "returns_orth", "scatter_whole"]
 
 
 class Job:
@@ -76,6 +77,29 @@ def _dtypes(job: Job) -> tuple[torch.dtype, torch.dtype]:
     return out, torch.promote_types(out, p.dtype)
 
 
+def factors_pay(plan: OwnerPlan, job: Job, d_dtype: torch.dtype) -> bool:
+    """Whether the owner sends eq. 8's factored form (``HiddenRule._direction_form == "factors"``, MeqMuon) of a
+    plain matrix (the parameter is its one matrix: no split, transposed, folded or stacked view, so no fold)
+    instead of ``D`` in ``d_dtype`` (:func:`_dtypes`): each rank's piece of ``U`` in the Newton-Schulz dtype, the
+    row factors of the rows and the column factors of the columns it covers (their dtype, ``post_factors``':
+    float32 for a bf16 ``U``), from which it makes ``D = (U * row) * col`` (``F.apply_factors``, the owner's
+    ``post_all`` bit for bit on any block). Where that is fewer bytes than ``D`` for every rank's (non-empty)
+    piece: with bf16 ``U`` and float32 ``D``, pieces with ``2 (m + n) < m n``; never with a float32 ``U``. Read from
+    shapes and placements alone (the plan's :class:`~.owners.Pieces`), so that every rank decides it alike,
+    knowing what it will receive, with no collective: the row path's rule (``sharded.hidden_at_owners``). A rank
+    whose piece is empty (uneven shards) still receives the factors of the dimension it covers: a few bytes."""
+    rule, p = job.rule, job.param
+    if not (isinstance(rule, HiddenRule) and rule._direction_form == "factors" and job.layout.whole
+            and not job.cut and p.ndim == 2 and not _folds(job)):
+        return False
+    ns = resolve_dtype(job.group, p.to_local(), job.ctx)
+    if torch.promote_types(ns, torch.float32) != d_dtype or ns.itemsize >= d_dtype.itemsize:
+        return False  # the factors' dtype is not D's (float64 parameters), or U is no narrower than D
+    iu, i_d = ns.itemsize, d_dtype.itemsize
+    return all(m * n * iu + (m + n) * i_d < m * n * i_d for m, n in plan.owned[job.index].pieces.local_shapes()
+               if m * n)
+
+
 def _folds(job: Job) -> bool:
     """Whether the owner folds the step multipliers into ``D``: a view whose matrices have different ones."""
     return len(set(_scales(job))) > 1
@@ -102,37 +126,55 @@ def directions_at_owners(plan: OwnerPlan, jobs: Sequence[Job]) -> None:
         wholes.append([torch.empty(job.param.shape, dtype=x_dtype, device=X.device),
                        *(torch.empty(job.state[k].shape, dtype=job.state[k].dtype, device=X.device) for k in sharded)]
                       if mine else [None] * len(keys[-1]))
-        backs.append(d_dtype)
+        backs.append((d_dtype, factors_pay(plan, job, d_dtype)))
     plan.to_owners([j.index for j in jobs], pieces, wholes, keys)
     del pieces  # X's pieces, in the wholes now
     out_wholes, out_keys, into = [], [], []
-    for job, ws, ks, d_dtype in zip(jobs, wholes, keys, backs, strict=True):
+    for job, ws, ks, (d_dtype, factored) in zip(jobs, wholes, keys, backs, strict=True):
         owner_keys = job.rule._owner_state
         state = {k: (ws[ks.index(k)] if k in ks else _whole_state(job.state[k])) for k in owner_keys}
-        D = _whole_direction(job, ws, state, d_dtype) if ws[0] is not None else None  # lets X (ws[0]) go
-        out_wholes.append([D, *(state[k] for k in owner_keys)])
-        out_keys.append(["param", *(k if k in ks else None for k in owner_keys)])
-        local = job.param.to_local()
-        into.append([torch.empty(local.shape, dtype=d_dtype, device=local.device),
+        # D, or (U, row, col) where factored; lets X (ws[0]) go
+        D = _whole_direction(job, ws, state, d_dtype, factored) if ws[0] is not None else None
+        parts = (list(D) if D is not None else [None] * 3) if factored else [D]
+        out_wholes.append([*parts, *(state[k] for k in owner_keys)])
+        out_keys.append([*(["param", *AXES] if factored else ["param"]), *(k if k in ks else None for k in owner_keys)])
+        into.append([*_direction_pieces(job, d_dtype, factored),
                      *(job.state[k].to_local() if is_dtensor(job.state[k]) else job.state[k] for k in owner_keys)])
     plan.from_owners([j.index for j in jobs], out_wholes, out_keys, into)
     del out_wholes
     scratch: dict = {}  # one float32 buffer per shape for the bf16 directions, as one process's update
-    for job, (D, *_) in zip(jobs, into, strict=True):
+    for job, (_, factored), got in zip(jobs, backs, into, strict=True):
+        # eq. 8 on this rank's piece: (U * row) * col, the owner's post_all bit for bit (F.apply_factors)
+        D = F.apply_factors(got[0], got[1][:, None], got[2][None, :]) if factored else got[0]
         s = 1.0 if _folds(job) else _scales(job)[0]
         apply_update([Item(job.param.to_local(), None, {}, job.name)], [D], [s], job.group, scratch)
+        got.clear()  # this piece's U or D goes before the next job's D is made
+
+
+def _direction_pieces(job: Job, d_dtype: torch.dtype, factored: bool) -> list[Tensor]:
+    """Where this rank receives its piece of the direction: ``D`` in ``d_dtype``, or (``factored``) ``U`` in
+    the Newton-Schulz dtype with the factors of its piece's rows and columns (in ``d_dtype``: :func:`factors_pay`)."""
+    local = job.param.to_local()
+    if not factored:
+        return [torch.empty(local.shape, dtype=d_dtype, device=local.device)]
+    ns = resolve_dtype(job.group, local, job.ctx)
+    return [torch.empty(local.shape, dtype=ns, device=local.device),
+            *(torch.empty(local.shape[d], dtype=d_dtype, device=local.device) for d in AXES.values())]
 
 
 def _whole_state(t: Any) -> Any:
     return t.to_local() if is_dtensor(t) else t
 
 
-def _whole_direction(job: Job, wholes: list[Tensor | None], state: dict[str, Tensor], dtype: torch.dtype) -> Tensor:
+def _whole_direction(job: Job, wholes: list[Tensor | None], state: dict[str, Tensor], dtype: torch.dtype,
+                     factored: bool = False) -> Tensor | tuple[Tensor, Tensor, Tensor]:
     """At the owner: the direction of the whole ``X`` (the parameter's global shape) by the one-process body,
     matrix by matrix of the view as the per-tensor form (``driver._hidden_eager``); ``state`` (whole per-matrix
     state) updated in place. A view whose matrices have different step multipliers gets them folded in. ``X`` is
     ``wholes[0]``, handed over (set to ``None`` here): scratch, which Newton-Schulz overwrites where it iterates
-    in place and lets go, matrix by matrix, before ``post`` (``driver.directions``' ``consume``)."""
+    in place and lets go, matrix by matrix, before ``post`` (``driver.directions``' ``consume``). ``factored``
+    (a plain matrix, :func:`factors_pay`): ``(U, row, col)`` instead, ``U`` in the Newton-Schulz dtype and eq. 8's
+    factors ``(m,)`` and ``(n,)`` (``driver.directions``' ``factored``; the per-matrix state updated alike)."""
     X, wholes[0] = wholes[0], None
     rule, layout, group = job.rule, job.layout, job.group
     if job.ctx.capture is not None:
@@ -162,7 +204,10 @@ def _whole_direction(job: Job, wholes: list[Tensor | None], state: dict[str, Ten
         # lets it go before post (consume; X's storage goes with its last matrix)
         stack, xs[j] = [(xs[j].contiguous()[None], 1, st)], None
         ((u,),) = directions(rule, stack, group, job.ctx, batched=False, scratch=scratch, release=True,
-                             consume=True)
+                             consume=True, factored=factored)
+        if factored:  # one matrix, the parameter itself
+            u, row, col = u
+            return u[0], row[0, :, 0], col[0, 0]
         if whole and u.dtype == dtype:
             return u[0]
         if D is None:  # made once the first direction exists: not alive during Newton-Schulz (the step's peak)

@@ -58,7 +58,11 @@ except ImportError:  # pragma: no cover - torch builds without distributed suppo
     dist = None  # type: ignore[assignment]
     DTensor = Replicate = Shard = _StridedShard = None  # type: ignore[assignment,misc]
 
-__all__ = ["OwnerPlan", "Pieces", "is_replicated", "piece_runs"]
+__all__ = ["AXES", "OwnerPlan", "Pieces", "is_replicated", "piece_runs"]
+
+#: Keys of vectors along one dimension of the parameter (:meth:`Pieces.along`): each rank's piece of one is the
+#: entries of the rows (columns) its piece of the parameter covers; eq. 8's row and column factors travel so.
+AXES = {"param:rows": 0, "param:cols": 1}
 
 #: Per dimension, the runs ``(start, stop)`` of global indices a piece covers, in the local order.
 Runs = tuple[tuple[tuple[int, int], ...], ...]
@@ -126,7 +130,7 @@ class Pieces:
     own owner). Plain Python numbers: a few runs per rank.
     """
 
-    __slots__ = ("shape", "runs", "coords", "ranks", "replicated_dims")
+    __slots__ = ("shape", "runs", "coords", "ranks", "replicated_dims", "_along", "_shapes")
 
     def __init__(self, t: Tensor) -> None:
         mesh = t.device_mesh
@@ -142,6 +146,20 @@ class Pieces:
             self.ranks[c] = r
         self.replicated_dims = tuple(i for i, p in enumerate(t.placements) if p.is_replicate())
         self.runs: list[Runs] = [piece_runs(t.shape, t.placements, sizes, self.coords[r]) for r in range(world)]
+        self._along: dict[int, Pieces] = {}
+        self._shapes: frozenset[tuple[int, ...]] | None = None
+
+    def along(self, d: int) -> Pieces:
+        """The pieces of a vector of ``shape[d]`` entries, one per index of dimension ``d``: rank ``r``'s is
+        the entries of the indices its piece of the tensor covers (``runs[r][d]``, in its local order), with the
+        same owners. Made once per descriptor (``O(world)``)."""
+        if d not in self._along:
+            v = object.__new__(Pieces)
+            v.shape, v.coords, v.ranks = (self.shape[d],), self.coords, self.ranks
+            v.replicated_dims = self.replicated_dims
+            v.runs, v._along, v._shapes = [(runs[d],) for runs in self.runs], {}, None
+            self._along[d] = v
+        return self._along[d]
 
     def owner_for(self, r: int, owner: int) -> int:
         c = list(self.coords[owner])
@@ -165,6 +183,12 @@ class Pieces:
 
     def local_shape(self, r: int) -> tuple[int, ...]:
         return tuple(sum(b - a for a, b in runs) for runs in self.runs[r])
+
+    def local_shapes(self) -> frozenset[tuple[int, ...]]:
+        """The shapes of the ranks' pieces, each once (made once per descriptor)."""
+        if self._shapes is None:
+            self._shapes = frozenset(self.local_shape(r) for r in range(len(self.runs)))
+        return self._shapes
 
     def take(self, whole: Tensor, r: int) -> Tensor:
         """Rank ``r``'s piece of ``whole`` (a tensor of the global shape), contiguous."""
@@ -262,8 +286,9 @@ class OwnerPlan:
     def from_owners(self, indices: Sequence[int], wholes: Sequence[Sequence[Tensor | None]],
                     keys: Sequence[Sequence[str | None]], into: Sequence[Sequence[Tensor]]) -> None:
         """The way back, one ``all_to_all_single``: owners send every rank of their replica group its pieces
-        of ``wholes[j]`` (key ``None``: the tensor whole), which it copies into ``into[j]`` (its local tensors,
-        in the same order)."""
+        of ``wholes[j]`` (by ``keys[j]``: ``"param"``, a vector along one of its dimensions, :data:`AXES`, or a
+        state key; ``None``: the tensor whole), which it copies into ``into[j]`` (its local tensors, in the
+        same order)."""
         send: list[list[Tensor]] = [[] for _ in range(self.world)]
         for i, ws, ks in zip(indices, wholes, keys, strict=True):
             if self.mine(i):
@@ -281,7 +306,11 @@ class OwnerPlan:
                 t.copy_(from_bytes(next(src), t.dtype).view(t.shape))
 
     def _descriptor(self, index: int, key: str) -> Pieces:
+        """Where the pieces of ``key`` lie: ``"param"``, a vector along one of its dimensions (:data:`AXES`) or
+        a sharded state tensor."""
         o = self.owned[index]
+        if key in AXES:
+            return o.pieces.along(AXES[key])
         return o.pieces if key == "param" else o.state_pieces[key]
 
     def _exchange(self, send: list[list[Tensor]], sizes: list[list[int]]) -> list[list[Tensor]]:
