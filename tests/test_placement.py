@@ -111,6 +111,36 @@ def test_planning_makes_no_collective_on_the_fake_process_group():
         dist.destroy_process_group()
 
 
+def test_row_shards_of_a_one_rank_shard_group_are_local_and_the_calls_carry_their_path():
+    """HSDP's ``(Replicate(), Shard(0))`` on a 2 x 1 mesh (torch's fake process group, rank 1 of 2) holds whole
+    matrices on every rank: ``path_of`` says ``LOCAL`` (no exchange), where on 1 x 2 it says ``ROWS``; and a step's
+    rule calls carry their entries' path (``StepContext.path``), which the forms read."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meqmuon.optim import engine
+    from meqmuon.optim.placement import Path, path_of
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        paths = {}
+        for dims in ((2, 1), (1, 2)):
+            mesh = init_device_mesh("cpu", dims)
+            local = torch.zeros(8 // dims[1], 8)
+            w = torch.nn.Parameter(DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False,
+                                                      shape=(8, 8), stride=(8, 1)))
+            opt = meqmuon.build_optimizer("muon", [{"params": [w], "kind": "hidden", "names": ["w"]}])
+            rule, layout = opt._rules["hidden"], engine.group_layout(opt.param_groups[0], 0, w.shape, "w")
+            paths[dims] = path_of(w, rule, layout)
+            w.grad = torch.zeros_like(w)
+            calls = opt._calls(opt._plan(), opt.param_groups, opt._local, [])
+            assert [c[3].path for c in (*calls[0], *calls[1])] == [paths[dims]], dims
+        assert paths == {(2, 1): Path.LOCAL, (1, 2): Path.ROWS}, paths
+    finally:
+        dist.destroy_process_group()
+
+
 def _per_shard_worker(rank):
     """Muon under TP twice: as placed, and with every DTensor stepped on its local piece alone."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -7,6 +7,7 @@ one context per call; the engine (``engine.py``) makes both, the driver (``drive
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from enum import Enum
 from typing import Any
 
 import torch
@@ -14,7 +15,17 @@ from torch import Tensor
 
 from .distributed import LocalSplit
 
-__all__ = ["Item", "StepContext", "state_dtype"]
+__all__ = ["Item", "Path", "StepContext", "state_dtype"]
+
+
+class Path(Enum):
+    """Where a parameter steps: decided once per parameter by ``placement.path_of`` (the table is there), and
+    carried by each rule call's :class:`StepContext`, which the forms read."""
+
+    PLAIN = "plain"
+    LOCAL = "local"
+    ROWS = "rows"
+    PIECES = "pieces"
 
 
 class StepContext:
@@ -25,11 +36,11 @@ class StepContext:
     Adam/SCALE rules with ``"gradient"`` and the raw gradient. ``None``: no call, no cost.
     """
 
-    __slots__ = ("capture", "kind", "split", "workspace", "call", "inputs")
+    __slots__ = ("capture", "kind", "split", "workspace", "call", "inputs", "path")
 
     def __init__(self, capture: Callable[[str, str, str, Tensor], None] | None = None, kind: str = "",
                  split: LocalSplit | None = None, workspace: dict | None = None,
-                 call: int = 0) -> None:
+                 call: int = 0, path: Path = Path.PLAIN) -> None:
         self.capture = capture
         self.kind = kind
         #: Work splitter (``distributed.py``): who computes which matrix, sums over shards.
@@ -41,6 +52,8 @@ class StepContext:
         self.call = call
         #: The batched step's direction inputs, by item id, until they are stacked (``driver.stack_inputs``).
         self.inputs: dict[int, Tensor] = {}
+        #: The path of this call's parameters (``placement.py``): ``ROWS``, FSDP2's row shards, meet at owners.
+        self.path = path
 
     def emit(self, items: Sequence[Item], tensors: Sequence[Tensor], what: str) -> None:
         if self.capture is not None:

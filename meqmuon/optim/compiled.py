@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
-from .calls import Item, StepContext
+from .calls import Item, Path, StepContext
 from .driver import (
     Bucket,
     Call,
@@ -262,6 +262,12 @@ def compiled_per_tensor(calls: Sequence[Call]) -> None:
     per_tensor(calls, _hidden_compiled)
 
 
+def rows_batched(calls: Sequence[Call]) -> None:
+    """A hidden rule's FSDP2 row shards with ``compile=True`` (``placement.ROWS``): the eager batched form with
+    each owner's directions one graph (:func:`owner_directions`)."""
+    batched(calls, owner_directions)
+
+
 def compiled_batched(calls: Sequence[Call]) -> None:
     """The batched form with ``compile=True``: one graph per shape bucket (:func:`hidden_step`).
 
@@ -269,17 +275,12 @@ def compiled_batched(calls: Sequence[Call]) -> None:
     the eager batched form splits it; each rank updates the momentum of the other members eagerly, runs
     the bucket's graph on its slice, and one ``all_gather_into_tensor`` per bucket and dtype brings every
     slice's new parameters and owner state to every rank. An elementwise rule's buckets (memory-bound) run
-    whole on every rank. FSDP2's hidden row shards take the eager batched form with each owner's
-    directions one graph (``owner_directions``); the engine sends the elementwise rules' row
-    shards to the owner path (``placement.PIECES``, ``owners.py``), where they see whole tensors.
+    whole on every rank. FSDP2's hidden row shards are not here: the engine runs them in :func:`rows_batched`;
+    it sends the elementwise rules' row shards to the owner path (``placement.PIECES``, ``owners.py``), where
+    they see whole tensors.
     """
-    at_owners = [c for c in calls if isinstance(c[0], HiddenRule) and c[3].split.sharded]
-    if at_owners:
-        batched(at_owners, owner_directions)
     for rule, items, group, ctx in calls:
-        if isinstance(rule, HiddenRule) and ctx.split.sharded:
-            continue
-        if ctx.split.sharded:
+        if ctx.path is Path.ROWS:
             raise NotImplementedError("compile=True with foreach=True on row shards: the engine runs these rules at "
                                       "owner ranks (owners.py); this call is a bug")
         if ctx.capture is not None:

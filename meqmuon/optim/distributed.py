@@ -254,8 +254,7 @@ class LocalSplit:
 
     world_size = 1
     rank = 0
-    #: Rows of each tensor are sharded across ranks (FSDP2); rules then pass ``psum`` to statistics.
-    sharded = False
+    #: Sums over a tensor's shards for its statistics (FSDP2's rows); ``None``: the tensor is whole here.
     psum: F.PSum = None
 
     def __init__(self) -> None:
@@ -357,8 +356,6 @@ class ReplicatedSplit(_CollectiveSplit):
 
 class ShardedSplit(_CollectiveSplit):
     """FSDP2: every rank updates its row shards; NS moves whole matrices to owner ranks and back."""
-
-    sharded = True
 
     def __init__(self, process_group: Any) -> None:
         super().__init__(process_group)

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from .. import functional as F
 from ..precision import resolve_ns_dtype
-from .calls import Item, StepContext, state_dtype
+from .calls import Item, Path, StepContext, state_dtype
 from .distributed import state_like
 from .inputs import float_dtype, positive_int
 from .newton_schulz import NS_METHODS, method_flops
@@ -557,10 +557,10 @@ def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext, o
         ctx.emit(items, [ctx.inputs[id(it)] for it in items], "momentum_input")
     hidden = isinstance(rule, HiddenRule)
     buckets = make_buckets(items, matrix=hidden or needs_matrix(rule),
-                           transpose=hidden and rule.transposes and not ctx.split.sharded)
+                           transpose=hidden and rule.transposes and ctx.path is not Path.ROWS)
     # DDP: a contiguous slice of each bucket per rank; FSDP2 ranks update their row shards of all
     # members (a hidden rule's whole matrices meet at owners: sharded.py).
-    split = ctx.split.world_size > 1 and not ctx.split.sharded and _splits(rule)
+    split = ctx.split.world_size > 1 and ctx.path is not Path.ROWS and _splits(rule)
     plans = [ctx.split.bucket_plan(len(b.items), cost(rule, b.global_shape, group)) if split else None
              for b in buckets]
     ranges = [(sum(p[: ctx.split.rank]), sum(p[: ctx.split.rank + 1])) if split else (0, len(b.items))
@@ -616,7 +616,7 @@ def _hidden_directions(rule: HiddenRule, buckets: list[Bucket], ranges: list[tup
         state.update({k: v[o : o + hi - lo] for k, v in scalars.items()})
         stacks.append((stack_inputs(ctx, rule.name, b, lo, hi, dtype), max(0, min(b.plain - lo, hi - lo)), state))
         o += hi - lo
-    if ctx.split.sharded:  # the owners of all buckets planned at once; each bucket's stack let go after it
+    if ctx.path is Path.ROWS:  # the owners of all buckets planned at once; each bucket's stack let go after it
         owners = ctx.split.bucket_owners([len(b.items) for b in buckets],
                                          [cost(rule, b.global_shape, group) for b in buckets])
         ds = []

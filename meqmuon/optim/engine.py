@@ -52,6 +52,10 @@ FORMS: dict[tuple[bool, bool], Callable[[list[driver.Call]], None]] = {
     (True, True): compiled.compiled_batched,
 }
 
+#: The form of a hidden rule's FSDP2 row shards (``placement.ROWS``), by ``compile``: batched whatever
+#: ``foreach`` (their whole matrices meet at owner ranks a shape bucket at a time, ``sharded.py``).
+ROW_FORMS: dict[bool, Callable[[list[driver.Call]], None]] = {False: driver.batched, True: compiled.rows_batched}
+
 
 def _held(p: torch.Tensor) -> slice:
     """The indices along dim 0 of ``p`` that this rank holds: all, or under FSDP2/HSDP its
@@ -510,15 +514,15 @@ class RoleOptimizer(Optimizer):
         same hyperparameter values (the embedding and head groups, say) merged into one call, so that they
         share shape buckets. Counts the steps of the parameters with gradients. ``whole``: the owner path's
         whole-tensor fallback, ``(job, (param, grad, state))`` at its owner."""
-        batched: dict[tuple, tuple[Rule, dict, list[Item], LocalSplit, str]] = {}
+        batched: dict[tuple, tuple[Rule, dict, list[Item], LocalSplit, str, Path]] = {}
         single: list[driver.Call] = []  # the per-tensor groups' calls (foreach=False), in group order
         at_owner: dict[int, list[tuple[Any, tuple]]] = {}
         for job, w in whole:
             if w is not None:
                 at_owner.setdefault(id(job.group), []).append((job, w))
         for (_, entries, group_split, batched_group), group in zip(plan, groups, strict=True):
-            by_rule: dict[tuple[Rule, str], list[Item]] = {}
-            for e in entries:  # the items with a gradient, by rule and whether whole local matrices of shards
+            by_rule: dict[tuple[Rule, Path], list[Item]] = {}
+            for e in entries:  # the items with a gradient, by rule and path
                 g = e.param.grad
                 if g is None:
                     continue
@@ -527,51 +531,52 @@ class RoleOptimizer(Optimizer):
                 e.state["step"] += 1
                 if e.item is not None:
                     e.item.grad = g
-                    by_rule.setdefault((e.rule, "split"), []).append(e.item)
+                    by_rule.setdefault((e.rule, e.path), []).append(e.item)
                 else:
-                    by_rule.setdefault((e.rule, "local" if e.path is Path.LOCAL else "split"), []).extend(e.items(g))
+                    by_rule.setdefault((e.rule, e.path), []).extend(e.items(g))
             for job, (param, grad, state) in at_owner.get(id(group), []):  # whole tensors at this owner
                 e = _Entry(param, state, job.name, job.ctx.kind, job.rule, job.layout, Path.LOCAL)
                 if e.item is not None:
                     e.item.grad = grad
-                    by_rule.setdefault((e.rule, "owner"), []).append(e.item)
+                    by_rule.setdefault((e.rule, Path.PIECES), []).append(e.item)
                 else:
-                    by_rule.setdefault((e.rule, "owner"), []).extend(e.items(grad))
-            for (rule, mode), items in by_rule.items():
-                # Whole local matrices of a sharded stack (FSDP2 experts) need no other rank.
-                split = (LocalSplit() if mode == "local" else self._owner_split if mode == "owner"
-                         else group_split or replicated)
+                    by_rule.setdefault((e.rule, Path.PIECES), []).extend(e.items(grad))
+            for (rule, path), items in by_rule.items():
+                # LOCAL: whole local matrices of a sharded stack (FSDP2 experts) need no other rank; PIECES: the
+                # whole-tensor fallback at its owner; ROWS the group's row splitter; PLAIN the step's DDP one
+                split = (LocalSplit() if path is Path.LOCAL else self._owner_split if path is Path.PIECES
+                         else group_split if path is Path.ROWS else replicated)
                 kind = group.get("kind") or items[0].kind
                 if not batched_group:
-                    single.append((rule, items, group, self._context(len(single), kind, split)))
+                    single.append((rule, items, group, self._context(len(single), kind, split, path)))
                     continue
                 values = sorted({"lr", "weight_decay", *rule.hyperparameters})
                 key = (rule.name, *(repr(group[k]) for k in values))
                 if split is not replicated:  # DTensor groups follow their own mesh: never merged
                     key += (id(split),)
-                batched.setdefault(key, (rule, group, [], split, kind))[2].extend(items)
-        merged = [(rule, items, group, self._context(len(single) + i, kind, split))
-                  for i, (rule, group, items, split, kind) in enumerate(batched.values())]
+                batched.setdefault(key, (rule, group, [], split, kind, path))[2].extend(items)
+        merged = [(rule, items, group, self._context(len(single) + i, kind, split, path))
+                  for i, (rule, group, items, split, kind, path) in enumerate(batched.values())]
         return single, merged
 
     def _run(self, calls: tuple[list[driver.Call], list[driver.Call]]) -> None:
         """Each call in its form: the one chooser. A :class:`SteppingRule` runs its own ``step`` or
         ``step_foreach``; the momentum rules :data:`FORMS` ``[foreach, compile]``; a hidden rule's row shards
-        (``Path.ROWS``) the batched form whatever ``foreach``."""
+        (``Path.ROWS``) :data:`ROW_FORMS` ``[compile]``."""
         for foreach, group_calls in zip((False, True), calls, strict=True):
             momentum, rows = [], []
             for call in group_calls:
                 rule = call[0]
                 if isinstance(rule, SteppingRule):
                     (rule.step_foreach if foreach else rule.step)(*call[1:])
-                elif isinstance(rule, HiddenRule) and call[3].split.sharded:
+                elif isinstance(rule, HiddenRule) and call[3].path is Path.ROWS:
                     rows.append(call)
                 else:
                     momentum.append(call)
             if momentum:
                 FORMS[foreach, self._compile](momentum)
             if rows:
-                FORMS[True, self._compile](rows)
+                ROW_FORMS[self._compile](rows)
         for call in (*calls[0], *calls[1]):
             for it in call[1]:
                 it.grad = None  # a kept item must not keep its gradient alive past zero_grad()
@@ -604,7 +609,7 @@ class RoleOptimizer(Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients ({name})")
                 ctx = ctx or StepContext(self._capture_hook, group.get("kind") or kind, self._owner_split,
-                                         self._workspace)
+                                         self._workspace, path=Path.PIECES)
                 state = self.state[p]
                 state["step"] += 1
                 jobs.append(Job(index, p, p.grad, state, rule, layout, group, cuts(rule, layout), not batched_group,
@@ -629,13 +634,13 @@ class RoleOptimizer(Optimizer):
                 return split
         return self._local if self._process_group is None else replicated_splitter(self._process_group)
 
-    def _context(self, i: int, kind: str, split: LocalSplit) -> StepContext:
+    def _context(self, i: int, kind: str, split: LocalSplit, path: Path) -> StepContext:
         """The ``i``-th rule call's context of this step, kept between steps (its workspace is the
         optimizer's; ``i`` numbers it among the step's calls, whose input stacks are their own)."""
         while len(self._contexts) <= i:
             self._contexts.append(StepContext(workspace=self._workspace))
         ctx = self._contexts[i]
-        ctx.capture, ctx.kind, ctx.split, ctx.call = self._capture_hook, kind, split, i
+        ctx.capture, ctx.kind, ctx.split, ctx.call, ctx.path = self._capture_hook, kind, split, i, path
         return ctx
 
     def workspace_bytes(self) -> int:

@@ -22,29 +22,23 @@ ranks: ``distributed.share_loads``). What stays its own is the bookkeeping of wh
 stack goes out as one block per rank (no descriptors), and its owners are planned per step for the buckets
 of the matrices with gradients; its collectives (one pair per shape bucket) are the fingerprints of FSDP2
 users. Read in code, as microsoft/dion's ``_get_shard_info``: the engine asks
-:func:`path_of` once per parameter and keeps the answer on its entry.
+:func:`path_of` once per parameter and keeps the answer on its entry; each rule call's context carries its
+entries' path (``calls.StepContext.path``), which the forms read (``ROWS``: whole matrices at owners), and the
+path picks the call's splitter. Row shards on a shard group of one rank are whole there: ``LOCAL``.
 """
 
 from __future__ import annotations
 
-from enum import Enum
-
 import torch
 
 from . import driver
+from .calls import Path
 from .distributed import SHARDED_LAYOUTS, is_dtensor
 from .owners import is_replicated
 from .rule import MomentumRule, Rule, SteppingRule
 from .views import Layout
 
 __all__ = ["Path", "cuts", "path_of", "whole_rows"]
-
-
-class Path(Enum):
-    PLAIN = "plain"
-    LOCAL = "local"
-    ROWS = "rows"
-    PIECES = "pieces"
 
 
 def cuts(rule: Rule, layout: Layout) -> bool:
@@ -68,6 +62,8 @@ def path_of(p: torch.Tensor, rule: Rule, layout: Layout, compiled_batched: bool 
     if is_replicated(p):
         return Path.LOCAL
     rows = tuple(p.placements) in SHARDED_LAYOUTS
+    if rows and p.device_mesh.size(p.device_mesh.ndim - 1) == 1:  # row shards of one: whole on every rank
+        return Path.LOCAL
     cut = cuts(rule, layout)
     if driver.elementwise(rule):
         return Path.LOCAL if cut or not rows else Path.ROWS
