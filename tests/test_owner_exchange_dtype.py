@@ -138,7 +138,8 @@ def _meq_worker(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    return {"factors": _run(mesh, "meqmuon"), "direction": _run(mesh, "meqmuon", float32_back=True)}
+    return {"factors": _run(mesh, "meqmuon"), "direction": _run(mesh, "meqmuon", float32_back=True),
+            "normuon": _run(mesh, "normuon"), "normuon_direction": _run(mesh, "normuon", float32_back=True)}
 
 
 def test_eq8_factors_give_the_direction_on_every_piece_of_rows_and_columns():
@@ -212,7 +213,7 @@ def test_tp_meqmuon_bf16_eq8_factors_come_back_with_u_and_equal_one_process(tmp_
     """MeqMuon, bf16 Newton-Schulz, TP on 2 ranks: its 4 owner-path matrices (rowwise, ``Shard(1)``) come back
     as bf16 ``U`` with eq. 8's factors of each piece, equal to one process bit for bit, and every parameter to
     the float32 ``D`` way back's (the control), at exactly the bytes the pieces' shapes give; the control's
-    bytes are exactly ``D``'s, more."""
+    bytes are exactly ``D``'s, more. NorMuon's row divisors and restoring scale the same way."""
     got = _spawn(_meq_worker, tmp_path)
     for rank, r in enumerate(got):
         new, old = r["factors"], r["direction"]
@@ -235,3 +236,11 @@ def test_tp_meqmuon_bf16_eq8_factors_come_back_with_u_and_equal_one_process(tmp_
     for way in ("factors", "direction"):  # what the owners send is what the ranks receive
         assert sum(r[way]["owner_path"]["sent"] for r in got) == sum(r[way]["owner_path"]["received"] for r in got)
     assert sum(r["factors"]["owner_path"]["sent"] for r in got) < sum(r["direction"]["owner_path"]["sent"] for r in got)
+    # NorMuon likewise, with its row divisors and restoring scale (F.apply_factors' divide): its owner-path matrices
+    # one process's bits, every parameter the control's, fewer bytes
+    for rank, r in enumerate(got):
+        new, old = r["normuon"], r["normuon_direction"]
+        assert new["factored"] == 4 and old["factored"] == 0, (new["factored"], old["factored"])
+        assert not set(new["owner_names"]) & set(new["unequal"] + old["unequal"]), (rank, new["unequal"])
+        assert all(torch.equal(new["params"][n], p) for n, p in old["params"].items())
+        assert new["owner_path"]["sent"] < old["owner_path"]["sent"], (rank, new["owner_path"], old["owner_path"])

@@ -168,7 +168,7 @@ def test_bf16_newton_schulz_rows_go_out_and_directions_come_back_in_bf16(tmp_pat
     columns apart, float32), and the directions come back in bf16: Muon's ``U`` itself, MeqMuon's ``U`` with
     eq. 8's factors (a row factor per row, ``n`` column factors per matrix), which each rank applies to its rows,
     where they are fewer bytes than a float32 ``D`` (not for the 3 x 32 matrix, 2 rows a rank: its ``D``);
-    NorMuon, whose ``post`` is not of that form, its float32 ``D``. Counted exactly per rank from the shapes; the
+    NorMuon likewise, with its row divisors and restoring scale. Counted exactly per rank from the shapes; the
     same bits as one process with bf16 Newton-Schulz. Before, the rows of MeqMuon and NorMuon went out in float32
     (to carry their state columns) and every direction came back in float32."""
     got = _spawn(_bf16_steps, tmp_path)
@@ -181,7 +181,8 @@ def test_bf16_newton_schulz_rows_go_out_and_directions_come_back_in_bf16(tmp_pat
         # counter column; factors where fewer bytes than D at FSDP2's even share of rows (not the 3 x 32's 2)
         "meqmuon": lambda m, n, r: (2 * r * n + 4 * r, 2 * r * n + 8 * r + 4 * n if _factored(m, n, world) else
                                     4 * r * n + 4 * r),
-        "normuon": lambda m, n, r: (2 * r * n + 4 * r, 4 * r * n + 4 * r),  # second-moment column; float32 D
+        "normuon": lambda m, n, r: (2 * r * n + 4 * r, 2 * r * n + 8 * r + 4 * n if _factored(m, n, world) else
+                                    4 * r * n + 4 * r),  # second-moment column; row divisors, restoring scale
     }
     for name, per_matrix in forms.items():
         owner_in = [sum(per_matrix(m, n, rows[i][q])[0] for q in range(world)) for i, (m, n) in enumerate(SHAPES)]
@@ -273,4 +274,4 @@ def test_what_an_owner_sends_back_follows_the_rules_post():
 
     forms = {c: c._direction_form for c in (MoonlightHidden, OnlyPre, MeqHidden, NorMuonHidden, OwnPost, OwnPostAll)}
     assert forms == {MoonlightHidden: "identity", OnlyPre: "identity", MeqHidden: "factors",
-                     NorMuonHidden: "direction", OwnPost: "direction", OwnPostAll: "direction"}, forms
+                     NorMuonHidden: "factors", OwnPost: "direction", OwnPostAll: "direction"}, forms

@@ -144,8 +144,8 @@ def test_variant_equals_its_float64_reference_in_every_form(name, form, monkeypa
 
 
 def test_hidden_rule_shows_only_what_a_variant_overrides_or_declares():
-    """``meqmuon.HiddenRule`` is a protocol: its public names are the hooks a variant overrides (``pre``,
-    ``post``, ``post_all``, ``post_factors``, ``lr_scale``, ``validate``) and what it declares (``defaults``, ``state_views``,
+    """``meqmuon.HiddenRule`` is a protocol: its public names are the hooks a variant overrides (``pre``, ``post``,
+    ``post_all``, ``post_factors``, ``lr_scale``, ``validate``) and what it declares (``defaults``, ``state_views``,
     ``transposes``, ``hyperparameters``, derived from ``defaults``); nothing of the driver (issue 35). A
     variant that overrides a hook is run through it, whatever the form (the tests above)."""
     shown = {n for n in dir(meqmuon.HiddenRule) if not n.startswith("_")}

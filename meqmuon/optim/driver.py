@@ -101,6 +101,8 @@ class HiddenRule(MomentumBase):
     #: (any other ``post``, or a subclass that overrides ``post`` but not ``post_factors``: ``D`` itself, in the
     #: statistics' dtype).
     _direction_form: ClassVar[str] = "identity"
+    #: Whether :meth:`post_factors`' row factors divide (``(U / row) * col``, ``F.apply_factors``' ``divide``).
+    _row_factors_divide: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -134,7 +136,8 @@ class HiddenRule(MomentumBase):
         """:meth:`post_all` as per-row and per-column factors, for a rule whose direction is ``(U * row) * col``
         (MeqMuon's eq. 8): per stack ``(row, col)``, ``(K, m, 1)`` and ``(K, 1, n)``, such that
         :func:`meqmuon.functional.apply_factors` gives ``post_all``'s ``D`` bit for bit, on the whole matrix or
-        on any block of its rows; the state updated as ``post_all`` updates it. Overriding it lets an FSDP2
+        on any block of its rows (``divide`` where the class sets ``_row_factors_divide``: ``(U / row) * col``);
+        the state updated as ``post_all`` updates it. Overriding it lets an FSDP2
         owner send ``U`` in the Newton-Schulz dtype and the factors instead of ``D`` (``sharded.py``); a rule
         that does not is still exact there, ``D`` travelling in float32."""
         raise NotImplementedError(f"{type(self).__name__} has no post_factors: its post is not (U * row) * col")

@@ -145,7 +145,8 @@ def directions_at_owners(plan: OwnerPlan, jobs: Sequence[Job]) -> None:
     scratch: dict = {}  # one float32 buffer per shape for the bf16 directions, as one process's update
     for job, (_, factored), got in zip(jobs, backs, into, strict=True):
         # eq. 8 on this rank's piece: (U * row) * col, the owner's post_all bit for bit (F.apply_factors)
-        D = F.apply_factors(got[0], got[1][:, None], got[2][None, :]) if factored else got[0]
+        D = (F.apply_factors(got[0], got[1][:, None], got[2][None, :], divide=job.rule._row_factors_divide)
+             if factored else got[0])
         s = 1.0 if _folds(job) else _scales(job)[0]
         apply_update([Item(job.param.to_local(), None, {}, job.name)], [D], [s], job.group, scratch)
         got.clear()  # this piece's U or D goes before the next job's D is made

@@ -103,7 +103,7 @@ def hidden_at_owners(rule: MomentumBase, stack: list[Tensor], state: dict[str, T
         state[key].copy_(_column(E[:, :rows] if row else E, int(factors) + i, row, state[key].dtype))
     U = U[:, :rows]
     if factors:
-        return [F.apply_factors(U, E[:, :rows, :1], V[:, None, :])]
+        return [F.apply_factors(U, E[:, :rows, :1], V[:, None, :], divide=rule._row_factors_divide)]
     return [U.to(torch.promote_types(u_dtype, stat_dtype))]
 
 
