@@ -275,3 +275,24 @@ def test_what_an_owner_sends_back_follows_the_rules_post():
     forms = {c: c._direction_form for c in (MoonlightHidden, OnlyPre, MeqHidden, NorMuonHidden, OwnPost, OwnPostAll)}
     assert forms == {MoonlightHidden: "identity", OnlyPre: "identity", MeqHidden: "factors",
                      NorMuonHidden: "factors", OwnPost: "direction", OwnPostAll: "direction"}, forms
+
+
+def test_factors_travel_only_where_fewer_bytes_and_in_the_directions_dtype():
+    """``HiddenRule._factors_pay``, the one rule of the row path and the owner path: bf16 ``U`` with float32
+    factors for a piece of 16 x 4096 (fewer bytes than a float32 ``D``), not for 2 rows (as many), not with float32
+    ``U``, not for a rule without factors, and not for a float64 ``D``: factors widened to float64 round eq. 8's
+    products otherwise than one process, whose ``D`` is float32 (checked here)."""
+    from meqmuon import functional as F
+    from meqmuon.optim.rules.meqmuon import MeqHidden
+    from meqmuon.optim.rules.muon import MoonlightHidden
+
+    meq, bf16, f32, f64 = MeqHidden(), torch.bfloat16, torch.float32, torch.float64
+    assert meq._factors_pay(16, 4096, bf16, f32) and meq._factors_pay(3, 4096, bf16, f32)
+    assert not meq._factors_pay(2, 4096, bf16, f32) and not meq._factors_pay(16, 4096, f32, f32)
+    assert not MoonlightHidden()._factors_pay(16, 4096, bf16, f32)
+    assert not meq._factors_pay(16, 4096, bf16, f64)
+    u = (torch.randn(1, 64, 48, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 3, 48)).to(bf16)
+    (d,), _ = F.adaptive_normalize_stacks([u])
+    ((row, col),), _ = F.adaptive_normalize_factors([u])
+    assert torch.equal(F.apply_factors(u, row, col), d)
+    assert not torch.equal(F.apply_factors(u, row.double(), col.double()), d.double())

@@ -404,7 +404,7 @@ class ShardedSplit(_CollectiveSplit):
                 f"and an owner per matrix ({len(owners)} for {k}), got local shapes {tuple(X.shape)}")
         out_parts = [(X.dtype, n), (C.dtype, C.shape[-1])]
         device, ours = X.device, owners.count(rank)
-        per_row = sum(w * _itemsize(dt) for dt, w in out_parts)  # bytes of one row of X and C
+        per_row = sum(w * dt.itemsize for dt, w in out_parts)  # bytes of one row of X and C
         send: list[list[Tensor]] = [[] for _ in range(W)]
         for j in range(k if mine else 0):
             send[owners[j]] += [as_bytes(t[j]) for t in (X, C) if t.shape[-1]]
@@ -424,7 +424,7 @@ class ShardedSplit(_CollectiveSplit):
                             for o, (_, w, by_row) in zip(out, back, strict=True) if w]
         del out
         mine = max(mine, 1)
-        sizes = [(mine if by_row else 1) * w * _itemsize(dt) for dt, w, by_row in back]
+        sizes = [(mine if by_row else 1) * w * dt.itemsize for dt, w, by_row in back]
         counts = [owners.count(r) for r in range(W)]
         got = exchange_flat(send, [q * sum(sizes) for q in counts], self.pg, device)
         # owner-major blocks of sum(sizes) bytes per matrix, in each owner's bucket order -> bucket order
@@ -441,10 +441,6 @@ class ShardedSplit(_CollectiveSplit):
         return results
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _whole(got: Tensor, ours: int, rows: list[int], parts: list[tuple[torch.dtype, int]]) -> list[Tensor]:
     """An owner's whole matrices ``(ours, m, width)``, one contiguous tensor per ``(dtype, width)`` of ``parts``,
     from the received bytes: rank-major (FSDP2 pads only at the end, so rank ``q``'s rows follow rank ``q - 1``'s:
@@ -453,7 +449,7 @@ def _whole(got: Tensor, ours: int, rows: list[int], parts: list[tuple[torch.dtyp
     a uint8 base of another dtype)."""
     W, m = len(rows), sum(rows)
     out = [torch.empty((ours, m, w), dtype=dt, device=got.device) for dt, w in parts]
-    widths = [w * _itemsize(dt) for dt, w in parts]  # bytes per row of each part
+    widths = [w * dt.itemsize for dt, w in parts]  # bytes per row of each part
     per_row = sum(widths)
     cols = [(t.view(torch.uint8), sum(widths[:i]), b) for i, (t, b) in enumerate(zip(out, widths, strict=True)) if b]
     if len(set(rows)) == 1:  # even shards: one copy each

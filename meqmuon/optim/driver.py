@@ -142,6 +142,17 @@ class HiddenRule(MomentumBase):
         that does not is still exact there, ``D`` travelling in float32."""
         raise NotImplementedError(f"{type(self).__name__} has no post_factors: its post is not (U * row) * col")
 
+    def _factors_pay(self, rows: int, cols: int, ns_dtype: torch.dtype, d_dtype: torch.dtype) -> bool:
+        """Whether an owner sends a rank's ``rows x cols`` piece as ``U`` in ``ns_dtype`` with its row and column
+        factors instead of ``D`` in ``d_dtype``, by what each rank knows beforehand: the class gives its ``post``
+        as factors, they have ``D``'s dtype (``post_factors`` computes at least in float32 from ``U``: factors
+        widened to a float64 ``D`` would round the products otherwise than one process), and they are fewer bytes,
+        ``rows cols |U| + (rows + cols) |D| < rows cols |D|`` (never with ``U`` as wide as ``D``). The one rule of
+        the row path (``sharded.py``) and the owner path (``exchange.factors_pay``)."""
+        if self._direction_form != "factors" or torch.promote_types(ns_dtype, torch.float32) != d_dtype:
+            return False
+        return rows * cols * ns_dtype.itemsize + (rows + cols) * d_dtype.itemsize < rows * cols * d_dtype.itemsize
+
     def lr_scale(self, m: int, n: int, group: dict) -> float:
         """A step multiplier ``s`` of an ``m x n`` matrix, applied inside the update (``-lr s D``) instead
         of as a pass over ``D``; 1 here."""

@@ -83,21 +83,17 @@ def factors_pay(plan: OwnerPlan, job: Job, d_dtype: torch.dtype) -> bool:
     instead of ``D`` in ``d_dtype`` (:func:`_dtypes`): each rank's piece of ``U`` in the Newton-Schulz dtype, the
     row factors of the rows and the column factors of the columns it covers (their dtype, ``post_factors``':
     float32 for a bf16 ``U``), from which it makes ``D = (U * row) * col`` (``F.apply_factors``, the owner's
-    ``post_all`` bit for bit on any block). Where that is fewer bytes than ``D`` for every rank's (non-empty)
-    piece: with bf16 ``U`` and float32 ``D``, pieces with ``2 (m + n) < m n``; never with a float32 ``U``. Read from
-    shapes and placements alone (the plan's :class:`~.owners.Pieces`), so that every rank decides it alike,
-    knowing what it will receive, with no collective: the row path's rule (``sharded.hidden_at_owners``). A rank
-    whose piece is empty (uneven shards) still receives the factors of the dimension it covers: a few bytes."""
+    ``post_all`` bit for bit on any block). Where the rule's ``HiddenRule._factors_pay`` (the row path's rule too)
+    holds for every rank's (non-empty) piece: with bf16 ``U`` and float32 ``D``, pieces with ``2 (m + n) < m n``;
+    never with a float32 ``U`` or a float64 ``D``. Read from shapes and placements alone (the plan's
+    :class:`~.owners.Pieces`), so that every rank decides it alike, knowing what it will receive, with no
+    collective. A rank whose piece is empty (uneven shards) still receives the factors of the dimension it
+    covers: a few bytes."""
     rule, p = job.rule, job.param
-    if not (isinstance(rule, HiddenRule) and rule._direction_form == "factors" and job.layout.whole
-            and not job.cut and p.ndim == 2 and not _folds(job)):
+    if not (isinstance(rule, HiddenRule) and job.layout.whole and not job.cut and p.ndim == 2 and not _folds(job)):
         return False
     ns = resolve_dtype(job.group, p.to_local(), job.ctx)
-    if torch.promote_types(ns, torch.float32) != d_dtype or ns.itemsize >= d_dtype.itemsize:
-        return False  # the factors' dtype is not D's (float64 parameters), or U is no narrower than D
-    iu, i_d = ns.itemsize, d_dtype.itemsize
-    return all(m * n * iu + (m + n) * i_d < m * n * i_d for m, n in plan.owned[job.index].pieces.local_shapes()
-               if m * n)
+    return all(rule._factors_pay(m, n, ns, d_dtype) for m, n in plan.owned[job.index].pieces.local_shapes() if m * n)
 
 
 def _folds(job: Job) -> bool:

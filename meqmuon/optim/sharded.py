@@ -62,10 +62,10 @@ def hidden_at_owners(rule: MomentumBase, stack: list[Tensor], state: dict[str, T
     k, rows, n = X.shape
     keys = list(state)
     per_row = [rule.state_views[key] == "rows" for key in keys]
-    # Factors pay where they are fewer bytes than D: per rank and matrix, U's rows, a row factor each and n column
-    # factors against D's rows, with r rows a rank (FSDP2's even share). Not with float32 U, nor with r <= 2 rows.
-    form, r, iu, i_d = rule._direction_form, -(-m // ctx.split.world_size), _itemsize(ns_dtype), _itemsize(stat_dtype)
-    form = "direction" if form == "factors" and r * n * iu + r * i_d + n * i_d >= r * n * i_d else form
+    # factors where they pay for a rank's piece of FSDP2's even share of rows (not with float32 U, nor 2 rows a rank)
+    form = rule._direction_form
+    if form == "factors" and not rule._factors_pay(-(-m // ctx.split.world_size), n, ns_dtype, stat_dtype):
+        form = "direction"
     factors = form == "factors"
     u_dtype = stat_dtype if form == "direction" else ns_dtype
     extra = int(factors) + len(keys)  # per-row columns back: the row factor, then the state
@@ -105,10 +105,6 @@ def hidden_at_owners(rule: MomentumBase, stack: list[Tensor], state: dict[str, T
     if factors:
         return [F.apply_factors(U, E[:, :rows, :1], V[:, None, :], divide=rule._row_factors_divide)]
     return [U.to(torch.promote_types(u_dtype, stat_dtype))]
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _column(W: Tensor, c: int, per_row: bool, dtype: torch.dtype) -> Tensor:
