@@ -1,7 +1,6 @@
 #!/bin/bash
 # Issue 49's diagnosis on a lent GPU, one call of at most ~150 s: writes OUT/diag.log (one file).
-#   a. compile=True against eager on CUDA (NorMuon's 8.5e-5), per step and state tensor, with variants
-#      (benchmarks/gpu_diag_compile.py);
+#   (a., compile=True against eager with variants of the per-tensor graph, went with that graph: git history)
 #   c. a kernel profile of one batched MeqMuon and Muon step at Llama-60M and 350M shapes, the NS floor,
 #      and a CUDA-graph capture of the eager step as it is (benchmarks/gpu_diag_profile.py);
 #   b. compile=True warm-up at Llama-60M and (capped) 350M: per graph, first step, counters
@@ -22,7 +21,6 @@ part() {  # NAME LIMIT_S COMMAND...
 }
 { nvidia-smi -L; $PY -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"; git rev-parse --short HEAD 2>/dev/null; } >> "$log" 2>&1
 
-part compile 48 $PY benchmarks/gpu_diag_compile.py --budget 30 --dump-code
 part profile 40 $PY benchmarks/gpu_diag_profile.py --models llama-60m llama-350m --optimizers meqmuon muon --repeats 5
 part warmup60 24 env TORCH_LOGS=recompiles $PY benchmarks/gpu_diag_warmup.py --model llama-60m --cap 21
 part warmup350 30 env TORCH_LOGS=recompiles $PY benchmarks/gpu_diag_warmup.py --model llama-350m --cap 27

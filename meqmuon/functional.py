@@ -66,7 +66,7 @@ __all__ = [
     "GRAM_RESTARTS", "gram_orthogonalize", "aol_orthogonalize", "CUBIC5", "cubic_schedule", "cubic_orthogonalize",
     "col_rms", "cv", "cv_of_norms", "MUONEQ_MODES", "muoneq_equilibrate", "row_col_cv", "row_normalize",
     "col_normalize", "equilibrate", "rms_normalize", "adaptive_normalize", "adaptive_normalize_factors",
-    "apply_factors",
+    "apply_factors", "stat_dtype",
     "as_matrix", "choose_rows", "rms_of_sumsq", "inverse_rms", "row_factors",
     "divisor_of_norms", "momentum_", "direction_input", "decay_", "decay_and_update_",
 ]
@@ -97,7 +97,7 @@ def on_device(values: Any, device: torch.device, dtype: torch.dtype | None = Non
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def _stat_dtype(x: Tensor) -> torch.dtype:
+def stat_dtype(x: Tensor) -> torch.dtype:
     """Dtype for statistics: float64 stays float64, everything else is computed in float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -118,7 +118,7 @@ def row_rms(x: Tensor) -> Tensor:
     r"""Row RMS magnitudes ``r_i = \|X_{i,:}\|_2 / \sqrt{n}`` (paper eq. 4); shape ``(..., m)``."""
     # vector_norm reduces in one pass with a float32 (or float64) accumulator, without
     # materialising x**2: the squares dominated the eager step (benchmarks/step_time.py profile).
-    return torch.linalg.vector_norm(x, dim=-1, dtype=_stat_dtype(x)) / math.sqrt(x.shape[-1])
+    return torch.linalg.vector_norm(x, dim=-1, dtype=stat_dtype(x)) / math.sqrt(x.shape[-1])
 
 
 def col_rms(x: Tensor, psum: PSum = None, rows: int | None = None) -> Tensor:
@@ -127,7 +127,7 @@ def col_rms(x: Tensor, psum: PSum = None, rows: int | None = None) -> Tensor:
     With ``psum`` (rows sharded), ``m = rows`` is the global row count and the column sums of
     squares are summed over shards.
     """
-    x = x.to(_stat_dtype(x))
+    x = x.to(stat_dtype(x))
     # Not vector_norm(dim=-2): its strided column reduction is ~2x slower on CPU (docs/benchmarks.md).
     return rms_of_sumsq((x * x).sum(dim=-2), x.shape[-2] if psum is None else rows, psum)
 
@@ -149,7 +149,7 @@ def cv(v: Tensor, delta: float = DELTA) -> Tensor:
     entry exceeds ``delta`` the CV is defined as 0 (nothing to balance). Computed by
     :func:`cv_of_norms`, the one implementation of eq. 5 (RMS values are norms at scale 1).
     """
-    return cv_of_norms(v.to(_stat_dtype(v)), delta)
+    return cv_of_norms(v.to(stat_dtype(v)), delta)
 
 
 #: MuonEq's equilibration modes (arXiv 2603.28254; MaeChd/muon-eq 99b6c8b, ``muoneq.py``): rows,
@@ -174,7 +174,7 @@ def muoneq_equilibrate(x: Tensor, mode: str) -> Tensor:
     """
     if mode not in MUONEQ_MODES:
         raise ValueError(f"unknown MuonEq mode {mode!r}; valid modes: {', '.join(MUONEQ_MODES)}")
-    x = x.to(_stat_dtype(x))
+    x = x.to(stat_dtype(x))
     sq = x.square()
     out = x
     if mode in ("R", "RC"):
@@ -231,13 +231,13 @@ def divisor_of_norms(norms: Tensor, threshold: float) -> Tensor:
 
 def row_normalize(x: Tensor, delta: float = DELTA) -> Tensor:
     r"""``N_r(X) = diag(r^{-1}) X`` (paper eq. 7): every nonzero row rescaled to unit RMS."""
-    x = x.to(_stat_dtype(x))
+    x = x.to(stat_dtype(x))
     return x * row_factors(x, delta).unsqueeze(-1)
 
 
 def col_normalize(x: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | None = None) -> Tensor:
     r"""``N_c(X) = X diag(c^{-1})`` (paper eq. 7): every nonzero column rescaled to unit RMS."""
-    x = x.to(_stat_dtype(x))
+    x = x.to(stat_dtype(x))
     return x * inverse_rms(col_rms(x, psum, rows), delta).unsqueeze(-2)
 
 
@@ -257,7 +257,7 @@ def equilibrate(x: Tensor, delta: float = DELTA, psum: PSum = None, rows: int | 
     ``psum``, ``rows``: ``x`` is a row shard of a matrix of ``rows`` rows; column statistics are summed
     over shards. ``inplace``: ``x`` (float32 or float64) is scratch and becomes the result.
     """
-    x = x if inplace else x.to(_stat_dtype(x), copy=True)
+    x = x if inplace else x.to(stat_dtype(x), copy=True)
     m, n = (x.shape[-2] if psum is None else rows), x.shape[-1]
     x.div_(divisor_of_norms(torch.linalg.vector_norm(x, dim=-1), delta * math.sqrt(n)).unsqueeze(-1))
     col = torch.linalg.vector_norm(x, dim=-2) if psum is None else psum(x.square().sum(dim=-2)).sqrt_()
@@ -275,7 +275,7 @@ def rms_normalize(x: Tensor, delta: float = DELTA, psum: PSum = None, numel: int
     ``psum``, ``numel``: each row is a shard of a vector of ``numel`` elements; sums of squares are summed
     over shards. ``inplace``: ``x`` (float32 or float64) is scratch and becomes the result.
     """
-    x = x if inplace else x.to(_stat_dtype(x), copy=True)
+    x = x if inplace else x.to(stat_dtype(x), copy=True)
     d = x.shape[-1] if psum is None else numel
     norm = torch.linalg.vector_norm(x, dim=-1) if psum is None else psum(x.square().sum(dim=-1)).sqrt_()
     # The scale rides on the divisor: no pass of its own over x.
@@ -373,7 +373,7 @@ def _eq8(us: Sequence[Tensor], delta: float, rho: float, *,
          keep_copies: bool) -> tuple[list[Tensor], list[tuple[Tensor, Tensor]], Tensor]:
     """Eq. 8's statistics of stacks ``us``: per stack the float32 copy its norms were taken from (CPU, where
     ``keep_copies``; else ``U`` itself), its ``(row, col)`` factors, and ``chose_rows`` ``(K,)``."""
-    dtype, device = torch.float64 if us[0].dtype == torch.float64 else torch.float32, us[0].device  # _stat_dtype
+    dtype, device = torch.float64 if us[0].dtype == torch.float64 else torch.float32, us[0].device  # stat_dtype
     shapes = [u.shape for u in us]
     L = max(max(m, n) for _, m, n in shapes)
     norms = torch.zeros((sum(k for k, _, _ in shapes), 2, L), dtype=dtype, device=device)

@@ -30,7 +30,7 @@ FORMS = ("per-tensor", "batched", "compile", "batched-compile")
 LAYOUTS = {
     "ddp": "2 DDP ranks equal one process bit for bit, the work split, the state complete on every rank",
     "ddp-compile": "the same with compile=True",
-    "ddp-batched": "batched step under DDP: ddp_gathers all_gathers per step, ranks identical, = one process",
+    "ddp-batched": "batched step under DDP: ddp_exchanges exchanges per step, ranks identical, = one process",
     "ddp-resume": "rank 0's mid-run state_dict resumes in one process bit for bit",
     "fsdp2": "FSDP2 row shards (odd sizes, an empty shard) equal the unsharded optimizer to 1e-6",
     "fsdp2-compile": "the same with compile=True",
@@ -72,10 +72,10 @@ class Stated:
     transposes: bool = False
     #: Distributed layouts the tests run (keys of ``LAYOUTS``).
     distributed: frozenset[str] = frozenset()
-    #: ``all_gather_into_tensor`` calls per step of the ``ddp-batched`` test: one per split bucket. Its
-    #: hidden shapes make 3 buckets when transposes are allowed, 4 when not, plus one for MeqMuon's
-    #: embedding/head (equilibrated by one owner); AdamW parts are elementwise and not gathered.
-    ddp_gathers: int | None = None
+    #: Exchanges (``all_to_all_single``) per step of the ``ddp-batched`` test: one per shape bucket of hidden
+    #: matrices, the owners' directions to every other rank (nothing goes out: every rank holds ``X``). Its
+    #: hidden shapes make 3 buckets when transposes are allowed, 4 when not; every other rule runs in place.
+    ddp_exchanges: int | None = None
     #: Other checks the tests run (keys of ``CHECKS``).
     checks: frozenset[str] = frozenset()
     #: Steps on FSDP2 row shards. False: its hidden step reads the whole matrix (Muon-VS, MuonH:
@@ -90,14 +90,14 @@ STATED: dict[str, Stated] = {
         transposes=True,
         distributed=frozenset({"ddp", "ddp-batched", "fsdp2", "fsdp2-batched", "hsdp", "experts-ddp",
                                "experts-fsdp2-batched", "tp", "tp-batched", "fsdp2-views"}),
-        ddp_gathers=3,
+        ddp_exchanges=3,
         checks=frozenset({"views", "own-stacks", "op-count"}),
     ),
     "normuon": Stated(
         distributed=frozenset({"ddp", "ddp-batched", "ddp-resume", "fsdp2", "fsdp2-batched", "fsdp2-dcp", "hsdp",
                                "experts-ddp", "experts-ddp-batched", "experts-fsdp2", "tp", "tp-batched",
                                "fsdp2-views", "fsdp2-views-batched", "fsdp2xtp-batched", "ddp-batched-compile"}),
-        ddp_gathers=4,
+        ddp_exchanges=4,
         checks=frozenset({"views", "own-stacks", "op-count"}),
     ),
     "scale": Stated(distributed=frozenset({"fsdp2", "fsdp2-batched", "tp", "tp-batched", "fsdp2-views", "fsdp2xtp"}),
@@ -109,7 +109,7 @@ STATED: dict[str, Stated] = {
                                "experts-ddp-batched", "experts-fsdp2", "tp", "tp-batched", "tp-compile",
                                "tp-batched-compile", "fsdp2-views", "fsdp2-views-batched", "fsdp2xtp",
                                "ddp-batched-compile"}),
-        ddp_gathers=4,
+        ddp_exchanges=3,
         checks=frozenset({"views", "own-stacks", "op-count"}),
     ),
     "meqmuon-only-hidden": Stated(transposes=True, checks=frozenset({"views"})),
@@ -216,9 +216,9 @@ def runs(*layouts: str) -> list[str]:
     return out
 
 
-def ddp_gathers() -> dict[str, int]:
-    """name -> all_gathers per step of the ``ddp-batched`` test."""
-    return {n: c.stated.ddp_gathers for n, c in CAPABILITIES.items() if c.stated.ddp_gathers is not None}
+def ddp_exchanges() -> dict[str, int]:
+    """name -> exchanges per step of the ``ddp-batched`` test."""
+    return {n: c.stated.ddp_exchanges for n, c in CAPABILITIES.items() if c.stated.ddp_exchanges is not None}
 
 
 def reference_cases(*names: str) -> list:

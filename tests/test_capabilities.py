@@ -19,7 +19,7 @@ from capabilities import (
     ONE_PER_HIDDEN_RULE,
     STATED,
     covered,
-    ddp_gathers,
+    ddp_exchanges,
     every_form,
     having,
     runs,
@@ -62,16 +62,15 @@ def test_stated_columns_use_known_words_and_agree_with_each_other():
             assert form in c.forms, (name, layout)
         if "views" in s.checks:
             assert {"per-tensor", "batched"} <= set(c.forms), name  # test_views runs both forms
-        assert (s.ddp_gathers is not None) == ("ddp-batched" in s.distributed), name
-        if s.ddp_gathers is not None:
-            # test_distributed's hidden shapes: 3 buckets with transposes, 4 without; one more for an
-            # embedding/head rule that needs whole matrices (MeqMuon's equilibration).
-            equilibrated = c.rules["embedding"] == "equilibrate"
-            assert s.ddp_gathers == (3 if s.transposes else 4) + equilibrated, name
+        assert (s.ddp_exchanges is not None) == ("ddp-batched" in s.distributed), name
+        if s.ddp_exchanges is not None:
+            # test_distributed's hidden shapes: 3 buckets with transposes, 4 without; the embedding and head
+            # rules (MeqMuon's equilibration, AdamW) run in place on every rank
+            assert s.ddp_exchanges == (3 if s.transposes else 4), name
         # MeqMuon's and Muon's hidden rules are transpose-equivariant; NorMuon's per-row second moment,
         # MuonEq's R/C, SCALE's rows and AdamW's elementwise state are not (or need no buckets).
         assert s.transposes == (c.rules["hidden"] in ("meq_hidden", "moonlight_hidden", "meq_shape_hidden")), name
-    assert ddp_gathers() == {"muon": 3, "normuon": 4, "meqmuon": 4}
+    assert ddp_exchanges() == {"muon": 3, "normuon": 4, "meqmuon": 3}
     assert runs("ddp", "ddp-compile") == ["muon", "normuon", "meqmuon", "meqmuon+compile"]
     assert runs("experts-fsdp2", "experts-fsdp2-batched") == ["muon+foreach", "normuon", "meqmuon"]
 

@@ -81,7 +81,7 @@ def test_cuda_compile_equals_eager(name, foreach):
     graphs too. In float64, as test_compile.py on the CPU: in float32 the fused kernels' last-bit differences
     grow through the gradients over the steps (NorMuon: 2e-3 after 10 steps on an H200), which says nothing of
     the maths. NorMuon was 8.5e-5 apart on an H200 until its per-row state was written back with ``copy_``
-    (compiled.py, ``_hidden_bucket``: inductor's in-place foreach lowering aliased it)."""
+    (the per-tensor graph of compiled.py, since replaced: inductor's in-place foreach lowering aliased it)."""
     eager, _ = _run(name, foreach, torch.float64, steps=5, device=CUDA)
     compiled, _ = _run(name, foreach, torch.float64, steps=5, device=CUDA, compile=True)
     _close(eager, compiled, 1e-10)

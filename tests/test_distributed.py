@@ -24,8 +24,8 @@ What is proven and why the tolerances:
   ``set_state_dict``; nested and flattened optimizer state dicts): MeqMuon and NorMuon resumed into
   a fresh model and optimizer end bit for bit where the uninterrupted run ends. Across world sizes
   (2 FSDP2 ranks -> 1 unsharded process, and back) they end within the FSDP2 bound of 1e-6.
-- The batched step (``foreach=True``, test_foreach.py) under DDP: one ``all_gather_into_tensor`` per
-  split bucket and step, every rank identical, equal to one process to 1e-5; under FSDP2 equal to the
+- The batched step (``foreach=True``, test_foreach.py) under DDP: one exchange per shape bucket of hidden
+  matrices and step, every rank identical, equal to one process to 1e-5; under FSDP2 equal to the
   unsharded per-tensor step to 1e-5 (the file's last section).
 
 Which optimizers each layout runs is the ``distributed`` column of capabilities.py. Workers are
@@ -47,7 +47,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from capabilities import NEWTON_SCHULZ, ddp_gathers, runs
+from capabilities import NEWTON_SCHULZ, ddp_exchanges, runs
 from torch import nn
 
 import meqmuon
@@ -56,6 +56,7 @@ from meqmuon.optim import blockwise as B
 from meqmuon.optim import compiled
 from meqmuon.optim import distributed as D
 from meqmuon.optim import newton_schulz as NS
+from meqmuon.optim.exchange import Exchange
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 
@@ -196,18 +197,6 @@ def test_newton_schulz_is_batch_size_independent(shape, dtype):
         torch.set_num_threads(threads)
 
 
-def test_assign_counts_is_balanced_and_covers_every_matrix():
-    sizes, costs = [3, 2, 1, 1, 5], [4.0, 2.0, 9.0, 9.0, 1.0]
-    plan = D.assign_counts(sizes, costs, 2)
-    assert plan == D.assign_counts(sizes, costs, 2)  # deterministic
-    assert [sum(c) for c in plan] == sizes
-    assert all(max(c) - min(c) <= 1 for c in plan)
-    # the two single 9-FLOP matrices go to different ranks
-    assert plan[2] != plan[3]
-    loads = [sum(c[r] * w for c, w in zip(plan, costs, strict=True)) for r in range(2)]
-    assert abs(loads[0] - loads[1]) <= max(costs)
-
-
 def test_ns_flops_formula():
     # square m=n: 5 * (4 m^3 + 2 m^3); tall and wide give the same count (wide orientation)
     assert NS.ns_flops(4, 4, 5) == 5 * 6 * 64
@@ -244,7 +233,8 @@ def _ddp_worker(rank, name):
     B.equilibrate_step_ = counting_equilibrate
     params = _params(HIDDEN, EMBED, HEAD, VECTORS)
     opt = _opt(name, _groups(params))
-    assert isinstance(opt._splitter(opt.param_groups[0]), D.ReplicatedSplit)
+    assert isinstance(opt._splitter(opt.param_groups[0]), Exchange)  # the hidden group: Newton-Schulz shared
+    assert type(opt._splitter(opt.param_groups[1])) is D.LocalSplit  # the embedding's rule: in place on every rank
     saved = None
     for step in range(STEPS):
         _set_grads(params, step)
@@ -308,8 +298,8 @@ def test_ddp_split_is_bit_exact_and_state_complete(name, tmp_path):
     n_hidden = len(HIDDEN)
     assert results[0]["ns"] + results[1]["ns"] == n_hidden * STEPS
     assert 0 < results[0]["ns"] < n_hidden * STEPS and 0 < results[1]["ns"] < n_hidden * STEPS
-    if name == "meqmuon":  # embedding and head: each once per step, one on each rank
-        assert results[0]["equilibrated"] == results[1]["equilibrated"] == STEPS
+    if name == "meqmuon":  # embedding and head: in place on every rank, each once per step (no bytes)
+        assert results[0]["equilibrated"] == results[1]["equilibrated"] == 2 * STEPS
 
 
 def test_assign_owners_balances_across_calls():
@@ -391,7 +381,9 @@ def _fsdp_worker(rank, names, mesh_shape=(WORLD,)):
             "counts": counts,
             "local_rows": local_rows,
             "compiled": sorted({k[0] for k in compiled._bucket_graphs}),
-            "split": (type(split).__name__, split.world_size),
+            "split": (type(split).__name__, dist.get_world_size(split.pg)),
+            # the ranks this rank exchanges with as an owner (its replica group: HSDP's shard group)
+            "peers": sorted({r for i in range(len(getattr(split, "units", []))) for r in split._group(i)}),
         }
     if len(mesh_shape) == 1:  # a DTensor every rank holds whole steps as one process steps its tensor
         w, g = torch.randn(6, 4, generator=torch.Generator().manual_seed(5)), torch.randn(6, 4)
@@ -407,7 +399,8 @@ def _fsdp_worker(rank, names, mesh_shape=(WORLD,)):
 
 def test_fsdp2_equals_unsharded(tmp_path):
     results = _spawn(_fsdp_worker, tmp_path, FSDP_NAMES)
-    assert all(results[0][name]["split"] == ("ShardedSplit", 2) for name in FSDP_NAMES)
+    for name in FSDP_NAMES:  # Newton-Schulz through the exchange; SCALE's statistics summed over the shards
+        assert results[0][name]["split"] == ("RowSums" if name == "scale" else "Exchange", 2), name
     assert results[0]["meqmuon"]["local_rows"] == [8, 8, 4, 4, 4, 6, 1]
     assert results[1]["meqmuon"]["local_rows"] == [7, 7, 3, 3, 3, 6, 0]  # uneven, and one empty shard
     assert results[0]["replicate_diff"] == results[1]["replicate_diff"] == 0.0
@@ -459,7 +452,9 @@ def test_hsdp_equals_unsharded_and_replicas_agree(tmp_path):
     every rank ends within the FSDP2 bound (1e-6) of the unsharded optimizer, and the two replica
     groups hold bit-identical parameters."""
     results = _spawn(_fsdp_worker, tmp_path, HSDP_NAMES, (2, 2), world=4)
-    assert results[0]["meqmuon"]["split"] == ("ShardedSplit", 2)  # the shard group, not all 4 ranks
+    assert results[0]["meqmuon"]["split"] == ("Exchange", 4)
+    # each replica group has its own owners: rank 0 exchanges with its shard group (ranks 0 and 1) alone
+    assert results[0]["meqmuon"]["peers"] == [0, 1] and results[2]["meqmuon"]["peers"] == [2, 3]
     assert results[0]["meqmuon"]["local_rows"] == results[2]["meqmuon"]["local_rows"] == [8, 8, 4, 4, 4, 6, 1]
     assert results[1]["meqmuon"]["local_rows"] == [7, 7, 3, 3, 3, 6, 0]
     for name in HSDP_NAMES:
@@ -673,7 +668,7 @@ def _experts_ddp_worker(rank, names):
     for name in names:
         params = _expert_params()
         opt = _opt(name, _expert_groups(params))
-        assert isinstance(opt._splitter(opt.param_groups[0]), D.ReplicatedSplit)
+        assert isinstance(opt._splitter(opt.param_groups[0]), Exchange)
         for step in range(STEPS):
             for k, gs in _expert_grads(step).items():
                 for p, gr in zip(params[k], gs, strict=True):
@@ -761,13 +756,13 @@ def _ddp_foreach_worker(rank, names):
     import torch.distributed as dist
 
     gathers = [0]
-    real = dist.all_gather_into_tensor
+    real = dist.all_to_all_single
 
     def counting(*a, **k):
         gathers[0] += 1
         return real(*a, **k)
 
-    dist.all_gather_into_tensor = counting
+    dist.all_to_all_single = counting
     out = {}
     for name in names:
         gathers[0] = 0
@@ -781,11 +776,11 @@ def _ddp_foreach_worker(rank, names):
     return out
 
 
-def test_ddp_batched_step_gathers_once_per_bucket_and_matches_one_process(tmp_path):
-    # Split buckets per step of these shapes: hidden (16, 32) with (32, 16) transposed, (24, 24) and the
-    # (8, 12) conv view; NorMuon keeps (32, 16) apart; plus one embedding/head bucket for MeqMuon.
+def test_ddp_batched_step_exchanges_once_per_bucket_and_matches_one_process(tmp_path):
+    # Exchanges per step of these shapes: hidden (16, 32) with (32, 16) transposed, (24, 24) and the (8, 12)
+    # conv view; NorMuon keeps (32, 16) apart; the embedding and head rules run in place on every rank.
     results = _spawn(_ddp_foreach_worker, tmp_path, runs("ddp-batched"))
-    for name, gathers in ddp_gathers().items():
+    for name, gathers in ddp_exchanges().items():
         r0, r1 = results[0][f"{name}+foreach"], results[1][f"{name}+foreach"]
         ref_params, ref_opt = _single_process(f"{name}+f32")
         for a, b in zip(r0["params"], r1["params"], strict=True):

@@ -94,10 +94,10 @@ def test_planning_makes_no_collective_on_the_fake_process_group():
         tp_plan(model, mesh["tp"])
         fsdp(model, mesh["dp"])
         opt = meqmuon.build_optimizer("meqmuon", model, ns_dtype=torch.float32)
-        opt._plan()
-        plan = opt._owners
-        assert plan is not None and len(plan.owned) > 0
-        assert {plan.owned[i].owner for i in range(len(plan.owned))} == set(range(8))  # balanced over all ranks
+        plan = opt._plan()
+        ex = opt._exchange
+        assert ex is not None and len(ex.units) > 0
+        assert {u.owner for u in ex.units} == set(range(8))  # balanced over all ranks
         q = model.model.layers[0].self_attn.q_proj.weight
         pieces = Pieces(q)
         assert pieces.local_shape(5) == tuple(q.to_local().shape)
@@ -105,16 +105,19 @@ def test_planning_makes_no_collective_on_the_fake_process_group():
         # rank 5 is (dp 2, tp 1): TP's second half of the rows, then FSDP2's third quarter of it
         half = rows // 2
         assert piece_runs(q.shape, q.placements, (4, 2), (2, 1))[0] == ((half + half // 2, half + 3 * half // 4),)
-        assert sum(len(o) for o in opt._owned) == len(plan.owned)
-        assert all(e.path is not Path.PIECES for _, entries, _, _ in opt._plan() for e in entries)
+        # every hidden matrix through the exchange, one unit each; the norms whole rows with sums over shards
+        entries = [e for _, es, _ in plan for e in es]
+        assert sum(len(e.units) for e in entries) == len(ex.units)
+        assert {e.path for e in entries if e.kind == "hidden"} == {Path.OWNERS}
+        assert all(e.split is ex for e in entries if e.path is Path.OWNERS)
     finally:
         dist.destroy_process_group()
 
 
 def test_row_shards_of_a_one_rank_shard_group_are_local_and_the_calls_carry_their_path():
     """HSDP's ``(Replicate(), Shard(0))`` on a 2 x 1 mesh (torch's fake process group, rank 1 of 2) holds whole
-    matrices on every rank: ``path_of`` says ``LOCAL`` (no exchange), where on 1 x 2 it says ``ROWS``; and a step's
-    rule calls carry their entries' path (``StepContext.path``), which the forms read."""
+    matrices on every rank: ``path_of`` says ``LOCAL`` (no exchange), where on 1 x 2 it says ``OWNERS``; and a
+    step's rule calls carry their entries' path (``StepContext.path``), by which ``placement.EXECUTORS`` runs them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -132,11 +135,11 @@ def test_row_shards_of_a_one_rank_shard_group_are_local_and_the_calls_carry_thei
                                                       shape=(8, 8), stride=(8, 1)))
             opt = meqmuon.build_optimizer("muon", [{"params": [w], "kind": "hidden", "names": ["w"]}])
             rule, layout = opt._rules["hidden"], engine.group_layout(opt.param_groups[0], 0, w.shape, "w")
-            paths[dims] = path_of(w, rule, layout)
+            paths[dims] = path_of(w, rule, layout, 2)
             w.grad = torch.zeros_like(w)
-            calls = opt._calls(opt._plan(), opt.param_groups, opt._local, [])
+            calls = opt._calls(opt._plan(), opt.param_groups)
             assert [c[3].path for c in (*calls[0], *calls[1])] == [paths[dims]], dims
-        assert paths == {(2, 1): Path.LOCAL, (1, 2): Path.ROWS}, paths
+        assert paths == {(2, 1): Path.LOCAL, (1, 2): Path.OWNERS}, paths
     finally:
         dist.destroy_process_group()
 
@@ -151,7 +154,7 @@ def _per_shard_worker(rank):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     real = compare_under_layout("llama", ["muon"], lambda m: tp_plan(m, mesh), steps=2)["muon"]["diff"]
     placed = engine.path_of
-    engine.path_of = lambda p, *a, **k: Path.LOCAL if is_dtensor(p) else Path.PLAIN  # Newton-Schulz per shard
+    engine.path_of = lambda p, *a, **k: Path.LOCAL  # Newton-Schulz per shard
     try:
         per_shard = compare_under_layout("llama", ["muon"], lambda m: tp_plan(m, mesh), steps=2)["muon"]["diff"]
     finally:

@@ -146,17 +146,22 @@ def test_variant_equals_its_float64_reference_in_every_form(name, form, monkeypa
 def test_hidden_rule_shows_only_what_a_variant_overrides_or_declares():
     """``meqmuon.HiddenRule`` is a protocol: its public names are the hooks a variant overrides (``pre``, ``post``,
     ``post_all``, ``post_factors``, ``lr_scale``, ``validate``) and what it declares (``defaults``, ``state_views``,
-    ``transposes``, ``hyperparameters``, derived from ``defaults``); nothing of the driver (issue 35). A
-    variant that overrides a hook is run through it, whatever the form (the tests above)."""
+    ``transposes``, ``factors_divide``; ``hyperparameters``, derived from ``defaults``, and ``transfer_form``, from
+    the hooks it overrides, ``transfer.py``); nothing of the driver (issue 35). A variant that overrides a hook is
+    run through it, whatever the form (the tests above)."""
     shown = {n for n in dir(meqmuon.HiddenRule) if not n.startswith("_")}
     assert shown == {"pre", "post", "post_all", "post_factors", "lr_scale", "validate", "defaults", "state_views",
-                     "transposes", "hyperparameters"}, shown
-    from meqmuon.optim import compiled, driver, engine
+                     "transposes", "hyperparameters", "factors_divide", "transfer_form"}, shown
+    from meqmuon.optim import compiled, driver, exchange
+    from meqmuon.optim.placement import EXECUTORS, Path
 
-    # The driver is functions: the four forms in one table (the eager two beside HiddenRule, the compiled
-    # two beside their graphs), picked by one chooser, the engine's step.
-    assert set(engine.FORMS) == {(False, False), (True, False), (False, True), (True, True)}
-    assert [f.__module__ for f in engine.FORMS.values()] == [driver.__name__] * 2 + [compiled.__name__] * 2
+    # The driver is functions: per path the four forms in one table (the eager two beside HiddenRule, the
+    # compiled two beside their graphs; the exchange's on OWNERS), picked by one chooser, the engine's _run.
+    for path, modules in ((Path.LOCAL, [driver.__name__] * 2 + [compiled.__name__] * 2),
+                          (Path.OWNERS, [exchange.__name__] * 4)):
+        forms = EXECUTORS[path].forms
+        assert set(forms) == {(False, False), (True, False), (False, True), (True, True)}
+        assert [getattr(f, "func", f).__module__ for f in forms.values()] == modules
 
 
 def test_a_rule_table_entry_must_be_a_named_rule_instance():

@@ -62,7 +62,7 @@ def equilibrate_step_(
     """
     m = param.shape[0]
     n = param[:1].numel() if m else param.numel()
-    stat = F._stat_dtype(param)
+    stat = F.stat_dtype(param)
     blocks = row_blocks(m, n, block_elements)
     inv_r = torch.empty(m, dtype=stat, device=param.device)
     col_sumsq = torch.zeros(n, dtype=stat, device=param.device)

@@ -19,13 +19,12 @@ __all__ = ["Item", "Path", "StepContext", "state_dtype"]
 
 
 class Path(Enum):
-    """Where a parameter steps: decided once per parameter by ``placement.path_of`` (the table is there), and
-    carried by each rule call's :class:`StepContext`, which the forms read."""
+    """Where a parameter steps, decided once per parameter by ``placement.path_of``; ``placement.EXECUTORS`` says
+    what runs each (the table is there)."""
 
-    PLAIN = "plain"
     LOCAL = "local"
     ROWS = "rows"
-    PIECES = "pieces"
+    OWNERS = "owners"
 
 
 class StepContext:
@@ -40,7 +39,7 @@ class StepContext:
 
     def __init__(self, capture: Callable[[str, str, str, Tensor], None] | None = None, kind: str = "",
                  split: LocalSplit | None = None, workspace: dict | None = None,
-                 call: int = 0, path: Path = Path.PLAIN) -> None:
+                 call: int = 0, path: Path = Path.LOCAL) -> None:
         self.capture = capture
         self.kind = kind
         #: Work splitter (``distributed.py``): who computes which matrix, sums over shards.
@@ -52,7 +51,7 @@ class StepContext:
         self.call = call
         #: The batched step's direction inputs, by item id, until they are stacked (``driver.stack_inputs``).
         self.inputs: dict[int, Tensor] = {}
-        #: The path of this call's parameters (``placement.py``): ``ROWS``, FSDP2's row shards, meet at owners.
+        #: The path of this call's parameters (``placement.py``).
         self.path = path
 
     def emit(self, items: Sequence[Item], tensors: Sequence[Tensor], what: str) -> None:
@@ -69,16 +68,18 @@ class Item:
     stacked or split view (``views.py``) they are views of the parameter's and of its state's.
     """
 
-    __slots__ = ("param", "grad", "state", "name", "shape", "kind")
+    __slots__ = ("param", "grad", "state", "name", "shape", "kind", "index")
 
     def __init__(self, param: Tensor, grad: Tensor | None, state: dict[str, Any], name: str,
-                 shape: torch.Size | None = None, kind: str = "") -> None:
+                 shape: torch.Size | None = None, kind: str = "", index: int = -1) -> None:
         self.param = param
         self.grad = grad
         self.state = state
         self.name = name
         self.shape = param.shape if shape is None else shape
         self.kind = kind
+        #: Under ``placement.OWNERS``, the exchange's unit this item is (``exchange.Exchange.units``).
+        self.index = index
 
 
 def state_dtype(p: Tensor, group: dict) -> torch.dtype:

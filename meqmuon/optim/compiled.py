@@ -1,19 +1,17 @@
 """``compile=True``: the driver's two forms with a bucket's directions compiled once.
 
-The forms (:func:`compiled_per_tensor`, :func:`compiled_batched`, chosen by the engine's ``step`` as the
-eager ``driver.per_tensor`` and ``driver.batched`` are) decide what runs where (DDP slices, FSDP2 owners)
-and call the graphs: :func:`hidden_step` (a hidden rule's bucket: the seam's own body,
-:func:`meqmuon.optim.driver.directions`; per-tensor with the update inside, batched on the bucket's stack with
-momentum, the stack and the update eagerly around it), :func:`elementwise_step` (an elementwise rule's
-``direction`` of a stack) and :func:`owner_directions` (FSDP2 owners). A batched graph takes the stack, not
-the members as lists: at Llama-350M's 96-matrix bucket a graph over lists (momentum and update inside, foreach
-kernels of 96 tensors) had not compiled after 38 s on an H100 (docs/benchmarks.md, GPU, issue 49).
-Hyperparameters
-(lr, weight decay, momentum, rho) enter the graphs as 0-D float64 CPU tensors (:func:`scalar`), not
-Python floats, so a schedule that changes them every step does not recompile (Python floats would be
-guarded as constants; tested with ``torch._dynamo`` counters). The graphs are ``fullgraph=True``;
-choices stay tensors, and a step makes no host-device synchronisation. Newton-Schulz inside a graph
-is matmuls; the maths is the eager forms', only the rounding of the fused expressions differs.
+The forms (:func:`compiled_per_tensor`, :func:`compiled_batched`, named by ``placement.EXECUTORS`` beside the eager
+``driver.per_tensor`` and ``driver.batched``) call the graphs: :func:`hidden_step` (a hidden rule's bucket: the
+seam's own body, :func:`meqmuon.optim.driver.directions`; per-tensor with the update inside, batched on the bucket's
+stack with momentum, the stack and the update eagerly around it), :func:`elementwise_step` (an elementwise rule's
+``direction`` of a stack) and :func:`owner_directions` (the owners of ``exchange.py``). A batched graph takes the
+stack, not the members as lists: at Llama-350M's 96-matrix bucket a graph over lists (momentum and update inside,
+foreach kernels of 96 tensors) had not compiled after 38 s on an H100 (docs/benchmarks.md, GPU, issue 49).
+Hyperparameters (lr, weight decay, momentum, rho) enter the graphs as 0-D float64 CPU tensors (:func:`scalar`), not
+Python floats, so a schedule that changes them every step does not recompile (Python floats would be guarded as
+constants; tested with ``torch._dynamo`` counters). The graphs are ``fullgraph=True``; choices stay tensors, and a
+step makes no host-device synchronisation. Newton-Schulz inside a graph is matmuls; the maths is the eager forms',
+only the rounding of the fused expressions differs.
 """
 
 from __future__ import annotations
@@ -26,16 +24,17 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
-from .calls import Item, Path, StepContext
+from .calls import Item, StepContext
 from .driver import (
-    Bucket,
     Call,
     HiddenRule,
-    batched,
-    cost,
+    apply_update,
+    bucket_directions,
+    direction_input,
     directions,
     grads_like,
     make_buckets,
+    matrix_shape,
     needs_matrix,
     per_tensor,
     resolve_dtype,
@@ -106,40 +105,11 @@ def static_group(rule, group: dict, ns_dtype: torch.dtype) -> dict:
     return {**{k: group[k] for k in rule.hyperparameters if k != "momentum"}, "ns_dtype": ns_dtype}
 
 
-def _momentum_inputs(grads, bufs, mu, nesterov, *, update: bool = True) -> list[Tensor]:
-    """``B <- mu B + G`` in place (unless the momentum is already updated), then the direction inputs."""
+def _momentum_inputs(grads, bufs, mu, nesterov) -> list[Tensor]:
+    """``B <- mu B + G`` in place, then the direction inputs."""
     grads = [g.to(b.dtype) for g, b in zip(grads, bufs, strict=True)]
-    if update:
-        F.momentum_(bufs, grads, mu)
+    F.momentum_(bufs, grads, mu)
     return F.direction_input(grads, bufs, mu, nesterov)
-
-
-def _hidden_bucket(params, grads, bufs, states, steps, lr, wd, mu, scale, *, rule, plain, nesterov, batched, group):
-    """A hidden rule's step of one bucket, momentum to update (:func:`driver.directions` in between).
-
-    Shapes, for ``K`` members of matrix view ``(m, n)`` (``plain`` as they are, the rest ``(n, m)``):
-    ``params``, ``grads``, ``bufs``: ``K`` tensors each of its member's shape (momentum buffers in the state
-    dtype); ``states``: ``{key: K tensors}`` (``(m,)`` per-row or ``()`` per-matrix state); ``steps``:
-    ``(K,)`` int64 or ``None``; ``lr``, ``wd``, ``mu``, ``scale``: 0-D float64 CPU tensors (graph inputs, no
-    recompile); ``rule``, ``plain``, ``nesterov``, ``batched``, ``group``: baked in (``static_group``).
-    """
-    # the per-tensor form's momentum is updated before (and its buffers are owners' too)
-    inputs = [x.reshape(x.shape[0], -1) for x in _momentum_inputs(grads, bufs, mu, nesterov, update=batched)]
-    X = torch.stack(inputs[:plain] + [x.mT for x in inputs[plain:]])
-    state = {k: torch.stack(v) for k, v in states.items()}
-    if steps is not None:
-        state["step"] = steps
-    (D,) = directions(rule, [(X, plain, state)], group, None, batched=batched, ns_dtype=group["ns_dtype"])
-    rows = [r for d in D for r in d.unbind(0)]
-    F.decay_and_update_(params, [d.reshape(p.shape) for d, p in zip(rows, params, strict=True)], lr, wd, scale)
-    # The new per-matrix state into the inputs last, one copy_ each: not torch._foreach_copy_, whose inductor
-    # lowering (mutate_to(..., unsafe_alias=True): "only encountered as outputs of the graph") makes the input's
-    # storage the new value's buffer, so that on CUDA the later reads of NorMuon's v, inlined from the old v,
-    # read the new one: v lerped twice, 5.5e-4 apart from eager after one step (float64, an H100, torch 2.11;
-    # benchmarks/gpu_diag_compile.py). aten.copy_ lowers to a copy of its own.
-    for k, v in states.items():
-        for dst, src in zip(v, state[k].to(v[0].dtype).unbind(0), strict=True):
-            dst.copy_(src)
 
 
 def _hidden_stack(X, states, steps, *, rule, plain, group):
@@ -179,42 +149,29 @@ def _owner_directions(W, state, *, rule, batched, group, factored):
     return D if isinstance(D, tuple) else (D, None, None)
 
 
-def hidden_step(rule, members, plain: int, shape: tuple[int, int], key: tuple, group: dict, ns_dtype: torch.dtype,
-                *, batched: bool) -> None:
-    """A hidden rule's step of ``members`` (of one shape bucket of matrix view ``shape``, ``plain`` of them
-    as they are, the rest transposed).
-
-    Batched: momentum and the stack of direction inputs eagerly (a few ``torch._foreach_*`` kernels, as the
-    eager batched form), ``pre -> Newton-Schulz -> post`` of the stack as one graph keyed on ``key`` and the
-    stack's shape (:func:`_hidden_stack`: its size does not grow with the bucket's, so neither does its
-    compile time), the per-matrix state written back and the update eagerly. Per-tensor (one matrix, momentum
-    updated before): one graph of :func:`_hidden_bucket`, the update inside."""
+def hidden_step(rule, members, plain: int, shape: tuple[int, int], key: tuple, group: dict,
+                ns_dtype: torch.dtype) -> None:
+    """A hidden rule's batched step of ``members`` (one shape bucket of matrix view ``shape``, ``plain`` of them
+    as they are, the rest transposed): momentum and the stack of direction inputs eagerly (a few
+    ``torch._foreach_*`` kernels, as the eager batched form), ``pre -> Newton-Schulz -> post`` of the stack as
+    one graph keyed on ``key`` and the stack's shape (:func:`_hidden_stack`: its size does not grow with the
+    bucket's, so neither does its compile time), the per-matrix state written back and the update eagerly."""
     per_matrix = {k: how for k, how in rule.state_views.items() if how in ("rows", "counter", "step")}
     states = {k: [it.state[k] for it in members] for k, how in per_matrix.items() if how != "step"}
     steps = next((F.on_device([it.state[k] for it in members], members[0].param.device)
                   for k, how in per_matrix.items() if how == "step"), None)
-    lr, scale = group["lr"], rule.lr_scale(*shape, group)
-    if batched:
-        X = _stacked_inputs(members, group["momentum"], group["nesterov"], plain)
-        stacks = {k: torch.stack(v) for k, v in states.items()}
-        graph = (key, id(rule), tuple(X.shape), X.dtype, tuple((k, v.dtype) for k, v in stacks.items()))
-        D, new = bucket_step(rule.name, _hidden_stack, graph, X, stacks, steps, rule=rule, plain=plain,
-                             group=static_group(rule, group, ns_dtype))
-        for v, stack in zip(states.values(), new, strict=True):
-            torch._foreach_copy_(v, list(stack.to(v[0].dtype).unbind(0)))
-        rows = [r for d in D for r in d.unbind(0)]
-        n = len(members)
-        F.decay_and_update_([it.param.detach() for it in members],
-                            [d.reshape(it.param.shape) for d, it in zip(rows, members, strict=True)],
-                            [lr] * n, [group["weight_decay"]] * n, [scale] * n)
-        return
-    lr = scalar(lr)
-    bucket_step(rule.name, _hidden_bucket, (key, id(rule), tuple(it.param.ndim for it in members)),
-                [it.param.detach() for it in members], [it.grad for it in members],
-                [it.state["momentum_buffer"] for it in members], states, steps, lr, scalar(group["weight_decay"], lr),
-                scalar(group["momentum"], lr), scalar(scale, lr),
-                rule=rule, plain=plain, nesterov=group["nesterov"], batched=False,
-                group=static_group(rule, group, ns_dtype))
+    X = _stacked_inputs(members, group["momentum"], group["nesterov"], plain)
+    stacks = {k: torch.stack(v) for k, v in states.items()}
+    graph = (key, id(rule), tuple(X.shape), X.dtype, tuple((k, v.dtype) for k, v in stacks.items()))
+    D, new = bucket_step(rule.name, _hidden_stack, graph, X, stacks, steps, rule=rule, plain=plain,
+                         group=static_group(rule, group, ns_dtype))
+    for v, stack in zip(states.values(), new, strict=True):
+        torch._foreach_copy_(v, list(stack.to(v[0].dtype).unbind(0)))
+    rows = [r for d in D for r in d.unbind(0)]
+    n = len(members)
+    F.decay_and_update_([it.param.detach() for it in members],
+                        [d.reshape(it.param.shape) for d, it in zip(rows, members, strict=True)],
+                        [group["lr"]] * n, [group["weight_decay"]] * n, [rule.lr_scale(*shape, group)] * n)
 
 
 def elementwise_step(rule, bucket, group: dict) -> None:
@@ -223,7 +180,7 @@ def elementwise_step(rule, bucket, group: dict) -> None:
     static = {k: group[k] for k in rule.hyperparameters if k not in ("momentum", "rho", "nesterov")}
     shape = tuple(bucket.global_shape)
     X = _stacked_inputs(bucket.items, group["momentum"], group["nesterov"], shape=shape)
-    X = X.to(F._stat_dtype(X))
+    X = X.to(F.stat_dtype(X))
     D = bucket_step(rule.name, _elementwise_stack, (bucket.key, tuple(X.shape), X.dtype), X,
                     scalar(group["rho"], group["lr"] if isinstance(group["lr"], Tensor) else None),
                     rule=rule, shape=shape, group=static)
@@ -235,8 +192,8 @@ def elementwise_step(rule, bucket, group: dict) -> None:
 
 def owner_directions(rule, handed: list[Tensor], state: dict[str, Tensor], group: dict, ctx, *,
                      batched: bool, factored: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """FSDP2 owners' directions of whole matrices ``W`` ``(j, m, n)``, handed over as ``handed == [W]``, as one
-    graph per stack shape (``sharded.hidden_at_owners``' ``orth`` under ``compile=True``)."""
+    """An owner rank's directions of whole matrices ``W`` ``(j, m, n)``, handed over as ``handed == [W]``, as one
+    graph per stack shape (``driver.bucket_directions``' ``orth`` under ``compile=True`` on ``placement.OWNERS``)."""
     W = handed.pop()
     static = static_group(rule, group, resolve_dtype(group, W, ctx))
     return bucket_step(rule.name, _owner_directions, (tuple(W.shape), W.dtype, id(rule)), W, state,
@@ -247,12 +204,15 @@ def owner_directions(rule, handed: list[Tensor], state: dict[str, Tensor], group
 
 
 def _hidden_compiled(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
-    """A hidden rule's per-tensor update as one graph per matrix (same-shape matrices share it), so that a
-    matrix's bits do not depend on its neighbours (the DDP owners rely on it)."""
-    ns_dtype = resolve_dtype(group, items[0].param, ctx)
+    """A hidden rule's per-tensor update: each matrix's directions one graph (:func:`owner_directions`, which
+    same-shape matrices share), the update eagerly: the body and the graph an owner rank runs on a matrix of the
+    per-tensor form (``exchange.py``), so that DDP's shared step gives one process's bits."""
     for it in items:
+        shape = matrix_shape(it.shape)
         (b,) = make_buckets([it], matrix=True, transpose=False)
-        hidden_step(rule, [it], 1, b.global_shape, b.key, group, ns_dtype, batched=False)
+        ((d,),) = bucket_directions(rule, [b], group, ctx, batched=False,
+                                    x_of=lambda it: direction_input(it, group), orth=owner_directions)
+        apply_update([it], [d], [rule.lr_scale(*shape, group)], group)
 
 
 def compiled_per_tensor(calls: Sequence[Call]) -> None:
@@ -262,27 +222,11 @@ def compiled_per_tensor(calls: Sequence[Call]) -> None:
     per_tensor(calls, _hidden_compiled)
 
 
-def rows_batched(calls: Sequence[Call]) -> None:
-    """A hidden rule's FSDP2 row shards with ``compile=True`` (``placement.ROWS``): the eager batched form with
-    each owner's directions one graph (:func:`owner_directions`)."""
-    batched(calls, owner_directions)
-
-
 def compiled_batched(calls: Sequence[Call]) -> None:
-    """The batched form with ``compile=True``: one graph per shape bucket (:func:`hidden_step`).
-
-    Under DDP (every rank holds every tensor) a hidden rule's bucket is split into contiguous slices as
-    the eager batched form splits it; each rank updates the momentum of the other members eagerly, runs
-    the bucket's graph on its slice, and one ``all_gather_into_tensor`` per bucket and dtype brings every
-    slice's new parameters and owner state to every rank. An elementwise rule's buckets (memory-bound) run
-    whole on every rank. FSDP2's hidden row shards are not here: the engine runs them in :func:`rows_batched`;
-    it sends the elementwise rules' row shards to the owner path (``placement.PIECES``, ``owners.py``), where
-    they see whole tensors.
-    """
+    """The batched form with ``compile=True``: one graph per shape bucket (:func:`hidden_step`); an elementwise
+    rule's buckets one graph each (:func:`elementwise_step`). Under ``placement.OWNERS`` the exchange's forms run
+    instead, each owner's directions one graph (:func:`owner_directions`)."""
     for rule, items, group, ctx in calls:
-        if ctx.path is Path.ROWS:
-            raise NotImplementedError("compile=True with foreach=True on row shards: the engine runs these rules at "
-                                      "owner ranks (owners.py); this call is a bug")
         if ctx.capture is not None:
             raise NotImplementedError("the capture hook needs the eager step: build the optimizer without compile=True")
         if not isinstance(rule, HiddenRule):
@@ -290,43 +234,5 @@ def compiled_batched(calls: Sequence[Call]) -> None:
                 elementwise_step(rule, b, group)
             continue
         ns_dtype = resolve_dtype(group, items[0].param, ctx)
-        split = ctx.split.world_size > 1  # DDP: a slice of each bucket per rank
         for b in make_buckets(items, matrix=True, transpose=rule.transposes):
-            members, plain = b.items, b.plain
-            if split:
-                counts = ctx.split.bucket_plan(len(b.items), cost(rule, b.global_shape, group))
-                lo = sum(counts[: ctx.split.rank])
-                hi = lo + counts[ctx.split.rank]
-                members, plain = b.items[lo:hi], max(0, min(b.plain - lo, hi - lo))
-                others = b.items[:lo] + b.items[hi:]
-                bufs = [it.state["momentum_buffer"] for it in others]
-                F.momentum_(bufs, grads_like(others, bufs), group["momentum"])
-            if members:
-                hidden_step(rule, members, plain, b.global_shape, b.key, group, ns_dtype, batched=True)
-            if split:
-                _gather_slices(b, members, counts, rule._owner_state, ctx)
-
-
-def _gather_slices(bucket: Bucket, members: Sequence[Item], counts: list[int], keys: tuple[str, ...],
-                   ctx: StepContext) -> None:
-    """Every rank's slice of a bucket's new parameters and owner state ``keys``, to every rank (DDP): one
-    ``all_gather_into_tensor`` of the flattened members per dtype (transposed members flatten to the same size)."""
-    p0 = bucket.items[0].param
-    stacks = [torch.stack([it.param.detach().reshape(-1) for it in members]) if members else
-              p0.new_empty((0, p0.numel()))]
-    for key in keys:
-        s0 = bucket.items[0].state[key]
-        stacks.append(torch.stack([it.state[key].reshape(-1) for it in members]) if members else
-                      s0.new_empty((0, s0.numel())))
-    full: list[Tensor] = [None] * len(stacks)  # type: ignore[list-item]
-    # one gather per dtype (an int64 counter never rounds through bf16), in the same order on every rank
-    for dtype in dict.fromkeys(s.dtype for s in stacks):
-        which = [i for i, s in enumerate(stacks) if s.dtype == dtype]
-        for i, t in zip(which, ctx.split.gather([stacks[i] for i in which], counts), strict=True):
-            full[i] = t
-    torch._foreach_copy_([it.param.detach() for it in bucket.items],
-                         [row.view(it.param.shape) for row, it in zip(full[0].unbind(0), bucket.items, strict=True)])
-    for key, stack in zip(keys, full[1:], strict=True):
-        torch._foreach_copy_([it.state[key] for it in bucket.items],
-                             [row.view(it.state[key].shape) for row, it in zip(stack.unbind(0), bucket.items,
-                                                                                 strict=True)])
+            hidden_step(rule, b.items, b.plain, b.global_shape, b.key, group, ns_dtype)

@@ -44,18 +44,18 @@ from torch import Tensor
 
 from .. import functional as F
 from ..precision import resolve_ns_dtype
-from .calls import Item, Path, StepContext, state_dtype
+from . import transfer
+from .calls import Item, StepContext, state_dtype
 from .distributed import state_like
 from .inputs import float_dtype, positive_int
 from .newton_schulz import NS_METHODS, method_flops
 from .rule import MomentumBase, MomentumRule, Rule, SteppingRule
-from .sharded import Orth, hidden_at_owners
 from .views import Layout
 
-__all__ = ["ELEMENTWISE_COST", "Bucket", "Call", "HiddenRule", "Stack", "apply_update", "batched", "buffer",
-           "compiles", "cost", "direction_input", "directions", "eager_directions", "elementwise", "grads_like",
-           "init_state", "make_buckets", "matrix_shape", "needs_matrix", "per_tensor", "resolve_dtype",
-           "stack_inputs", "stack_tensors", "state_elements", "unstack"]
+__all__ = ["ELEMENTWISE_COST", "Bucket", "Call", "HiddenRule", "Orth", "Stack", "apply_pending", "apply_update",
+           "batched", "bucket_directions", "buffer", "compiles", "cost", "cut_items", "direction_input",
+           "directions", "elementwise", "grads_like", "init_state", "make_buckets", "matrix_shape", "needs_matrix",
+           "per_tensor", "resolve_dtype", "stack_inputs", "stack_tensors", "state_elements", "unstack"]
 
 #: One rule call of a step: the rule, its items (one param group's parameters of its kind, or several
 #: groups' merged by the engine), the group, the call's context.
@@ -68,11 +68,6 @@ ELEMENTWISE_COST = 1000.0
 
 
 # ---- the protocol of a hidden rule -------------------------------------------------------------
-
-
-def _defined_by(cls: type, name: str) -> type:
-    """The class of ``cls``'s MRO whose body defines ``name``."""
-    return next(c for c in cls.__mro__ if name in vars(c))
 
 
 class HiddenRule(MomentumBase):
@@ -94,23 +89,17 @@ class HiddenRule(MomentumBase):
     #: Whether the class overrides :meth:`pre` (set per class; :func:`directions` skips the identity ``pre``,
     #: and the batched form stacks the inputs of a rule that rewrites them in float32). Derived, not declared.
     _rewrites_input: ClassVar[bool] = False
-    #: What an FSDP2 owner sends back for this class's directions (``sharded.py``), derived per class:
-    #: ``"identity"`` (``post`` is the identity: ``U`` itself, in the Newton-Schulz dtype; bf16 -> float32 is
-    #: exact), ``"factors"`` (the class's own :meth:`post_factors` gives ``post_all`` as ``(U * row) * col``:
-    #: ``U`` in the Newton-Schulz dtype and the factors, each rank applying them to its rows), ``"direction"``
-    #: (any other ``post``, or a subclass that overrides ``post`` but not ``post_factors``: ``D`` itself, in the
-    #: statistics' dtype).
-    _direction_form: ClassVar[str] = "identity"
-    #: Whether :meth:`post_factors`' row factors divide (``(U / row) * col``, ``F.apply_factors``' ``divide``).
-    _row_factors_divide: ClassVar[bool] = False
+    #: The form its directions travel back from an owner rank in (``transfer.py``: ``"identity"``, ``"factors"``
+    #: or ``"direction"``), derived per class by :func:`.transfer.form_of` from what it overrides, not declared.
+    transfer_form: ClassVar[str] = transfer.IDENTITY
+    #: Whether :meth:`post_factors`' row factors divide (``(U / row) * col``, NorMuon's division) rather than
+    #: multiply; declared by a rule whose factors do.
+    factors_divide: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._rewrites_input = cls.pre is not HiddenRule.pre
-        post, post_all, factors = (_defined_by(cls, name) for name in ("post", "post_all", "post_factors"))
-        cls._direction_form = ("identity" if post is post_all is HiddenRule else
-                               "factors" if factors is not HiddenRule and issubclass(factors, post)
-                               and issubclass(factors, post_all) else "direction")
+        cls.transfer_form = transfer.form_of(cls)
         if cls.transposes and "rows" in cls.state_views.values():
             raise TypeError(f"{cls.__name__}: per-row state needs transposes = False (rows would change length)")
 
@@ -136,22 +125,11 @@ class HiddenRule(MomentumBase):
         """:meth:`post_all` as per-row and per-column factors, for a rule whose direction is ``(U * row) * col``
         (MeqMuon's eq. 8): per stack ``(row, col)``, ``(K, m, 1)`` and ``(K, 1, n)``, such that
         :func:`meqmuon.functional.apply_factors` gives ``post_all``'s ``D`` bit for bit, on the whole matrix or
-        on any block of its rows (``divide`` where the class sets ``_row_factors_divide``: ``(U / row) * col``);
-        the state updated as ``post_all`` updates it. Overriding it lets an FSDP2
-        owner send ``U`` in the Newton-Schulz dtype and the factors instead of ``D`` (``sharded.py``); a rule
-        that does not is still exact there, ``D`` travelling in float32."""
+        on any block of its rows or columns (``divide`` where the class sets :attr:`factors_divide`:
+        ``(U / row) * col``); the state updated as ``post_all`` updates it. The public hook of ``transfer.py``:
+        overriding it lets an owner rank send ``U`` in the Newton-Schulz dtype and the factors instead of ``D``; a
+        rule that does not is still exact there, ``D`` travelling in float32."""
         raise NotImplementedError(f"{type(self).__name__} has no post_factors: its post is not (U * row) * col")
-
-    def _factors_pay(self, rows: int, cols: int, ns_dtype: torch.dtype, d_dtype: torch.dtype) -> bool:
-        """Whether an owner sends a rank's ``rows x cols`` piece as ``U`` in ``ns_dtype`` with its row and column
-        factors instead of ``D`` in ``d_dtype``, by what each rank knows beforehand: the class gives its ``post``
-        as factors, they have ``D``'s dtype (``post_factors`` computes at least in float32 from ``U``: factors
-        widened to a float64 ``D`` would round the products otherwise than one process), and they are fewer bytes,
-        ``rows cols |U| + (rows + cols) |D| < rows cols |D|`` (never with ``U`` as wide as ``D``). The one rule of
-        the row path (``sharded.py``) and the owner path (``exchange.factors_pay``)."""
-        if self._direction_form != "factors" or torch.promote_types(ns_dtype, torch.float32) != d_dtype:
-            return False
-        return rows * cols * ns_dtype.itemsize + (rows + cols) * d_dtype.itemsize < rows * cols * d_dtype.itemsize
 
     def lr_scale(self, m: int, n: int, group: dict) -> float:
         """A step multiplier ``s`` of an ``m x n`` matrix, applied inside the update (``-lr s D``) instead
@@ -185,11 +163,6 @@ def elementwise(rule: Rule) -> bool:
 def compiles(rule: Rule) -> bool:
     """``compile=True`` has a compiled form of the rule: the momentum rules (stepping rules run eagerly)."""
     return not isinstance(rule, SteppingRule)
-
-
-def _splits(rule: Rule) -> bool:
-    """The rule's work is split over DDP ranks (every hidden rule; an elementwise rule unless it says not)."""
-    return isinstance(rule, HiddenRule) or (isinstance(rule, MomentumRule) and rule.split_work)
 
 
 def cost(rule: Rule, shape: Sequence[int], group: dict) -> float:
@@ -226,6 +199,19 @@ def init_state(rule: Rule, p: Tensor, state: dict[str, Any], group: dict, layout
         elif how == "counter":  # a whole matrix's counter is a plain tensor even under FSDP2
             state[key] = state_like(p, layout.counter_shape, torch.int64, aligned=not layout.folded) \
                 if layout.batch else torch.zeros(layout.counter_shape, dtype=torch.int64, device=p.device)
+
+
+def cut_items(rule: Rule, layout: Layout, param: Tensor, grad: Tensor, state: dict[str, Any], name: str, kind: str,
+              labels: Sequence[str], units: Sequence[int] | None = None) -> list[Item]:
+    """One item per matrix of ``layout``'s view of ``param`` (:meth:`Layout.matrices`), with its gradient's and
+    state's views (``rule.state_views`` says how each state tensor divides), named ``name + labels[j]``, each with
+    its exchange unit (``units[j]``, ``placement.OWNERS``)."""
+    pieces = {"param": layout.matrices, "rows": layout.row_pieces, "counter": layout.counters}
+    per_key = {k: pieces[how](state[k]) for k, how in rule.state_views.items() if how in pieces}
+    units = units or [-1] * len(labels)
+    return [Item(p, g, {"step": state["step"], **{k: v[j] for k, v in per_key.items()}}, name + label, p.shape, kind,
+                 units[j])
+            for j, (p, g, label) in enumerate(zip(layout.matrices(param), layout.matrices(grad), labels, strict=True))]
 
 
 # ---- stacks: shape buckets and kept buffers ---------------------------------------------------------
@@ -345,10 +331,9 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
     contiguous matrix already in its dtype in place (``inplace``: the first iterate is ``X``'s own buffer), so
     that the received bytes are not alive beside Newton-Schulz's copy of them; the same ops on the same values.
     The caller hands them over (keeps no reference): each entry of ``stacks`` loses its ``X`` once Newton-Schulz
-    has run, so that the spent bytes are let go before ``post``. ``factored``: an FSDP2 owner's stacks (one side
-    each): per side ``(U, row, col)`` instead of ``D``, as :attr:`HiddenRule._direction_form` allows (``U`` in
-    the Newton-Schulz dtype, ``row`` and ``col`` the rule's :meth:`~HiddenRule.post_factors` or ``None`` where
-    ``post`` is the identity; its ``"direction"`` form gives ``(D, None, None)``).
+    has run, so that the spent bytes are let go before ``post``. ``factored``: an owner's stacks (one side each)
+    of a rule whose directions travel as factors (``transfer.FACTORS``): per stack ``(U, row, col)`` instead of
+    ``D`` (``U`` in the Newton-Schulz dtype, ``row`` and ``col`` the rule's :meth:`~HiddenRule.post_factors`).
 
     Args:
         rule: the ``HiddenRule``.
@@ -389,8 +374,11 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
         states += views
         owner += [i] * len(sides)
     del iteration
-    if factored and rule._direction_form != "direction":
-        return _factored(rule, us, len(stacks), group, states)
+    if factored:  # per side (U, row, col): the factors of post_factors, each side in its members' orientation
+        result = [[] for _ in stacks]
+        for i, u, f in zip(owner, us, rule.post_factors(us, group, states), strict=True):
+            result[i].append((u, *f))
+        return result
     ds = rule.post_all(us, group, states)
     # One copy at most per side: the cast of a narrower direction and the transposed side's layout.
     narrower = dtype is not None and ds[0].dtype.itemsize < dtype.itemsize
@@ -400,30 +388,61 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
     return result
 
 
-def _factored(rule: HiddenRule, us: list[Tensor], n_stacks: int, group: dict,
-              states: list[dict[str, Tensor]]) -> list[list[tuple[Tensor, Tensor | None, Tensor | None]]]:
-    """:func:`directions`' ``factored`` result: per stack ``[(U, row, col)]``."""
-    if len(us) != n_stacks:
-        raise NotImplementedError("factored directions of transposed members: the row path never stacks them")
-    factors = rule.post_factors(us, group, states) if rule._direction_form == "factors" else [(None, None)] * len(us)
-    return [[(u, *f)] for u, f in zip(us, factors, strict=True)]
+# ---- the one body of a hidden rule's step -----------------------------------------------------------------
+
+#: How an owner's compiled graph turns one stack into directions (``compiled.owner_directions``):
+#: ``orth(rule, [X], state, group, ctx, batched=..., factored=...)`` -> ``(U, row, col)`` or ``(D, None, None)``.
+Orth = Callable[..., tuple[Tensor, Tensor | None, Tensor | None]]
 
 
-def eager_directions(rule: HiddenRule, handed: list[Tensor], state: dict[str, Tensor], group: dict,
-                     ctx: StepContext, *, batched: bool,
-                     factored: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """:func:`directions` of whole matrices ``W`` ``(j, m, n)`` at an FSDP2 owner, eagerly (the eager
-    batched form's :data:`~.sharded.Orth`; ``W``, the received bytes, handed over as ``handed == [W]``),
-    ``(U, row, col)`` (``factored``: as :func:`directions` gives them; else ``(D, None, None)``)."""
-    # buffers of this call only (not the splitter's workspace, where each bucket's would stay until the step
-    # ends), the iteration's let go before post: an owner's transient peak is one bucket's Newton-Schulz.
-    # W is read by nothing after: Newton-Schulz iterates in it where it can and lets it go (consume)
-    W = handed.pop()
-    stacks = [(W, W.shape[0], state)]
-    del W
-    ((D,),) = directions(rule, stacks, group, ctx, batched=batched, scratch={}, release=True, consume=True,
-                         factored=factored)
-    return D if isinstance(D, tuple) else (D, None, None)
+def bucket_directions(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, ctx: StepContext, *, batched: bool,
+                      x_of: Callable[[Item], Tensor], dtype: torch.dtype | None = None, orth: Orth | None = None,
+                      factored: bool = False) -> list[list[Any]]:
+    """The one body of a hidden rule's step, wherever its matrices are whole: one process's, and an owner rank's
+    (``exchange.py``: DDP's shared matrices, the whole matrices of FSDP2's and tensor parallelism's pieces).
+
+    Per bucket the stack of its members' direction inputs ``x_of(item)`` in the bucket's orientation (members
+    ``[:plain]`` as they are, the rest transposed), in the Newton-Schulz dtype (at least float32 for a rule with
+    its own ``pre``), and of their per-matrix state; then ``pre``, Newton-Schulz and ``post`` of all stacks at
+    once (:func:`directions`: ``post_all`` once, a fixed number of kernels; ``batched``: one batched
+    Newton-Schulz per stack), or ``orth`` stack by stack (the owners' compiled graphs); the new per-matrix state
+    written back into the members' (one copy kernel per key). Returns per bucket, per member, its direction in
+    its own orientation (cast to ``dtype`` where that is wider), or with ``factored`` ``(U, row, col)``: its
+    ``U``, its ``(m,)`` row and ``(n,)`` column factors."""
+    members = [it for b in buckets for it in b.items]
+    device = members[0].param.device
+    scalars = {k: F.on_device([it.state[k] for it in members], device) if how == "step" else
+               torch.stack([it.state[k] for it in members]) for k, how in rule.state_views.items()
+               if how in ("counter", "step")}
+    stacks, o = [], 0
+    for b in buckets:
+        k = len(b.items)
+        dt = F.stat_dtype(b.items[0].param) if rule._rewrites_input else resolve_dtype(group, b.items[0].param, ctx)
+        state = {key: torch.stack([it.state[key] for it in b.items]) for key, how in rule.state_views.items()
+                 if how == "rows"}
+        state.update({key: v[o : o + k] for key, v in scalars.items()})
+        stacks.append((stack_inputs(ctx, rule.name, b, [x_of(it) for it in b.items], dt), b.plain, state))
+        o += k
+    if orth is None:
+        found = directions(rule, stacks, group, ctx, batched=batched, dtype=dtype, factored=factored)
+    else:  # one graph per stack; the stack handed over (the graph's scratch)
+        found = []
+        for i, (X, plain, state) in enumerate(stacks):
+            if plain != X.shape[0]:
+                raise NotImplementedError("an owner's compiled graph takes one orientation: the exchange stacks "
+                                          "each apart")
+            stacks[i] = (None, 0, state)
+            u, row, col = orth(rule, [X], state, group, ctx, batched=batched, factored=factored)
+            del X
+            found.append([(u, row, col) if factored else u])
+    for key in rule._owner_state:
+        targets = [it.state[key] for it in members]
+        news = [row for _, _, state in stacks for row in state[key].to(targets[0].dtype).unbind(0)]
+        torch._foreach_copy_(targets, news)
+    if not factored:
+        return [unstack(b, sides) for b, sides in zip(buckets, found, strict=True)]
+    return [[(u, r[:, 0], c[0]) for U, row, col in sides
+             for u, r, c in zip(U.unbind(0), row.unbind(0), col.unbind(0), strict=True)] for sides in found]
 
 
 # ---- what every form uses --------------------------------------------------------------------------
@@ -444,18 +463,14 @@ def direction_input(it: Item, group: dict, rows: slice = slice(None), out: Tenso
     return F.direction_input([g], [b], group["momentum"], group["nesterov"], None if out is None else [out])[0]
 
 
-def stack_inputs(ctx: StepContext, name: str, bucket: Bucket, lo: int, hi: int, dtype: torch.dtype) -> Tensor:
-    """The direction inputs of members ``lo..hi`` (made by :func:`batched`, handed over and let
-    go here), stacked (cast to ``dtype``) in the bucket's persistent workspace, in the bucket's
-    orientation: one ``stack`` reads the transposed members as strided views."""
-    items = bucket.items[lo:hi]
-    xs = [ctx.inputs.pop(id(it)) for it in items]
+def stack_inputs(ctx: StepContext, name: str, bucket: Bucket, xs: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+    """The members' direction inputs ``xs`` stacked (cast to ``dtype``) in the call's persistent workspace, in the
+    bucket's orientation: one ``stack`` reads the transposed members as strided views."""
     if len(bucket.shape) == 2:
         xs = [x.reshape(x.shape[0], -1) if x.ndim > 2 else x for x in xs]
-    cut = max(0, bucket.plain - lo)
-    out = buffer(ctx.workspace, (name, "inputs", ctx.call, bucket.key, lo), (hi - lo, *bucket.shape), dtype,
-                 items[0].param.device)
-    return torch.stack([*xs[:cut], *(x.mT for x in xs[cut:])], out=out)
+    out = buffer(ctx.workspace, (name, "inputs", ctx.call, bucket.key), (len(xs), *bucket.shape), dtype,
+                 bucket.items[0].param.device)
+    return torch.stack([*xs[: bucket.plain], *(x.mT for x in xs[bucket.plain :])], out=out)
 
 
 def stack_tensors(ctx: StepContext, name: str, bucket: Bucket, tensors: Sequence[Tensor]) -> Tensor:
@@ -479,30 +494,34 @@ def apply_update(items: Sequence[Item], directions: Sequence[Tensor], scales: Se
         F.decay_and_update_([p], [d], group["lr"], group["weight_decay"], [s])
 
 
+def apply_pending(pending: Sequence[tuple[Tensor, Tensor, float]], group: dict) -> None:
+    """``W <- (1 - lr wd) W - lr s D`` for every ``(W, D, s)`` of one group's call, a narrower ``D`` (bf16 from an
+    owner) widened first, as :func:`apply_update` does: one decay kernel and one add per distinct ``s``."""
+    if pending:
+        params, dirs, scales = zip(*pending, strict=True)
+        dirs = [d.reshape(p.shape) if d.dtype == p.dtype or torch.promote_types(d.dtype, p.dtype) != p.dtype
+                else d.reshape(p.shape).to(p.dtype) for p, d in zip(params, dirs, strict=True)]
+        F.decay_and_update_(list(params), dirs, group["lr"], group["weight_decay"], list(scales))
+
+
 # ---- the per-tensor form ------------------------------------------------------------------------------
 
 
 def per_tensor(calls: Sequence[Call], hidden: Callable[[HiddenRule, Sequence[Item], dict, StepContext], None]
                | None = None) -> None:
-    """The per-tensor form (``foreach=False``). Per call: momentum (one fused kernel), then the update of
-    the items this rank owns: ``hidden`` (default :func:`_hidden_eager`) for a hidden rule's, the rule's own
-    :meth:`MomentumRule.update` for an elementwise one; under DDP each parameter has one owner rank
-    (balanced by :func:`cost`), which publishes it with its owner state."""
+    """The per-tensor form (``foreach=False``). Per call: momentum (one fused kernel), then each item's update:
+    ``hidden`` (default :func:`_hidden_eager`) for a hidden rule's, the rule's own
+    :meth:`MomentumRule.update` for an elementwise one."""
     hidden = hidden or _hidden_eager
     for rule, items, group, ctx in calls:
         bufs = [it.state["momentum_buffer"] for it in items]
         F.momentum_(bufs, grads_like(items, bufs), group["momentum"], fused=True)
         if ctx.capture is not None:
             ctx.emit(items, [direction_input(it, group) for it in items], "momentum_input")
-        update = (lambda its, g, c, rule=rule: hidden(rule, its, g, c)) if isinstance(rule, HiddenRule) else rule.update
-        if ctx.split.world_size == 1 or not _splits(rule):  # one process: this rank owns all
-            update(items, group, ctx)
-            continue
-        owners = ctx.split.owners([cost(rule, it.shape, group) for it in items])
-        mine = [it for it, o in zip(items, owners, strict=True) if o == ctx.split.rank]
-        if mine:
-            update(mine, group, ctx)
-        ctx.split.publish([[it.param, *(it.state[k] for k in rule._owner_state)] for it in items], owners)
+        if isinstance(rule, HiddenRule):
+            hidden(rule, items, group, ctx)
+        else:
+            rule.update(items, group, ctx)
 
 
 def _hidden_eager(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
@@ -521,21 +540,16 @@ def _hidden_eager(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: Ste
 
 # ---- the batched form -------------------------------------------------------------------------------
 
-#: One bucket's batched result: its direction stack (this rank's members, bucket orientation) and
-#: the per-member state the owner changed (stacks, gathered with it).
-Directions = tuple[Tensor | list[Tensor], list[Tensor]]
 
-
-def batched(calls: Sequence[Call], orth: Orth = eager_directions) -> None:
+def batched(calls: Sequence[Call]) -> None:
     """The batched form (``foreach=True``) of several momentum rule calls of one optimizer step.
 
     Every momentum buffer of every call is updated in two ``torch._foreach_*`` kernels per distinct ``mu``
     and every direction input made in one more (with Nesterov; a transient copy of the parameters, as
     ``torch.optim``'s multi-tensor forms make, which each bucket's stack then lets go), then each call
-    computes its directions (:func:`_pending`; ``orth`` at FSDP2's owners), and all updates are applied
-    together: one decay kernel per distinct ``1 - lr wd`` and one add per distinct ``lr s``. Directions
-    depend on gradients and momentum only, so computing them all before any parameter changes gives the
-    bits of stepping the calls one by one.
+    computes its directions (:func:`_pending`), and all updates are applied together: one decay kernel per
+    distinct ``1 - lr wd`` and one add per distinct ``lr s``. Directions depend on gradients and momentum
+    only, so computing them all before any parameter changes gives the bits of stepping the calls one by one.
     """
     by_mu: dict[tuple[float, bool], tuple[list[Item], list[Tensor], list[Tensor]]] = {}
     for _, items, group, _ in calls:
@@ -549,106 +563,36 @@ def batched(calls: Sequence[Call], orth: Orth = eager_directions) -> None:
     for (mu, nesterov), (members, bufs, grads) in by_mu.items():
         F.momentum_(bufs, grads, mu)
         inputs.update(zip(map(id, members), F.direction_input(grads, bufs, mu, nesterov), strict=True))
-    for call in calls:
-        call[3].inputs = inputs
     params, dirs, lrs, wds, scales = [], [], [], [], []
     for rule, items, group, ctx in calls:
-        ps, ds, ss = _pending(rule, items, group, ctx, orth)
+        ps, ds, ss = _pending(rule, items, group, ctx, inputs)
         params += ps
         dirs += ds
         scales += ss
         lrs += [group["lr"]] * len(ps)
         wds += [group["weight_decay"]] * len(ps)
-    inputs.clear()  # what DDP ranks did not stack: not kept past the step
     F.decay_and_update_(params, dirs, lrs, wds, scales)
 
 
-def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext, orth: Orth) -> tuple[list, list, list]:
-    """The batched update of one call's ``items`` (momentum already updated), not applied: per shape bucket
-    the directions of this rank's slice, gathered across DDP ranks (one collective per bucket).
-    Returns ``(params, directions, scales)``."""
+def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext,
+             inputs: dict[int, Tensor]) -> tuple[list, list, list]:
+    """The batched update of one call's ``items`` (momentum already updated, direction inputs in ``inputs``, let
+    go as they are stacked), not applied: per shape bucket one stack. Returns ``(params, directions, scales)``."""
     if ctx.capture is not None:
-        ctx.emit(items, [ctx.inputs[id(it)] for it in items], "momentum_input")
+        ctx.emit(items, [inputs[id(it)] for it in items], "momentum_input")
     hidden = isinstance(rule, HiddenRule)
-    buckets = make_buckets(items, matrix=hidden or needs_matrix(rule),
-                           transpose=hidden and rule.transposes and ctx.path is not Path.ROWS)
-    # DDP: a contiguous slice of each bucket per rank; FSDP2 ranks update their row shards of all
-    # members (a hidden rule's whole matrices meet at owners: sharded.py).
-    split = ctx.split.world_size > 1 and ctx.path is not Path.ROWS and _splits(rule)
-    plans = [ctx.split.bucket_plan(len(b.items), cost(rule, b.global_shape, group)) if split else None
-             for b in buckets]
-    ranges = [(sum(p[: ctx.split.rank]), sum(p[: ctx.split.rank + 1])) if split else (0, len(b.items))
-              for p, b in zip(plans, buckets, strict=True)]
-    busy = [i for i, (lo, hi) in enumerate(ranges) if hi > lo]
-    mine = ([buckets[i] for i in busy], [ranges[i] for i in busy])
-    keys = rule._owner_state
-    found = _hidden_directions(rule, *mine, group, ctx, orth, keys) if hidden else _elementwise_directions(
-        rule, *mine, group, ctx)
-    results = dict(zip(busy, found, strict=True))
-    params, dirs, scales, extras = [], [], [], []
-    for i, (bucket, plan) in enumerate(zip(buckets, plans, strict=True)):
-        D, owned = results[i] if i in results else _no_directions(bucket, keys)
-        if split:  # one stack per bucket travels (a hidden rule's sides: flattened into one)
-            D = D if isinstance(D, Tensor) else torch.cat([d.flatten(1) for d in D])
-            D, *owned = ctx.split.gather([D, *owned], plan)
-        extras.append(owned)
-        params += [it.param for it in bucket.items]
-        dirs += unstack(bucket, D)
-        # A hidden rule's step multiplier (:meth:`HiddenRule.lr_scale`); the elementwise rules fold theirs in.
-        scales += [rule.lr_scale(*bucket.global_shape, group) if hidden else 1.0] * len(bucket.items)
-    for j, key in enumerate(keys):  # the gathered owner state back: one copy kernel per key
-        states = [it.state[key] for b in buckets for it in b.items]
-        torch._foreach_copy_(states, [s for owned in extras for s in owned[j].to(states[0].dtype).unbind(0)])
-    return params, dirs, scales
-
-
-def _elementwise_directions(rule: MomentumRule, buckets: list[Bucket], ranges: list[tuple[int, int]], group: dict,
-                            ctx: StepContext) -> list[Directions]:
-    """The directions of members ``lo..hi`` of each bucket: :meth:`MomentumRule.direction` of its stack."""
-    return [(rule.direction(stack_inputs(ctx, rule.name, b, lo, hi, F._stat_dtype(b.items[0].param)), group,
-                            ctx.split.psum, b.global_shape), [])
-            for b, (lo, hi) in zip(buckets, ranges, strict=True)]
-
-
-def _hidden_directions(rule: HiddenRule, buckets: list[Bucket], ranges: list[tuple[int, int]], group: dict,
-                       ctx: StepContext, orth: Orth, keys: tuple[str, ...]) -> list[Directions]:
-    """Per bucket the stack of members ``lo..hi``, then :func:`directions` of all (FSDP2: ``orth`` of each
-    bucket's whole matrices at its owners, :func:`hidden_at_owners`)."""
-    # Per-matrix values (counters, steps) of all buckets in one stack, each bucket's a view of it.
-    mine = [it for b, (lo, hi) in zip(buckets, ranges, strict=True) for it in b.items[lo:hi]]
-    device = mine[0].param.device
-    scalars = {k: F.on_device([it.state[k] for it in mine], device) if how == "step" else
-               torch.stack([it.state[k] for it in mine]) for k, how in rule.state_views.items()
-               if how in ("counter", "step")}
-    stacks, o = [], 0
-    for b, (lo, hi) in zip(buckets, ranges, strict=True):
-        items = b.items[lo:hi]
-        carry = rule._rewrites_input  # pre works in float32
-        dtype = F._stat_dtype(items[0].param) if carry else resolve_dtype(group, items[0].param, ctx)
-        state = {k: torch.stack([it.state[k] for it in items]) for k, how in rule.state_views.items()
-                 if how == "rows"}
-        state.update({k: v[o : o + hi - lo] for k, v in scalars.items()})
-        stacks.append((stack_inputs(ctx, rule.name, b, lo, hi, dtype), max(0, min(b.plain - lo, hi - lo)), state))
-        o += hi - lo
-    if ctx.path is Path.ROWS:  # the owners of all buckets planned at once; each bucket's stack let go after it
-        owners = ctx.split.bucket_owners([len(b.items) for b in buckets],
-                                         [cost(rule, b.global_shape, group) for b in buckets])
-        ds = []
-        for i, b in enumerate(buckets):
-            X, _, state = stacks[i]
-            stacks[i] = (None, None, state)
-            drop_buffers(ctx.workspace, (rule.name, "inputs", ctx.call, b.key, 0))
-            ns_dtype, stat_dtype, handed = resolve_dtype(group, X, ctx), F._stat_dtype(b.items[0].param), [X]
-            del X  # handed over: hidden_at_owners lets it go once sent, before the owners' Newton-Schulz
-            ds.append(hidden_at_owners(rule, handed, state, b.global_shape[0], group, ctx, orth, ns_dtype,
-                                       stat_dtype, owners[i]))
+    buckets = make_buckets(items, matrix=hidden or needs_matrix(rule), transpose=hidden and rule.transposes)
+    params, dirs, scales = [], [], []
+    if hidden:
+        found = bucket_directions(rule, buckets, group, ctx, batched=True, x_of=lambda it: inputs.pop(id(it)),
+                                  dtype=items[0].param.dtype)
     else:
-        ds = directions(rule, stacks, group, ctx, batched=True, dtype=buckets[0].items[0].param.dtype)
-    return [(D, [state[k] for k in keys]) for D, (_, _, state) in zip(ds, stacks, strict=True)]
-
-
-def _no_directions(bucket: Bucket, keys: tuple[str, ...]) -> Directions:
-    """What a rank that owns no member of ``bucket`` contributes to its gather."""
-    p = bucket.items[0].param
-    D = torch.empty((0, math.prod(bucket.shape)), dtype=p.dtype, device=p.device)
-    return D, [bucket.items[0].state[k][None][:0] for k in keys]
+        found = [unstack(b, rule.direction(stack_inputs(ctx, rule.name, b, [inputs.pop(id(it)) for it in b.items],
+                                                        F.stat_dtype(b.items[0].param)),
+                                           group, ctx.split.psum, b.global_shape)) for b in buckets]
+    for b, ds in zip(buckets, found, strict=True):
+        params += [it.param for it in b.items]
+        dirs += ds
+        # A hidden rule's step multiplier (:meth:`HiddenRule.lr_scale`); the elementwise rules fold theirs in.
+        scales += [rule.lr_scale(*b.global_shape, group) if hidden else 1.0] * len(b.items)
+    return params, dirs, scales

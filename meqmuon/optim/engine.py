@@ -17,45 +17,25 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
-from . import compiled, driver
+from . import driver
 from .calls import Item, StepContext
 from .cuda_graph import GraphedStep
-from .distributed import (
-    SHARDED_LAYOUTS,
-    LocalSplit,
-    RowPieceSplit,
-    is_dtensor,
-    local,
-    replicated_splitter,
-    resolve_process_group,
-    share_loads,
-    splitter_for,
-)
+from .distributed import LocalSplit, RowSums, is_dtensor, local, resolve_process_group
 from .driver import HiddenRule
-from .exchange import Job, directions_at_owners, gather_whole, scatter_whole
+from .exchange import Exchange, Unit
 from .groups import KINDS, infer_kind
 from .inputs import FLOAT_KEYS, check_unique_params, listed_params, validate_group, with_floats, wrong_params
-from .owners import OwnerPlan, is_replicated
-from .placement import Path, cuts, path_of
+from .owners import check_mesh, descriptor, is_replicated
+from .placement import EXECUTORS, Path, cuts, path_of, splitter
 from .rule import MomentumRule, Rule, SteppingRule, rule_defaults, validate_rule
 from .rules import RULES
 from .saved_state import keeping_saved_dtypes
 from .views import Layout, group_layout, normalise_group_views
 
-#: The forms of a momentum rule's step by ``(foreach, compile)``, one signature (a sequence of rule calls),
-#: picked in :meth:`RoleOptimizer._run` (a phase of ``step``): ``driver.py``'s eager two and ``compiled.py``'s
-#: two with graphs.
-FORMS: dict[tuple[bool, bool], Callable[[list[driver.Call]], None]] = {
-    (False, False): driver.per_tensor,
-    (True, False): driver.batched,
-    (False, True): compiled.compiled_per_tensor,
-    (True, True): compiled.compiled_batched,
-}
-
-#: The form of a hidden rule's FSDP2 row shards (``placement.ROWS``), by ``compile``: batched whatever
-#: ``foreach`` (their whole matrices meet at owner ranks a shape bucket at a time, ``sharded.py``).
-ROW_FORMS: dict[bool, Callable[[list[driver.Call]], None]] = {False: driver.batched, True: compiled.rows_batched}
-
+try:
+    import torch.distributed as dist
+except ImportError:  # pragma: no cover - torch builds without distributed support
+    dist = None  # type: ignore[assignment]
 
 def _held(p: torch.Tensor) -> slice:
     """The indices along dim 0 of ``p`` that this rank holds: all, or under FSDP2/HSDP its
@@ -80,32 +60,10 @@ def _outside_stacklevel() -> int:
     return level
 
 
-#: A group without row-sharded DTensors: the step's splitter (DDP's, or one process's) is theirs.
-_PLAIN = LocalSplit()
-
-
 def _with_floats(plan: list) -> list[dict[str, Any]]:
     """The plan's param groups, each with its float hyperparameters as Python floats where they are tensors."""
     return [with_floats(g) if any(isinstance(g.get(k), torch.Tensor) for k in FLOAT_KEYS) or any(
-        isinstance(b, torch.Tensor) for b in g.get("betas", ())) else g for g, _, _, _ in plan]
-
-
-def _shape_buckets(jobs: Any) -> list[list[Job]]:
-    """The owner path's jobs by global shape (in first-appearance order, the same on every rank): each bucket
-    is one exchange out and one back, so a step holds one bucket's whole matrices at a time and its
-    collectives grow with the number of shapes, not with depth."""
-    out: dict[tuple, list[Job]] = {}
-    for j in jobs:
-        out.setdefault(tuple(j.param.shape), []).append(j)
-    return list(out.values())
-
-
-def _row_key(p: torch.Tensor) -> tuple | None:
-    """Which splitter steps ``p``'s row pieces: ``None`` for FSDP2's / HSDP's (``splitter_for``), else
-    ``RowPieceSplit``'s mesh and the mesh dimensions that replicate."""
-    if tuple(p.placements) in SHARDED_LAYOUTS:
-        return None
-    return id(p.device_mesh), tuple(i for i, q in enumerate(p.placements) if q.is_replicate())
+        isinstance(b, torch.Tensor) for b in g.get("betas", ())) else g for g, _, _ in plan]
 
 
 def _tensor_bytes(v: Any) -> int:
@@ -118,38 +76,53 @@ def _tensor_bytes(v: Any) -> int:
 
 
 class _Entry:
-    """One parameter of a param group as the step sees it, prepared once (:meth:`RoleOptimizer._prepare`):
-    its :class:`~.placement.Path` (``PLAIN``, ``LOCAL`` or ``ROWS``; ``PIECES`` parameters are the owner
-    path's) and whether its rule sees the matrices of its view (``cut``)."""
+    """One parameter of a param group as the step sees it, prepared once (:meth:`RoleOptimizer._prepare`): its
+    :class:`~.placement.Path`, the splitter of its calls, whether its rule sees the matrices of its view
+    (``cut``; a DTensor's exchange unit is the whole parameter, which its owner cuts) and, on ``OWNERS``, the
+    exchange's units of its items."""
 
-    __slots__ = ("param", "state", "name", "kind", "rule", "layout", "cut", "path", "item")
+    __slots__ = ("param", "state", "name", "kind", "rule", "layout", "cut", "path", "item", "split", "units")
 
     def __init__(self, param: torch.Tensor, state: dict[str, Any], name: str, kind: str, rule: Rule,
                  layout: Layout, path: Path) -> None:
         self.param, self.state, self.name, self.kind, self.rule, self.layout = param, state, name, kind, rule, layout
-        self.cut = cuts(rule, layout)
+        self.cut = cuts(rule, layout) and not (path is Path.OWNERS and is_dtensor(param))
         self.path = path
         #: A whole plain tensor is one item for good: each step only sets its gradient.
         self.item = None if self.cut or is_dtensor(param) else Item(param, None, state, name, param.shape, kind)
+        self.split: Any = None
+        self.units: list[int] = []
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the exchange's units of this entry are: the parameter, or under DDP each matrix of its view."""
+        return self.layout.matrices(self.param) if self.cut else [self.param]
 
     def items(self, grad: torch.Tensor) -> list[Item]:
-        """This step's items of a parameter that is not one whole plain tensor: its local shard (FSDP2)
-        and/or one item per matrix of its view (:meth:`Layout.matrices`), with the state as local views
-        (``rule.state_views`` says how each state tensor divides), named ``name[e]#j``."""
+        """This step's items: a whole plain tensor's kept one, or its local shard (a DTensor) and/or one item per
+        matrix of its view (:meth:`Layout.matrices`), with the state as local views (``rule.state_views`` says how
+        each state tensor divides), named ``name[e]#j``; each with its exchange unit (``OWNERS``)."""
+        if self.item is not None:
+            self.item.grad = grad
+            self.item.index = self.units[0] if self.units else -1
+            return [self.item]
         if is_dtensor(grad) and tuple(grad.placements) != tuple(self.param.placements):  # Partial() under TP
             grad = grad.redistribute(grad.device_mesh, self.param.placements)
         param, grad = local(self.param), local(grad)
         state = {k: local(v) for k, v in self.state.items()}
         if not self.cut:
-            return [Item(param, grad, state, self.name, self.param.shape, self.kind)]
-        layout = self.layout
-        pieces = {"param": layout.matrices, "rows": layout.row_pieces, "counter": layout.counters}
-        per_key = {k: pieces[how](state[k]) for k, how in self.rule.state_views.items() if how in pieces}
-        labels = layout.labels(_held(self.param))
-        return [Item(p, g, {"step": state["step"], **{k: v[j] for k, v in per_key.items()}}, self.name + label,
-                     p.shape, self.kind)
-                for j, (p, g, label) in enumerate(zip(layout.matrices(param), layout.matrices(grad), labels,
-                                                      strict=True))]
+            return [Item(param, grad, state, self.name, self.param.shape, self.kind, *self.units)]
+        return driver.cut_items(self.rule, self.layout, param, grad, state, self.name, self.kind,
+                                self.layout.labels(_held(self.param)), self.units)
+
+    def unit(self, t: torch.Tensor, cache: dict) -> Unit:
+        """The exchange's unit of ``t`` (:meth:`tensors`): where its pieces and its sharded state's lie, and the
+        layout its owner cuts it by (a DTensor parameter whose rule sees the matrices of its view)."""
+        if not is_dtensor(t):
+            return Unit(descriptor(t, cache), {}, None)
+        check_mesh(t, self.name)
+        sharded = {k: descriptor(v, cache) for k, v in sorted(self.state.items())
+                   if is_dtensor(v) and not is_replicated(v)}
+        return Unit(descriptor(t, cache), sharded, self.layout if cuts(self.rule, self.layout) else None)
 
 
 class RoleOptimizer(Optimizer):
@@ -253,14 +226,13 @@ class RoleOptimizer(Optimizer):
         and the single process's splitter; none of it is state."""
         self._plan_key: tuple | None = None
         self._plan_cache: list = []
-        self._owners: OwnerPlan | None = None
-        self._loads: list = []
-        self._owned: list[list[tuple]] = []
-        self._last_workspace = 0
-        #: The splitter of the owner path's whole tensors: one for all groups, so that they share buckets.
-        self._owner_split = LocalSplit()
-        self._contexts: list[StepContext] = []
+        #: The plan's splitters: the exchange of ``OWNERS`` (``None`` without one), the ``RowSums`` of ``ROWS`` by
+        #: mesh and placements, and ``LOCAL``'s.
+        self._exchange: Exchange | None = None
+        self._rows: dict[tuple, RowSums] = {}
         self._local = LocalSplit()
+        self._last_workspace = 0
+        self._contexts: list[StepContext] = []
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's ``load_state_dict`` without its cast of state to the parameter's dtype: every state
@@ -390,26 +362,26 @@ class RoleOptimizer(Optimizer):
 
     # ---- stepping --------------------------------------------------------------------------
 
-    def _prepare(self) -> list[tuple[dict[str, Any], list[_Entry], LocalSplit | None, bool]]:
-        """What the step needs of the param groups, made once and kept while they and the state are the
-        same objects: per group its entries, its splitter (``None``: the step's splitter of plain tensors)
-        and whether it takes the batched forms: ``foreach``, resolved here once (``None``: where every
-        parameter is on a CUDA device, where a step is launch-bound; the per-tensor forms are faster on
-        CPU, docs/benchmarks.md). Which function runs a call is :meth:`step`'s choice.
+    def _prepare(self) -> list[tuple[dict[str, Any], list[_Entry], bool]]:
+        """What the step needs of the param groups, made once and kept while they and the state are the same
+        objects: per group its entries and whether it takes the batched forms: ``foreach``, resolved here once
+        (``None``: where every parameter is on a CUDA device, where a step is launch-bound; the per-tensor forms
+        are faster on CPU, docs/benchmarks.md).
 
-        Creates the state of every parameter, gradient or not, so that the state is the same on every
-        rank (a ``torch.distributed.checkpoint`` save needs that; microsoft/dion#89).
-
-        Each parameter's path is decided here, once (:func:`.placement.path_of`). ``PIECES`` parameters go to
-        the owner path (``owners.py``): :attr:`_owners` plans it (no collective: where every piece lies is read
-        off the placements) and :attr:`_owned` lists per group ``(index, parameter, name, kind, rule, layout)``.
+        Creates the state of every parameter, gradient or not, so that the state is the same on every rank (a
+        ``torch.distributed.checkpoint`` save needs that; microsoft/dion#89). Each parameter's path is decided
+        here, once (:func:`.placement.path_of`), and its splitter made (:func:`.placement.splitter`): one
+        :class:`~.exchange.Exchange` for every ``OWNERS`` unit of the optimizer (no collective: where every piece
+        lies is read off the placements), so that its owners balance over the whole step.
         """
-        plan, owned, at_owners = [], [], []
+        pg = self._process_group
+        world = 1 if pg is None else dist.get_world_size(pg)
+        plan, units, costs, cache = [], [], [], {}
         for group in self.param_groups:
             kind, names = group.get("kind"), group.get("names")
-            entries, rows, pieces = [], [], []
             cuda = all(p.device.type == "cuda" for p in group["params"])
             batched = cuda if group.get("foreach") is None else group["foreach"]
+            entries = []
             for i, p in enumerate(group["params"]):
                 name = names[i] if names else f"params[{i}]"
                 pkind = kind or infer_kind(p)
@@ -418,16 +390,14 @@ class RoleOptimizer(Optimizer):
                 state = self.state[p]
                 if not state:
                     driver.init_state(rule, p, state, group, layout)
-                path = path_of(p, rule, layout, self._compile and batched)
-                if path is Path.ROWS and _row_key(p) != _row_key(rows[0] if rows else p):
-                    path = Path.PIECES  # a group's row pieces share one splitter: the others go to owners
-                if path is Path.PIECES:
-                    pieces.append((len(at_owners), p, name, pkind, rule, layout))
-                    at_owners.append((p, state, driver.cost(rule, p.shape, group), name))
-                    continue
-                entries.append(_Entry(p, state, name, pkind, rule, layout, path))
-                if path is Path.ROWS:
-                    rows.append(p)
+                path = path_of(p, rule, layout, world, self._compile and batched)
+                e = _Entry(p, state, name, pkind, rule, layout, path)
+                if e.path is Path.OWNERS:
+                    for t in e.tensors():
+                        e.units.append(len(units))
+                        units.append(e.unit(t, cache))
+                        costs.append(driver.cost(rule, t.shape, group))
+                entries.append(e)
             kinds = {is_dtensor(p): i for i, p in enumerate(group["params"])}
             if len(kinds) == 2:
                 plain, dt = ((names[i] if names else f"params[{i}]") for i in (kinds[False], kinds[True]))
@@ -436,16 +406,15 @@ class RoleOptimizer(Optimizer):
                     f"{tuple(group['params'][kinds[True]].placements)}): under FSDP2 or TP the plain one's "
                     "gradient may differ between ranks. Shard every module of the group (fully_shard / "
                     "parallelize_module) or none, or put the plain tensors in a group of their own")
-            split = _PLAIN if not rows else splitter_for(rows) if _row_key(rows[0]) is None else RowPieceSplit(
-                rows[0].device_mesh, _row_key(rows[0])[1])
-            plan.append((group, entries, None if split is _PLAIN else split, batched))
-            owned.append(pieces)
-        self._owners = OwnerPlan(*(list(x) for x in zip(*at_owners, strict=True))) if at_owners else None
-        self._owned = owned
-        self._loads = share_loads([split for _, _, split, _ in plan], self._owners.load if self._owners else None)
+            plan.append((group, entries, batched))
+        self._exchange = Exchange(units, costs, pg) if units else None
+        self._rows = {}
+        for _, entries, _ in plan:
+            for e in entries:
+                e.split = splitter(e.path, e.param, self._local, self._rows, self._exchange)
         return plan
 
-    def _plan(self) -> list[tuple[dict[str, Any], list[_Entry], LocalSplit | None, bool]]:
+    def _plan(self) -> list[tuple[dict[str, Any], list[_Entry], bool]]:
         """:meth:`_prepare`'s plan, remade when a param group, its parameters or the state changed."""
         key = (id(self.state), len(self.state), *(id(g) for g in self.param_groups),
                *(id(p) for g in self.param_groups for p in g["params"]))
@@ -458,25 +427,16 @@ class RoleOptimizer(Optimizer):
     def step(self, closure=None):  # noqa: D401 - torch signature
         """Perform one optimisation step (no host-device synchronisation).
 
-        Three phases: gather (the owner path, ``owners.py``: direction inputs to owners, directions back and
-        applied; a stepping rule's whole tensors to its owner), compute (the step's rule calls collected by
-        :meth:`_calls`: per-tensor groups one call each, batched groups with the same rule and hyperparameters
-        merged into one; and run each in its form by :meth:`_run`, the one place a form is chosen, as torch's
-        ``adam()`` picks among its siblings; ``_prepare`` resolves ``foreach`` once) and scatter (the stepping
-        rules' results back); then the step's workspaces are let go (:meth:`_release`). A
-        :class:`SteppingRule` (AdamW, SCALE) runs its own ``step`` or ``step_foreach`` (eagerly, whatever
-        ``compile``); the momentum rules run in :data:`FORMS` ``[foreach, compile]``, except that a hidden
-        rule's FSDP2 row shards take the batched form whatever ``foreach``: their whole matrices meet at
-        owner ranks a bucket at a time (``sharded.py``), and each matrix still gets the per-matrix
-        Newton-Schulz of the per-tensor form on CPU (``newton_schulz.BATCHED_NS_DEVICES``). The calls are
-        independent (no parameter in two), so the order among them changes no bits; it is the same on
-        every rank, which the collectives need.
+        Three phases: gather (the step's rule calls, :meth:`_calls`: per-tensor groups one call each, batched
+        groups with the same rule, path and hyperparameters merged into one, so that they share shape buckets),
+        run (:meth:`_run`: each call by what its path's executor names, ``placement.EXECUTORS``: the one chooser,
+        as torch's ``adam()`` picks among its siblings) and release (the step's workspaces let go,
+        :meth:`_release`). The calls are independent (no parameter in two), so the order among them changes no
+        bits; it is the same on every rank, which the collectives need.
 
-        Under ``torch.compile`` (a compiled training step that calls ``opt.step()``) the step is
-        not traced: dynamo breaks the graph around it and it runs as here, with a warning once.
-        Traced, it recompiled at every step (the step count and the learning rate are Python
-        numbers that dynamo specialises on) until dynamo's recompile limit made it eager anyway.
-        ``compile=True`` is the way to compiled kernels in the step.
+        Under ``torch.compile`` (a compiled training step that calls ``opt.step()``) the step is not traced: it
+        runs as here, with a warning once (docs/algorithm.md, "compile=True"); ``compile=True`` is the way to
+        compiled kernels in the step.
         """
         if torch.compiler.is_compiling():  # a constant True while dynamo traces
             return self._untraced_step(closure)
@@ -486,97 +446,54 @@ class RoleOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # One splitter for all plain-tensor groups of the step, so that DDP owner loads balance across
-        # groups (the embedding and the head land on different ranks).
-        replicated = self._local if self._process_group is None else replicated_splitter(self._process_group)
         plan = self._plan()
-        for load in self._loads:  # the row path's owners are planned per step, from the planned owner path's load
-            load.reset()
-        groups = _with_floats(plan)
-        # gather: the owner path's direction inputs out, directions back and applied (momentum rules); a
-        # stepping rule's whole tensors at its owner (owners.py)
-        jobs = self._owner_jobs(plan, groups)
-        whole = [j for j in jobs if isinstance(j.rule, SteppingRule)]
-        for bucket in _shape_buckets([j for j in jobs if not isinstance(j.rule, SteppingRule)]):
-            directions_at_owners(self._owners, bucket)  # a shape bucket at a time: bounded transient memory
-        wholes = gather_whole(self._owners, whole) if whole else []  # one per job, None where not its owner
-        self._run(self._calls(plan, groups, replicated, list(zip(whole, wholes, strict=True))))  # compute
-        if replicated is not self._local:
-            replicated.finish()  # wait for the owners' broadcasts (DDP)
-        if whole:
-            scatter_whole(self._owners, whole, wholes)  # scatter: every rank's pieces of the owners' results
-        self._release(plan)
+        self._run(self._calls(plan, _with_floats(plan)))
+        self._release()
         return loss
 
-    def _calls(self, plan: list, groups: list[dict[str, Any]], replicated: LocalSplit,
-               whole: Any) -> tuple[list[driver.Call], list[driver.Call]]:
-        """The step's rule calls: per-tensor groups one call each, batched groups with the same rule and the
-        same hyperparameter values (the embedding and head groups, say) merged into one call, so that they
-        share shape buckets. Counts the steps of the parameters with gradients. ``whole``: the owner path's
-        whole-tensor fallback, ``(job, (param, grad, state))`` at its owner."""
-        batched: dict[tuple, tuple[Rule, dict, list[Item], LocalSplit, str, Path]] = {}
+    def _calls(self, plan: list, groups: list[dict[str, Any]]) -> tuple[list[driver.Call], list[driver.Call]]:
+        """The step's rule calls: per-tensor groups one call each, batched groups with the same rule, splitter and
+        hyperparameter values (the embedding and head groups, say) merged into one, so that they share shape
+        buckets. Counts the steps of the parameters with gradients."""
+        batched: dict[tuple, tuple[Rule, dict, list[Item], Any, str, Path]] = {}
         single: list[driver.Call] = []  # the per-tensor groups' calls (foreach=False), in group order
-        at_owner: dict[int, list[tuple[Any, tuple]]] = {}
-        for job, w in whole:
-            if w is not None:
-                at_owner.setdefault(id(job.group), []).append((job, w))
-        for (_, entries, group_split, batched_group), group in zip(plan, groups, strict=True):
-            by_rule: dict[tuple[Rule, Path], list[Item]] = {}
-            for e in entries:  # the items with a gradient, by rule and path
+        for (_, entries, batched_group), group in zip(plan, groups, strict=True):
+            by_rule: dict[tuple, list[Item]] = {}
+            for e in entries:  # the items with a gradient, by rule and splitter
                 g = e.param.grad
                 if g is None:
                     continue
                 if g.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients ({e.name})")
                 e.state["step"] += 1
-                if e.item is not None:
-                    e.item.grad = g
-                    by_rule.setdefault((e.rule, e.path), []).append(e.item)
-                else:
-                    by_rule.setdefault((e.rule, e.path), []).extend(e.items(g))
-            for job, (param, grad, state) in at_owner.get(id(group), []):  # whole tensors at this owner
-                e = _Entry(param, state, job.name, job.ctx.kind, job.rule, job.layout, Path.LOCAL)
-                if e.item is not None:
-                    e.item.grad = grad
-                    by_rule.setdefault((e.rule, Path.PIECES), []).append(e.item)
-                else:
-                    by_rule.setdefault((e.rule, Path.PIECES), []).extend(e.items(grad))
-            for (rule, path), items in by_rule.items():
-                # LOCAL: whole local matrices of a sharded stack (FSDP2 experts) need no other rank; PIECES: the
-                # whole-tensor fallback at its owner; ROWS the group's row splitter; PLAIN the step's DDP one
-                split = (LocalSplit() if path is Path.LOCAL else self._owner_split if path is Path.PIECES
-                         else group_split if path is Path.ROWS else replicated)
+                by_rule.setdefault((e.rule, e.path, e.split), []).extend(e.items(g))
+            for (rule, path, split), items in by_rule.items():
                 kind = group.get("kind") or items[0].kind
                 if not batched_group:
                     single.append((rule, items, group, self._context(len(single), kind, split, path)))
                     continue
                 values = sorted({"lr", "weight_decay", *rule.hyperparameters})
-                key = (rule.name, *(repr(group[k]) for k in values))
-                if split is not replicated:  # DTensor groups follow their own mesh: never merged
-                    key += (id(split),)
+                key = (rule.name, id(split), *(repr(group[k]) for k in values))
                 batched.setdefault(key, (rule, group, [], split, kind, path))[2].extend(items)
         merged = [(rule, items, group, self._context(len(single) + i, kind, split, path))
                   for i, (rule, group, items, split, kind, path) in enumerate(batched.values())]
         return single, merged
 
     def _run(self, calls: tuple[list[driver.Call], list[driver.Call]]) -> None:
-        """Each call in its form: the one chooser. A :class:`SteppingRule` runs its own ``step`` or
-        ``step_foreach``; the momentum rules :data:`FORMS` ``[foreach, compile]``; a hidden rule's row shards
-        (``Path.ROWS``) :data:`ROW_FORMS` ``[compile]``."""
+        """Each call by its path's executor (``placement.EXECUTORS``): the one chooser. A :class:`SteppingRule`
+        runs its executor's ``stepping`` (its own ``step`` or ``step_foreach``, or the exchange's), the momentum
+        rules the executor's form ``[foreach, compile]``."""
         for foreach, group_calls in zip((False, True), calls, strict=True):
-            momentum, rows = [], []
+            by_form: dict[int, tuple[Callable, list[driver.Call]]] = {}
             for call in group_calls:
-                rule = call[0]
-                if isinstance(rule, SteppingRule):
-                    (rule.step_foreach if foreach else rule.step)(*call[1:])
-                elif isinstance(rule, HiddenRule) and call[3].path is Path.ROWS:
-                    rows.append(call)
+                executor = EXECUTORS[call[3].path]
+                if isinstance(call[0], SteppingRule):
+                    executor.stepping(*call, foreach)
                 else:
-                    momentum.append(call)
-            if momentum:
-                FORMS[foreach, self._compile](momentum)
-            if rows:
-                ROW_FORMS[self._compile](rows)
+                    form = executor.forms[foreach, self._compile]
+                    by_form.setdefault(id(form), (form, []))[1].append(call)
+            for form, form_calls in by_form.values():
+                form(form_calls)
         for call in (*calls[0], *calls[1]):
             for it in call[1]:
                 it.grad = None  # a kept item must not keep its gradient alive past zero_grad()
@@ -598,43 +515,25 @@ class RoleOptimizer(Optimizer):
             )
         return self.step(closure)  # dynamo is off here: is_compiling() is False
 
-    def _owner_jobs(self, plan: list, groups: list[dict[str, Any]]) -> list[Job]:
-        """The owner path's parameters with gradients in this step (their steps counted), in plan order."""
-        jobs: list[Job] = []
-        for (_, _, _, batched_group), group, owned in zip(plan, groups, self._owned, strict=True):
-            ctx = None
-            for index, p, name, kind, rule, layout in owned:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients ({name})")
-                ctx = ctx or StepContext(self._capture_hook, group.get("kind") or kind, self._owner_split,
-                                         self._workspace, path=Path.PIECES)
-                state = self.state[p]
-                state["step"] += 1
-                jobs.append(Job(index, p, p.grad, state, rule, layout, group, cuts(rule, layout), not batched_group,
-                                ctx, name))
-        return jobs
-
-    def _release(self, plan: list) -> None:
+    def _release(self) -> None:
         """Let go of the step's workspaces (stacks, Newton-Schulz buffers): nothing but the state is kept
         between steps, so that the forward and backward get that memory (on CUDA the caching allocator hands
         freed blocks back to them). :meth:`workspace_bytes` keeps their size at the step's end."""
-        spaces = [self._workspace, self._local.workspace, self._owner_split.workspace,
-                  *(split.workspace for _, _, split, _ in plan if split is not None)]
+        spaces = [self._workspace, self._local.workspace, *(r.workspace for r in self._rows.values()),
+                  *([self._exchange.workspace] if self._exchange is not None else [])]
         self._last_workspace = sum(_tensor_bytes(v) for ws in spaces for v in ws.values())
         for ws in spaces:  # what stays: the resolved Newton-Schulz dtypes
             for key in [k for k, v in ws.items() if not isinstance(v, torch.dtype)]:
                 del ws[key]
 
-    def _splitter(self, group: dict[str, Any]) -> LocalSplit:
-        """The work splitter of ``group`` in a step (introspection; the step takes it from its plan)."""
-        for g, _, split, _ in self._plan():
-            if g is group and split is not None:
-                return split
-        return self._local if self._process_group is None else replicated_splitter(self._process_group)
+    def _splitter(self, group: dict[str, Any]) -> Any:
+        """The splitter of ``group``'s first parameter in a step (introspection; the step takes each entry's)."""
+        for g, entries, _ in self._plan():
+            if g is group and entries:
+                return entries[0].split
+        return self._local
 
-    def _context(self, i: int, kind: str, split: LocalSplit, path: Path) -> StepContext:
+    def _context(self, i: int, kind: str, split: Any, path: Path) -> StepContext:
         """The ``i``-th rule call's context of this step, kept between steps (its workspace is the
         optimizer's; ``i`` numbers it among the step's calls, whose input stacks are their own)."""
         while len(self._contexts) <= i:

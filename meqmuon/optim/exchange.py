@@ -1,252 +1,477 @@
-"""The owner path's step (``placement.PIECES``): what travels, what the owner computes, what each rank applies.
+"""The one exchange (``placement.OWNERS``): direction inputs to owner ranks, whole matrices there, results back.
 
-Momentum rules (:func:`directions_at_owners`): every rank updates the momentum of its piece where it lies
-and sends its piece of the direction input ``X`` to the owner (``owners.OwnerPlan.to_owners``); the owner
-runs the one-process body on the whole matrix (:func:`_whole_direction`) and returns every rank its piece of
-``D`` (in the Newton-Schulz dtype where ``D`` is its output unscaled: :func:`returns_orth`; for MeqMuon's eq. 8
-on a plain matrix, ``U`` in the Newton-Schulz dtype with the row and column factors of its piece, where fewer
-bytes: :func:`factors_pay`) with the small per-matrix state the rule changed (``from_owners``); each rank
-applies ``W <- (1 - lr wd) W - lr s D`` to its piece. A stepping rule that is not elementwise (SCALE's column rule on
-pieces that are not whole rows) keeps the whole-tensor fallback (:func:`gather_whole`, :func:`scatter_whole`):
-its parameter, gradient and state made whole at the owner for the step and freed after it.
+Every layout where a matrix's rule needs the whole matrix but this rank does not hold it alone, or holds it
+as every other rank does and shares its Newton-Schulz with them, steps here, by one mechanism:
+
+1. each *unit* -- a DTensor parameter, or under DDP one matrix of a plain parameter's view -- has one owner,
+   planned once (longest first by predicted cost onto the least-loaded rank, :func:`.distributed.assign_owners`,
+   identical on every rank, no collective);
+2. every rank updates the momentum of its piece where it lies (the forms below, as one process's) and sends
+   its piece of the direction input ``X`` to the owner, with the per-matrix state the rule reads where that is
+   sharded: one ``all_to_all_single`` of bytes per shape bucket (:func:`.distributed.exchange_flat`, nothing
+   padded); under DDP the owner holds ``X`` whole and nothing goes out;
+3. the owner puts the pieces together and runs the one body of a hidden rule on whole matrices
+   (:func:`.driver.bucket_directions`: ``pre``, Newton-Schulz, ``post``), so every statistic is the whole
+   matrix's, one process's bits (an elementwise momentum rule's ``direction``, a stepping rule's own step on
+   whole tensors, where their statistics need more than sums over rows);
+4. a second exchange returns every rank its piece of the direction, in the fewest bytes that keep its bits
+   (``transfer.py``: ``U`` in the Newton-Schulz dtype, or with eq. 8's factors, or ``D``), and the per-matrix
+   state the rule changed; under DDP every other rank receives it whole;
+5. each rank applies ``W <- (1 - lr wd) W - lr s D`` to its piece, as one process does.
+
+Per rank that is the floor: each piece of ``X`` out once and its direction back once (DDP: each direction once
+to every other rank), plus the per-matrix state. Only one shape bucket's whole matrices exist at a time. Where
+pieces lie is a descriptor (``owners.py``); the same code serves DDP, FSDP2 and HSDP row shards, tensor
+parallelism and FSDP2 over TP, per tensor, batched and compiled.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .. import functional as F
-from .calls import Item
-from .distributed import is_dtensor
-from .driver import HiddenRule, apply_update, directions, matrix_shape, needs_matrix, resolve_dtype
-from .owners import AXES, OwnerPlan
+from . import transfer
+from .calls import Item, StepContext
+from .distributed import LocalSplit, as_bytes, assign_owners, exchange_bytes, from_bytes, is_dtensor, local
+from .driver import (
+    Bucket,
+    Call,
+    HiddenRule,
+    apply_pending,
+    bucket_directions,
+    cut_items,
+    direction_input,
+    grads_like,
+    make_buckets,
+    matrix_shape,
+    needs_matrix,
+    resolve_dtype,
+)
+from .owners import AXES, Replicas
+from .rule import SteppingRule
+from .views import Layout
 
-__all__ = ["Job", "directions_at_owners", "factors_pay", "gather_whole", "returns_orth", "scatter_whole"]
+try:
+    import torch.distributed as dist
+except ImportError:  # pragma: no cover - torch builds without distributed support
+    dist = None  # type: ignore[assignment]
 
-
-class Job:
-    """One parameter with a gradient on the owner path in this step: its plan index, tensors, rule, layout,
-    its param group (with the step's float hyperparameters), whether the rule sees each matrix of its view
-    (``cut``), whether its group takes the per-tensor form (``fused`` momentum), its call's context."""
-
-    __slots__ = ("index", "param", "grad", "state", "rule", "layout", "group", "cut", "fused", "ctx", "name")
-
-    def __init__(self, index, param, grad, state, rule, layout, group, cut, fused, ctx, name) -> None:
-        self.index, self.param, self.grad, self.state, self.rule, self.layout = index, param, grad, state, rule, layout
-        self.group, self.cut, self.fused, self.ctx, self.name = group, cut, fused, ctx, name
-
-
-def _local_grad(job: Job) -> Tensor:
-    g = job.grad
-    if is_dtensor(g) and tuple(g.placements) != tuple(job.param.placements):  # Partial() under TP
-        g = g.redistribute(g.device_mesh, job.param.placements)
-    return g.to_local() if is_dtensor(g) else g
-
-
-def _scales(job: Job) -> list[float]:
-    """A hidden rule's step multiplier of every matrix of the view; the elementwise rules fold theirs in."""
-    if not isinstance(job.rule, HiddenRule):
-        return [1.0]
-    return [job.rule.lr_scale(r, c, job.group) for r, c in job.layout.shapes()]
+__all__ = ["Exchange", "Unit", "batched", "per_tensor", "whole_step"]
 
 
-def returns_orth(rule: Any) -> bool:
-    """Whether a rule's direction is Newton-Schulz's output itself: a ``HiddenRule`` that keeps the identity
-    ``post`` (and ``post_all``), as Muon (Moonlight's), MuonEq and Aurora do. Its ``D`` then has the Newton-Schulz
-    dtype's values, so that it travels back in that dtype: widening bf16 to float32 is exact, and each rank adds
-    what one process adds (:func:`driver.apply_update`). The row path's reading of the same fact:
-    ``HiddenRule._direction_form`` (``sharded.py``)."""
-    return isinstance(rule, HiddenRule) and rule._direction_form == "identity"
+class Unit:
+    """One tensor the exchange steps: its descriptor (``owners.py``), the descriptors of its sharded state by key,
+    the layout its owner cuts it into matrices by (``None``: the unit is one matrix, or a tensor of an
+    elementwise rule), and its owner (set by :class:`Exchange`)."""
+
+    __slots__ = ("pieces", "state_pieces", "layout", "owner")
+
+    def __init__(self, pieces: Any, state_pieces: dict[str, Any], layout: Layout | None) -> None:
+        self.pieces, self.state_pieces, self.layout, self.owner = pieces, state_pieces, layout, 0
 
 
-def _dtypes(job: Job) -> tuple[torch.dtype, torch.dtype]:
-    """What travels: the direction input (the Newton-Schulz dtype where the rule keeps the default ``pre``,
-    else at least float32, as ``pre`` and the elementwise rules compute) and the direction: the Newton-Schulz
-    dtype where ``D`` is its output unscaled (:func:`returns_orth`, no step multipliers folded in:
-    :func:`_folds`), else at least the parameter's dtype, so that the update adds what one process adds (a
-    ``post`` or a fold computes in float32: its bf16 rounding would change the bits)."""
-    p = job.param.to_local()
-    hidden = isinstance(job.rule, HiddenRule)
-    out = resolve_dtype(job.group, p, job.ctx) if hidden and not job.rule._rewrites_input else F._stat_dtype(p)
-    if returns_orth(job.rule) and not _folds(job):
-        return out, resolve_dtype(job.group, p, job.ctx)
-    return out, torch.promote_types(out, p.dtype)
+class Exchange(LocalSplit):
+    """``placement.OWNERS``' splitter: the owner of every unit of one optimizer, and the two exchanges.
+
+    Every rank plans the same units in the same order (every rank steps the same parameters, the DDP contract),
+    over the default process group."""
+
+    def __init__(self, units: Sequence[Unit], costs: Sequence[float], group: Any = None) -> None:
+        super().__init__()
+        #: The process group of the exchange: the optimizer's (the default one unless it was given another).
+        self.pg = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        #: The predicted work each rank owns (``driver.cost``): the owners' balance.
+        self.load = [0.0] * self.world
+        for u, o in zip(units, assign_owners(list(costs), self.load), strict=True):
+            u.owner = o
+        self.units = list(units)
+        self._groups: dict[tuple[int, int], list[int]] = {}
+
+    def owner_of(self, i: int, r: int | None = None) -> int:
+        """The rank that computes unit ``i`` for rank ``r`` (default: this one): its owner, or under replicated
+        mesh dimensions the owner of ``r``'s replica group."""
+        u = self.units[i]
+        if isinstance(u.pieces, Replicas):
+            return u.owner
+        return u.pieces.owner_for(self.rank if r is None else r, u.owner)
+
+    def mine(self, i: int) -> bool:
+        return self.owner_of(i) == self.rank
+
+    def _group(self, i: int) -> list[int]:
+        """The ranks this rank, owning unit ``i``, exchanges with: its replica group (pieces out and back), or
+        under DDP every other rank (results back only)."""
+        u = self.units[i]
+        key = (id(u.pieces), u.owner)
+        if key not in self._groups:
+            replicas = isinstance(u.pieces, Replicas)
+            self._groups[key] = [r for r in range(self.world)
+                                 if (r != self.rank if replicas else self.owner_of(i, r) == self.rank)]
+        return self._groups[key]
+
+    def _descriptor(self, i: int, key: str) -> Any:
+        """Where the pieces of ``key`` lie: ``"param"``, a vector along one of its dimensions (:data:`AXES`), or
+        a sharded state key."""
+        u = self.units[i]
+        if key in AXES:
+            return u.pieces.along(AXES[key])
+        return u.pieces if key == "param" else u.state_pieces[key]
+
+    def to_owners(self, indices: Sequence[int], pieces: list[list[Tensor]],
+                  keys: Sequence[Sequence[str]]) -> list[list[Tensor] | None]:
+        """Every rank's ``pieces[j]`` of unit ``indices[j]`` (local pieces, in ``keys[j]``'s layouts: ``"param"`` or a
+        sharded state key) to its owner: one ``all_to_all_single``, none where every unit is a DDP one (its owner
+        holds it whole). Returns per unit, at its owner, the tensors put together in their global shapes (under
+        DDP the pieces themselves), ``None`` elsewhere. ``pieces`` is handed over (emptied)."""
+        replicas = [isinstance(self.units[i].pieces, Replicas) for i in indices]
+        wholes: list[list[Tensor] | None] = []
+        mine = []
+        for j, (i, ps, ks) in enumerate(zip(indices, pieces, keys, strict=True)):
+            if not self.mine(i):
+                wholes.append(None)
+            elif replicas[j]:
+                wholes.append(list(ps))
+            else:
+                wholes.append([torch.empty(self._descriptor(i, k).shape, dtype=p.dtype, device=p.device)
+                               for p, k in zip(ps, ks, strict=True)])
+                mine.append(j)
+        if all(replicas):
+            pieces.clear()
+            return wholes
+        send: list[list[Tensor]] = [[] for _ in range(self.world)]
+        device = next(p.device for ps in pieces for p in ps)
+        for i, ps, rep in zip(indices, pieces, replicas, strict=True):
+            if not rep:
+                send[self.owner_of(i)] += [as_bytes(p) for p in ps]
+        pieces.clear()
+        sizes: list[list[int]] = [[] for _ in range(self.world)]
+        for j in mine:
+            i = indices[j]
+            for r in self._group(i):
+                sizes[r] += [self._descriptor(i, k).numel(r) * w.element_size()
+                             for k, w in zip(keys[j], wholes[j], strict=True)]
+        recv = exchange_bytes(send, sizes, self.pg, device)
+        for r in range(self.world):
+            got = iter(recv[r])
+            for j in mine:
+                i = indices[j]
+                if r in self._group(i):
+                    for k, w in zip(keys[j], wholes[j], strict=True):
+                        self._descriptor(i, k).put(w, r, from_bytes(next(got), w.dtype))
+        return wholes
+
+    def from_owners(self, indices: Sequence[int], wholes: Sequence[list[Tensor] | None],
+                    keys: Sequence[Sequence[str | None]],
+                    into: Sequence[Callable[[], list[Tensor]]]) -> list[list[Tensor]]:
+        """The way back, one ``all_to_all_single``: owners send every rank of their group its pieces of ``wholes[j]``
+        (by ``keys[j]``: ``"param"``, a vector along one of its dimensions, :data:`AXES`, or a sharded state key;
+        ``None``: the tensor whole). Returns per unit this rank's results: what it received, in the tensors
+        ``into[j]()`` makes, or where it owns a DDP unit its own ``wholes[j]``."""
+        send: list[list[Tensor]] = [[] for _ in range(self.world)]
+        for i, ws, ks in zip(indices, wholes, keys, strict=True):
+            if ws is not None:
+                for r in self._group(i):
+                    send[r] += [as_bytes(w if k is None else self._descriptor(i, k).take(w, r))
+                                for k, w in zip(ks, ws, strict=True)]
+        out, sizes = [], [[] for _ in range(self.world)]
+        for i, ws, make in zip(indices, wholes, into, strict=True):
+            if ws is not None and isinstance(self.units[i].pieces, Replicas):
+                out.append(ws)  # a DDP owner's own results
+                continue
+            ts = make()
+            sizes[self.owner_of(i)] += [t.numel() * t.element_size() for t in ts]
+            out.append(ts)
+        device = next((t.device for ts in out for t in ts), torch.device("cpu"))
+        recv = exchange_bytes(send, sizes, self.pg, device)
+        del send
+        got = [iter(x) for x in recv]
+        for i, ws, ts in zip(indices, wholes, out, strict=True):
+            if ws is not None and isinstance(self.units[i].pieces, Replicas):
+                continue
+            src = got[self.owner_of(i)]
+            for t in ts:
+                t.copy_(from_bytes(next(src), t.dtype).view(t.shape))
+        return out
 
 
-def factors_pay(plan: OwnerPlan, job: Job, d_dtype: torch.dtype) -> bool:
-    """Whether the owner sends eq. 8's factored form (``HiddenRule._direction_form == "factors"``, MeqMuon) of a
-    plain matrix (the parameter is its one matrix: no split, transposed, folded or stacked view, so no fold)
-    instead of ``D`` in ``d_dtype`` (:func:`_dtypes`): each rank's piece of ``U`` in the Newton-Schulz dtype, the
-    row factors of the rows and the column factors of the columns it covers (their dtype, ``post_factors``':
-    float32 for a bf16 ``U``), from which it makes ``D = (U * row) * col`` (``F.apply_factors``, the owner's
-    ``post_all`` bit for bit on any block). Where the rule's ``HiddenRule._factors_pay`` (the row path's rule too)
-    holds for every rank's (non-empty) piece: with bf16 ``U`` and float32 ``D``, pieces with ``2 (m + n) < m n``;
-    never with a float32 ``U`` or a float64 ``D``. Read from shapes and placements alone (the plan's
-    :class:`~.owners.Pieces`), so that every rank decides it alike, knowing what it will receive, with no
-    collective. A rank whose piece is empty (uneven shards) still receives the factors of the dimension it
-    covers: a few bytes."""
-    rule, p = job.rule, job.param
-    if not (isinstance(rule, HiddenRule) and job.layout.whole and not job.cut and p.ndim == 2 and not _folds(job)):
-        return False
-    ns = resolve_dtype(job.group, p.to_local(), job.ctx)
-    return all(rule._factors_pay(m, n, ns, d_dtype) for m, n in plan.owned[job.index].pieces.local_shapes() if m * n)
+# ---- a momentum rule's step through the exchange ----------------------------------------------------------
 
 
-def _folds(job: Job) -> bool:
-    """Whether the owner folds the step multipliers into ``D``: a view whose matrices have different ones."""
-    return len(set(_scales(job))) > 1
-
-
-def directions_at_owners(plan: OwnerPlan, jobs: Sequence[Job]) -> None:
-    """The momentum rules' step on the owner path: momentum where it lies, ``X`` out, whole-matrix
-    directions at owners (:func:`_whole_direction`), ``D`` and the per-matrix state back, each rank's update."""
-    if not jobs:
-        return
-    keys, pieces, wholes, backs = [], [], [], []
-    for job in jobs:
-        b = job.state["momentum_buffer"].to_local()
-        g = _local_grad(job)
-        g = g if g.dtype == b.dtype else g.to(b.dtype)
-        F.momentum_([b], [g], job.group["momentum"], fused=job.fused)
-        x_dtype, d_dtype = _dtypes(job)
-        X = F.direction_input([g], [b], job.group["momentum"], job.group["nesterov"])[0].to(x_dtype)
-        o = plan.owned[job.index]
-        sharded = [k for k in job.rule._owner_state if k in o.state_pieces]
-        keys.append(["param", *sharded])
-        pieces.append([X, *(job.state[k].to_local() for k in sharded)])
-        mine = plan.mine(job.index)
-        wholes.append([torch.empty(job.param.shape, dtype=x_dtype, device=X.device),
-                       *(torch.empty(job.state[k].shape, dtype=job.state[k].dtype, device=X.device) for k in sharded)]
-                      if mine else [None] * len(keys[-1]))
-        backs.append((d_dtype, factors_pay(plan, job, d_dtype)))
-    plan.to_owners([j.index for j in jobs], pieces, wholes, keys)
-    del pieces  # X's pieces, in the wholes now
-    out_wholes, out_keys, into = [], [], []
-    for job, ws, ks, (d_dtype, factored) in zip(jobs, wholes, keys, backs, strict=True):
-        owner_keys = job.rule._owner_state
-        state = {k: (ws[ks.index(k)] if k in ks else _whole_state(job.state[k])) for k in owner_keys}
-        # D, or (U, row, col) where factored; lets X (ws[0]) go
-        D = _whole_direction(job, ws, state, d_dtype, factored) if ws[0] is not None else None
-        parts = (list(D) if D is not None else [None] * 3) if factored else [D]
-        out_wholes.append([*parts, *(state[k] for k in owner_keys)])
-        out_keys.append([*(["param", *AXES] if factored else ["param"]), *(k if k in ks else None for k in owner_keys)])
-        into.append([*_direction_pieces(job, d_dtype, factored),
-                     *(job.state[k].to_local() if is_dtensor(job.state[k]) else job.state[k] for k in owner_keys)])
-    plan.from_owners([j.index for j in jobs], out_wholes, out_keys, into)
-    del out_wholes
-    scratch: dict = {}  # one float32 buffer per shape for the bf16 directions, as one process's update
-    for job, (_, factored), got in zip(jobs, backs, into, strict=True):
-        # eq. 8 on this rank's piece: (U * row) * col, the owner's post_all bit for bit (F.apply_factors)
-        D = (F.apply_factors(got[0], got[1][:, None], got[2][None, :], divide=job.rule._row_factors_divide)
-             if factored else got[0])
-        s = 1.0 if _folds(job) else _scales(job)[0]
-        apply_update([Item(job.param.to_local(), None, {}, job.name)], [D], [s], job.group, scratch)
-        got.clear()  # this piece's U or D goes before the next job's D is made
-
-
-def _direction_pieces(job: Job, d_dtype: torch.dtype, factored: bool) -> list[Tensor]:
-    """Where this rank receives its piece of the direction: ``D`` in ``d_dtype``, or (``factored``) ``U`` in
-    the Newton-Schulz dtype with the factors of its piece's rows and columns (in ``d_dtype``: :func:`factors_pay`)."""
-    local = job.param.to_local()
-    if not factored:
-        return [torch.empty(local.shape, dtype=d_dtype, device=local.device)]
-    ns = resolve_dtype(job.group, local, job.ctx)
-    return [torch.empty(local.shape, dtype=ns, device=local.device),
-            *(torch.empty(local.shape[d], dtype=d_dtype, device=local.device) for d in AXES.values())]
-
-
-def _whole_state(t: Any) -> Any:
-    return t.to_local() if is_dtensor(t) else t
-
-
-def _whole_direction(job: Job, wholes: list[Tensor | None], state: dict[str, Tensor], dtype: torch.dtype,
-                     factored: bool = False) -> Tensor | tuple[Tensor, Tensor, Tensor]:
-    """At the owner: the direction of the whole ``X`` (the parameter's global shape) by the one-process body,
-    matrix by matrix of the view as the per-tensor form (``driver._hidden_eager``); ``state`` (whole per-matrix
-    state) updated in place. A view whose matrices have different step multipliers gets them folded in. ``X`` is
-    ``wholes[0]``, handed over (set to ``None`` here): scratch, which Newton-Schulz overwrites where it iterates
-    in place and lets go, matrix by matrix, before ``post`` (``driver.directions``' ``consume``). ``factored``
-    (a plain matrix, :func:`factors_pay`): ``(U, row, col)`` instead, ``U`` in the Newton-Schulz dtype and eq. 8's
-    factors ``(m,)`` and ``(n,)`` (``driver.directions``' ``factored``; the per-matrix state updated alike)."""
-    X, wholes[0] = wholes[0], None
-    rule, layout, group = job.rule, job.layout, job.group
-    if job.ctx.capture is not None:
-        job.ctx.capture(job.name, job.ctx.kind, "momentum_input", X)
+def _scales(rule: Any, unit: Unit, shape: Sequence[int], group: dict) -> list[float]:
+    """A hidden rule's step multiplier of every matrix of a unit; the elementwise rules fold theirs in."""
     if not isinstance(rule, HiddenRule):
-        D = torch.empty(X.shape, dtype=dtype, device=X.device)
-        xs, ds = (layout.matrices(X), layout.matrices(D)) if job.cut else ([X], [D])
-        for x, d in zip(xs, ds, strict=True):
-            x = x.reshape(matrix_shape(x.shape)) if needs_matrix(rule) else x
-            y = rule.direction(x.contiguous().to(F._stat_dtype(x))[None], group, None, tuple(x.shape))
-            d.copy_(y[0].reshape(d.shape))
-        return D
-    scales, fold = _scales(job), _folds(job)
-    cut = {"rows": layout.row_pieces, "counter": layout.counters}
-    per_key = {k: cut[how](state[k]) for k, how in rule.state_views.items() if how in cut}
-    steps = [k for k, how in rule.state_views.items() if how == "step"]
-    scratch: dict = {}
-    D = ds = None
-    xs, shape, device = layout.matrices(X), X.shape, X.device
-    # a plain matrix: its direction is D itself where it has D's dtype (a copy into D was exact, and beside it)
-    whole = len(xs) == 1 and xs[0].shape == shape and xs[0].stride() == X.stride() and not fold
-    del X  # its matrices (disjoint views) are read by nothing after their Newton-Schulz
-    for j in range(len(xs)):
-        st = {k: v[j][None] for k, v in per_key.items()}
-        st.update({k: F.on_device([job.state["step"]], device) for k in steps})
-        # handed over: Newton-Schulz iterates in the received matrix where it can, not beside a copy of it, and
-        # lets it go before post (consume; X's storage goes with its last matrix)
-        stack, xs[j] = [(xs[j].contiguous()[None], 1, st)], None
-        ((u,),) = directions(rule, stack, group, job.ctx, batched=False, scratch=scratch, release=True,
-                             consume=True, factored=factored)
-        if factored:  # one matrix, the parameter itself
-            u, row, col = u
-            return u[0], row[0, :, 0], col[0, 0]
-        if whole and u.dtype == dtype:
-            return u[0]
-        if D is None:  # made once the first direction exists: not alive during Newton-Schulz (the step's peak)
-            D = torch.empty(shape, dtype=dtype, device=device)
-            ds = layout.matrices(D)
-        ds[j].copy_(u[0] * scales[j] if fold else u[0])
-    return D
+        return [1.0]
+    shapes = unit.layout.shapes() if unit.layout is not None else [matrix_shape(shape)]
+    return [rule.lr_scale(r, c, group) for r, c in shapes]
 
 
-def gather_whole(plan: OwnerPlan, jobs: Sequence[Job]) -> list[tuple[Tensor, Tensor, dict[str, Any]] | None]:
-    """The whole-tensor fallback (a stepping rule that is not elementwise: SCALE's column and row rules): the
-    parameter, gradient and sharded state pieces to the owner, into whole tensors made for this step. Returns
-    per job, at its owner, ``(param, grad, state)`` whole (the state's other tensors are whole already)."""
-    keys, pieces, wholes = [], [], []
-    for job in jobs:
-        o = plan.owned[job.index]
-        g = _local_grad(job)
-        sharded = list(o.state_pieces)
-        keys.append(["param", "param", *sharded])
-        pieces.append([job.param.to_local(), g, *(job.state[k].to_local() for k in sharded)])
-        like = [job.param.to_local(), g, *(job.state[k].to_local() for k in sharded)]
-        shapes = [job.param.shape, job.param.shape, *(job.state[k].shape for k in sharded)]
-        wholes.append([torch.empty(s, dtype=t.dtype, device=t.device) for s, t in zip(shapes, like, strict=True)]
-                      if plan.mine(job.index) else [None] * len(keys[-1]))
-    plan.to_owners([j.index for j in jobs], pieces, wholes, keys)
+def _dtypes(rule: Any, group: dict, p: Tensor, ctx: StepContext, fold: bool) -> tuple[torch.dtype, torch.dtype]:
+    """What travels: the direction input (the Newton-Schulz dtype where a hidden rule keeps the default ``pre``,
+    else at least float32, as ``pre`` and the elementwise rules compute) and the direction: ``U``'s dtype where
+    the rule's ``post`` is the identity and no step multipliers are folded in (``transfer.IDENTITY``), else at
+    least the parameter's dtype, so that each rank adds what one process adds."""
+    hidden = isinstance(rule, HiddenRule)
+    x = resolve_dtype(group, p, ctx) if hidden and not rule._rewrites_input else F.stat_dtype(p)
+    if hidden and rule.transfer_form == transfer.IDENTITY and not fold:
+        return x, resolve_dtype(group, p, ctx)
+    return x, torch.promote_types(x, p.dtype)
+
+
+def _owner_items(rule: Any, unit: Unit, X: Tensor, state: dict[str, Tensor], step: int, name: str) -> list[Item]:
+    """A unit's whole matrices at its owner, as items of the one body (``driver.bucket_directions``): ``X``'s
+    matrices by the unit's layout, each with its per-matrix state as views of the whole ``state`` (updated in
+    place) and the step count."""
+    layout = unit.layout
+    xs = layout.matrices(X) if layout is not None else [X.reshape(matrix_shape(X.shape))]
+    cut = {"rows": "row_pieces", "counter": "counters"}
+    views = rule.state_views
+    per_key = {k: (getattr(layout, cut[views[k]])(v) if layout is not None else [v])
+               for k, v in state.items() if views.get(k) in cut}
+    steps = {k: step for k, how in views.items() if how == "step"}
+    return [Item(x, None, {**steps, **{k: v[j] for k, v in per_key.items()}}, name, x.shape)
+            for j, x in enumerate(xs)]
+
+
+def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepContext, *, batched: bool,
+                   x_of: Callable[[Item], Tensor], orth: Callable | None) -> list:
+    """One shape bucket of a hidden rule's units: ``X`` out, directions of whole matrices at owners (the one body,
+    ``driver.bucket_directions``), each rank's piece back. Returns ``(param, D, scale)`` of this rank's pieces."""
+    ex: Exchange = ctx.split  # type: ignore[assignment]
+    members = bucket.items
+    indices = [it.index for it in members]
+    units = [ex.units[i] for i in indices]
+    p0 = members[0].param
+    replicas = isinstance(units[0].pieces, Replicas)
+    scales = [_scales(rule, u, it.shape, group) for u, it in zip(units, members, strict=True)]
+    fold = any(len(set(s)) > 1 for s in scales)
+    x_dtype, d_dtype = _dtypes(rule, group, p0, ctx, fold)
+    ns = resolve_dtype(group, p0, ctx)
+    # eq. 8's (or NorMuon's) factors where they are fewer bytes for every rank's piece of a plain matrix
+    factored = all(u.layout is None and len(it.shape) == 2 for u, it in zip(units, members, strict=True)) and \
+        not fold and all(transfer.pays(rule.transfer_form, m, n, ns, d_dtype)
+                         for u in units for m, n in u.pieces.local_shapes() if m * n)
+    keys_out = [["param", *(k for k in rule._owner_state if k in u.state_pieces)] for u in units]
+    # out: every rank's pieces of X and of the sharded per-matrix state (under DDP nothing: the owner holds X)
+    if replicas:
+        xs = [x_of(it) if ex.mine(i) or ctx.capture is not None else None for it, i in zip(members, indices,
+                                                                                          strict=True)]
+        if ctx.capture is not None:
+            ctx.emit(members, xs, "momentum_input")
+        pieces = [[x.to(x_dtype)] if ex.mine(i) else [] for x, i in zip(xs, indices, strict=True)]
+        del xs
+    else:
+        pieces = [[x_of(it).to(x_dtype), *(local(it.state[k]) for k in ks[1:])]
+                  for it, ks in zip(members, keys_out, strict=True)]
+    wholes = ex.to_owners(indices, pieces, keys_out)
+    # at owners: every owned unit's whole matrices, one body for them all
+    owned = [j for j, w in enumerate(wholes) if w is not None]
+    results: dict[int, tuple[Any, dict[str, Tensor]]] = {}
+    if owned:
+        items, spans = [], []
+        for j in owned:
+            it, u, ws = members[j], units[j], wholes[j]
+            if replicas:  # the item itself: its X and its own state
+                its = [Item(ws[0].reshape(matrix_shape(it.shape)), None, it.state, it.name, matrix_shape(it.shape))]
+                state = it.state
+            else:
+                state = {k: ws[keys_out[j].index(k)] if k in keys_out[j] else _whole(it.state[k])
+                         for k in rule._owner_state}
+                if ctx.capture is not None:
+                    ctx.capture(it.name, it.kind or ctx.kind, "momentum_input", ws[0])
+                its = _owner_items(rule, u, ws[0], state, it.state["step"], it.name)
+            spans.append((j, len(items), len(its), state))
+            items += its
+        # batched: one stack per shape, all in one body, under DDP in the orientations one process stacks them;
+        # per tensor: each matrix alone, as one process's per-tensor form
+        if not batched:
+            groups = [[Bucket([it], 1, it.shape, it.shape, ())] for it in items]
+        elif replicas and orth is None:
+            flipped = [j >= bucket.plain for j in owned]
+            order = sorted(range(len(items)), key=lambda n: flipped[n])
+            groups = [[Bucket([items[n] for n in order], flipped.count(False), bucket.shape, bucket.global_shape,
+                              bucket.key)]]
+        else:
+            groups = [make_buckets(items, matrix=True, transpose=False)]
+        by_item = {}
+        for buckets in groups:
+            found = bucket_directions(rule, buckets, group, ctx, batched=batched, x_of=lambda it: it.param, orth=orth,
+                                      factored=factored)
+            by_item.update((id(it), d) for b, ds in zip(buckets, found, strict=True)
+                           for it, d in zip(b.items, ds, strict=True))
+        for j, start, n, state in spans:
+            ds = [by_item[id(it)] for it in items[start : start + n]]
+            d = ds[0] if factored else _assemble(units[j], wholes[j][0], ds, scales[j], fold, d_dtype)
+            results[j] = (d, state)
+    del wholes
+    # back: D (or U with its factors) and the per-matrix state the rule changed
+    back_keys, out_wholes, into = [], [], []
+    for j, (it, u) in enumerate(zip(members, units, strict=True)):
+        back_keys.append([*(["param", *AXES] if factored else ["param"]),
+                          *(k if k in u.state_pieces else None for k in rule._owner_state)])
+        if j in results:
+            d, state = results[j]
+            out_wholes.append([*(d if factored else [d]), *(_whole(state[k]) for k in rule._owner_state)])
+        else:
+            out_wholes.append(None)
+        into.append(lambda it=it: _receive(rule, it, d_dtype, ns, factored))
+    got = ex.from_owners(indices, out_wholes, back_keys, into)
+    del out_wholes
     out = []
-    for job, ws, ks in zip(jobs, wholes, keys, strict=True):
-        if ws[0] is None:
-            out.append(None)
-            continue
-        state = {k: (ws[ks.index(k)] if k in ks[2:] else _whole_state(v)) for k, v in job.state.items()}
-        out.append((ws[0], ws[1], state))
+    for it, s, parts in zip(members, scales, got, strict=True):
+        n = 3 if factored else 1
+        D = (transfer.apply(parts[0], parts[1][:, None], parts[2][None, :], rule.factors_divide) if factored
+             else parts[0])
+        for k, t in zip(rule._owner_state, parts[n:], strict=True):
+            mine = _whole(it.state[k])
+            if t is not mine:
+                local(it.state[k]).copy_(t)
+        out.append((it.param, D, 1.0 if fold else s[0]))
     return out
 
 
-def scatter_whole(plan: OwnerPlan, jobs: Sequence[Job], wholes: Sequence[tuple | None]) -> None:
-    """The fallback's way back: every rank's piece of the new parameter and of the state tensors."""
-    out_wholes, out_keys, into = [], [], []
-    for job, w in zip(jobs, wholes, strict=True):
-        o = plan.owned[job.index]
-        names = [k for k in sorted(job.state) if isinstance(job.state[k], Tensor)]
-        out_keys.append(["param", *(k if k in o.state_pieces else None for k in names)])
-        out_wholes.append([w[0], *(w[2][k] for k in names)] if w is not None else [None] * (1 + len(names)))
-        into.append([job.param.to_local(), *(_whole_state(job.state[k]) for k in names)])
-    plan.from_owners([j.index for j in jobs], out_wholes, out_keys, into)
+def _receive(rule: Any, it: Item, d_dtype: torch.dtype, ns: torch.dtype, factored: bool) -> list[Tensor]:
+    """Where a rank receives its piece of a unit's results: ``D`` in ``d_dtype``, or ``U`` in the Newton-Schulz
+    dtype with the factors of its rows and columns (in ``d_dtype``), then the per-matrix state the rule changed."""
+    p = it.param
+    parts = ([torch.empty(p.shape, dtype=ns, device=p.device),
+              *(torch.empty(p.shape[d], dtype=d_dtype, device=p.device) for d in AXES.values())]
+             if factored else [torch.empty(p.shape, dtype=d_dtype, device=p.device)])
+    return parts + [torch.empty_like(local(it.state[k])) for k in rule._owner_state]
+
+
+def _whole(t: Any) -> Any:
+    return local(t) if is_dtensor(t) else t
+
+
+def _assemble(unit: Unit, X: Tensor, ds: list[Tensor], scales: list[float], fold: bool, dtype: torch.dtype) -> Tensor:
+    """A unit's whole direction from its matrices' (the view's, in :meth:`Layout.matrices` order), in ``dtype``,
+    the step multipliers folded in where they differ; a plain matrix's direction is its own."""
+    if unit.layout is None and ds[0].dtype == dtype:
+        return ds[0].reshape(X.shape)
+    D = torch.empty(X.shape, dtype=dtype, device=X.device)
+    views = unit.layout.matrices(D) if unit.layout is not None else [D.view(matrix_shape(D.shape))]
+    for v, d, s in zip(views, ds, scales, strict=True):
+        v.copy_(d * s if fold else d)
+    return D
+
+
+def _elementwise_bucket(rule: Any, members: list[Item], group: dict, ctx: StepContext,
+                        x_of: Callable[[Item], Tensor]) -> list:
+    """An elementwise momentum rule's pieces whose statistics need more than sums over rows (eq. 9 on a
+    tensor-parallel ``Shard(1)`` embedding): ``X`` out, :meth:`MomentumRule.direction` of each whole matrix at
+    its owner, ``D`` back."""
+    ex: Exchange = ctx.split  # type: ignore[assignment]
+    indices = [it.index for it in members]
+    x_dtype, d_dtype = _dtypes(rule, group, members[0].param, ctx, False)
+    wholes = ex.to_owners(indices, [[x_of(it).to(x_dtype)] for it in members], [["param"]] * len(members))
+    out_wholes = []
+    for i, ws in zip(indices, wholes, strict=True):
+        if ws is None:
+            out_wholes.append(None)
+            continue
+        X = ws[0]
+        layout = ex.units[i].layout
+        D = torch.empty(X.shape, dtype=d_dtype, device=X.device)
+        for x, d in zip(*((layout.matrices(X), layout.matrices(D)) if layout is not None else ([X], [D])),
+                        strict=True):
+            x = x.reshape(matrix_shape(x.shape)) if needs_matrix(rule) else x
+            d.copy_(rule.direction(x.contiguous().to(F.stat_dtype(x))[None], group, None, tuple(x.shape))[0]
+                    .reshape(d.shape))
+        out_wholes.append([D])
+    got = ex.from_owners(indices, out_wholes, [["param"]] * len(members),
+                         [lambda it=it: [torch.empty(it.param.shape, dtype=d_dtype, device=it.param.device)]
+                          for it in members])
+    return [(it.param, parts[0], 1.0) for it, parts in zip(members, got, strict=True)]
+
+
+def _buckets(ex: Exchange, rule: Any, items: list[Item], batched: bool) -> list[Bucket]:
+    """The exchange's shape buckets of a call: one exchange out and one back each, so a step holds one bucket's
+    whole matrices at a time. DDP's matrices as one process's batched form buckets them (an ``(n, m)`` matrix in
+    the ``(m, n)`` bucket, which saves an exchange; the owners stack each orientation apart); a DTensor's units by
+    their global shape."""
+    transpose = batched and isinstance(rule, HiddenRule) and rule.transposes and all(
+        isinstance(ex.units[it.index].pieces, Replicas) for it in items)
+    return make_buckets(items, matrix=True, transpose=transpose)
+
+
+def _step(calls: Sequence[Call], batched: bool, inputs: dict[int, Tensor] | None, orth: Callable | None) -> None:
+    """The calls' directions through the exchange, bucket by bucket, each rank's pieces applied as one process's.
+    ``inputs``: the direction inputs by item (the batched form's, let go as they go out), else each made as its
+    bucket goes out (the per-tensor form's)."""
+    for rule, items, group, ctx in calls:
+        x_of = (lambda it: inputs.pop(id(it))) if inputs is not None else (lambda it, g=group: direction_input(it, g))
+        pending = []
+        for b in _buckets(ctx.split, rule, list(items), batched):
+            if isinstance(rule, HiddenRule):
+                pending += _hidden_bucket(rule, b, group, ctx, batched=batched, x_of=x_of, orth=orth)
+            else:
+                pending += _elementwise_bucket(rule, b.items, group, ctx, x_of)
+        apply_pending(pending, group)
+
+
+def per_tensor(calls: Sequence[Call], orth: Callable | None = None) -> None:
+    """``foreach=False`` through the exchange: momentum one fused pass per tensor and each direction input made
+    as its bucket goes out, as one process's per-tensor form; at the owners each matrix alone."""
+    for _, items, group, _ in calls:
+        bufs = [it.state["momentum_buffer"] for it in items]
+        F.momentum_(bufs, grads_like(items, bufs), group["momentum"], fused=True)
+    _step(calls, False, None, orth)
+
+
+def batched(calls: Sequence[Call], orth: Callable | None = None) -> None:
+    """``foreach=True`` through the exchange: momentum and direction inputs in ``torch._foreach_*`` kernels, as
+    the one-process batched form; at the owners one stack per shape (a batched Newton-Schulz where the device
+    runs one, ``newton_schulz.batched_ns``)."""
+    inputs: dict[int, Tensor] = {}
+    for _, items, group, _ in calls:
+        bufs = [it.state["momentum_buffer"] for it in items]
+        grads = grads_like(items, bufs)
+        F.momentum_(bufs, grads, group["momentum"])
+        inputs.update(zip(map(id, items), F.direction_input(grads, bufs, group["momentum"], group["nesterov"]),
+                          strict=True))
+    _step(calls, True, inputs, orth)
+    inputs.clear()
+
+
+def whole_step(rule: SteppingRule, items: Sequence[Item], group: dict, ctx: StepContext, foreach: bool) -> None:
+    """A stepping rule whose statistics need whole tensors (SCALE's column and row rules on pieces that are not
+    whole rows): parameter, gradient and sharded state to the owner, the rule's own step there on whole tensors
+    made for this step, the new parameter and state pieces back."""
+    ex: Exchange = ctx.split  # type: ignore[assignment]
+    indices = [it.index for it in items]
+    keys, pieces = [], []
+    for it, i in zip(items, indices, strict=True):
+        sharded = list(ex.units[i].state_pieces)
+        keys.append(["param", "param", *sharded])
+        pieces.append([it.param, it.grad, *(local(it.state[k]) for k in sharded)])
+    wholes = ex.to_owners(indices, pieces, keys)
+    at_owner, states = [], []
+    for it, ws, ks in zip(items, wholes, keys, strict=True):
+        if ws is None:
+            states.append(None)
+            continue
+        state = {k: (ws[ks.index(k)] if k in ks[2:] else _whole(v)) for k, v in it.state.items()}
+        layout = ex.units[it.index].layout
+        at_owner += ([Item(ws[0], ws[1], state, it.name, it.shape, it.kind)] if layout is None else
+                     cut_items(rule, layout, ws[0], ws[1], state, it.name, it.kind, layout.labels()))
+        states.append(state)
+    if at_owner:
+        (rule.step_foreach if foreach else rule.step)(at_owner, group, ctx)
+    names = [[k for k in sorted(it.state) if isinstance(it.state[k], Tensor)] for it in items]
+    out_wholes = [None if st is None else [ws[0], *(st[k] for k in ns)]
+                  for ws, st, ns in zip(wholes, states, names, strict=True)]
+    back_keys = [["param", *(k if k in ex.units[i].state_pieces else None for k in ns)]
+                 for i, ns in zip(indices, names, strict=True)]
+    got = ex.from_owners(indices, out_wholes, back_keys,
+                         [lambda it=it, ns=ns: [torch.empty_like(it.param), *(torch.empty_like(_whole(it.state[k]))
+                                                                               for k in ns)]
+                          for it, ns in zip(items, names, strict=True)])
+    for it, ns, parts in zip(items, names, got, strict=True):
+        it.param.copy_(parts[0])
+        for k, t in zip(ns, parts[1:], strict=True):
+            _whole(it.state[k]).copy_(t)

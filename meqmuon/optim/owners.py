@@ -1,41 +1,22 @@
-"""Every DTensor layout: each rank's piece of a matrix, whole matrices at owner ranks, directions back.
+"""Where each rank's piece of a tensor lies: the descriptors of the exchange (``exchange.py``).
 
-FSDP2's and HSDP's row shards of whole matrices take the row path of ``sharded.py``: this path's exchange
-(:func:`distributed.exchange_flat`) and owner assignment (:func:`distributed.assign_owners`, one load per
-step shared with this path's, :attr:`OwnerPlan.load`), cut by whole rows per shape bucket. Every other
-layout that torch's parallel APIs give a transformer -- tensor parallelism's ``Shard(0)`` (colwise) and
-``Shard(1)`` (rowwise) on a TP mesh, FSDP2 over TP on a 2-D mesh (``(_StridedShard(0, sf), Shard(0))``,
-``(Shard(0), Shard(1))``, ``(Shard(0), Replicate())``), vocabulary-parallel embeddings and heads, and FSDP2
-row shards of matrices whose view needs rows of several shards (a fused projection's split, ``Conv1D``'s
-transpose, folded experts) -- goes here (``placement.PIECES``):
+The exchange sends each rank's piece of a matrix to the matrix's owner and each rank's piece of the result
+back. Where a piece lies is a descriptor, read off the layout on every rank with no collective (planning also
+runs on torch's fake process group) and kept for the optimizer's life; nothing else is kept between steps:
 
-1. each parameter has one owner (longest-first by Newton-Schulz cost, fixed when the step is planned,
-   identical on every rank: :func:`distributed.assign_owners`); where the placements repeat the tensor over
-   some mesh dimensions (``Replicate()``), each replica group has its own owner and exchanges only inside
-   itself (HSDP moves bytes only inside a shard group), as FSDP2's row path repeats the work per replica;
-2. a momentum rule's momentum (and any elementwise state) stays sharded exactly as the parameter and is
-   updated where it lies; each rank sends only its piece of the direction input ``X`` -- in the
-   Newton-Schulz dtype for a hidden rule that keeps the default ``pre`` -- to the owner, by one
-   ``all_to_all_single`` for all parameters;
-3. the owner puts the pieces together as the whole matrix and runs the one-process body on it
-   (:func:`driver.directions`: ``pre``, Newton-Schulz and ``post`` on whole matrices, so every statistic --
-   eq. 8's CVs, NorMuon's row moments -- is the whole matrix's; an elementwise momentum rule's ``direction``),
-   and a second ``all_to_all_single`` returns every rank its piece of the direction ``D`` with the small
-   per-matrix state the rule changed (counters, per-row moments);
-4. each rank applies ``W <- (1 - lr wd) W - lr s D`` to its own piece.
+- :class:`Pieces`: a DTensor under any placements torch's parallel APIs give a transformer -- FSDP2's and
+  HSDP's row shards, tensor parallelism's ``Shard(0)`` (colwise) and ``Shard(1)`` (rowwise), FSDP2 over TP on a
+  2-D mesh (``(_StridedShard(0, sf), Shard(0))``, ``(Shard(0), Shard(1))``, ``(Shard(0), Replicate())``),
+  vocabulary-parallel embeddings and heads, uneven and empty shards: runs of global indices per dimension for
+  every rank, by torch's own splitting (``Shard._split_tensor``, ``_StridedShard._split_tensor``). Where the
+  placements repeat the tensor over some mesh dimensions (``Replicate()``), each replica group has its own
+  owner and exchanges only inside itself (HSDP moves bytes only inside a shard group).
+- :class:`Replicas`: a plain tensor under DDP, whole on every rank: the owner computes from its own copy and
+  every other rank receives the result whole.
 
-Per rank that is the floor: the pieces of ``X`` out once, the pieces of ``D`` back once, plus the per-matrix
-state (``1 / cols`` of that). A :class:`~meqmuon.optim.rule.SteppingRule` that is not elementwise (SCALE's
-column and row rules) computes from its whole state: it keeps the whole-tensor fallback, which sends the
-parameter, gradient and state pieces out and the new parameter and state pieces back, into whole tensors
-made for the step and freed after it.
-
-Nothing is kept between steps but the state: where a piece lies is a :class:`Pieces` descriptor, runs of
-global indices per dimension for every rank, computed on every rank from the placements by torch's own
-splitting (``Shard._split_tensor``, ``_StridedShard._split_tensor``, uneven and empty shards included) with
-no collective, so planning also runs on torch's fake process group. Megatron-LM's proposed
-``layer_sharded`` mode (NVIDIA/Megatron-LM#6683) sends Newton-Schulz inputs to a home rank the same way;
-microsoft/dion's ``megabatch_base.py`` does it for row shards; torchtitan's DistMuon rejects these layouts.
+Megatron-LM's proposed ``layer_sharded`` mode (NVIDIA/Megatron-LM#6683) sends Newton-Schulz inputs to a home rank
+the same way; microsoft/dion's ``megabatch_base.py`` does it for row shards; torchtitan's DistMuon rejects the
+layouts that are not row shards.
 """
 
 from __future__ import annotations
@@ -48,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .distributed import as_bytes, assign_owners, exchange_bytes, from_bytes, is_dtensor
+from .distributed import is_dtensor
 
 try:
     import torch.distributed as dist
@@ -58,7 +39,7 @@ except ImportError:  # pragma: no cover - torch builds without distributed suppo
     dist = None  # type: ignore[assignment]
     DTensor = Replicate = Shard = _StridedShard = None  # type: ignore[assignment,misc]
 
-__all__ = ["AXES", "OwnerPlan", "Pieces", "is_replicated", "piece_runs"]
+__all__ = ["AXES", "Pieces", "Replicas", "check_mesh", "descriptor", "is_replicated", "piece_runs"]
 
 #: Keys of vectors along one dimension of the parameter (:meth:`Pieces.along`): each rank's piece of one is the
 #: entries of the rows (columns) its piece of the parameter covers; eq. 8's row and column factors travel so.
@@ -73,8 +54,8 @@ def is_replicated(t: Tensor) -> bool:
     return is_dtensor(t) and all(p.is_replicate() for p in t.placements)
 
 
-def _world_of(t: Tensor, name: str) -> None:
-    """The owner path exchanges over the default group, which ``t``'s mesh must span."""
+def check_mesh(t: Tensor, name: str) -> None:
+    """The exchange runs over the default group, which ``t``'s mesh must span."""
     world = dist.get_world_size()
     if t.device_mesh.size() != world:
         raise NotImplementedError(
@@ -207,113 +188,35 @@ class Pieces:
             whole[g].copy_(piece[loc])
 
 
+class Replicas:
+    """Where a plain tensor lies under DDP: whole on every rank (each all-reduced its gradient), its Newton-Schulz
+    shared among them. The owner computes from its own copy (no piece goes out) and every other rank receives
+    the result whole: each direction once to every other rank, the floor of a shared computation."""
 
-class Owned:
-    """One parameter on the owner path: its tensors, its owner, the descriptors of its layouts."""
+    __slots__ = ("shape",)
 
-    __slots__ = ("param", "state", "owner", "pieces", "state_pieces")
+    def __init__(self, shape: Sequence[int]) -> None:
+        self.shape = tuple(shape)
 
-    def __init__(self, param: Tensor, state: dict[str, Any], owner: int, cache: dict) -> None:
-        self.param, self.state, self.owner = param, state, owner
-        self.pieces = _pieces(param, cache)
-        #: Sharded state tensors (not held whole by every rank): their descriptors, by key.
-        self.state_pieces = {k: _pieces(v, cache) for k, v in sorted(state.items())
-                             if is_dtensor(v) and not is_replicated(v)}
+    def along(self, d: int) -> Replicas:
+        return Replicas((self.shape[d],))
+
+    def local_shape(self, r: int) -> tuple[int, ...]:
+        return self.shape
+
+    def local_shapes(self) -> frozenset[tuple[int, ...]]:
+        return frozenset({self.shape})
+
+    def take(self, whole: Tensor, r: int) -> Tensor:
+        return whole
 
 
-def _pieces(t: Tensor, cache: dict) -> Pieces:
+def descriptor(t: Tensor, cache: dict) -> Pieces | Replicas:
+    """Where ``t``'s pieces lie: :class:`Pieces` of a DTensor (one per shape, placements and mesh, kept in
+    ``cache``), :class:`Replicas` of a plain tensor."""
+    if not is_dtensor(t):
+        return Replicas(t.shape)
     key = (tuple(t.shape), tuple(t.placements), id(t.device_mesh))
     if key not in cache:
         cache[key] = Pieces(t)
     return cache[key]
-
-
-class OwnerPlan:
-    """The owner path of one optimizer's plan: the owner of each parameter and the exchanges, no collective.
-
-    ``params`` (DTensors) with their ``states`` and ``costs`` (for balancing owners). Every rank builds the
-    plan for the same parameters in the same order, as every rank steps the same parameters (the DDP contract).
-    """
-
-    def __init__(self, params: Sequence[Tensor], states: Sequence[dict[str, Any]], costs: Sequence[float],
-                 names: Sequence[str]) -> None:
-        for p, name in zip(params, names, strict=True):
-            _world_of(p, name)
-        self.rank = dist.get_rank() if params else 0
-        self.world = dist.get_world_size() if params else 1
-        #: Each rank's work planned here: the start of every step's load where the row path (``ShardedSplit``)
-        #: runs on the same ranks (the engine shares it), so that one step's owners balance across both paths.
-        self.load = [0.0] * self.world
-        owners = assign_owners(list(costs), self.load)
-        cache: dict = {}
-        self.owned = [Owned(p, st, o, cache) for p, st, o in zip(params, states, owners, strict=True)]
-
-    def owner_of(self, index: int, r: int | None = None) -> int:
-        """The rank that computes parameter ``index`` for rank ``r`` (default: this one)."""
-        o = self.owned[index]
-        return o.pieces.owner_for(self.rank if r is None else r, o.owner)
-
-    def mine(self, index: int) -> bool:
-        return self.owner_of(index) == self.rank
-
-    def senders(self, index: int) -> list[int]:
-        """The ranks whose pieces this rank, an owner of ``index``, puts together (its replica group)."""
-        return [r for r in range(self.world) if self.owner_of(index, r) == self.rank]
-
-    # ---- the two exchanges ------------------------------------------------------------------------
-
-    def to_owners(self, indices: Sequence[int], pieces: Sequence[Sequence[Tensor]],
-                  wholes: Sequence[Sequence[Tensor | None]], keys: Sequence[Sequence[str]]) -> None:
-        """One ``all_to_all_single``: every rank's ``pieces[j]`` (local pieces, in ``keys[j]``'s layouts:
-        ``"param"`` or a state key) of parameter ``indices[j]`` go to its owner, which writes them into
-        ``wholes[j]`` (tensors of the global shapes, ``None`` on the other ranks)."""
-        send: list[list[Tensor]] = [[] for _ in range(self.world)]
-        for i, ps in zip(indices, pieces, strict=True):
-            send[self.owner_of(i)] += [as_bytes(p) for p in ps]
-        sizes: list[list[int]] = [[] for _ in range(self.world)]
-        mine = [(i, ws, ks) for i, ws, ks in zip(indices, wholes, keys, strict=True) if self.mine(i)]
-        for i, ws, ks in mine:
-            for r in self.senders(i):
-                sizes[r] += [self._descriptor(i, k).numel(r) * w.element_size() for k, w in zip(ks, ws, strict=True)]
-        recv = self._exchange(send, sizes)
-        for r in range(self.world):
-            got = iter(recv[r])
-            for i, ws, ks in mine:
-                if r in self.senders(i):
-                    for k, w in zip(ks, ws, strict=True):
-                        self._descriptor(i, k).put(w, r, from_bytes(next(got), w.dtype))
-
-    def from_owners(self, indices: Sequence[int], wholes: Sequence[Sequence[Tensor | None]],
-                    keys: Sequence[Sequence[str | None]], into: Sequence[Sequence[Tensor]]) -> None:
-        """The way back, one ``all_to_all_single``: owners send every rank of their replica group its pieces
-        of ``wholes[j]`` (by ``keys[j]``: ``"param"``, a vector along one of its dimensions, :data:`AXES`, or a
-        state key; ``None``: the tensor whole), which it copies into ``into[j]`` (its local tensors, in the
-        same order)."""
-        send: list[list[Tensor]] = [[] for _ in range(self.world)]
-        for i, ws, ks in zip(indices, wholes, keys, strict=True):
-            if self.mine(i):
-                for r in self.senders(i):
-                    send[r] += [as_bytes(w if k is None else self._descriptor(i, k).take(w, r))
-                                for k, w in zip(ks, ws, strict=True)]
-        sizes: list[list[int]] = [[] for _ in range(self.world)]
-        for i, ts in zip(indices, into, strict=True):
-            sizes[self.owner_of(i)] += [t.numel() * t.element_size() for t in ts]
-        recv = self._exchange(send, sizes)
-        got = [iter(x) for x in recv]
-        for i, ts in zip(indices, into, strict=True):
-            src = got[self.owner_of(i)]
-            for t in ts:
-                t.copy_(from_bytes(next(src), t.dtype).view(t.shape))
-
-    def _descriptor(self, index: int, key: str) -> Pieces:
-        """Where the pieces of ``key`` lie: ``"param"``, a vector along one of its dimensions (:data:`AXES`) or
-        a sharded state tensor."""
-        o = self.owned[index]
-        if key in AXES:
-            return o.pieces.along(AXES[key])
-        return o.pieces if key == "param" else o.state_pieces[key]
-
-    def _exchange(self, send: list[list[Tensor]], sizes: list[list[int]]) -> list[list[Tensor]]:
-        """The row path's exchange (:func:`distributed.exchange_bytes`) over the default group."""
-        device = self.owned[0].param.device if self.owned else torch.device("cpu")
-        return exchange_bytes(send, sizes, None, device)

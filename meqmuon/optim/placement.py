@@ -1,44 +1,76 @@
-"""Where each parameter steps: the one table of paths, decided once per parameter when the step is planned.
+"""Where each parameter steps, and what runs it: the one table, read once per parameter when a step is planned.
 
-- ``PLAIN``: plain tensors: one process, or DDP (every rank holds the whole tensor and its all-reduced
-  gradient; owner ranks compute and broadcast, ``distributed.ReplicatedSplit``).
-- ``LOCAL``: a DTensor this rank steps alone, with no exchange: held whole by every rank (``Replicate()``
-  norms under TP), an elementwise rule's piece of any layout (AdamW), or FSDP2's whole local matrices of a
-  stacked view (experts ``Shard(0)``: expert parallelism's layout too).
-- ``ROWS``: FSDP2's / HSDP's row shards (``Shard(0)``, ``(Replicate(), Shard(0))``) of whole matrices: the row
-  exchange of Newton-Schulz inputs per shape bucket (``sharded.py``), sums over shards for statistics; and
-  whole-row pieces of any other placements for a rule without Newton-Schulz whose statistics are sums over
-  rows (MeqMuon's eq. 9 and 10, SCALE: FSDP2 over TP's vocabulary-parallel embedding and head, its norms):
-  one small all-reduce per statistic (``distributed.RowPieceSplit``), no piece of the tensor travels.
-- ``PIECES``: every other DTensor layout (TP ``Shard(0)``/``Shard(1)``, FSDP2 over TP, vocabulary-parallel
-  embeddings, FSDP2 rows of split, transposed or folded views): direction inputs to owners, directions back
-  (``owners.py``; a stepping rule that is not elementwise: whole tensors, its documented fallback).
+``LOCAL``: this rank holds what it steps, nothing travels (``LocalSplit``; the driver's forms and ``compiled.py``'s).
+    One process's parameters; under DDP every rule's but Newton-Schulz's, run in place on each rank's full copy with
+    0 bytes (as torch's AdamW runs under DDP); ``Replicate()`` DTensors; an elementwise rule's piece of any layout
+    (AdamW); FSDP2's whole local matrices of a stack (experts ``Shard(0)``, expert parallelism's layout too).
+``ROWS``: whole-row pieces of a rule without Newton-Schulz whose statistics are sums over rows (MeqMuon's eq. 9
+    and 10, SCALE): FSDP2's and HSDP's row shards, FSDP2 over TP's vocabulary-parallel embedding and head
+    (``RowSums``: one all-reduce per statistic; the same forms).
+``OWNERS``: every Newton-Schulz matrix not whole on this rank alone, or whose work the ranks share (DDP), and any
+    other rule whose statistics need more than sums over rows (``exchange.Exchange``: pieces of ``X`` to owners,
+    whole matrices there, directions back; ``exchange.py``'s forms).
 
-``ROWS`` is the ``PIECES`` exchange's simplest case (each piece is whole rows of each matrix): the same
-uneven byte exchange (``distributed.exchange_flat``: each rank sends an owner only its pieces of that owner's
-matrices, the owner sends back only their directions, nothing padded) and the same owner assignment
-(``distributed.assign_owners``, longest first, one load per step shared with ``PIECES`` where both run on all
-ranks: ``distributed.share_loads``). What stays its own is the bookkeeping of whole rows: a shape bucket's
-stack goes out as one block per rank (no descriptors), and its owners are planned per step for the buckets
-of the matrices with gradients; its collectives (one pair per shape bucket) are the fingerprints of FSDP2
-users. Read in code, as microsoft/dion's ``_get_shard_info``: the engine asks
-:func:`path_of` once per parameter and keeps the answer on its entry; each rule call's context carries its
-entries' path (``calls.StepContext.path``), which the forms read (``ROWS``: whole matrices at owners), and the
-path picks the call's splitter. Row shards on a shard group of one rank are whole there: ``LOCAL``.
+The engine asks :func:`path_of` once per parameter and keeps the answer on its entry; :data:`EXECUTORS` names the
+forms that run each path's calls and :func:`splitter` makes their splitter, so no other place reads a path.
+Read in code, as microsoft/dion's ``_get_shard_info``: a parameter's layout decides its path, the path its
+mechanism.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+from typing import Any, NamedTuple
+
 import torch
 
-from . import driver
-from .calls import Path
-from .distributed import SHARDED_LAYOUTS, is_dtensor
+from . import compiled, driver, exchange
+from .calls import Item, Path, StepContext
+from .distributed import SHARDED_LAYOUTS, LocalSplit, RowSums, is_dtensor
+from .driver import HiddenRule
 from .owners import is_replicated
 from .rule import MomentumRule, Rule, SteppingRule
 from .views import Layout
 
-__all__ = ["Path", "cuts", "path_of", "whole_rows"]
+__all__ = ["EXECUTORS", "Executor", "Path", "cuts", "path_of", "splitter", "whole_rows"]
+
+#: A form: runs a sequence of rule calls ``(rule, items, group, ctx)``.
+Form = Callable[[list[driver.Call]], None]
+
+
+def _own_step(rule: SteppingRule, items: list[Item], group: dict, ctx: StepContext, foreach: bool) -> None:
+    """A stepping rule on tensors it holds (whole, or whole rows with sums over shards): its own form."""
+    (rule.step_foreach if foreach else rule.step)(items, group, ctx)
+
+
+class Executor(NamedTuple):
+    """What runs a path's calls: the forms of the momentum rules' calls by ``(foreach, compile)``, and the
+    stepping rules' step ``(rule, items, group, ctx, foreach)``."""
+
+    forms: dict[tuple[bool, bool], Form]
+    stepping: Callable[..., None]
+
+
+#: The forms where the tensors are whole here (or whole rows): the driver's eager two and ``compiled.py``'s two.
+_HERE: dict[tuple[bool, bool], Form] = {
+    (False, False): driver.per_tensor,
+    (True, False): driver.batched,
+    (False, True): compiled.compiled_per_tensor,
+    (True, True): compiled.compiled_batched,
+}
+
+#: Path -> what runs it (see the module's table).
+EXECUTORS: dict[Path, Executor] = {
+    Path.LOCAL: Executor(_HERE, _own_step),
+    Path.ROWS: Executor(_HERE, _own_step),
+    Path.OWNERS: Executor({
+        (False, False): exchange.per_tensor,
+        (True, False): exchange.batched,
+        (False, True): partial(exchange.per_tensor, orth=compiled.owner_directions),
+        (True, True): partial(exchange.batched, orth=compiled.owner_directions),
+    }, exchange.whole_step),
+}
 
 
 def cuts(rule: Rule, layout: Layout) -> bool:
@@ -53,26 +85,38 @@ def whole_rows(p: torch.Tensor) -> bool:
     return all(q.is_replicate() or getattr(q, "dim", None) == 0 for q in p.placements)
 
 
-def path_of(p: torch.Tensor, rule: Rule, layout: Layout, compiled_batched: bool = False) -> Path:
-    """The path of parameter ``p`` (see the module's table). Under ``compiled_batched`` (``compile=True`` with
-    the batched step) row shards of the elementwise momentum rules go to ``PIECES`` too: their statistics
-    would need sums over shards inside a graph, and at the owner the rule sees whole tensors."""
+def path_of(p: torch.Tensor, rule: Rule, layout: Layout, world: int, compiled_batched: bool = False) -> Path:
+    """The path of parameter ``p`` (see the module's table) on ``world`` ranks. Under ``compiled_batched``
+    (``compile=True`` with the batched step) the elementwise momentum rules' row shards take ``OWNERS``: their
+    statistics would need sums over shards inside a graph, and at the owner the rule sees whole tensors."""
     if not is_dtensor(p):
-        return Path.PLAIN
-    if is_replicated(p):
+        return Path.OWNERS if world > 1 and isinstance(rule, HiddenRule) else Path.LOCAL
+    if is_replicated(p) or driver.elementwise(rule):
         return Path.LOCAL
     rows = tuple(p.placements) in SHARDED_LAYOUTS
     if rows and p.device_mesh.size(p.device_mesh.ndim - 1) == 1:  # row shards of one: whole on every rank
         return Path.LOCAL
     cut = cuts(rule, layout)
-    if driver.elementwise(rule):
-        return Path.LOCAL if cut or not rows else Path.ROWS
-    if rows and compiled_batched and isinstance(rule, MomentumRule):
-        return Path.PIECES
-    if not rows:
-        sums = isinstance(rule, MomentumRule) and not compiled_batched or isinstance(rule, SteppingRule)
-        spans = p.device_mesh.size() == torch.distributed.get_world_size()  # the sums run over the default group
-        return Path.ROWS if sums and layout.whole and spans and whole_rows(p) else Path.PIECES
-    if cut:  # whole local matrices of a stack, unless the view needs rows of several shards
-        return Path.PIECES if not layout.batch or layout.folded else Path.LOCAL
-    return Path.ROWS
+    if rows and cut and layout.batch and not layout.folded:  # whole local matrices of a stack
+        return Path.LOCAL
+    if isinstance(rule, HiddenRule):
+        return Path.OWNERS
+    sums = isinstance(rule, SteppingRule) or (isinstance(rule, MomentumRule) and not compiled_batched)
+    spans = p.device_mesh.size() == torch.distributed.get_world_size()  # the sums run over the default group
+    if sums and ((rows and not cut) or (layout.whole and spans and whole_rows(p))):
+        return Path.ROWS
+    return Path.OWNERS
+
+
+def splitter(path: Path, p: torch.Tensor, local: LocalSplit, rows: dict[tuple, RowSums],
+             owners: exchange.Exchange | None) -> Any:
+    """The splitter of ``p``'s calls on ``path``: the optimizer's ``local`` one, the ``RowSums`` of ``p``'s mesh and
+    placements (made once, kept in ``rows``), or the plan's ``owners`` exchange."""
+    if path is Path.LOCAL:
+        return local
+    if path is Path.ROWS:
+        key = RowSums.key(p)
+        if key not in rows:
+            rows[key] = RowSums(p)
+        return rows[key]
+    return owners

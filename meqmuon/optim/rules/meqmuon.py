@@ -47,8 +47,8 @@ class MeqHidden(HiddenRule):
         return Ds
 
     def post_factors(self, Us, group, states):
-        """Eq. 8's factors alone (:func:`F.adaptive_normalize_factors`): an FSDP2 owner sends ``U`` in the
-        Newton-Schulz dtype with them, and each rank scales its rows (``sharded.py``)."""
+        """Eq. 8's factors alone (:func:`F.adaptive_normalize_factors`): an owner rank sends ``U`` in the
+        Newton-Schulz dtype with them, and each rank scales its piece (``transfer.py``)."""
         factors, rows = F.adaptive_normalize_factors(Us, rho=group["rho"])
         self._count(rows, Us, states)
         return factors

@@ -63,13 +63,13 @@ class NorMuonHidden(MoonlightHidden):
         group["beta2"] = number("beta2", group["beta2"], low=0.0, high=1.0)
 
     #: :meth:`post_factors`' row factors are divisors (upstream divides; the bits stay upstream's).
-    _row_factors_divide = True
+    factors_divide = True
 
     def post(self, U, group, state):
         v = state["second_moment"]
         return normuon_normalize(U.to(v.dtype), v, group["beta2"])
 
     def post_factors(self, Us, group, states):
-        """:meth:`post` as factors (:func:`normuon_factors`): an FSDP2 or TP owner sends ``U`` in the
-        Newton-Schulz dtype with them, and each rank divides and scales its piece."""
+        """:meth:`post` as factors (:func:`normuon_factors`): an owner rank sends ``U`` in the Newton-Schulz
+        dtype with them, and each rank divides and scales its piece (``transfer.py``)."""
         return [normuon_factors(U, st["second_moment"], group["beta2"]) for U, st in zip(Us, states, strict=True)]
