@@ -39,7 +39,7 @@ LAYERS: list[list[str]] = [
     ["optim.driver"],  # HiddenRule, stacks, the seam (pre -> NS -> post), the eager forms
     ["optim.compiled", "optim.exchange", "optim.placement"],  # compiled forms; the owner path's step; paths
     ["optim.rules.adam", "optim.rules.scale", "optim.rules.muon", "optim.rules.meqmuon", "optim.rules.normuon",
-     "optim.rules.muonplus", "optim.rules.aurora", "optim.rules.meq_shape", "optim.rules.whole_matrix"],
+     "optim.rules.muonplus", "optim.rules.aurora", "optim.rules.meq_shape", "optim.rules.muon_vs", "optim.rules.muonh"],
     ["optim.rules"],
     ["optim.cuda_graph"],  # cuda_graph=True: the captured step (the engine hands its step over)
     ["optim.engine", "optim.memory"],

@@ -78,9 +78,6 @@ class Stated:
     ddp_exchanges: int | None = None
     #: Other checks the tests run (keys of ``CHECKS``).
     checks: frozenset[str] = frozenset()
-    #: Steps on FSDP2 row shards. False: its hidden step reads the whole matrix (Muon-VS, MuonH:
-    #: ``rules/whole_matrix.py``) and refuses a row shard with a ValueError (tests/test_presets_2026.py).
-    row_shards: bool = True
 
 
 #: One row per registered optimizer.
@@ -120,8 +117,8 @@ STATED: dict[str, Stated] = {
     "muoneq-rc": Stated(checks=frozenset({"views"})),
     # the 2026 field (issue 48; tests/test_presets_2026.py also runs each under DDP and FSDP2 itself)
     "muon-plus": Stated(checks=frozenset({"views"})),
-    "muon-vs": Stated(checks=frozenset({"views", "op-count"}), row_shards=False),
-    "muonh": Stated(checks=frozenset({"views", "op-count"}), row_shards=False),
+    "muon-vs": Stated(checks=frozenset({"views", "op-count"})),
+    "muonh": Stated(checks=frozenset({"views", "op-count"})),
     "aurora": Stated(checks=frozenset({"views"})),
     "meqmuon-shape": Stated(transposes=True, checks=frozenset({"views"})),
 }
@@ -160,8 +157,6 @@ CAPABILITIES: dict[str, Capability] = {n: _capability(n, STATED[n]) for n in REG
 ALL: list[str] = list(REGISTRY)
 #: The meqmuon optimizers (every name but torch's ``adamw``).
 ENGINE: list[str] = [n for n, c in CAPABILITIES.items() if c.engine]
-#: Those that step on FSDP2 row shards (the rest refuse them with one ValueError).
-ROW_SHARDS: list[str] = [n for n in ENGINE if CAPABILITIES[n].stated.row_shards]
 #: Those that orthogonalise with Newton-Schulz (take ``ns_dtype``).
 NEWTON_SCHULZ: list[str] = [n for n, c in CAPABILITIES.items() if c.newton_schulz]
 

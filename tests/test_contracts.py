@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from capabilities import CAPABILITIES, ENGINE, FORM_KWARGS, ROW_SHARDS, every_form
+from capabilities import CAPABILITIES, ENGINE, FORM_KWARGS, every_form
 from test_distributed import _spawn
 from tinynet import batches, loss_fn, make_model
 from torch import nn
@@ -310,10 +310,10 @@ def _fsdp_zero_step_worker(rank, names):
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 def test_zero_gradient_lr0_step_under_fsdp2(tmp_path):
     """The zero-gradient ``lr=0`` step of ``get_optimizer_state_dict`` on FSDP2 shards, every meqmuon
-    optimizer that steps on row shards (``ROW_SHARDS``), per-tensor and batched: each rank's shards unchanged,
+    optimizer (``ENGINE``), per-tensor and batched: each rank's shards unchanged,
     its state finite and zero."""
-    results = _spawn(_fsdp_zero_step_worker, tmp_path, ROW_SHARDS)
-    assert all(len(r) == 2 * len(ROW_SHARDS) for r in results)
+    results = _spawn(_fsdp_zero_step_worker, tmp_path, ENGINE)
+    assert all(len(r) == 2 * len(ENGINE) for r in results)
 
 
 def _swap_worker(rank, names):
@@ -364,7 +364,7 @@ def test_accelerate_fsdp2_parameter_swap_equals_an_optimizer_built_sharded(tmp_p
     3 updates on 2 ranks: every optimizer equals one built on the sharded model to 1e-6 (observed: bit for
     bit), and one process on the unsharded model to 1e-6 (the FSDP2 bound of test_distributed.py)."""
     pytest.importorskip("accelerate")
-    names = ["adamw", *ROW_SHARDS]  # Muon-VS and MuonH refuse row shards (tests/test_presets_2026.py)
+    names = ["adamw", *ENGINE]
     gaps = _spawn(_swap_worker, tmp_path, names)
     for gap in gaps:
         assert gap.keys() == set(names)

@@ -145,13 +145,15 @@ def test_variant_equals_its_float64_reference_in_every_form(name, form, monkeypa
 
 def test_hidden_rule_shows_only_what_a_variant_overrides_or_declares():
     """``meqmuon.HiddenRule`` is a protocol: its public names are the hooks a variant overrides (``pre``, ``post``,
-    ``post_all``, ``post_factors``, ``lr_scale``, ``validate``) and what it declares (``defaults``, ``state_views``,
-    ``transposes``, ``factors_divide``; ``hyperparameters``, derived from ``defaults``, and ``transfer_form``, from
-    the hooks it overrides, ``transfer.py``); nothing of the driver (issue 35). A variant that overrides a hook is
-    run through it, whatever the form (the tests above)."""
+    ``post_all``, ``post_factors``, ``lr_scale``, ``validate``, and ``inputs`` and ``step_weights`` for a rule whose
+    Newton-Schulz input or step reads more than the momentum: Muon-VS, MuonH) and what it declares (``defaults``,
+    ``state_views``, ``transposes``, ``factors_divide``; ``hyperparameters``, derived from ``defaults``, and
+    ``transfer_form``, from the hooks it overrides, ``transfer.py``); nothing of the driver (issue 35). A variant
+    that overrides a hook is run through it, whatever the form (the tests above)."""
     shown = {n for n in dir(meqmuon.HiddenRule) if not n.startswith("_")}
-    assert shown == {"pre", "post", "post_all", "post_factors", "lr_scale", "validate", "defaults", "state_views",
-                     "transposes", "hyperparameters", "factors_divide", "transfer_form"}, shown
+    assert shown == {"pre", "post", "post_all", "post_factors", "lr_scale", "validate", "inputs", "step_weights",
+                     "defaults", "state_views", "transposes", "hyperparameters", "factors_divide",
+                     "transfer_form"}, shown
     from meqmuon.optim import compiled, driver, exchange
     from meqmuon.optim.placement import EXECUTORS, Path
 

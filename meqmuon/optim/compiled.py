@@ -28,9 +28,7 @@ from .calls import Item, StepContext
 from .driver import (
     Call,
     HiddenRule,
-    apply_update,
     bucket_directions,
-    direction_input,
     directions,
     grads_like,
     make_buckets,
@@ -38,6 +36,7 @@ from .driver import (
     needs_matrix,
     per_tensor,
     resolve_dtype,
+    step_weights,
 )
 
 __all__ = ["BACKEND", "bucket_step", "compiled_batched", "compiled_per_tensor", "elementwise_step", "hidden_step",
@@ -130,11 +129,15 @@ def _elementwise_stack(X, rho, *, rule, shape, group):
     return rule.direction(X, {**group, "rho": rho}, None, shape)
 
 
-def _stacked_inputs(members, mu, nesterov, plain: int | None = None, shape=None) -> Tensor:
-    """The batched compiled form's eager prologue: ``B <- mu B + G`` and the direction inputs of ``members``,
-    stacked: matrix views with ``members[plain:]`` transposed, or each reshaped to ``shape``."""
-    bufs = [it.state["momentum_buffer"] for it in members]
-    inputs = _momentum_inputs(grads_like(members, bufs), bufs, mu, nesterov)
+def _stacked_inputs(members, mu, nesterov, plain: int | None = None, shape=None, rule=None, group=None) -> Tensor:
+    """The batched compiled form's eager prologue: ``B <- mu B + G`` and the direction inputs of ``members`` (a
+    hidden rule's own :meth:`HiddenRule.inputs` where it has them), stacked: matrix views with
+    ``members[plain:]`` transposed, or each reshaped to ``shape``."""
+    if getattr(rule, "_own_inputs", False):
+        inputs = rule.inputs(members, group)
+    else:
+        bufs = [it.state["momentum_buffer"] for it in members]
+        inputs = _momentum_inputs(grads_like(members, bufs), bufs, mu, nesterov)
     if shape is not None:
         return torch.stack([x.reshape(shape) for x in inputs])
     inputs = [x.reshape(x.shape[0], -1) for x in inputs]
@@ -160,7 +163,7 @@ def hidden_step(rule, members, plain: int, shape: tuple[int, int], key: tuple, g
     states = {k: [it.state[k] for it in members] for k, how in per_matrix.items() if how != "step"}
     steps = next((F.on_device([it.state[k] for it in members], members[0].param.device)
                   for k, how in per_matrix.items() if how == "step"), None)
-    X = _stacked_inputs(members, group["momentum"], group["nesterov"], plain)
+    X = _stacked_inputs(members, group["momentum"], group["nesterov"], plain, rule=rule, group=group)
     stacks = {k: torch.stack(v) for k, v in states.items()}
     graph = (key, id(rule), tuple(X.shape), X.dtype, tuple((k, v.dtype) for k, v in stacks.items()))
     D, new = bucket_step(rule.name, _hidden_stack, graph, X, stacks, steps, rule=rule, plain=plain,
@@ -169,6 +172,9 @@ def hidden_step(rule, members, plain: int, shape: tuple[int, int], key: tuple, g
         torch._foreach_copy_(v, list(stack.to(v[0].dtype).unbind(0)))
     rows = [r for d in D for r in d.unbind(0)]
     n = len(members)
+    if rule._own_step:  # transposes = False: one side, the members' orientation
+        step_weights(rule, [it.param.detach() for it in members], D[0], rule.lr_scale(*shape, group), group)
+        return
     F.decay_and_update_([it.param.detach() for it in members],
                         [d.reshape(it.param.shape) for d, it in zip(rows, members, strict=True)],
                         [group["lr"]] * n, [group["weight_decay"]] * n, [rule.lr_scale(*shape, group)] * n)
@@ -203,16 +209,15 @@ def owner_directions(rule, handed: list[Tensor], state: dict[str, Tensor], group
 # ---- the forms ---------------------------------------------------------------------------------------
 
 
-def _hidden_compiled(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
+def _hidden_compiled(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: StepContext, x_of) -> None:
     """A hidden rule's per-tensor update: each matrix's directions one graph (:func:`owner_directions`, which
     same-shape matrices share), the update eagerly: the body and the graph an owner rank runs on a matrix of the
     per-tensor form (``exchange.py``), so that DDP's shared step gives one process's bits."""
     for it in items:
         shape = matrix_shape(it.shape)
         (b,) = make_buckets([it], matrix=True, transpose=False)
-        ((d,),) = bucket_directions(rule, [b], group, ctx, batched=False,
-                                    x_of=lambda it: direction_input(it, group), orth=owner_directions)
-        apply_update([it], [d], [rule.lr_scale(*shape, group)], group)
+        ((d,),) = bucket_directions(rule, [b], group, ctx, batched=False, x_of=x_of, orth=owner_directions)
+        step_weights(rule, [it.param], d.reshape(1, *shape), rule.lr_scale(*shape, group), group)
 
 
 def compiled_per_tensor(calls: Sequence[Call]) -> None:

@@ -89,6 +89,9 @@ class HiddenRule(MomentumBase):
     #: Whether the class overrides :meth:`pre` (set per class; :func:`directions` skips the identity ``pre``,
     #: and the batched form stacks the inputs of a rule that rewrites them in float32). Derived, not declared.
     _rewrites_input: ClassVar[bool] = False
+    #: Whether the class overrides :meth:`inputs` / :meth:`step_weights` (derived per class, as above).
+    _own_inputs: ClassVar[bool] = False
+    _own_step: ClassVar[bool] = False
     #: The form its directions travel back from an owner rank in (``transfer.py``: ``"identity"``, ``"factors"``
     #: or ``"direction"``), derived per class by :func:`.transfer.form_of` from what it overrides, not declared.
     transfer_form: ClassVar[str] = transfer.IDENTITY
@@ -99,9 +102,33 @@ class HiddenRule(MomentumBase):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._rewrites_input = cls.pre is not HiddenRule.pre
-        cls.transfer_form = transfer.form_of(cls)
-        if cls.transposes and "rows" in cls.state_views.values():
-            raise TypeError(f"{cls.__name__}: per-row state needs transposes = False (rows would change length)")
+        cls._own_inputs = cls.inputs is not HiddenRule.inputs
+        cls._own_step = cls.step_weights is not HiddenRule.step_weights
+        cls.transfer_form = transfer.DIRECTION if cls._own_step else transfer.form_of(cls)
+        if cls.transposes and ("rows" in cls.state_views.values() or cls._own_step):
+            raise TypeError(f"{cls.__name__}: per-row state or a step of its own needs transposes = False (rows "
+                            "would change length; the weights keep their orientation)")
+
+    def inputs(self, items: Sequence[Item], group: dict) -> list[Tensor]:
+        """The direction inputs ``X`` of ``items`` (tensors of any shape: whole parameters, matrices of a view, or
+        a DTensor's local pieces), the rule's state updated in place: here the driver's, ``B <- mu B + G`` and
+        ``X = G + mu B`` (Nesterov) or ``B``. A rule whose input is another elementwise function of the gradient
+        and its state (Muon-VS's variance-stabilised input) overrides it; it runs where the pieces lie, in
+        ``torch._foreach_*`` kernels for all of a call's items in the batched forms, item by item per tensor. (The
+        driver runs the default itself, over every call of a step at once: :func:`input_makers`.)"""
+        bufs = [it.state["momentum_buffer"] for it in items]
+        grads = grads_like(items, bufs)
+        F.momentum_(bufs, grads, group["momentum"])
+        return F.direction_input(grads, bufs, group["momentum"], group["nesterov"])
+
+    def step_weights(self, W: Tensor, D: Tensor, scale: float, group: dict) -> None:
+        """The step of a stack ``W`` ``(K, m, n)`` of whole matrices from their directions ``D`` (same shape), in
+        place: here ``W <- (1 - lr wd) W - lr s D``, which the driver fuses over all of a step's tensors and never
+        calls through this hook. A rule whose step reads the weights (MuonH's projection onto the sphere of each
+        matrix's norm) overrides it; then its weights' pieces travel to the owner with ``X`` and come back
+        stepped, where the matrices are not whole on one rank."""
+        F.decay_and_update_(list(W.unbind(0)), list(D.unbind(0)), group["lr"], group["weight_decay"],
+                            [scale] * W.shape[0])
 
     def pre(self, X: Tensor, group: dict, state: dict[str, Tensor] | None = None) -> Tensor:
         """The Newton-Schulz input from the direction input ``X`` ``(K, m, n)``: here ``X`` (the driver then
@@ -180,7 +207,8 @@ def state_elements(rule: Rule, layout: Layout) -> int:
     if isinstance(rule, SteppingRule):
         return rule.state_elements(layout)
     rows = sum(math.prod(layout.rows_shape) for how in rule.state_views.values() if how == "rows")
-    return math.prod(layout.batch) * layout.rows * layout.cols + rows
+    buffers = sum(how == "param" for how in rule.state_views.values())  # the momentum, and Muon-VS's variance
+    return buffers * math.prod(layout.batch) * layout.rows * layout.cols + rows
 
 
 def init_state(rule: Rule, p: Tensor, state: dict[str, Any], group: dict, layout: Layout) -> None:
@@ -193,7 +221,9 @@ def init_state(rule: Rule, p: Tensor, state: dict[str, Any], group: dict, layout
     state["momentum_buffer"] = torch.zeros_like(p, dtype=state_dtype(p, group), memory_format=torch.preserve_format)
     state["step"] = 0
     for key, how in rule.state_views.items():
-        if how == "rows":
+        if how == "param" and key not in state:  # another parameter-shaped buffer (Muon-VS's variance)
+            state[key] = torch.zeros_like(p, dtype=state_dtype(p, group), memory_format=torch.preserve_format)
+        elif how == "rows":
             state[key] = state_like(p, layout.rows_shape, torch.promote_types(p.dtype, torch.float32),
                                     aligned=not layout.folded and (bool(layout.batch) or not layout.transposed))
         elif how == "counter":  # a whole matrix's counter is a plain tensor even under FSDP2
@@ -504,38 +534,92 @@ def apply_pending(pending: Sequence[tuple[Tensor, Tensor, float]], group: dict) 
         F.decay_and_update_(list(params), dirs, group["lr"], group["weight_decay"], list(scales))
 
 
+#: How a call's items' direction inputs are had: ``x_of(item)`` (momentum already updated).
+Inputs = Callable[[Item], Tensor]
+
+
+def input_makers(calls: Sequence[Call], *, batched: bool) -> list[Inputs]:
+    """Momentum and the direction inputs of every call of a step, the first phase of every form (one process's,
+    the exchange's, compiled or not): per call, how its items' inputs are had.
+
+    Batched: all made now, in ``torch._foreach_*`` kernels, and let go as they are read: the momentum of every
+    call with the default inputs (``B <- mu B + G``, paper eq. 6) in two kernels per distinct ``mu`` whatever the
+    number of calls, their inputs (``X = G + mu B``) in one more; a rule with inputs of its own
+    (:meth:`HiddenRule.inputs`) its call's in its own kernels. Per tensor: the default momentum one fused pass per
+    tensor now (``F.momentum_``' ``fused``, its rounding), each input made when read, into ``out`` where given, so
+    that no model-sized temporary exists; a rule's own inputs item by item when read."""
+    if not batched:
+        makers = []
+        for rule, items, group, _ in calls:
+            if getattr(rule, "_own_inputs", False):
+                makers.append(lambda it, out=None, rule=rule, group=group: rule.inputs([it], group)[0])
+                continue
+            bufs = [it.state["momentum_buffer"] for it in items]
+            F.momentum_(bufs, grads_like(items, bufs), group["momentum"], fused=True)
+            makers.append(lambda it, out=None, group=group: direction_input(it, group, out=out))
+        return makers
+    inputs: dict[int, Tensor] = {}
+    by_mu: dict[tuple[float, bool], tuple[list[Item], list[Tensor], list[Tensor]]] = {}
+    for rule, items, group, _ in calls:
+        if getattr(rule, "_own_inputs", False):
+            inputs.update(zip(map(id, items), rule.inputs(items, group), strict=True))
+            continue
+        members, bufs, grads = by_mu.setdefault((group["momentum"], group["nesterov"]), ([], [], []))
+        for it in items:
+            b = it.state["momentum_buffer"]
+            members.append(it)
+            bufs.append(b)
+            grads.append(it.grad if it.grad.dtype == b.dtype else it.grad.to(b.dtype))
+    for (mu, nesterov), (members, bufs, grads) in by_mu.items():
+        F.momentum_(bufs, grads, mu)
+        inputs.update(zip(map(id, members), F.direction_input(grads, bufs, mu, nesterov), strict=True))
+    return [lambda it, out=None: inputs.pop(id(it))] * len(calls)
+
+
 # ---- the per-tensor form ------------------------------------------------------------------------------
 
 
-def per_tensor(calls: Sequence[Call], hidden: Callable[[HiddenRule, Sequence[Item], dict, StepContext], None]
-               | None = None) -> None:
-    """The per-tensor form (``foreach=False``). Per call: momentum (one fused kernel), then each item's update:
-    ``hidden`` (default :func:`_hidden_eager`) for a hidden rule's, the rule's own
+def per_tensor(calls: Sequence[Call], hidden: Callable[..., None] | None = None) -> None:
+    """The per-tensor form (``foreach=False``). Per call: momentum (one fused kernel per tensor), then each item's
+    update: ``hidden`` (default :func:`_hidden_eager`) for a hidden rule's, the rule's own
     :meth:`MomentumRule.update` for an elementwise one."""
     hidden = hidden or _hidden_eager
-    for rule, items, group, ctx in calls:
-        bufs = [it.state["momentum_buffer"] for it in items]
-        F.momentum_(bufs, grads_like(items, bufs), group["momentum"], fused=True)
+    for (rule, items, group, ctx), x_of in zip(calls, input_makers(calls, batched=False), strict=True):
+        if isinstance(rule, HiddenRule):
+            hidden(rule, items, group, ctx, x_of)
+            continue
         if ctx.capture is not None:
             ctx.emit(items, [direction_input(it, group) for it in items], "momentum_input")
-        if isinstance(rule, HiddenRule):
-            hidden(rule, items, group, ctx)
-        else:
-            rule.update(items, group, ctx)
+        rule.update(items, group, ctx)
 
 
-def _hidden_eager(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
+def _hidden_eager(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: StepContext, x_of: Inputs) -> None:
     """A hidden rule's per-tensor update: every matrix a stack of one, made just before its Newton-Schulz."""
     scratch: dict[tuple, Tensor] = {}
     per_matrix = [(k, how) for k, how in rule.state_views.items() if how in ("rows", "counter", "step")]
     for it in items:
         b, shape = it.state["momentum_buffer"], it.shape
-        x = direction_input(it, group, out=buffer(scratch, "nesterov", b.shape, b.dtype, b.device))
+        x = x_of(it, out=buffer(scratch, "nesterov", b.shape, b.dtype, b.device))
+        ctx.emit([it], [x], "momentum_input")
         X = x.reshape(x.shape[0], -1) if x.ndim > 2 else x
         state = {k: F.on_device([it.state[k]], b.device) if how == "step" else it.state[k][None]
                  for k, how in per_matrix}
         ((D,),) = directions(rule, [(X[None], 1, state)], group, ctx, batched=False, scratch=scratch)
-        apply_update([it], [D[0]], [rule.lr_scale(shape[0], math.prod(shape[1:]), group)], group, scratch)
+        step_weights(rule, [it.param], D, rule.lr_scale(shape[0], math.prod(shape[1:]), group), group, scratch)
+
+
+def step_weights(rule: HiddenRule, params: Sequence[Tensor], D: Tensor, scale: float, group: dict,
+                 scratch: dict | None = None) -> None:
+    """The step of ``params`` (whole matrices, or one tensor's matrix view) from their directions, the stack ``D``
+    ``(K, m, n)`` in their orientation: ``W <- (1 - lr wd) W - lr s D`` (:func:`apply_update`), or the rule's own
+    :meth:`HiddenRule.step_weights` on a stack of the weights, copied back."""
+    if not rule._own_step:
+        apply_update([Item(p, None, {}, "") for p in params], list(D.unbind(0)), [scale] * len(params), group,
+                     scratch)
+        return
+    W = torch.stack([p.reshape(D.shape[1:]) for p in params])
+    rule.step_weights(W, D.to(W.dtype), scale, group)
+    torch._foreach_copy_(list(params), [w.view(p.shape) for w, p in zip(W.unbind(0), params, strict=True)])
 
 
 # ---- the batched form -------------------------------------------------------------------------------
@@ -544,28 +628,16 @@ def _hidden_eager(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: Ste
 def batched(calls: Sequence[Call]) -> None:
     """The batched form (``foreach=True``) of several momentum rule calls of one optimizer step.
 
-    Every momentum buffer of every call is updated in two ``torch._foreach_*`` kernels per distinct ``mu``
-    and every direction input made in one more (with Nesterov; a transient copy of the parameters, as
-    ``torch.optim``'s multi-tensor forms make, which each bucket's stack then lets go), then each call
-    computes its directions (:func:`_pending`), and all updates are applied together: one decay kernel per
-    distinct ``1 - lr wd`` and one add per distinct ``lr s``. Directions depend on gradients and momentum
-    only, so computing them all before any parameter changes gives the bits of stepping the calls one by one.
+    Every momentum buffer and direction input in a few ``torch._foreach_*`` kernels (:func:`input_makers`: a
+    transient copy of the parameters, as ``torch.optim``'s multi-tensor forms make, which each bucket's stack then
+    lets go), then each call computes its directions (:func:`_pending`), and all updates are applied together:
+    one decay kernel per distinct ``1 - lr wd`` and one add per distinct ``lr s`` (a rule with a step of its own,
+    its call's stacks). Directions depend on gradients and momentum only, so computing them all before any
+    parameter changes gives the bits of stepping the calls one by one.
     """
-    by_mu: dict[tuple[float, bool], tuple[list[Item], list[Tensor], list[Tensor]]] = {}
-    for _, items, group, _ in calls:
-        members, bufs, grads = by_mu.setdefault((group["momentum"], group["nesterov"]), ([], [], []))
-        for it in items:
-            b = it.state["momentum_buffer"]
-            members.append(it)
-            bufs.append(b)
-            grads.append(it.grad if it.grad.dtype == b.dtype else it.grad.to(b.dtype))
-    inputs: dict[int, Tensor] = {}
-    for (mu, nesterov), (members, bufs, grads) in by_mu.items():
-        F.momentum_(bufs, grads, mu)
-        inputs.update(zip(map(id, members), F.direction_input(grads, bufs, mu, nesterov), strict=True))
     params, dirs, lrs, wds, scales = [], [], [], [], []
-    for rule, items, group, ctx in calls:
-        ps, ds, ss = _pending(rule, items, group, ctx, inputs)
+    for (rule, items, group, ctx), x_of in zip(calls, input_makers(calls, batched=True), strict=True):
+        ps, ds, ss = _pending(rule, items, group, ctx, x_of)
         params += ps
         dirs += ds
         scales += ss
@@ -574,25 +646,29 @@ def batched(calls: Sequence[Call]) -> None:
     F.decay_and_update_(params, dirs, lrs, wds, scales)
 
 
-def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext,
-             inputs: dict[int, Tensor]) -> tuple[list, list, list]:
-    """The batched update of one call's ``items`` (momentum already updated, direction inputs in ``inputs``, let
-    go as they are stacked), not applied: per shape bucket one stack. Returns ``(params, directions, scales)``."""
-    if ctx.capture is not None:
-        ctx.emit(items, [inputs[id(it)] for it in items], "momentum_input")
+def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext, x_of: Inputs) -> tuple[list, list, list]:
+    """The batched update of one call's ``items`` (its direction inputs ``x_of(item)``, let go as they are
+    stacked), not applied: per shape bucket one stack. Returns ``(params, directions, scales)``, empty where the
+    rule steps its weights itself (:func:`step_weights`, done here)."""
+    xs = {id(it): x_of(it) for it in items}
+    ctx.emit(items, list(xs.values()), "momentum_input")
     hidden = isinstance(rule, HiddenRule)
     buckets = make_buckets(items, matrix=hidden or needs_matrix(rule), transpose=hidden and rule.transposes)
     params, dirs, scales = [], [], []
     if hidden:
-        found = bucket_directions(rule, buckets, group, ctx, batched=True, x_of=lambda it: inputs.pop(id(it)),
+        found = bucket_directions(rule, buckets, group, ctx, batched=True, x_of=lambda it: xs.pop(id(it)),
                                   dtype=items[0].param.dtype)
     else:
-        found = [unstack(b, rule.direction(stack_inputs(ctx, rule.name, b, [inputs.pop(id(it)) for it in b.items],
+        found = [unstack(b, rule.direction(stack_inputs(ctx, rule.name, b, [xs.pop(id(it)) for it in b.items],
                                                         F.stat_dtype(b.items[0].param)),
                                            group, ctx.split.psum, b.global_shape)) for b in buckets]
     for b, ds in zip(buckets, found, strict=True):
+        # A hidden rule's step multiplier (:meth:`HiddenRule.lr_scale`); the elementwise rules fold theirs in.
+        scale = rule.lr_scale(*b.global_shape, group) if hidden else 1.0
+        if hidden and rule._own_step:
+            step_weights(rule, [it.param for it in b.items], torch.stack(ds), scale, group)
+            continue
         params += [it.param for it in b.items]
         dirs += ds
-        # A hidden rule's step multiplier (:meth:`HiddenRule.lr_scale`); the elementwise rules fold theirs in.
-        scales += [rule.lr_scale(*b.global_shape, group) if hidden else 1.0] * len(b.items)
+        scales += [scale] * len(b.items)
     return params, dirs, scales

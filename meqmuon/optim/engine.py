@@ -279,7 +279,7 @@ class RoleOptimizer(Optimizer):
         last stage may hold only the final norm and the head).
         """
         ns = sorted(k for k, r in self._rules.items()
-                    if isinstance(r, HiddenRule) or (isinstance(r, SteppingRule) and r.orthogonalizes))
+                    if isinstance(r, HiddenRule))
         if not ns:
             return  # no Newton-Schulz to miss (SCALE)
         seen: dict[str, list[tuple[int, ...]]] = {}

@@ -44,12 +44,12 @@ from .driver import (
     apply_pending,
     bucket_directions,
     cut_items,
-    direction_input,
-    grads_like,
+    input_makers,
     make_buckets,
     matrix_shape,
     needs_matrix,
     resolve_dtype,
+    step_weights,
 )
 from .owners import AXES, Replicas
 from .rule import SteppingRule
@@ -255,18 +255,22 @@ def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepConte
     factored = all(u.layout is None and len(it.shape) == 2 for u, it in zip(units, members, strict=True)) and \
         not fold and all(transfer.pays(rule.transfer_form, m, n, ns, d_dtype)
                          for u in units for m, n in u.pieces.local_shapes() if m * n)
-    keys_out = [["param", *(k for k in rule._owner_state if k in u.state_pieces)] for u in units]
-    # out: every rank's pieces of X and of the sharded per-matrix state (under DDP nothing: the owner holds X)
+    own = rule._own_step  # the weights' pieces travel too, and come back stepped (MuonH's projection)
+    keys_out = [["param", *(["param"] if own else []), *(k for k in rule._owner_state if k in u.state_pieces)]
+                for u in units]
+    # out: every rank's pieces of X (and of W), and of the sharded per-matrix state (under DDP nothing: the owner
+    # holds them)
     if replicas:
         xs = [x_of(it) if ex.mine(i) or ctx.capture is not None else None for it, i in zip(members, indices,
                                                                                           strict=True)]
         if ctx.capture is not None:
             ctx.emit(members, xs, "momentum_input")
-        pieces = [[x.to(x_dtype)] if ex.mine(i) else [] for x, i in zip(xs, indices, strict=True)]
+        pieces = [[x.to(x_dtype), *([it.param] if own else [])] if ex.mine(i) else []
+                  for x, it, i in zip(xs, members, indices, strict=True)]
         del xs
     else:
-        pieces = [[x_of(it).to(x_dtype), *(local(it.state[k]) for k in ks[1:])]
-                  for it, ks in zip(members, keys_out, strict=True)]
+        pieces = [[x_of(it).to(x_dtype), *([it.param] if own else []),
+                   *(local(it.state[k]) for k in ks[1 + own :])] for it, ks in zip(members, keys_out, strict=True)]
     wholes = ex.to_owners(indices, pieces, keys_out)
     # at owners: every owned unit's whole matrices, one body for them all
     owned = [j for j, w in enumerate(wholes) if w is not None]
@@ -305,6 +309,12 @@ def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepConte
                            for it, d in zip(b.items, ds, strict=True))
         for j, start, n, state in spans:
             ds = [by_item[id(it)] for it in items[start : start + n]]
+            if own:  # the rule's own step of each whole matrix, in the whole weight: it goes back stepped
+                W, layout = wholes[j][1], units[j].layout
+                for w, d, s in zip(layout.matrices(W) if layout is not None else [W], ds, scales[j], strict=True):
+                    step_weights(rule, [w], d.reshape(1, *matrix_shape(w.shape)), s, group)
+                results[j] = (W, state)
+                continue
             d = ds[0] if factored else _assemble(units[j], wholes[j][0], ds, scales[j], fold, d_dtype)
             results[j] = (d, state)
     del wholes
@@ -318,19 +328,22 @@ def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepConte
             out_wholes.append([*(d if factored else [d]), *(_whole(state[k]) for k in rule._owner_state)])
         else:
             out_wholes.append(None)
-        into.append(lambda it=it: _receive(rule, it, d_dtype, ns, factored))
+        into.append(lambda it=it: _receive(rule, it, it.param.dtype if own else d_dtype, ns, factored))
     got = ex.from_owners(indices, out_wholes, back_keys, into)
     del out_wholes
     out = []
     for it, s, parts in zip(members, scales, got, strict=True):
         n = 3 if factored else 1
+        if own and parts[0] is not it.param:  # the stepped weight (a DDP owner's is its own, stepped in place)
+            it.param.copy_(parts[0])
         D = (transfer.apply(parts[0], parts[1][:, None], parts[2][None, :], rule.factors_divide) if factored
              else parts[0])
         for k, t in zip(rule._owner_state, parts[n:], strict=True):
             mine = _whole(it.state[k])
             if t is not mine:
                 local(it.state[k]).copy_(t)
-        out.append((it.param, D, 1.0 if fold else s[0]))
+        if not own:
+            out.append((it.param, D, 1.0 if fold else s[0]))
     return out
 
 
@@ -399,12 +412,10 @@ def _buckets(ex: Exchange, rule: Any, items: list[Item], batched: bool) -> list[
     return make_buckets(items, matrix=True, transpose=transpose)
 
 
-def _step(calls: Sequence[Call], batched: bool, inputs: dict[int, Tensor] | None, orth: Callable | None) -> None:
-    """The calls' directions through the exchange, bucket by bucket, each rank's pieces applied as one process's.
-    ``inputs``: the direction inputs by item (the batched form's, let go as they go out), else each made as its
-    bucket goes out (the per-tensor form's)."""
-    for rule, items, group, ctx in calls:
-        x_of = (lambda it: inputs.pop(id(it))) if inputs is not None else (lambda it, g=group: direction_input(it, g))
+def _step(calls: Sequence[Call], batched: bool, orth: Callable | None) -> None:
+    """The calls' directions through the exchange, bucket by bucket, each rank's pieces applied as one process's:
+    momentum and direction inputs where the pieces lie (``driver.input_makers``, the forms' first phase)."""
+    for (rule, items, group, ctx), x_of in zip(calls, input_makers(calls, batched=batched), strict=True):
         pending = []
         for b in _buckets(ctx.split, rule, list(items), batched):
             if isinstance(rule, HiddenRule):
@@ -417,25 +428,13 @@ def _step(calls: Sequence[Call], batched: bool, inputs: dict[int, Tensor] | None
 def per_tensor(calls: Sequence[Call], orth: Callable | None = None) -> None:
     """``foreach=False`` through the exchange: momentum one fused pass per tensor and each direction input made
     as its bucket goes out, as one process's per-tensor form; at the owners each matrix alone."""
-    for _, items, group, _ in calls:
-        bufs = [it.state["momentum_buffer"] for it in items]
-        F.momentum_(bufs, grads_like(items, bufs), group["momentum"], fused=True)
-    _step(calls, False, None, orth)
+    _step(calls, False, orth)
 
 
 def batched(calls: Sequence[Call], orth: Callable | None = None) -> None:
     """``foreach=True`` through the exchange: momentum and direction inputs in ``torch._foreach_*`` kernels, as
-    the one-process batched form; at the owners one stack per shape (a batched Newton-Schulz where the device
-    runs one, ``newton_schulz.batched_ns``)."""
-    inputs: dict[int, Tensor] = {}
-    for _, items, group, _ in calls:
-        bufs = [it.state["momentum_buffer"] for it in items]
-        grads = grads_like(items, bufs)
-        F.momentum_(bufs, grads, group["momentum"])
-        inputs.update(zip(map(id, items), F.direction_input(grads, bufs, group["momentum"], group["nesterov"]),
-                          strict=True))
-    _step(calls, True, inputs, orth)
-    inputs.clear()
+    the one-process batched form; at the owners one stack per shape, all in one body."""
+    _step(calls, True, orth)
 
 
 def whole_step(rule: SteppingRule, items: Sequence[Item], group: dict, ctx: StepContext, foreach: bool) -> None:

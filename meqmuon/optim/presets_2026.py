@@ -36,7 +36,7 @@ class MuonPlus(Muon):
 
 class MuonVS(Muon):
     """Muon-VS (arXiv 2601.14603): the momentum divided elementwise by the root of its bias-corrected
-    variance before Newton-Schulz, Moonlight's step multiplier (:class:`~meqmuon.optim.rules.whole_matrix.MuonVS`);
+    variance before Newton-Schulz, Moonlight's step multiplier (:class:`~meqmuon.optim.rules.muon_vs.MuonVS`);
     AdamW for the other kinds."""
 
     RULES = {"hidden": "muon_vs", "embedding": "adamw", "head": "adamw", "vector": "adamw"}
@@ -44,7 +44,7 @@ class MuonVS(Muon):
 
 class MuonH(Muon):
     """MuonH / hyperball (arXiv 2606.16899): Muon whose weights keep their initial Frobenius norm, each step
-    ``lr`` times it (:class:`~meqmuon.optim.rules.whole_matrix.MuonH`); AdamW for the other kinds (levanter
+    ``lr`` times it (:class:`~meqmuon.optim.rules.muonh.MuonH`); AdamW for the other kinds (levanter
     uses Adam for embeddings and vectors and AdamH for the LM head: see docs/algorithm.md)."""
 
     RULES = {"hidden": "muonh_hidden", "embedding": "adamw", "head": "adamw", "vector": "adamw"}

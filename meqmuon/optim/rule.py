@@ -71,9 +71,6 @@ class SteppingRule(Rule):
 
     #: The rule needs >=2-D tensors (matrix rules).
     needs_matrix: ClassVar[bool] = False
-    #: The rule orthogonalises its matrices with Newton-Schulz (Muon-VS, MuonH): the engine warns, as for a
-    #: ``HiddenRule``, when no >=2-D parameter reaches it.
-    orthogonalizes: ClassVar[bool] = False
     #: Each element's update depends on that element alone (AdamW): the engine hands a vector rule
     #: a stack of vectors (view ``"vectors"``) whole, where any other vector rule gets each vector, and any
     #: DTensor layout steps its local piece.

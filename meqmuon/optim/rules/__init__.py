@@ -4,8 +4,8 @@ An optimizer in this package is an assignment of rules to parameter kinds (see `
 by name through :data:`RULES`, or by instance through ``rules={kind: rule}``. The hidden-matrix rules
 are :class:`~meqmuon.optim.driver.HiddenRule` s, ``pre``/``post`` around the driver's Newton-Schulz:
 ``meqmuon.py`` (MeqMuon, eq. 8), ``muon.py`` (Moonlight's Muon, MuonEq), ``normuon.py``, and the 2026
-field's ``muonplus.py`` (Muon+), ``aurora.py`` (Aurora), ``meq_shape.py`` (MeqMuon's choice fixed by shape);
-Muon-VS and MuonH, which read more than a ``pre``/``post`` sees, are stepping rules (``whole_matrix.py``). MeqMuon's
+field's ``muonplus.py`` (Muon+), ``aurora.py`` (Aurora), ``meq_shape.py`` (MeqMuon's choice fixed by shape),
+``muon_vs.py`` (Muon-VS, its own direction input) and ``muonh.py`` (MuonH, its own step). MeqMuon's
 embedding/head and vector rules (eq. 9 and 10, ``meqmuon.py``) are :class:`~meqmuon.optim.rule.MomentumRule` s:
 a direction of a stack and a per-tensor update. The Adam-type and SCALE rules write their own per-tensor
 and batched forms (:class:`~meqmuon.optim.rule.SteppingRule`: ``adam.py``, ``scale.py``). What a rule is:
@@ -27,10 +27,11 @@ from .aurora import AuroraHidden
 from .meq_shape import MeqShapeHidden
 from .meqmuon import Equilibrate, MeqHidden, RmsNormalize
 from .muon import MoonlightHidden, MuonEqHidden
+from .muon_vs import MuonVS
+from .muonh import MuonH
 from .muonplus import MuonPlusHidden
 from .normuon import NorMuonHidden
 from .scale import ScaleCol, ScaleHead, ScaleRow
-from .whole_matrix import MuonH, MuonVS
 
 __all__ = ["RULES", "AdamScale", "AdamW", "AuroraHidden", "Equilibrate", "MeqHidden", "MeqShapeHidden",
            "MoonlightHidden", "MuonEqHidden", "MuonH", "MuonPlusHidden", "MuonVS", "NorMuonHidden", "RmsNormalize",
