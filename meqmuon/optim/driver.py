@@ -555,8 +555,12 @@ def input_makers(calls: Sequence[Call], *, batched: bool) -> list[Inputs]:
                 makers.append(lambda it, out=None, rule=rule, group=group: rule.inputs([it], group)[0])
                 continue
             bufs = [it.state["momentum_buffer"] for it in items]
-            F.momentum_(bufs, grads_like(items, bufs), group["momentum"], fused=True)
-            makers.append(lambda it, out=None, group=group: direction_input(it, group, out=out))
+            F.momentum_(bufs, [it.grad.to(b.dtype) for it, b in zip(items, bufs, strict=True)], group["momentum"],
+                        fused=True)
+            mu, nesterov = group["momentum"], group["nesterov"]
+            makers.append(lambda it, out=None, mu=mu, nesterov=nesterov: F.direction_input(
+                [it.grad.to(it.state["momentum_buffer"].dtype)], [it.state["momentum_buffer"]], mu, nesterov,
+                None if out is None else [out])[0])
         return makers
     inputs: dict[int, Tensor] = {}
     by_mu: dict[tuple[float, bool], tuple[list[Item], list[Tensor], list[Tensor]]] = {}
@@ -600,7 +604,8 @@ def _hidden_eager(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: Ste
     for it in items:
         b, shape = it.state["momentum_buffer"], it.shape
         x = x_of(it, out=buffer(scratch, "nesterov", b.shape, b.dtype, b.device))
-        ctx.emit([it], [x], "momentum_input")
+        if ctx.capture is not None:
+            ctx.emit([it], [x], "momentum_input")
         X = x.reshape(x.shape[0], -1) if x.ndim > 2 else x
         state = {k: F.on_device([it.state[k]], b.device) if how == "step" else it.state[k][None]
                  for k, how in per_matrix}
@@ -614,8 +619,11 @@ def step_weights(rule: HiddenRule, params: Sequence[Tensor], D: Tensor, scale: f
     ``(K, m, n)`` in their orientation: ``W <- (1 - lr wd) W - lr s D`` (:func:`apply_update`), or the rule's own
     :meth:`HiddenRule.step_weights` on a stack of the weights, copied back."""
     if not rule._own_step:
-        apply_update([Item(p, None, {}, "") for p in params], list(D.unbind(0)), [scale] * len(params), group,
-                     scratch)
+        for p, d in zip(params, D.unbind(0), strict=True):
+            d = d.reshape(p.shape)
+            if scratch is not None and d.dtype != p.dtype and torch.promote_types(d.dtype, p.dtype) == p.dtype:
+                d = buffer(scratch, "direction", p.shape, p.dtype, p.device).copy_(d)  # as apply_update does
+            F.decay_and_update_([p], [d], group["lr"], group["weight_decay"], [scale])
         return
     W = torch.stack([p.reshape(D.shape[1:]) for p in params])
     rule.step_weights(W, D.to(W.dtype), scale, group)
@@ -651,7 +659,8 @@ def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext, x
     stacked), not applied: per shape bucket one stack. Returns ``(params, directions, scales)``, empty where the
     rule steps its weights itself (:func:`step_weights`, done here)."""
     xs = {id(it): x_of(it) for it in items}
-    ctx.emit(items, list(xs.values()), "momentum_input")
+    if ctx.capture is not None:
+        ctx.emit(items, list(xs.values()), "momentum_input")
     hidden = isinstance(rule, HiddenRule)
     buckets = make_buckets(items, matrix=hidden or needs_matrix(rule), transpose=hidden and rule.transposes)
     params, dirs, scales = [], [], []
@@ -666,7 +675,8 @@ def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext, x
         # A hidden rule's step multiplier (:meth:`HiddenRule.lr_scale`); the elementwise rules fold theirs in.
         scale = rule.lr_scale(*b.global_shape, group) if hidden else 1.0
         if hidden and rule._own_step:
-            step_weights(rule, [it.param for it in b.items], torch.stack(ds), scale, group)
+            step_weights(rule, [it.param for it in b.items], torch.stack([d.reshape(b.shape) for d in ds]), scale,
+                         group)
             continue
         params += [it.param for it in b.items]
         dirs += ds
