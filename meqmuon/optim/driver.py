@@ -227,8 +227,8 @@ def init_state(rule: Rule, p: Tensor, state: dict[str, Any], group: dict, layout
             state[key] = state_like(p, layout.rows_shape, torch.promote_types(p.dtype, torch.float32),
                                     aligned=not layout.folded and (bool(layout.batch) or not layout.transposed))
         elif how == "counter":  # a whole matrix's counter is a plain tensor even under FSDP2
-            state[key] = state_like(p, layout.counter_shape, torch.int64, aligned=not layout.folded) \
-                if layout.batch else torch.zeros(layout.counter_shape, dtype=torch.int64, device=p.device)
+            state[key] = (state_like(p, layout.counter_shape, torch.int64, aligned=not layout.folded)
+                          if layout.batch else torch.zeros(layout.counter_shape, dtype=torch.int64, device=p.device))
 
 
 def cut_items(rule: Rule, layout: Layout, param: Tensor, grad: Tensor, state: dict[str, Any], name: str, kind: str,

@@ -119,8 +119,8 @@ class Unit:
         self.items: list[Item] = []
 
     def descriptor(self, key: str) -> Any:
-        return self.pieces.along(AXES[key]) if key in AXES else self.pieces if key == "param" else \
-            self.state_pieces[key]
+        return (self.pieces.along(AXES[key]) if key in AXES else self.pieces if key == "param" else
+                self.state_pieces[key])
 
 
 class Exchange(LocalSplit):
@@ -139,8 +139,8 @@ class Exchange(LocalSplit):
             u.owner = o if u.replicas else u.pieces.owner_for(self.rank, o)
             u.mine = u.owner == self.rank
             if u.mine:
-                u.group = [r for r in range(self.world) if r != self.rank] if u.replicas else \
-                    [r for r in range(self.world) if u.pieces.owner_for(r, o) == self.rank]
+                u.group = ([r for r in range(self.world) if r != self.rank] if u.replicas else
+                           [r for r in range(self.world) if u.pieces.owner_for(r, o) == self.rank])
         self.units = list(units)
         #: Whether a unit's results travel as factors, by unit and dtypes (``transfer.pays``, decided once).
         self._factored: dict[tuple, bool] = {}
