@@ -376,7 +376,6 @@ def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepConte
     del wholes
     # back: D (or U with its factors, or the stepped W) and the per-matrix state the rule changed
     back_keys, out_wholes, into = [], [], []
-    dtype = d_dtype
     for j, (it, u) in enumerate(zip(members, units, strict=True)):
         back_keys.append([*(["param", *AXES] if factored else ["param"]),
                           *(k if k in u.state_pieces else None for k in rule._owner_state)])
