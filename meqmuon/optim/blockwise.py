@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
+from .commit import Gate, update_
 
 #: Elements per block (2 MiB of float32): the block's few temporaries stay in cache, and there are
 #: few enough blocks that per-op dispatch does not dominate; the fastest size timed (docs/benchmarks.md).
@@ -46,6 +47,7 @@ def equilibrate_step_(
     psum: F.PSum = None,
     rows: int | None = None,
     block_elements: int = BLOCK_ELEMENTS,
+    gate: Gate | None = None,
 ) -> None:
     """``W <- (1 - lr wd) W - lr rho N_c(N_r(X))`` in place, block of rows by block of rows.
 
@@ -59,6 +61,7 @@ def equilibrate_step_(
         psum, rows: under FSDP2, ``param`` is a row shard; ``psum`` sums the column statistics
             over shards and ``rows`` is the global row count.
         block_elements: elements per block of rows (see :func:`row_blocks`).
+        gate: the step's skip flag (``commit.Gate``): a skipped step writes nothing (``commit.update_``).
     """
     m = param.shape[0]
     n = param[:1].numel() if m else param.numel()
@@ -88,4 +91,4 @@ def equilibrate_step_(
         x, out = block(b)
         direction = torch.mul(x, inv_r[b].unsqueeze(-1), out=out).mul_(inv_c)
         w = param[b]
-        F.decay_and_update_([w], [direction.reshape(w.shape).to(w.dtype)], lr, weight_decay, [rho])
+        update_([w], [direction.reshape(w.shape).to(w.dtype)], lr, weight_decay, [rho], gate=gate)

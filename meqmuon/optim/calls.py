@@ -35,7 +35,7 @@ class StepContext:
     Adam/SCALE rules with ``"gradient"`` and the raw gradient. ``None``: no call, no cost.
     """
 
-    __slots__ = ("capture", "kind", "split", "workspace", "call", "inputs", "path")
+    __slots__ = ("capture", "kind", "split", "workspace", "call", "inputs", "path", "commit", "gate")
 
     def __init__(self, capture: Callable[[str, str, str, Tensor], None] | None = None, kind: str = "",
                  split: LocalSplit | None = None, workspace: dict | None = None,
@@ -53,6 +53,11 @@ class StepContext:
         self.inputs: dict[int, Tensor] = {}
         #: The path of this call's parameters (``placement.py``).
         self.path = path
+        #: The step's writes (``commit.Commit``): a form queues them there while it computes, the engine makes them.
+        self.commit: Any = None
+        #: While a write runs, the step's skip flag (``commit.Gate``, or ``None``): the writes of an elementwise
+        #: rule's per-tensor ``update`` read it (``driver.apply_update(..., gate=ctx.gate)``).
+        self.gate: Any = None
 
     def emit(self, items: Sequence[Item], tensors: Sequence[Tensor], what: str) -> None:
         if self.capture is not None:

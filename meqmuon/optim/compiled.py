@@ -24,19 +24,23 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
+from . import commit
 from .calls import Item, StepContext
 from .driver import (
     Call,
     HiddenRule,
+    Inputs,
     bucket_directions,
     directions,
-    grads_like,
+    keep_directions,
     make_buckets,
     matrix_shape,
+    naming,
     needs_matrix,
     per_tensor,
     resolve_dtype,
-    step_weights,
+    stepped_weights,
+    write_inputs,
 )
 
 __all__ = ["BACKEND", "bucket_step", "compiled_batched", "compiled_per_tensor", "elementwise_step", "hidden_step",
@@ -104,13 +108,6 @@ def static_group(rule, group: dict, ns_dtype: torch.dtype) -> dict:
     return {**{k: group[k] for k in rule.hyperparameters if k != "momentum"}, "ns_dtype": ns_dtype}
 
 
-def _momentum_inputs(grads, bufs, mu, nesterov) -> list[Tensor]:
-    """``B <- mu B + G`` in place, then the direction inputs."""
-    grads = [g.to(b.dtype) for g, b in zip(grads, bufs, strict=True)]
-    F.momentum_(bufs, grads, mu)
-    return F.direction_input(grads, bufs, mu, nesterov)
-
-
 def _hidden_stack(X, states, steps, *, rule, plain, group):
     """A hidden rule's directions of one bucket's stacked direction inputs (the batched form's graph):
     :func:`driver.directions` (``pre -> Newton-Schulz -> post``) of ``X`` ``(K, m, n)`` (``plain`` as they
@@ -129,15 +126,12 @@ def _elementwise_stack(X, rho, *, rule, shape, group):
     return rule.direction(X, {**group, "rho": rho}, None, shape)
 
 
-def _stacked_inputs(members, mu, nesterov, plain: int | None = None, shape=None, rule=None, group=None) -> Tensor:
-    """The batched compiled form's eager prologue: ``B <- mu B + G`` and the direction inputs of ``members`` (a
-    hidden rule's own :meth:`HiddenRule.inputs` where it has them), stacked: matrix views with
-    ``members[plain:]`` transposed, or each reshaped to ``shape``."""
-    if getattr(rule, "_own_inputs", False):
-        inputs = rule.inputs(members, group)
-    else:
-        bufs = [it.state["momentum_buffer"] for it in members]
-        inputs = _momentum_inputs(grads_like(members, bufs), bufs, mu, nesterov)
+def _stacked_inputs(members, rule, group, plain: int | None = None, shape=None) -> Tensor:
+    """The batched compiled form's eager prologue: the direction inputs of ``members`` from the unchanged momentum
+    (:class:`driver.Inputs`: ``B' = mu B + G`` into a transient and ``G + mu B'``, or a hidden rule's own
+    :meth:`HiddenRule.inputs` on copies of its state), stacked: matrix views with ``members[plain:]`` transposed, or
+    each reshaped to ``shape``."""
+    inputs = Inputs(rule, group)(members)
     if shape is not None:
         return torch.stack([x.reshape(shape) for x in inputs])
     inputs = [x.reshape(x.shape[0], -1) for x in inputs]
@@ -153,47 +147,48 @@ def _owner_directions(W, state, *, rule, batched, group, factored):
 
 
 def hidden_step(rule, members, plain: int, shape: tuple[int, int], key: tuple, group: dict,
-                ns_dtype: torch.dtype) -> None:
-    """A hidden rule's batched step of ``members`` (one shape bucket of matrix view ``shape``, ``plain`` of them
-    as they are, the rest transposed): momentum and the stack of direction inputs eagerly (a few
-    ``torch._foreach_*`` kernels, as the eager batched form), ``pre -> Newton-Schulz -> post`` of the stack as
+                ns_dtype: torch.dtype, step: commit.Commit) -> None:
+    """A hidden rule's batched directions of ``members`` (one shape bucket of matrix view ``shape``, ``plain`` of
+    them as they are, the rest transposed): the stack of direction inputs eagerly from the unchanged momentum (a
+    few ``torch._foreach_*`` kernels, as the eager batched form), ``pre -> Newton-Schulz -> post`` of the stack as
     one graph keyed on ``key`` and the stack's shape (:func:`_hidden_stack`: its size does not grow with the
-    bucket's, so neither does its compile time), the per-matrix state written back and the update eagerly."""
+    bucket's, so neither does its compile time); the new per-matrix state and the update queued on ``step``, the
+    step's commit."""
     per_matrix = {k: how for k, how in rule.state_views.items() if how in ("rows", "counter", "step")}
     states = {k: [it.state[k] for it in members] for k, how in per_matrix.items() if how != "step"}
     steps = next((F.on_device([it.state[k] for it in members], members[0].param.device)
                   for k, how in per_matrix.items() if how == "step"), None)
-    X = _stacked_inputs(members, group["momentum"], group["nesterov"], plain, rule=rule, group=group)
+    X = _stacked_inputs(members, rule, group, plain)
     stacks = {k: torch.stack(v) for k, v in states.items()}
     graph = (key, id(rule), tuple(X.shape), X.dtype, tuple((k, v.dtype) for k, v in stacks.items()))
     D, new = bucket_step(rule.name, _hidden_stack, graph, X, stacks, steps, rule=rule, plain=plain,
                          group=static_group(rule, group, ns_dtype))
     for v, stack in zip(states.values(), new, strict=True):
-        torch._foreach_copy_(v, list(stack.to(v[0].dtype).unbind(0)))
+        step.later(commit.copy_, v, list(stack.unbind(0)))
     rows = [r for d in D for r in d.unbind(0)]
     n = len(members)
+    params = [it.param.detach() for it in members]
     if rule._own_step:  # transposes = False: one side, the members' orientation
-        step_weights(rule, [it.param.detach() for it in members], D[0], rule.lr_scale(*shape, group), group)
+        step.later(commit.copy_, params, stepped_weights(rule, params, D[0], rule.lr_scale(*shape, group), group))
         return
-    F.decay_and_update_([it.param.detach() for it in members],
-                        [d.reshape(it.param.shape) for d, it in zip(rows, members, strict=True)],
-                        [group["lr"]] * n, [group["weight_decay"]] * n, [rule.lr_scale(*shape, group)] * n)
+    step.later(commit.update_, params, [d.reshape(it.param.shape) for d, it in zip(rows, members, strict=True)],
+               [group["lr"]] * n, [group["weight_decay"]] * n, [rule.lr_scale(*shape, group)] * n, list(D))
 
 
-def elementwise_step(rule, bucket, group: dict) -> None:
-    """An elementwise momentum rule's step of one shape bucket: momentum and the stack eagerly, its
-    :meth:`direction` of the stack as one graph (:func:`_elementwise_stack`), the update eagerly."""
+def elementwise_step(rule, bucket, group: dict, step: commit.Commit) -> None:
+    """An elementwise momentum rule's directions of one shape bucket: the stack eagerly from the unchanged momentum,
+    its :meth:`direction` of the stack as one graph (:func:`_elementwise_stack`), the update queued on ``step``."""
     static = {k: group[k] for k in rule.hyperparameters if k not in ("momentum", "rho", "nesterov")}
     shape = tuple(bucket.global_shape)
-    X = _stacked_inputs(bucket.items, group["momentum"], group["nesterov"], shape=shape)
+    X = _stacked_inputs(bucket.items, rule, group, shape=shape)
     X = X.to(F.stat_dtype(X))
     D = bucket_step(rule.name, _elementwise_stack, (bucket.key, tuple(X.shape), X.dtype), X,
                     scalar(group["rho"], group["lr"] if isinstance(group["lr"], Tensor) else None),
                     rule=rule, shape=shape, group=static)
     n = len(bucket.items)
-    F.decay_and_update_([it.param.detach() for it in bucket.items],
-                        [d.reshape(it.param.shape) for d, it in zip(D.unbind(0), bucket.items, strict=True)],
-                        [group["lr"]] * n, [group["weight_decay"]] * n, [1.0] * n)
+    step.later(commit.update_, [it.param.detach() for it in bucket.items],
+               [d.reshape(it.param.shape) for d, it in zip(D.unbind(0), bucket.items, strict=True)],
+               [group["lr"]] * n, [group["weight_decay"]] * n, [1.0] * n, [D])
 
 
 def owner_directions(rule, handed: list[Tensor], state: dict[str, Tensor], group: dict, ctx, *,
@@ -209,15 +204,21 @@ def owner_directions(rule, handed: list[Tensor], state: dict[str, Tensor], group
 # ---- the forms ---------------------------------------------------------------------------------------
 
 
-def _hidden_compiled(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: StepContext, x_of) -> None:
-    """A hidden rule's per-tensor update: each matrix's directions one graph (:func:`owner_directions`, which
-    same-shape matrices share), the update eagerly: the body and the graph an owner rank runs on a matrix of the
-    per-tensor form (``exchange.py``), so that DDP's shared step gives one process's bits."""
+def _hidden_compiled(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: StepContext, x_of: Inputs) -> None:
+    """A hidden rule's per-tensor directions: each matrix's one graph (:func:`owner_directions`, which same-shape
+    matrices share), kept for the step's writes (``driver.keep_directions``): the body and the graph an owner rank
+    runs on a matrix of the per-tensor form (``exchange.py``), so that DDP's shared step gives one process's bits."""
+    kept = []
     for it in items:
-        shape = matrix_shape(it.shape)
-        (b,) = make_buckets([it], matrix=True, transpose=False)
-        ((d,),) = bucket_directions(rule, [b], group, ctx, batched=False, x_of=x_of, orth=owner_directions)
-        step_weights(rule, [it.param], d.reshape(1, *shape), rule.lr_scale(*shape, group), group)
+        with naming(rule, [it]):
+            shape = matrix_shape(it.shape)
+            (b,) = make_buckets([it], matrix=True, transpose=False)
+            found = bucket_directions(rule, [b], group, ctx, batched=False,
+                                      inputs=lambda its: [x_of.one(i) for i in its], orth=owner_directions)
+            for targets, news in found.writes:
+                ctx.commit.later(commit.copy_, targets, news)
+            kept.append((it.param, found.directions[0][0].reshape(1, *shape), rule.lr_scale(*shape, group)))
+    keep_directions(rule, kept, group, ctx)
 
 
 def compiled_per_tensor(calls: Sequence[Call]) -> None:
@@ -229,15 +230,21 @@ def compiled_per_tensor(calls: Sequence[Call]) -> None:
 
 def compiled_batched(calls: Sequence[Call]) -> None:
     """The batched form with ``compile=True``: one graph per shape bucket (:func:`hidden_step`); an elementwise
-    rule's buckets one graph each (:func:`elementwise_step`). Under ``placement.OWNERS`` the exchange's forms run
-    instead, each owner's directions one graph (:func:`owner_directions`)."""
+    rule's buckets one graph each (:func:`elementwise_step`); then the momentum of every call queued after the
+    updates (``driver.write_inputs``). Under ``placement.OWNERS`` the exchange's forms run instead, each owner's
+    directions one graph (:func:`owner_directions`)."""
+    if not calls:
+        return
+    step = calls[0][3].commit
     for rule, items, group, ctx in calls:
         if ctx.capture is not None:
             raise NotImplementedError("the capture hook needs the eager step: build the optimizer without compile=True")
-        if not isinstance(rule, HiddenRule):
-            for b in make_buckets(items, matrix=needs_matrix(rule), transpose=False):
-                elementwise_step(rule, b, group)
-            continue
-        ns_dtype = resolve_dtype(group, items[0].param, ctx)
-        for b in make_buckets(items, matrix=True, transpose=rule.transposes):
-            hidden_step(rule, b.items, b.plain, b.global_shape, b.key, group, ns_dtype)
+        with naming(rule, items):
+            if not isinstance(rule, HiddenRule):
+                for b in make_buckets(items, matrix=needs_matrix(rule), transpose=False):
+                    elementwise_step(rule, b, group, step)
+                continue
+            ns_dtype = resolve_dtype(group, items[0].param, ctx)
+            for b in make_buckets(items, matrix=True, transpose=rule.transposes):
+                hidden_step(rule, b.items, b.plain, b.global_shape, b.key, group, ns_dtype, step)
+    step.later(write_inputs, list(calls), batched=True)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import commit
 from .calls import Item, StepContext
 from .distributed import is_dtensor
 from .driver import grads_like, make_buckets
@@ -119,6 +120,9 @@ def check(opt: Any, closure: Callable | None) -> None:
         raise ValueError(f"{where} runs one process's step; under torch.distributed build the optimizer without it")
     if opt._capture_hook is not None:
         raise ValueError(f"{where} cannot call the capture hook (Python inside the step); remove it first")
+    if opt._nonfinite == "raise":
+        raise ValueError(f"{where} cannot read a non-finite flag on the host inside a graph (nonfinite='raise'); "
+                         "use nonfinite='skip', which the graph folds in on the device")
     for kind, rule in opt._rules.items():
         if isinstance(rule, SteppingRule) and not isinstance(rule, AdamW):
             raise ValueError(f"{where}: rule {rule.name!r} ({kind}) has no graph form")
@@ -216,10 +220,14 @@ class GraphedStep:
         #: How many captures so far (a changed key re-captures; without a graph, how many keys).
         self.captures = 0
 
-    def step(self, opt: Any, closure: Callable | None = None) -> None:
+    def step(self, opt: Any, closure: Callable | None = None, grad_scale: Tensor | None = None,
+             found_inf: Tensor | None = None) -> None:
         """One step: count it, then replay the graph, or (a new key) run eagerly once and capture."""
         if self.capture:
             check(opt, closure)
+            if grad_scale is not None or found_inf is not None:
+                raise ValueError("meqmuon: error: cuda_graph=True takes no GradScaler (its scale is a new tensor every "
+                                 "step, which a captured graph would not read); use bf16 autocast, or cuda_graph=False")
         plan = opt._plan()  # creates the state of new parameters
         for _, entries, _ in plan:
             for e in entries:
@@ -231,7 +239,7 @@ class GraphedStep:
             if self.capture:
                 self.graph.replay()
             else:
-                self.body(opt, plan)
+                self.body(opt, plan, grad_scale, found_inf)
             return None
         self.key = None
         device = next(p.device for g in opt.param_groups for p in g["params"])
@@ -239,7 +247,7 @@ class GraphedStep:
         self.scalars = Scalars(device, torch.float64 if wide else torch.float32)
         self.captures += 1
         if not self.capture:
-            self.body(opt, plan)
+            self.body(opt, plan, grad_scale, found_inf)
             self.scalars.freeze()
             self.key = key
             return None
@@ -263,17 +271,21 @@ class GraphedStep:
         ctx.kind = kind
         return ctx
 
-    def body(self, opt: Any, plan: list) -> None:
+    def body(self, opt: Any, plan: list, grad_scale: Tensor | None = None, found_inf: Tensor | None = None) -> None:
         """The step's kernels: per group and rule one call, the momentum rules in the optimizer's batched form
         (its chooser, ``RoleOptimizer._run``) with :func:`device_group`, AdamW in :func:`adamw_foreach`. Groups
-        are not merged (the eager step merges equal ones into shared buckets): their values may part later."""
-        calls = []
+        are not merged (the eager step merges equal ones into shared buckets): their values may part later. The
+        step's two phases are the engine's (``RoleOptimizer._transact``: the non-finite check and the skip flag folded
+        into the writes, captured too); AdamW's step is one of its writes, on copies where the step may be skipped
+        (``commit.stepping_``, one chunk: the slots of :class:`Scalars` are keyed by its buckets)."""
+        calls, grads, stepping = [], [], []
         for index, (group, entries, _) in enumerate(plan):
             by_rule: dict[Any, list[Item]] = {}
             for e in entries:
                 g = e.param.grad
                 if g is None:
                     continue
+                grads.append((e.name, g))
                 if e.item is not None:
                     e.item.grad = g
                     by_rule.setdefault(e.rule, []).append(e.item)
@@ -281,13 +293,18 @@ class GraphedStep:
                     by_rule.setdefault(e.rule, []).extend(e.items(g))
             for rule, items in by_rule.items():
                 if isinstance(rule, SteppingRule):
-                    adamw_foreach(rule, items, group, index, self.scalars)
+                    stepping.append((rule, items, group, index))
                 else:
                     kind = group.get("kind") or items[0].kind
                     calls.append((rule, items, device_group(group, index, self.scalars),
                                   self._context(len(calls), kind)))
-        if calls:
-            opt._run(([], calls))
+
+        def queue(step: commit.Commit) -> None:
+            for rule, items, group, index in stepping:
+                step.last(commit.stepping_, lambda its, rule=rule, group=group, index=index: adamw_foreach(
+                    rule, its, group, index, self.scalars), items, foreach=True, elementwise=True, parts=1)
+
+        opt._transact(([], calls), grads, [], grad_scale, found_inf, queue)
         for _, entries, _ in plan:
             for e in entries:
                 if e.item is not None:

@@ -36,7 +36,8 @@ tensors.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -44,18 +45,20 @@ from torch import Tensor
 
 from .. import functional as F
 from ..precision import resolve_ns_dtype
-from . import transfer
+from . import commit, transfer
 from .calls import Item, StepContext, state_dtype
+from .commit import Gate
 from .distributed import state_like
 from .inputs import float_dtype, positive_int
 from .newton_schulz import NS_METHODS, method_flops
 from .rule import MomentumBase, MomentumRule, Rule, SteppingRule
 from .views import Layout
 
-__all__ = ["ELEMENTWISE_COST", "Bucket", "Call", "HiddenRule", "Orth", "Stack", "apply_pending", "apply_update",
-           "batched", "bucket_directions", "buffer", "compiles", "cost", "cut_items", "direction_input",
-           "directions", "elementwise", "grads_like", "init_state", "make_buckets", "matrix_shape", "needs_matrix",
-           "per_tensor", "resolve_dtype", "stack_inputs", "stack_tensors", "state_elements", "unstack"]
+__all__ = ["ELEMENTWISE_COST", "Bucket", "Call", "Found", "HiddenRule", "Inputs", "Orth", "Stack", "apply_pending",
+           "apply_update", "batched", "bucket_directions", "buffer", "compiles", "cost", "cut_items",
+           "direction_input", "directions", "elementwise", "grads_like", "init_state", "keep_directions",
+           "make_buckets", "matrix_shape", "naming", "needs_matrix", "per_tensor", "resolve_dtype", "stack_inputs",
+           "stack_tensors", "state_elements", "step_weights", "stepped_weights", "unstack", "write_inputs"]
 
 #: One rule call of a step: the rule, its items (one param group's parameters of its kind, or several
 #: groups' merged by the engine), the group, the call's context.
@@ -338,7 +341,7 @@ Stack = tuple[Tensor, int, dict[str, Tensor]]
 def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, batched: bool,
                scratch: dict | None = None, dtype: torch.dtype | None = None,
                ns_dtype: torch.dtype | None = None, release: bool = False,
-               consume: bool = False, factored: bool = False) -> list[list[Any]]:
+               consume: bool = False, factored: bool = False, fresh: bool = False) -> list[list[Any]]:
     """``pre -> Newton-Schulz -> post`` of stacks of direction inputs: the body of every form, for a
     ``HiddenRule`` ``rule`` and the ``StepContext`` ``ctx`` of its call.
 
@@ -361,9 +364,11 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
     contiguous matrix already in its dtype in place (``inplace``: the first iterate is ``X``'s own buffer), so
     that the received bytes are not alive beside Newton-Schulz's copy of them; the same ops on the same values.
     The caller hands them over (keeps no reference): each entry of ``stacks`` loses its ``X`` once Newton-Schulz
-    has run, so that the spent bytes are let go before ``post``. ``factored``: an owner's stacks (one side each)
-    of a rule whose directions travel as factors (``transfer.FACTORS``): per stack ``(U, row, col)`` instead of
-    ``D`` (``U`` in the Newton-Schulz dtype, ``row`` and ``col`` the rule's :meth:`~HiddenRule.post_factors`).
+    has run, so that the spent bytes are let go before ``post``. ``fresh``: the result in tensors of its own, not
+    in ``scratch``'s buffers (the per-tensor form keeps every matrix's direction until the step's writes).
+    ``factored``: an owner's stacks (one side each) of a rule whose directions travel as factors
+    (``transfer.FACTORS``): per stack ``(U, row, col)`` instead of ``D`` (``U`` in the Newton-Schulz dtype, ``row``
+    and ``col`` the rule's :meth:`~HiddenRule.post_factors`).
 
     Args:
         rule: the ``HiddenRule``.
@@ -393,7 +398,7 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
         if batched:
             U = orthogonalize(X, group["ns_steps"], group["ns_coefficients"], dt, batched=True, inplace=True)
         else:
-            out = None if scratch is None else buffer(scratch, "ns", X.shape, dt, X.device)
+            out = None if scratch is None or fresh else buffer(scratch, "ns", X.shape, dt, X.device)
             # a pre's output may be any tensor the rule holds: only the handed-over X is iterated in place
             U = orthogonalize(X, group["ns_steps"], group["ns_coefficients"], dt, workspace=iteration, out=out,
                               inplace=consume and not rule._rewrites_input)
@@ -425,20 +430,31 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
 Orth = Callable[..., tuple[Tensor, Tensor | None, Tensor | None]]
 
 
+class Found(NamedTuple):
+    """What :func:`bucket_directions` found, nothing of it written: per bucket, per member, its direction (or
+    ``(U, row, col)``); the stacks that hold the directions (``bases``: a skipped step zeroes them, one kernel each,
+    ``commit.update_``); and per key of the rule's per-matrix state ``(targets, news)``, the members' state
+    tensors and their new values, which the caller writes (``commit.copy_``)."""
+
+    directions: list[list[Any]]
+    bases: list[Tensor]
+    writes: list[tuple[list[Tensor], list[Tensor]]]
+
+
 def bucket_directions(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, ctx: StepContext, *, batched: bool,
-                      x_of: Callable[[Item], Tensor], dtype: torch.dtype | None = None, orth: Orth | None = None,
-                      factored: bool = False) -> list[list[Any]]:
+                      inputs: Callable[[Sequence[Item]], list[Tensor]], dtype: torch.dtype | None = None,
+                      orth: Orth | None = None, factored: bool = False) -> Found:
     """The one body of a hidden rule's step, wherever its matrices are whole: one process's, and an owner rank's
     (``exchange.py``: DDP's shared matrices, the whole matrices of FSDP2's and tensor parallelism's pieces).
 
-    Per bucket the stack of its members' direction inputs ``x_of(item)`` in the bucket's orientation (members
-    ``[:plain]`` as they are, the rest transposed), in the Newton-Schulz dtype (at least float32 for a rule with
-    its own ``pre``), and of their per-matrix state; then ``pre``, Newton-Schulz and ``post`` of all stacks at
-    once (:func:`directions`: ``post_all`` once, a fixed number of kernels; ``batched``: one batched
-    Newton-Schulz per stack), or ``orth`` stack by stack (the owners' compiled graphs); the new per-matrix state
-    written back into the members' (one copy kernel per key). Returns per bucket, per member, its direction in
-    its own orientation (cast to ``dtype`` where that is wider), or with ``factored`` ``(U, row, col)``: its
-    ``U``, its ``(m,)`` row and ``(n,)`` column factors."""
+    Per bucket the stack of its members' direction inputs ``inputs(bucket.items)`` in the bucket's orientation
+    (members ``[:plain]`` as they are, the rest transposed; made a bucket at a time and let go once stacked), in
+    the Newton-Schulz dtype (at least float32 for a rule with its own ``pre``), and of copies of their per-matrix
+    state; then ``pre``, Newton-Schulz and ``post`` of all stacks at once (:func:`directions`: ``post_all`` once, a
+    fixed number of kernels; ``batched``: one batched Newton-Schulz per stack), or ``orth`` stack by stack (the
+    owners' compiled graphs). Writes nothing: returns per bucket, per member, its direction in its own orientation
+    (cast to ``dtype`` where that is wider), or with ``factored`` ``(U, row, col)``: its ``U``, its ``(m,)`` row and
+    ``(n,)`` column factors; and the new per-matrix state (:class:`Found`)."""
     members = [it for b in buckets for it in b.items]
     device = members[0].param.device
     scalars = {k: F.on_device([it.state[k] for it in members], device) if how == "step" else
@@ -451,7 +467,9 @@ def bucket_directions(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, 
         state = {key: torch.stack([it.state[key] for it in b.items]) for key, how in rule.state_views.items()
                  if how == "rows"}
         state.update({key: v[o : o + k] for key, v in scalars.items()})
-        stacks.append((stack_inputs(ctx, rule.name, b, [x_of(it) for it in b.items], dt), b.plain, state))
+        xs = inputs(b.items)
+        stacks.append((stack_inputs(ctx, rule.name, b, xs, dt), b.plain, state))
+        del xs
         o += k
     if orth is None:
         found = directions(rule, stacks, group, ctx, batched=batched, dtype=dtype, factored=factored)
@@ -465,14 +483,16 @@ def bucket_directions(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, 
             u, row, col = orth(rule, [X], state, group, ctx, batched=batched, factored=factored)
             del X
             found.append([(u, row, col) if factored else u])
+    writes = []
     for key in rule._owner_state:
         targets = [it.state[key] for it in members]
-        news = [row for _, _, state in stacks for row in state[key].to(targets[0].dtype).unbind(0)]
-        torch._foreach_copy_(targets, news)
+        writes.append((targets, [row for _, _, state in stacks for row in state[key].unbind(0)]))
     if not factored:
-        return [unstack(b, sides) for b, sides in zip(buckets, found, strict=True)]
-    return [[(u, r[:, 0], c[0]) for U, row, col in sides
-             for u, r, c in zip(U.unbind(0), row.unbind(0), col.unbind(0), strict=True)] for sides in found]
+        return Found([unstack(b, sides) for b, sides in zip(buckets, found, strict=True)],
+                     [side for sides in found for side in sides], writes)
+    return Found([[(u, r[:, 0], c[0]) for U, row, col in sides
+                   for u, r, c in zip(U.unbind(0), row.unbind(0), col.unbind(0), strict=True)] for sides in found],
+                 [], writes)
 
 
 # ---- what every form uses --------------------------------------------------------------------------
@@ -512,112 +532,227 @@ def stack_tensors(ctx: StepContext, name: str, bucket: Bucket, tensors: Sequence
 
 
 def apply_update(items: Sequence[Item], directions: Sequence[Tensor], scales: Sequence[float], group: dict,
-                 scratch: dict | None = None) -> None:
+                 scratch: dict | None = None, gate: Gate | None = None) -> None:
     """``W <- (1 - lr wd) W - lr s D`` for each item (:func:`F.decay_and_update_`), mixed dtypes in the wider
     one as torch.optim.Muon's bf16 update of float32 weights; a narrower direction goes through a buffer
-    of ``scratch``, since ``p.add_(d)`` would cast it through a fresh parameter-sized temporary. Same bits."""
+    of ``scratch``, since ``p.add_(d)`` would cast it through a fresh parameter-sized temporary. Same bits.
+    ``gate``: the step's skip flag (``commit.update_``), which the writes of a step read: an elementwise rule's
+    per-tensor ``update`` passes its context's, ``ctx.gate``."""
     for it, d, s in zip(items, directions, scales, strict=True):
         p = it.param
         d = d.reshape(p.shape)
         if scratch is not None and d.dtype != p.dtype and torch.promote_types(d.dtype, p.dtype) == p.dtype:
             d = buffer(scratch, "direction", p.shape, p.dtype, p.device).copy_(d)
-        F.decay_and_update_([p], [d], group["lr"], group["weight_decay"], [s])
+        commit.update_([p], [d], group["lr"], group["weight_decay"], [s], gate=gate)
 
 
-def apply_pending(pending: Sequence[tuple[Tensor, Tensor, float]], group: dict) -> None:
+def apply_pending(pending: Sequence[tuple[Tensor, Tensor, float]], group: dict, *, gate: Gate | None = None) -> None:
     """``W <- (1 - lr wd) W - lr s D`` for every ``(W, D, s)`` of one group's call, a narrower ``D`` (bf16 from an
-    owner) widened first, as :func:`apply_update` does: one decay kernel and one add per distinct ``s``."""
+    owner) widened first, as :func:`apply_update` does: one decay kernel and one add per distinct ``s``; a write
+    of the step's commit (``gate``: its skip flag)."""
     if pending:
         params, dirs, scales = zip(*pending, strict=True)
         dirs = [d.reshape(p.shape) if d.dtype == p.dtype or torch.promote_types(d.dtype, p.dtype) != p.dtype
                 else d.reshape(p.shape).to(p.dtype) for p, d in zip(params, dirs, strict=True)]
-        F.decay_and_update_(list(params), dirs, group["lr"], group["weight_decay"], list(scales))
+        commit.update_(list(params), dirs, group["lr"], group["weight_decay"], list(scales), gate=gate)
 
 
-#: How a call's items' direction inputs are had: ``x_of(item)`` (momentum already updated).
-Inputs = Callable[[Item], Tensor]
+# ---- the first phase: direction inputs from the unchanged momentum, and the momentum's write ----------------
 
 
-def input_makers(calls: Sequence[Call], *, batched: bool) -> list[Inputs]:
-    """Momentum and the direction inputs of every call of a step, the first phase of every form (one process's,
-    the exchange's, compiled or not): per call, how its items' inputs are had.
+class Inputs:
+    """The direction inputs ``X`` of one call's items in a step's first phase, from the gradients and the state as
+    they are: nothing is written here (the momentum is written with the step's other writes, :func:`write_inputs`).
 
-    Batched: all made now, in ``torch._foreach_*`` kernels, and let go as they are read: the momentum of every
-    call with the default inputs (``B <- mu B + G``, paper eq. 6) in two kernels per distinct ``mu`` whatever the
-    number of calls, their inputs (``X = G + mu B``) in one more; a rule with inputs of its own
-    (:meth:`HiddenRule.inputs`) its call's in its own kernels. Per tensor: the default momentum one fused pass per
-    tensor now (``F.momentum_``' ``fused``, its rounding), each input made when read, into ``out`` where given, so
-    that no model-sized temporary exists; a rule's own inputs item by item when read."""
-    if not batched:
-        makers = []
-        for rule, items, group, _ in calls:
-            if getattr(rule, "_own_inputs", False):
-                makers.append(lambda it, out=None, rule=rule, group=group: rule.inputs([it], group)[0])
-                continue
+    ``inputs(items)``: the items' inputs in ``torch._foreach_*`` kernels (the batched forms call it per shape
+    bucket, so that at most one bucket's inputs and their new momentum are alive at once); ``inputs.one(item,
+    out)``: one item's, into ``out`` where given (the per-tensor forms). The default inputs compute the new momentum
+    ``B' = mu B + G`` (paper eq. 6) into a transient, with the kernels that write it later (the same bits: batched
+    two ``_foreach`` kernels, per tensor one fused pass, ``F.momentum_``), and ``X = G + mu B'`` (Nesterov) or ``B'``.
+    A rule with inputs of its own (:meth:`HiddenRule.inputs`, Muon-VS's) runs them on copies of its state.
+    ``emit``: hand every input to the call's capture hook (``ctx.capture``), as they are made."""
+
+    def __init__(self, rule: Rule, group: dict, ctx: StepContext | None = None, emit: bool = False) -> None:
+        self.rule, self.group, self.ctx = rule, group, ctx
+        self.own = getattr(rule, "_own_inputs", False)
+        self.emit = emit and ctx is not None and ctx.capture is not None
+        self.scratch: dict = {}
+
+    def _keys(self, it: Item) -> list[str]:
+        return [k for k, how in self.rule.state_views.items() if how == "param"]
+
+    def __call__(self, items: Sequence[Item]) -> list[Tensor]:
+        if not items:
+            return []
+        if self.own:
+            copies, _ = commit.shadow_items([(it, None) for it in items], self._keys, with_param=False)
+            xs = self.rule.inputs(copies, self.group)
+        else:
+            mu, nesterov = self.group["momentum"], self.group["nesterov"]
             bufs = [it.state["momentum_buffer"] for it in items]
-            F.momentum_(bufs, [it.grad.to(b.dtype) for it, b in zip(items, bufs, strict=True)], group["momentum"],
-                        fused=True)
-            mu, nesterov = group["momentum"], group["nesterov"]
-            makers.append(lambda it, out=None, mu=mu, nesterov=nesterov: F.direction_input(
-                [it.grad.to(it.state["momentum_buffer"].dtype)], [it.state["momentum_buffer"]], mu, nesterov,
-                None if out is None else [out])[0])
-        return makers
-    inputs: dict[int, Tensor] = {}
-    by_mu: dict[tuple[float, bool], tuple[list[Item], list[Tensor], list[Tensor]]] = {}
+            grads = grads_like(items, bufs)
+            new = torch._foreach_mul(bufs, mu)
+            torch._foreach_add_(new, grads)
+            xs = F.direction_input(grads, new, mu, nesterov)
+        if self.emit:
+            self.ctx.emit(items, xs, "momentum_input")
+        return xs
+
+    def one(self, it: Item, out: Tensor | None = None) -> Tensor:
+        if self.own:
+            copies, _ = commit.shadow_items([(it, None)], self._keys, with_param=False)
+            x = self.rule.inputs(copies, self.group)[0]
+        else:
+            mu, nesterov = self.group["momentum"], self.group["nesterov"]
+            b = it.state["momentum_buffer"]
+            g = it.grad.to(b.dtype)
+            if not nesterov:
+                x = torch.add(g, b, alpha=mu, out=out)
+            else:
+                new = torch.add(g, b, alpha=mu, out=buffer(self.scratch, "momentum", b.shape, b.dtype, b.device))
+                x = torch.add(g, new, alpha=mu, out=out)
+        if self.emit:
+            self.ctx.emit([it], [x], "momentum_input")
+        return x
+
+
+def write_inputs(calls: Sequence[Call], *, batched: bool, gate: Gate | None) -> None:
+    """The momentum of ``calls``' items, ``B <- mu B + G`` (``commit.momentum_``: batched two ``_foreach`` kernels
+    per distinct ``mu``, per tensor one fused pass), or the state a rule with inputs of its own updates (its
+    :meth:`HiddenRule.inputs` run again, on copies where the step may be skipped): a write of the step's commit."""
+    by_mu: dict[tuple, tuple[list[Tensor], list[Tensor], Any]] = {}
     for rule, items, group, _ in calls:
-        if getattr(rule, "_own_inputs", False):
-            inputs.update(zip(map(id, items), rule.inputs(items, group), strict=True))
+        if not items:
             continue
-        members, bufs, grads = by_mu.setdefault((group["momentum"], group["nesterov"]), ([], [], []))
+        if getattr(rule, "_own_inputs", False):
+            _write_own_inputs(rule, items, group, batched=batched, gate=gate)
+            continue
+        mu = group["momentum"]
+        bufs, grads, _ = by_mu.setdefault((id(mu) if isinstance(mu, Tensor) else mu,), ([], [], mu))
         for it in items:
             b = it.state["momentum_buffer"]
-            members.append(it)
             bufs.append(b)
             grads.append(it.grad if it.grad.dtype == b.dtype else it.grad.to(b.dtype))
-    for (mu, nesterov), (members, bufs, grads) in by_mu.items():
-        F.momentum_(bufs, grads, mu)
-        inputs.update(zip(map(id, members), F.direction_input(grads, bufs, mu, nesterov), strict=True))
-    return [lambda it, out=None: inputs.pop(id(it))] * len(calls)
+    for bufs, grads, mu in by_mu.values():
+        commit.momentum_(bufs, grads, mu, fused=not batched, gate=gate)
+
+
+def _write_own_inputs(rule: HiddenRule, items: Sequence[Item], group: dict, *, batched: bool,
+                      gate: Gate | None) -> None:
+    """The state updates of a rule's own :meth:`HiddenRule.inputs` (its inputs themselves let go): in place where the
+    step cannot be skipped, else on copies written back (``commit.write_back``), a chunk of items (batched) or an
+    item (per tensor) at a time."""
+    keys = [k for k, how in rule.state_views.items() if how == "param"]
+    if gate is None:
+        for chunk in ([items] if batched else [[it] for it in items]):
+            rule.inputs(chunk, group)
+        return
+    if batched:
+        bufs = [it.state["momentum_buffer"] for it in items]
+        chunks = [[items[i] for i in idx] for idx in commit.chunks(bufs)]
+    else:
+        chunks = [[it] for it in items]
+    for chunk in chunks:
+        copies, flats = commit.shadow_items([(it, None) for it in chunk], lambda it: keys, with_param=False)
+        rule.inputs(copies, group)
+        del copies
+        for targets, flat, views in flats:
+            commit.write_back(targets, flat, views, gate)
 
 
 # ---- the per-tensor form ------------------------------------------------------------------------------
 
 
 def per_tensor(calls: Sequence[Call], hidden: Callable[..., None] | None = None) -> None:
-    """The per-tensor form (``foreach=False``). Per call: momentum (one fused kernel per tensor), then each item's
-    update: ``hidden`` (default :func:`_hidden_eager`) for a hidden rule's, the rule's own
-    :meth:`MomentumRule.update` for an elementwise one."""
+    """The per-tensor form (``foreach=False``): each hidden matrix's direction (``hidden``, default
+    :func:`_hidden_eager`) from its direction input made from the unchanged momentum (:class:`Inputs`), all kept;
+    then the step's writes, queued on the call's commit: the momentum (one fused pass per tensor), the per-matrix
+    state, an elementwise rule's own per-tensor :meth:`MomentumRule.update` (which reads the written momentum) and
+    the hidden matrices' updates."""
+    if not calls:
+        return
+    step = calls[0][3].commit
+    step.later(write_inputs, list(calls), batched=False)
     hidden = hidden or _hidden_eager
-    for (rule, items, group, ctx), x_of in zip(calls, input_makers(calls, batched=False), strict=True):
+    for rule, items, group, ctx in calls:
         if isinstance(rule, HiddenRule):
-            hidden(rule, items, group, ctx, x_of)
-            continue
-        if ctx.capture is not None:
-            ctx.emit(items, [direction_input(it, group) for it in items], "momentum_input")
-        rule.update(items, group, ctx)
+            hidden(rule, items, group, ctx, Inputs(rule, group, ctx, emit=True))
+        else:
+            step.later(_elementwise_update, rule, items, group, ctx)
+
+
+def _elementwise_update(rule: MomentumRule, items: Sequence[Item], group: dict, ctx: StepContext, *,
+                        gate: Gate | None) -> None:
+    """An elementwise rule's per-tensor form, a write of the commit (its momentum already written): its own
+    :meth:`MomentumRule.update`, which reads the step's skip flag from ``ctx.gate``."""
+    if ctx.capture is not None:
+        ctx.emit(items, [direction_input(it, group) for it in items], "momentum_input")
+    ctx.gate = gate
+    try:
+        with naming(rule, items):
+            rule.update(items, group, ctx)
+    finally:
+        ctx.gate = None
 
 
 def _hidden_eager(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: StepContext, x_of: Inputs) -> None:
-    """A hidden rule's per-tensor update: every matrix a stack of one, made just before its Newton-Schulz."""
+    """A hidden rule's per-tensor directions: every matrix a stack of one, made just before its Newton-Schulz; its
+    direction (or, for a rule with a step of its own, its stepped weights) and its new per-matrix state kept for
+    the step's writes (:func:`keep_directions`)."""
     scratch: dict[tuple, Tensor] = {}
     per_matrix = [(k, how) for k, how in rule.state_views.items() if how in ("rows", "counter", "step")]
+    kept = []
     for it in items:
-        b, shape = it.state["momentum_buffer"], it.shape
-        x = x_of(it, out=buffer(scratch, "nesterov", b.shape, b.dtype, b.device))
-        if ctx.capture is not None:
-            ctx.emit([it], [x], "momentum_input")
-        X = x.reshape(x.shape[0], -1) if x.ndim > 2 else x
-        state = {k: F.on_device([it.state[k]], b.device) if how == "step" else it.state[k][None]
-                 for k, how in per_matrix}
-        ((D,),) = directions(rule, [(X[None], 1, state)], group, ctx, batched=False, scratch=scratch)
-        step_weights(rule, [it.param], D, rule.lr_scale(shape[0], math.prod(shape[1:]), group), group, scratch)
+        with naming(rule, [it]):
+            b, shape = it.state["momentum_buffer"], it.shape
+            x = x_of.one(it, out=buffer(scratch, "nesterov", b.shape, b.dtype, b.device))
+            X = x.reshape(x.shape[0], -1) if x.ndim > 2 else x
+            state = {k: F.on_device([it.state[k]], b.device) if how == "step" else it.state[k][None].clone()
+                     for k, how in per_matrix}
+            ((D,),) = directions(rule, [(X[None], 1, state)], group, ctx, batched=False, scratch=scratch, fresh=True)
+            for k in rule._owner_state:
+                ctx.commit.later(commit.copy_, [it.state[k]], [state[k][0]])
+            kept.append((it.param, D, rule.lr_scale(shape[0], math.prod(shape[1:]), group)))
+    keep_directions(rule, kept, group, ctx)
+
+
+def keep_directions(rule: HiddenRule, kept: Sequence[tuple[Tensor, Tensor, float]], group: dict,
+                    ctx: StepContext) -> None:
+    """Queue the per-tensor forms' steps of ``kept`` (``(param, D, scale)``, ``D`` a stack ``(1, m, n)``): each
+    ``W <- (1 - lr wd) W - lr s D`` in the commit; a rule with a step of its own (:meth:`HiddenRule.step_weights`)
+    steps a copy of each weight now and the commit writes it."""
+    if rule._own_step:
+        for p, D, s in kept:
+            ctx.commit.later(commit.copy_, [p], stepped_weights(rule, [p], D, s, group))
+        return
+    ctx.commit.later(_apply_each, [p for p, _, _ in kept], [D for _, D, _ in kept], [s for _, _, s in kept], group)
+
+
+def _apply_each(params: Sequence[Tensor], dirs: Sequence[Tensor], scales: Sequence[float], group: dict, *,
+                gate: Gate | None) -> None:
+    """The per-tensor form's updates, one parameter at a time (:func:`apply_update`'s kernels)."""
+    scratch: dict = {}
+    for p, D, s in zip(params, dirs, scales, strict=True):
+        d = D.reshape(p.shape)
+        if d.dtype != p.dtype and torch.promote_types(d.dtype, p.dtype) == p.dtype:
+            d = buffer(scratch, "direction", p.shape, p.dtype, p.device).copy_(d)
+        commit.update_([p], [d], group["lr"], group["weight_decay"], [s], gate=gate)
+
+
+def stepped_weights(rule: HiddenRule, params: Sequence[Tensor], D: Tensor, scale: float, group: dict) -> list[Tensor]:
+    """A rule's own step (:meth:`HiddenRule.step_weights`) of ``params`` (whole matrices, or one tensor's matrix
+    view) from their directions, the stack ``D`` ``(K, m, n)``, on a stack of copies of the weights: the stepped
+    weights, in the parameters' shapes, for the step's writes."""
+    W = torch.stack([p.reshape(D.shape[1:]) for p in params])
+    rule.step_weights(W, D.to(W.dtype), scale, group)
+    return [w.view(p.shape) for w, p in zip(W.unbind(0), params, strict=True)]
 
 
 def step_weights(rule: HiddenRule, params: Sequence[Tensor], D: Tensor, scale: float, group: dict,
                  scratch: dict | None = None) -> None:
-    """The step of ``params`` (whole matrices, or one tensor's matrix view) from their directions, the stack ``D``
-    ``(K, m, n)`` in their orientation: ``W <- (1 - lr wd) W - lr s D`` (:func:`apply_update`), or the rule's own
-    :meth:`HiddenRule.step_weights` on a stack of the weights, copied back."""
+    """The step of ``params`` in place (an owner's whole matrices, transients of the exchange): ``W <- (1 - lr wd)
+    W - lr s D`` (:func:`apply_update`), or the rule's own :meth:`HiddenRule.step_weights` on a stack of the weights,
+    copied back."""
     if not rule._own_step:
         for p, d in zip(params, D.unbind(0), strict=True):
             d = d.reshape(p.shape)
@@ -625,9 +760,7 @@ def step_weights(rule: HiddenRule, params: Sequence[Tensor], D: Tensor, scale: f
                 d = buffer(scratch, "direction", p.shape, p.dtype, p.device).copy_(d)  # as apply_update does
             F.decay_and_update_([p], [d], group["lr"], group["weight_decay"], [scale])
         return
-    W = torch.stack([p.reshape(D.shape[1:]) for p in params])
-    rule.step_weights(W, D.to(W.dtype), scale, group)
-    torch._foreach_copy_(list(params), [w.view(p.shape) for w, p in zip(W.unbind(0), params, strict=True)])
+    torch._foreach_copy_(list(params), stepped_weights(rule, params, D, scale, group))
 
 
 # ---- the batched form -------------------------------------------------------------------------------
@@ -636,49 +769,73 @@ def step_weights(rule: HiddenRule, params: Sequence[Tensor], D: Tensor, scale: f
 def batched(calls: Sequence[Call]) -> None:
     """The batched form (``foreach=True``) of several momentum rule calls of one optimizer step.
 
-    Every momentum buffer and direction input in a few ``torch._foreach_*`` kernels (:func:`input_makers`: a
-    transient copy of the parameters, as ``torch.optim``'s multi-tensor forms make, which each bucket's stack then
-    lets go), then each call computes its directions (:func:`_pending`), and all updates are applied together:
-    one decay kernel per distinct ``1 - lr wd`` and one add per distinct ``lr s`` (a rule with a step of its own,
-    its call's stacks). Directions depend on gradients and momentum only, so computing them all before any
-    parameter changes gives the bits of stepping the calls one by one.
+    Each call computes its directions a shape bucket at a time (:func:`_pending`: the bucket's direction inputs from
+    the unchanged momentum in a few ``torch._foreach_*`` kernels, :class:`Inputs`, stacked and let go), then the
+    step's writes are queued on the commit: all updates together (one decay kernel per distinct ``1 - lr wd`` and
+    one add per distinct ``lr s``), then the momentum of every call (two kernels per distinct ``mu``), the
+    per-matrix state, and a rule with a step of its own its stepped weights. Directions depend on gradients and
+    momentum only, so computing them all before any parameter changes gives the bits of stepping the calls one by
+    one.
     """
-    params, dirs, lrs, wds, scales = [], [], [], [], []
-    for (rule, items, group, ctx), x_of in zip(calls, input_makers(calls, batched=True), strict=True):
-        ps, ds, ss = _pending(rule, items, group, ctx, x_of)
+    if not calls:
+        return
+    params, dirs, lrs, wds, scales, bases = [], [], [], [], [], []
+    for rule, items, group, ctx in calls:
+        ps, ds, ss, bs = _pending(rule, items, group, ctx, Inputs(rule, group, ctx, emit=True))
         params += ps
         dirs += ds
         scales += ss
+        bases += bs
         lrs += [group["lr"]] * len(ps)
         wds += [group["weight_decay"]] * len(ps)
-    F.decay_and_update_(params, dirs, lrs, wds, scales)
+    step = calls[0][3].commit
+    step.later(commit.update_, params, dirs, lrs, wds, scales, bases)
+    del params, dirs, bases
+    step.later(write_inputs, list(calls), batched=True)
 
 
-def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext, x_of: Inputs) -> tuple[list, list, list]:
-    """The batched update of one call's ``items`` (its direction inputs ``x_of(item)``, let go as they are
-    stacked), not applied: per shape bucket one stack. Returns ``(params, directions, scales)``, empty where the
-    rule steps its weights itself (:func:`step_weights`, done here)."""
-    xs = {id(it): x_of(it) for it in items}
-    if ctx.capture is not None:
-        ctx.emit(items, list(xs.values()), "momentum_input")
+def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext,
+             x_of: Inputs) -> tuple[list, list, list, list]:
+    """The batched directions of one call's ``items``, not applied: per shape bucket one stack of direction inputs
+    (``x_of``, a bucket at a time). Returns ``(params, directions, scales, bases)`` (``bases``: the stacks holding the
+    directions); the new per-matrix state, and the stepped weights of a rule with a step of its own
+    (:func:`stepped_weights`), are queued on the commit."""
     hidden = isinstance(rule, HiddenRule)
     buckets = make_buckets(items, matrix=hidden or needs_matrix(rule), transpose=hidden and rule.transposes)
-    params, dirs, scales = [], [], []
-    if hidden:
-        found = bucket_directions(rule, buckets, group, ctx, batched=True, x_of=lambda it: xs.pop(id(it)),
-                                  dtype=items[0].param.dtype)
-    else:
-        found = [unstack(b, rule.direction(stack_inputs(ctx, rule.name, b, [xs.pop(id(it)) for it in b.items],
-                                                        F.stat_dtype(b.items[0].param)),
-                                           group, ctx.split.psum, b.global_shape)) for b in buckets]
-    for b, ds in zip(buckets, found, strict=True):
+    params, dirs, scales, bases = [], [], [], []
+    with naming(rule, items):
+        if hidden:
+            found = bucket_directions(rule, buckets, group, ctx, batched=True, inputs=x_of,
+                                      dtype=items[0].param.dtype)
+            for targets, news in found.writes:
+                ctx.commit.later(commit.copy_, targets, news)
+            per_bucket, bases = found.directions, found.bases
+        else:
+            per_bucket = []
+            for b in buckets:
+                D = rule.direction(stack_inputs(ctx, rule.name, b, x_of(b.items), F.stat_dtype(b.items[0].param)),
+                                   group, ctx.split.psum, b.global_shape)
+                per_bucket.append(unstack(b, D))
+                bases.append(D)
+    for b, ds in zip(buckets, per_bucket, strict=True):
         # A hidden rule's step multiplier (:meth:`HiddenRule.lr_scale`); the elementwise rules fold theirs in.
         scale = rule.lr_scale(*b.global_shape, group) if hidden else 1.0
         if hidden and rule._own_step:
-            step_weights(rule, [it.param for it in b.items], torch.stack([d.reshape(b.shape) for d in ds]), scale,
-                         group)
+            ps = [it.param for it in b.items]
+            with naming(rule, b.items):
+                news = stepped_weights(rule, ps, torch.stack([d.reshape(b.shape) for d in ds]), scale, group)
+            ctx.commit.later(commit.copy_, ps, news)
             continue
         params += [it.param for it in b.items]
         dirs += ds
         scales += [scale] * len(b.items)
-    return params, dirs, scales
+    return params, dirs, scales, bases if params else []
+
+
+@contextmanager
+def naming(rule: Rule, items: Sequence[Item]) -> Iterator[None]:
+    """Name ``rule`` and the parameters of ``items`` in an exception raised inside (``commit.name_error``)."""
+    try:
+        yield
+    except Exception as e:
+        raise commit.name_error(e, rule, list(dict.fromkeys(it.name for it in items))) from None

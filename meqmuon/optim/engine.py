@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 from . import driver
 from .calls import Item, StepContext
+from .commit import SKIPPED, Commit, Gate, name_error
 from .cuda_graph import GraphedStep
 from .distributed import LocalSplit, RowSums, is_dtensor, local, resolve_process_group
 from .driver import HiddenRule
@@ -36,6 +37,14 @@ try:
     import torch.distributed as dist
 except ImportError:  # pragma: no cover - torch builds without distributed support
     dist = None  # type: ignore[assignment]
+
+#: What a step does with a non-finite gradient (``nonfinite=``, every optimizer's keyword; docs/algorithm.md,
+#: "Non-finite gradients"): ``"skip"`` (the default) the whole step, for every parameter, decided on the device with
+#: no host sync and counted in each parameter's state (``"skipped_steps"``); ``"raise"`` a ``RuntimeError`` naming
+#: the first parameter whose gradient is non-finite, before anything is written (one host sync per step, by choice);
+#: ``"propagate"`` steps anyway, as torch's optimizers do (one NaN then spreads over its matrix and its momentum).
+NONFINITE = ("skip", "raise", "propagate")
+
 
 def _held(p: torch.Tensor) -> slice:
     """The indices along dim 0 of ``p`` that this rank holds: all, or under FSDP2/HSDP its
@@ -84,16 +93,21 @@ class _Entry:
         """What the exchange's units of this entry are: the parameter, or under DDP each matrix of its view."""
         return self.layout.matrices(self.param) if self.cut else [self.param]
 
+    def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient the rule reads: a DTensor's local piece in the parameter's placements (a ``Partial()``
+        gradient under TP reduced first), else ``grad`` itself."""
+        if not self.dtensor:
+            return grad
+        if tuple(grad.placements) != tuple(self.param.placements):  # Partial() under TP
+            grad = grad.redistribute(grad.device_mesh, self.param.placements)
+        return grad.to_local()
+
     def items(self, grad: torch.Tensor) -> list[Item]:
-        """This step's items of a parameter that is not one whole plain tensor: a DTensor's local piece (its kept
-        item, refilled) and/or one item per matrix of its view (:meth:`Layout.matrices`), with the state as local
-        views (``rule.state_views`` says how each state tensor divides), named ``name[e]#j``; each with its exchange
-        unit (``OWNERS``)."""
-        param = self.param
-        if self.dtensor:
-            if tuple(grad.placements) != tuple(param.placements):  # Partial() under TP
-                grad = grad.redistribute(grad.device_mesh, param.placements)
-            param, grad = param.to_local(), grad.to_local()
+        """This step's items of a parameter that is not one whole plain tensor, from its local gradient
+        (:meth:`local_grad`): a DTensor's local piece (its kept item, refilled) and/or one item per matrix of its
+        view (:meth:`Layout.matrices`), with the state as local views (``rule.state_views`` says how each state
+        tensor divides), named ``name[e]#j``; each with its exchange unit (``OWNERS``)."""
+        param = self.param.to_local() if self.dtensor else self.param
         state = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in self.state.items()}
         if not self.cut:
             it = self.item
@@ -136,9 +150,13 @@ class RoleOptimizer(Optimizer):
     """
 
     RULES: ClassVar[dict[str, str]] = {}
+    #: ``torch.amp.GradScaler`` hands ``step()`` its scale and ``found_inf`` instead of unscaling and checking the
+    #: gradients itself with a host sync: the step unscales them in its own check kernel (:meth:`step`).
+    _step_supports_amp_scaling: ClassVar[bool] = True
 
     def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any = None, compile: bool = False,
-                 rules: dict[str, Rule] | None = None, cuda_graph: bool = False, **hyperparameters: Any) -> None:
+                 rules: dict[str, Rule] | None = None, cuda_graph: bool = False, nonfinite: str = "skip",
+                 **hyperparameters: Any) -> None:
         if (what := wrong_params(params)) is not None:
             cls = type(self).__name__
             raise TypeError(f"{cls}(params=...) takes parameters or param groups, e.g. "
@@ -147,6 +165,10 @@ class RoleOptimizer(Optimizer):
             raise ValueError(f"Invalid compile: {compile!r} (expected True or False)")
         if not isinstance(cuda_graph, bool):
             raise ValueError(f"Invalid cuda_graph: {cuda_graph!r} (expected True or False)")
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"Invalid nonfinite: {nonfinite!r} (expected one of {', '.join(map(repr, NONFINITE))})")
+        #: What a step does with a non-finite gradient (:data:`NONFINITE`, docs/algorithm.md).
+        self._nonfinite = nonfinite
         self._compile = compile
         #: ``cuda_graph=True``: the step captured in a CUDA graph and replayed (``cuda_graph.py``).
         self._graphed = GraphedStep() if cuda_graph else None
@@ -196,14 +218,15 @@ class RoleOptimizer(Optimizer):
                 "copied; build a new optimizer with that group and load_state_dict() this one's state_dict()"
             )
         return {**super().__getstate__(), "_compile": self._compile, "_warned_inferred": self._warned_inferred,
-                "_rules": self._rules, "_graphed": None if self._graphed is None else GraphedStep()}
+                "_rules": self._rules, "_graphed": None if self._graphed is None else GraphedStep(),
+                "_nonfinite": self._nonfinite}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy's settings (:meth:`__getstate__`), or, from ``load_state_dict``, new state and param
         groups for this optimizer, which keeps its settings and hook and prepares its next step anew."""
         super().__setstate__(state)
         for key, value in (("_compile", False), ("_warned_inferred", False), ("_warned_traced", False),
-                           ("_capture_hook", None), ("_workspace", {}), ("_graphed", None)):
+                           ("_capture_hook", None), ("_workspace", {}), ("_graphed", None), ("_nonfinite", "skip")):
             self.__dict__.setdefault(key, value)
         self.__dict__.setdefault("_rules", self._rule_table(None))
         self.__dict__.setdefault("_process_group", resolve_process_group(None))
@@ -378,6 +401,8 @@ class RoleOptimizer(Optimizer):
                 state = self.state[p]
                 if not state:
                     driver.init_state(rule, p, state, group, layout)
+                if SKIPPED not in state:  # the steps skipped so far (a state saved before it was counted: 0)
+                    state[SKIPPED] = torch.zeros((), dtype=torch.int64, device=p.device)
                 path = path_of(p, rule, layout, world, self._compile and batched)
                 e = _Entry(p, state, name, pkind, rule, layout, path)
                 if e.path is Path.OWNERS:
@@ -414,15 +439,24 @@ class RoleOptimizer(Optimizer):
         return self._plan_cache
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: D401 - torch signature
-        """Perform one optimisation step (no host-device synchronisation).
+    def step(self, closure=None, grad_scale: torch.Tensor | None = None,
+             found_inf: torch.Tensor | None = None):  # noqa: D401 - torch signature
+        """Perform one optimisation step, all or nothing (no host-device synchronisation).
 
-        Three phases: gather (the step's rule calls, :meth:`_calls`: per-tensor groups one call each, batched
-        groups with the same rule, path and hyperparameters merged into one, so that they share shape buckets),
-        run (:meth:`_run`: each call by what its path's executor names, ``placement.EXECUTORS``: the one chooser,
-        as torch's ``adam()`` picks among its siblings) and release (the step's workspaces let go,
-        :meth:`_release`). The calls are independent (no parameter in two), so the order among them changes no
-        bits; it is the same on every rank, which the collectives need.
+        Gather (the step's rule calls, :meth:`_calls`: per-tensor groups one call each, batched groups with the same
+        rule, path and hyperparameters merged into one, so that they share shape buckets), then two phases
+        (:meth:`_transact`): every call computes its directions by what its path's executor names
+        (``placement.EXECUTORS``: the one chooser, as torch's ``adam()`` picks among its siblings) and writes
+        nothing; then the step's writes (``commit.py``). Whatever raises in the first phase leaves parameters and
+        state as they were, and names the rule and the parameter. A non-finite gradient skips the whole step under
+        ``nonfinite="skip"`` (the default; decided on the device, counted in the state's ``"skipped_steps"``), raises
+        under ``"raise"``, steps under ``"propagate"``. The calls are independent (no parameter in two), so the order
+        among them changes no bits; it is the same on every rank, which the collectives need.
+
+        ``grad_scale`` / ``found_inf``: ``torch.amp.GradScaler``'s protocol for optimizers that unscale themselves
+        (``_step_supports_amp_scaling``; it sets them as attributes, read here too): the gradients are unscaled by
+        ``1 / grad_scale`` in the check's own kernel and the step is skipped where ``found_inf`` is set, whatever
+        ``nonfinite`` says (the scaler's overflows are its business), with no host sync of the scaler's.
 
         Under ``torch.compile`` (a compiled training step that calls ``opt.step()``) the step is not traced: it
         runs as here, with a warning once (docs/algorithm.md, "compile=True"); ``compile=True`` is the way to
@@ -430,24 +464,148 @@ class RoleOptimizer(Optimizer):
         """
         if torch.compiler.is_compiling():  # a constant True while dynamo traces
             return self._untraced_step(closure)
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
         if self._graphed is not None:
-            return self._graphed.step(self, closure)
+            return self._graphed.step(self, closure, grad_scale, found_inf)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._run(self._calls(self._plan()))
-        self._release()
+        calls, grads, counted = self._calls(self._plan())
+        try:
+            self._transact(calls, grads, counted, grad_scale, found_inf)
+        finally:
+            self._release()
         return loss
 
-    def _calls(self, plan: list) -> tuple[list[driver.Call], list[driver.Call]]:
+    def _transact(self, calls: tuple[list[driver.Call], list[driver.Call]], grads: list[tuple[str, torch.Tensor]],
+                  counted: list[dict[str, Any]], grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None,
+                  stepping: Callable[[Commit], None] | None = None) -> None:
+        """The two phases of a step (:meth:`step`): the gate (the non-finite check and the scaler's protocol,
+        :meth:`_gate`), every call's directions (:meth:`_run`; ``stepping`` queues more writes: ``cuda_graph``'s
+        AdamW), under ``torch.distributed`` the ranks' agreement (:meth:`_agree`), then the writes. A step that
+        raises before its writes is not counted (``counted``: the states whose ``"step"`` :meth:`_calls` advanced)."""
+        world = 1 if self._process_group is None else dist.get_world_size(self._process_group)
+        step = Commit(tolerant=world > 1)
+        try:
+            try:
+                step.gate = self._gate(grads, grad_scale, found_inf, world)
+                if stepping is not None:
+                    stepping(step)
+                self._run(calls, step)
+                if world > 1:
+                    self._agree(step)
+            except BaseException:
+                for state in counted:
+                    state["step"] -= 1
+                raise
+            step.run()
+        finally:
+            for call in (*calls[0], *calls[1]):
+                for it in call[1]:
+                    it.grad = None  # a kept item must not keep its gradient alive past zero_grad()
+        if step.gate is not None:
+            self._count_skipped(step.gate, counted)
+        if step.error is not None:  # this rank's error, after the step was skipped on every rank
+            raise step.error
+
+    def _gate(self, grads: list[tuple[str, torch.Tensor]], grad_scale: torch.Tensor | None,
+              found_inf: torch.Tensor | None, world: int) -> Gate | None:
+        """The step's skip flag (``commit.Gate``), or ``None`` where nothing can skip it (``nonfinite="propagate"``
+        or ``"raise"`` on one process, without a scaler).
+
+        The check: ``torch._amp_foreach_non_finite_check_and_unscale_`` over every gradient the rules read (local
+        pieces under FSDP2 / TP, after a ``Partial()`` one is reduced), one call per device and dtype, flat in the
+        model's depth; it unscales by ``1 / grad_scale`` in the same kernel where a ``GradScaler`` gives one. A
+        scaler's ``found_inf`` adds to the flag. ``"raise"``: the flag read on the host (the one sync this mode
+        makes, by choice) and, where set, the first non-finite parameter named, before anything is written. Under
+        ``torch.distributed`` the flag exists in every mode: it also carries an error of any rank (:meth:`_agree`)."""
+        scaler = grad_scale is not None or found_inf is not None
+        check = self._nonfinite != "propagate" or grad_scale is not None
+        if not (check or scaler or world > 1):
+            return None
+        device = grads[0][1].device if grads else next(
+            (local(p).device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        if check and grads:
+            by: dict[tuple, list[torch.Tensor]] = {}
+            for _, g in grads:
+                by.setdefault((g.device, g.dtype), []).append(g)
+            inverse = None if grad_scale is None else grad_scale.double().reciprocal().float()
+            flags: dict[torch.device, torch.Tensor] = {device: found}
+            for (dev, _), gs in by.items():
+                flag = flags.setdefault(dev, torch.zeros((), dtype=torch.float32, device=dev))
+                inv = (torch.ones((), dtype=torch.float32, device=dev) if inverse is None else
+                       inverse.to(dev, non_blocking=True))
+                torch._amp_foreach_non_finite_check_and_unscale_(gs, flag, inv)
+            for dev, flag in flags.items():
+                if dev != device:
+                    found.add_(flag.to(device, non_blocking=True))
+        if found_inf is not None:
+            found.add_(found_inf.to(device=device, dtype=torch.float32, non_blocking=True))
+        if self._nonfinite == "raise" and not scaler:
+            self._raise_nonfinite(found, grads, world)
+            if world == 1:
+                return None
+        return Gate(found)
+
+    def _raise_nonfinite(self, found: torch.Tensor, grads: list[tuple[str, torch.Tensor]], world: int) -> None:
+        """``nonfinite="raise"``: read the flag (a host sync, by choice); where set, a ``RuntimeError`` naming the
+        first parameter whose gradient holds a NaN or an infinity (the same on every rank: the flags are
+        all-reduced first)."""
+        pg = self._process_group
+        if world > 1:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=pg)
+        if not found.item():
+            return
+        bad = torch.stack([~torch.isfinite(g).all() for _, g in grads]).to(torch.float32)
+        if world > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=pg)
+        name = grads[int(bad.nonzero()[0, 0])][0]
+        raise RuntimeError(f"{type(self).__name__}: the gradient of parameter {name!r} holds a NaN or an infinity; "
+                           "nothing was written (nonfinite='raise'; nonfinite='skip' skips such a step instead)")
+
+    def _agree(self, step: Commit) -> None:
+        """Under ``torch.distributed``: the ranks' one decision, an all-reduce (``MAX``) of the 0-D skip flag over the
+        optimizer's process group, which carries a non-finite gradient of any rank's piece and an error of any rank
+        (set here on the device: no host sync), so that no rank writes while another skips or raised."""
+        flag = step.gate.flag
+        if step.error is not None:
+            flag.fill_(1.0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._process_group)
+
+    def _count_skipped(self, gate: Gate, counted: list[dict[str, Any]]) -> None:
+        """Add the skip flag (0 or 1) to the ``"skipped_steps"`` of every parameter that had a gradient: one kernel
+        per device."""
+        by: dict[torch.device, list[torch.Tensor]] = {}
+        for state in counted:
+            t = state[SKIPPED]
+            by.setdefault(t.device, []).append(t)
+        for dev, ts in by.items():
+            torch._foreach_add_(ts, gate.value(torch.int64, dev))
+
+    def skipped_steps(self) -> int:
+        """The steps skipped so far (``nonfinite="skip"``, a ``GradScaler``'s overflows, an error on another rank): the
+        largest ``"skipped_steps"`` of any parameter's state (one host sync: call it to log, not in the step)."""
+        counts = [local(st[SKIPPED]).reshape(1).cpu() for st in self.state.values() if SKIPPED in st]
+        return int(torch.cat(counts).max()) if counts else 0
+
+    def _calls(self, plan: list) -> tuple[tuple[list[driver.Call], list[driver.Call]], list[tuple[str, torch.Tensor]],
+                                          list[dict[str, Any]]]:
         """The step's rule calls: per-tensor groups one call each, batched groups with the same rule, splitter and
         hyperparameter values (the embedding and head groups, say) merged into one, so that they share shape
         buckets; each with its context, kept between steps (its workspace is the optimizer's; its number among
-        the step's calls keeps its input stacks its own). Counts the steps of the parameters with gradients;
-        float hyperparameters given as tensors are read as Python floats (``inputs.with_floats``)."""
+        the step's calls keeps its input stacks its own). Counts the steps of the parameters with gradients (undone
+        where the step raises, :meth:`_transact`); float hyperparameters given as tensors are read as Python floats
+        (``inputs.with_floats``). Returns the calls (per-tensor, batched), the gradients the rules read by parameter
+        name (:meth:`_gate` checks them) and the states counted."""
         batched: dict[tuple, tuple[Rule, dict, list[Item], Any, str, Path]] = {}
         single: list[tuple] = []  # the per-tensor groups' calls (foreach=False), in group order
+        grads: list[tuple[str, torch.Tensor]] = []
+        counted: list[dict[str, Any]] = []
         for group, entries, batched_group in plan:
             if any(isinstance(group.get(k), torch.Tensor) for k in FLOAT_KEYS) or any(
                     isinstance(b, torch.Tensor) for b in group.get("betas", ())):
@@ -458,8 +616,13 @@ class RoleOptimizer(Optimizer):
                 if g is None:
                     continue
                 if g.is_sparse:
+                    for state in counted:
+                        state["step"] -= 1
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients ({e.name})")
+                g = e.local_grad(g)
+                grads.append((e.name, g))
                 e.state["step"] += 1
+                counted.append(e.state)
                 items = by_rule.setdefault((e.rule, e.path, e.split), [])
                 if e.item is not None and not e.dtensor:  # a whole plain tensor's kept item: only its gradient is new
                     e.item.grad = g
@@ -483,26 +646,38 @@ class RoleOptimizer(Optimizer):
             ctx = self._contexts[i]
             ctx.capture, ctx.kind, ctx.split, ctx.call, ctx.path = self._capture_hook, kind, split, i, path
             out.append((rule, items, group, ctx))
-        return out[: len(single)], out[len(single) :]
+        return (out[: len(single)], out[len(single) :]), grads, counted
 
-    def _run(self, calls: tuple[list[driver.Call], list[driver.Call]]) -> None:
-        """Each call by its path's executor (``placement.EXECUTORS``): the one chooser. A :class:`SteppingRule`
-        runs its executor's ``stepping`` (its own ``step`` or ``step_foreach``, or the exchange's), the momentum
-        rules the executor's form ``[foreach, compile]``."""
+    def _run(self, calls: tuple[list[driver.Call], list[driver.Call]], step: Commit) -> None:
+        """The first phase of a step: each call by its path's executor (``placement.EXECUTORS``: the one chooser),
+        which computes and queues its writes on ``step``. A :class:`SteppingRule` runs its executor's ``stepping``
+        (its own ``step`` or ``step_foreach``, a write; or the exchange's), the momentum rules the executor's form
+        ``[foreach, compile]``. Under ``torch.distributed`` (``step.tolerant``) an error of one form is kept and the
+        next forms still run, so that this rank takes part in all of the step's collectives."""
         for foreach, group_calls in zip((False, True), calls, strict=True):
             by_form: dict[int, tuple[Callable, list[driver.Call]]] = {}
             for call in group_calls:
+                call[3].commit = step
                 executor = EXECUTORS[call[3].path]
                 if isinstance(call[0], SteppingRule):
-                    executor.stepping(*call, foreach)
+                    self._guarded(step, call[0], call[1], executor.stepping, *call, foreach)
                 else:
                     form = executor.forms[foreach, self._compile]
                     by_form.setdefault(id(form), (form, []))[1].append(call)
             for form, form_calls in by_form.values():
-                form(form_calls)
-        for call in (*calls[0], *calls[1]):
-            for it in call[1]:
-                it.grad = None  # a kept item must not keep its gradient alive past zero_grad()
+                self._guarded(step, form_calls[0][0], [it for c in form_calls for it in c[1]], form, form_calls)
+
+    @staticmethod
+    def _guarded(step: Commit, rule: Rule, items: list[Item], run: Callable, *args: Any) -> None:
+        """``run(*args)``, an error in it naming ``rule`` and ``items``' parameters where a form has not named them;
+        kept on ``step`` where it is tolerant (:meth:`_run`)."""
+        try:
+            run(*args)
+        except Exception as e:
+            e = name_error(e, rule, list(dict.fromkeys(it.name for it in items)))
+            if not step.tolerant:
+                raise e from None
+            step.fail(e)
 
     # torch._disable_dynamo (torch.optim's own tool) imports dynamo at the first traced call only:
     # torch.compiler.disable as a decorator would add its ~1 s import to `import meqmuon`.
@@ -559,7 +734,8 @@ class RoleOptimizer(Optimizer):
         parameter's name, or ``name[e]#j`` for the matrices of a stacked or split parameter (under
         FSDP2, the experts this rank holds: no collective, so rank 0 alone may call it).
 
-        Counting happens on device during ``step()``; this call reads the counters (one sync).
+        Counting happens on device during ``step()``; this call reads the counters (one sync). A skipped step
+        (``nonfinite="skip"``) counts in neither.
         """
         out: dict[str, tuple[int, int]] = {}
         for gi, group in enumerate(self.param_groups):
@@ -570,8 +746,9 @@ class RoleOptimizer(Optimizer):
                     continue
                 name = names[i] if names else f"group{gi}.params[{i}]"
                 counts = local(st["rows_chosen"]).reshape(-1).tolist()
+                taken = int(st["step"]) - int(local(st[SKIPPED])) if SKIPPED in st else int(st["step"])
                 layout = group_layout(group, i, p.shape, name)
                 labels = [""] if layout.whole else layout.labels(_held(st["rows_chosen"]))
                 for label, rows in zip(labels, counts, strict=True):
-                    out[name + label] = (rows, int(st["step"]) - rows)
+                    out[name + label] = (rows, taken - rows)
         return out

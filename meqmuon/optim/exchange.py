@@ -36,21 +36,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import transfer
+from . import commit, transfer
 from .calls import Item, StepContext
 from .distributed import LocalSplit, assign_owners
 from .driver import (
     Bucket,
     Call,
     HiddenRule,
+    Inputs,
     apply_pending,
     bucket_directions,
     cut_items,
-    input_makers,
     make_buckets,
+    naming,
     needs_matrix,
     resolve_dtype,
     step_weights,
+    write_inputs,
 )
 from .owners import AXES, Replicas
 from .rule import SteppingRule
@@ -286,10 +288,26 @@ def _owner_items(rule: HiddenRule, u: Unit, X: Tensor, state: dict[str, Tensor],
     return u.items
 
 
+def _guard(ctx: StepContext, error: Exception) -> None:
+    """An error inside a rank's part of a step's first phase under ``torch.distributed``: kept on the step's commit
+    (which skips the step on every rank and raises it here afterwards), so that this rank still takes part in every
+    collective of the step, with placeholder results; raised at once where the step is not tolerant."""
+    if not ctx.commit.tolerant:
+        raise error
+    ctx.commit.fail(error)
+
+
+def _inputs(x_of: Inputs, items: Sequence[Item], batched: bool) -> list[Tensor]:
+    """The direction inputs of ``items``: batched in ``_foreach`` kernels, else one by one."""
+    return x_of(items) if batched else [x_of.one(it) for it in items]
+
+
 def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepContext, *, batched: bool,
-                   x_of: Callable[[Item], Tensor], orth: Callable | None) -> list:
+                   x_of: Inputs, orth: Callable | None) -> list:
     """One shape bucket of a hidden rule's units: ``X`` out, directions of whole matrices at owners (the one body,
-    ``driver.bucket_directions``), each rank's piece back. Returns ``(param, D, scale)`` of this rank's pieces."""
+    ``driver.bucket_directions``), each rank's piece back. Returns ``(param, D, scale)`` of this rank's pieces; the
+    new per-matrix state and a rule's own stepped weights are queued on the step's commit. Nothing real is written
+    here: an owner computes on copies of what it holds and on what it receives."""
     ex: Exchange = ctx.split  # type: ignore[assignment]
     members = bucket.items
     indices = [it.index for it in members]
@@ -310,12 +328,23 @@ def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepConte
                 for u in units]
     # out: every rank's pieces of X (and of W), and of the sharded per-matrix state (under DDP nothing: the owner
     # holds them all, and makes X for its own matrices only, or for every matrix where a capture hook reads them)
-    xs = [x_of(it) if u.mine or not replicas or ctx.capture is not None else None
-          for it, u in zip(members, units, strict=True)]
+    need = [j for j, u in enumerate(units) if u.mine or not replicas or ctx.capture is not None]
+    try:
+        with naming(rule, [members[j] for j in need]):
+            made = _inputs(x_of, [members[j] for j in need], batched)
+    except Exception as e:
+        _guard(ctx, e)
+        made = [torch.zeros(members[j].param.shape, dtype=x_dtype, device=p0.device) for j in need]
+    xs: list[Tensor | None] = [None] * len(members)
+    for j, x in zip(need, made, strict=True):
+        xs[j] = x
+    del made
     if replicas and ctx.capture is not None:
         ctx.emit(members, xs, "momentum_input")
+    # a DDP owner's W piece is its own parameter: it steps a copy (the commit writes it)
     pieces = [[] if replicas and not u.mine else
-              [x.to(x_dtype), *([it.param] if own else []), *(_local(it.state[k]) for k in ks[1 + own :])]
+              [x.to(x_dtype), *([it.param.clone() if replicas else it.param] if own else []),
+               *(_local(it.state[k]) for k in ks[1 + own :])]
               for it, u, x, ks in zip(members, units, xs, keys_out, strict=True)]
     del xs
     wholes = ex.to_owners(indices, pieces, keys_out)
@@ -323,56 +352,20 @@ def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepConte
     owned = [j for j, w in enumerate(wholes) if w is not None]
     results: dict[int, tuple[Any, dict[str, Tensor]]] = {}
     if owned:
-        items, spans = [], []
-        for j in owned:
-            it, u, ws = members[j], units[j], wholes[j]
-            if replicas:  # the item itself: its X and its own state
-                its, state = [it], it.state
-            else:
-                state = {k: ws[keys_out[j].index(k)] if k in keys_out[j] else _local(it.state[k])
-                         for k in rule._owner_state}
-                if ctx.capture is not None:
-                    ctx.capture(it.name, it.kind or ctx.kind, "momentum_input", ws[0])
-                its = _owner_items(rule, u, ws[0], state, it.state["step"], it.name)
-            spans.append((j, len(items), len(its), state))
-            items += its
-        xs = {id(members[j]): wholes[j][0] for j in owned} if replicas else {}
-        # batched: one stack per shape, all in one body; per tensor: each matrix alone, as one process's form
-        if not batched:
-            groups = [[Bucket([it], 1, *[(it.shape[0], math.prod(it.shape[1:]))] * 2, ())] for it in items]
-        elif replicas and orth is None:  # DDP: in the orientations one process's batched form stacks them
-            flipped = [j >= bucket.plain for j in owned]
-            order = sorted(range(len(items)), key=lambda n: flipped[n])
-            groups = [[Bucket([items[n] for n in order], flipped.count(False), bucket.shape, bucket.global_shape,
-                              bucket.key)]]
-        else:
-            groups = [make_buckets(items, matrix=True, transpose=False)]
-        by_item = {}
-        for buckets in groups:
-            found = bucket_directions(rule, buckets, group, ctx, batched=batched,
-                                      x_of=(lambda it: xs[id(it)]) if replicas else (lambda it: it.param), orth=orth,
-                                      factored=factored)
-            by_item.update((id(it), d) for b, ds in zip(buckets, found, strict=True)
-                           for it, d in zip(b.items, ds, strict=True))
-        if not replicas:  # the owner's items keep no whole matrix past the step
-            for it in items:
-                it.param, it.state = None, {}
-        for j, start, n, state in spans:
-            ds = [by_item[id(it)] for it in items[start : start + n]]
-            if own:  # the rule's own step of each whole matrix, in the whole weight: it goes back stepped
-                W, layout = wholes[j][1], units[j].layout
-                for w, d, s in zip(layout.matrices(W) if layout is not None else [W], ds, scales[j], strict=True):
-                    step_weights(rule, [w], d.reshape(1, w.shape[0], -1), s, group)
-                results[j] = (W, state)
-            elif factored or (units[j].layout is None and ds[0].dtype == d_dtype):
-                results[j] = (ds[0] if factored else ds[0].reshape(members[j].shape), state)
-            else:  # a view's matrices into the whole direction, the step multipliers folded in where they differ
-                X = wholes[j][0]
-                D = torch.empty(X.shape, dtype=d_dtype, device=X.device)
-                views = units[j].layout.matrices(D) if units[j].layout is not None else [D.view(ds[0].shape)]
-                for v, d, s in zip(views, ds, scales[j], strict=True):
-                    v.copy_(d * s if fold else d)
-                results[j] = (D, state)
+        items: list[Item] = []
+        try:
+            with naming(rule, [members[j] for j in owned]):
+                results = _owner_results(rule, bucket, group, ctx, members, units, wholes, keys_out, owned, items,
+                                         scales, batched=batched, orth=orth, factored=factored, fold=fold,
+                                         d_dtype=d_dtype, replicas=replicas, own=own)
+        except Exception as e:
+            _guard(ctx, e)
+            results = {j: _placeholder(rule, members[j], wholes[j], keys_out[j], own=own, factored=factored, ns=ns,
+                                       d_dtype=d_dtype) for j in owned}
+        finally:
+            if not replicas:  # the owner's items keep no whole matrix past the step
+                for it in items:
+                    it.param, it.state = None, {}
     del wholes
     # back: D (or U with its factors, or the stepped W) and the per-matrix state the rule changed
     back_keys, out_wholes, into = [], [], []
@@ -395,24 +388,102 @@ def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepConte
     del out_wholes
     out = []
     n = 3 if factored else 1
+    state_targets, state_news, weights, stepped = [], [], [], []
     for it, s, parts in zip(members, scales, got, strict=True):
         for k, t in zip(rule._owner_state, parts[n:], strict=True):
-            mine = _local(it.state[k])
-            if t is not mine:
-                mine.copy_(t)
-        if own:
-            if parts[0] is not it.param:  # the stepped weight (a DDP owner's is its own, stepped in place)
-                it.param.copy_(parts[0])
+            state_targets.append(_local(it.state[k]))
+            state_news.append(t)
+        if own:  # the stepped weight (a DDP owner's, its own copy)
+            weights.append(it.param)
+            stepped.append(parts[0])
         elif factored:  # this rank's block of D = (U * row) * col (F.apply_factors), the owner's bits on any block
             out.append((it.param, transfer.apply(parts[0], parts[1][:, None], parts[2][None, :],
                                                  rule.factors_divide), 1.0 if fold else s[0]))
         else:
             out.append((it.param, parts[0], 1.0 if fold else s[0]))
+    ctx.commit.later(commit.copy_, state_targets, state_news)
+    ctx.commit.later(commit.copy_, weights, stepped)
     return out
 
 
-def _elementwise_bucket(rule: Any, members: list[Item], group: dict, ctx: StepContext,
-                        x_of: Callable[[Item], Tensor]) -> list:
+def _owner_results(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepContext, members: list[Item],
+                   units: list[Unit], wholes: list, keys_out: list, owned: list[int], items: list[Item],
+                   scales: list, *, batched: bool, orth: Callable | None, factored: bool, fold: bool,
+                   d_dtype: torch.dtype, replicas: bool, own: bool) -> dict[int, tuple[Any, dict[str, Tensor]]]:
+    """An owner's results of its units of one bucket (:func:`_hidden_bucket`): the one body on their whole matrices,
+    with copies of the per-matrix state it holds (the real state is written in the commit, from what comes back);
+    ``items`` receives the owner's items (the caller lets go of their whole matrices)."""
+    spans = []
+    xs: dict[int, Tensor] = {}
+    for j in owned:
+        it, u, ws = members[j], units[j], wholes[j]
+        if replicas:  # the item with copies of its per-matrix state; its X is the received (its own) whole
+            state = {k: _local(it.state[k]).clone() for k in rule._owner_state}
+            its = [Item(it.param, it.grad, {**it.state, **state}, it.name, it.shape, it.kind, it.index)]
+            xs[id(its[0])] = ws[0]
+        else:
+            state = {k: ws[keys_out[j].index(k)] if k in keys_out[j] else _local(it.state[k]).clone()
+                     for k in rule._owner_state}
+            if ctx.capture is not None:
+                ctx.capture(it.name, it.kind or ctx.kind, "momentum_input", ws[0])
+            its = _owner_items(rule, u, ws[0], state, it.state["step"], it.name)
+        spans.append((j, len(items), len(its), state))
+        items += its
+    # batched: one stack per shape, all in one body; per tensor: each matrix alone, as one process's form
+    if not batched:
+        groups = [[Bucket([it], 1, *[(it.shape[0], math.prod(it.shape[1:]))] * 2, ())] for it in items]
+    elif replicas and orth is None:  # DDP: in the orientations one process's batched form stacks them
+        flipped = [j >= bucket.plain for j in owned]
+        order = sorted(range(len(items)), key=lambda n: flipped[n])
+        groups = [[Bucket([items[n] for n in order], flipped.count(False), bucket.shape, bucket.global_shape,
+                          bucket.key)]]
+    else:
+        groups = [make_buckets(items, matrix=True, transpose=False)]
+    by_item = {}
+    for buckets in groups:
+        found = bucket_directions(rule, buckets, group, ctx, batched=batched,
+                                  inputs=(lambda its: [xs[id(i)] for i in its]) if replicas else
+                                  (lambda its: [i.param for i in its]), orth=orth, factored=factored)
+        for targets, news in found.writes:  # the owner's copies: what goes back
+            torch._foreach_copy_(targets, news)
+        by_item.update((id(it), d) for b, ds in zip(buckets, found.directions, strict=True)
+                       for it, d in zip(b.items, ds, strict=True))
+    results = {}
+    for j, start, n, state in spans:
+        ds = [by_item[id(it)] for it in items[start : start + n]]
+        if own:  # the rule's own step of each whole matrix, in the whole weight (a copy): it goes back stepped
+            W, layout = wholes[j][1], units[j].layout
+            for w, d, s in zip(layout.matrices(W) if layout is not None else [W], ds, scales[j], strict=True):
+                step_weights(rule, [w], d.reshape(1, w.shape[0], -1), s, group)
+            results[j] = (W, state)
+        elif factored or (units[j].layout is None and ds[0].dtype == d_dtype):
+            results[j] = (ds[0] if factored else ds[0].reshape(members[j].shape), state)
+        else:  # a view's matrices into the whole direction, the step multipliers folded in where they differ
+            X = wholes[j][0]
+            D = torch.empty(X.shape, dtype=d_dtype, device=X.device)
+            views = units[j].layout.matrices(D) if units[j].layout is not None else [D.view(ds[0].shape)]
+            for v, d, s in zip(views, ds, scales[j], strict=True):
+                v.copy_(d * s if fold else d)
+            results[j] = (D, state)
+    return results
+
+
+def _placeholder(rule: HiddenRule, it: Item, ws: list[Tensor], keys: list[str], *, own: bool, factored: bool,
+                 ns: torch.dtype, d_dtype: torch.dtype) -> tuple[Any, dict[str, Tensor]]:
+    """What an owner whose computation raised sends back (the step is skipped on every rank): zeros of the shapes and
+    dtypes its ranks wait for, the weights and the per-matrix state as they were."""
+    X = ws[0]
+    state = {k: ws[keys.index(k)] if k in keys else _local(it.state[k]) for k in rule._owner_state}
+    if own:
+        return ws[1], state
+    if factored:
+        return (torch.zeros(X.shape, dtype=ns, device=X.device),
+                *(torch.zeros(X.shape[d], dtype=d_dtype, device=X.device) for d in AXES.values())), state
+    return torch.zeros(X.shape, dtype=d_dtype, device=X.device), state
+
+
+def _elementwise_bucket(rule: Any, members: list[Item], group: dict, ctx: StepContext, x_of: Inputs,
+                        batched: bool) -> list:
     """An elementwise momentum rule's pieces whose statistics need more than sums over rows (eq. 9 on a
     tensor-parallel ``Shard(1)`` embedding): ``X`` out, :meth:`MomentumRule.direction` of each whole matrix at
     its owner, ``D`` back."""
@@ -420,19 +491,31 @@ def _elementwise_bucket(rule: Any, members: list[Item], group: dict, ctx: StepCo
     indices = [it.index for it in members]
     p0 = members[0].param
     x_dtype, d_dtype = _dtypes(rule, group, p0, p0.dtype, False)
-    wholes = ex.to_owners(indices, [[x_of(it).to(x_dtype)] for it in members], [["param"]] * len(members))
+    try:
+        with naming(rule, members):
+            xs = [x.to(x_dtype) for x in _inputs(x_of, members, batched)]
+    except Exception as e:
+        _guard(ctx, e)
+        xs = [torch.zeros(it.param.shape, dtype=x_dtype, device=p0.device) for it in members]
+    wholes = ex.to_owners(indices, [[x] for x in xs], [["param"]] * len(members))
+    del xs
     out_wholes = []
-    for i, ws in zip(indices, wholes, strict=True):
+    for it, i, ws in zip(members, indices, wholes, strict=True):
         if ws is None:
             out_wholes.append(None)
             continue
         X = ws[0]
         layout = ex.units[i].layout
         D = torch.empty(X.shape, dtype=d_dtype, device=X.device)
-        for x, d in zip(*((layout.matrices(X), layout.matrices(D)) if layout is not None else ([X], [D])),
-                        strict=True):
-            x = x.reshape(x.shape[0], -1) if needs_matrix(rule) else x
-            d.copy_(rule.direction(x.contiguous().to(x_dtype)[None], group, None, tuple(x.shape))[0].reshape(d.shape))
+        try:
+            with naming(rule, [it]):
+                for x, d in zip(*((layout.matrices(X), layout.matrices(D)) if layout is not None else ([X], [D])),
+                                strict=True):
+                    x = x.reshape(x.shape[0], -1) if needs_matrix(rule) else x
+                    d.copy_(rule.direction(x.contiguous().to(x_dtype)[None], group, None,
+                                           tuple(x.shape))[0].reshape(d.shape))
+        except Exception as e:
+            _guard(ctx, e)
         out_wholes.append([D])
     got = ex.from_owners(indices, out_wholes, [["param"]] * len(members),
                          [lambda it=it: [torch.empty(it.param.shape, dtype=d_dtype, device=it.param.device)]
@@ -442,12 +525,14 @@ def _elementwise_bucket(rule: Any, members: list[Item], group: dict, ctx: StepCo
 
 def step(calls: Sequence[Call], *, batched: bool, orth: Callable | None = None) -> None:
     """The exchange's form of a step's calls (``foreach=False``: ``batched`` False, as one process's per-tensor form,
-    each matrix alone at the owners; ``foreach=True``: one stack per shape at the owners): momentum and direction
-    inputs where the pieces lie (``driver.input_makers``), then per shape bucket the exchange, each rank's pieces
-    applied as one process's. A bucket is DDP's matrices as one process's batched form buckets them (an ``(n, m)``
-    matrix in the ``(m, n)`` bucket, which saves an exchange) or a DTensor's units by their global shape; one
-    bucket's exchange out and back at a time, so that a step holds one bucket's whole matrices."""
-    for (rule, items, group, ctx), x_of in zip(calls, input_makers(calls, batched=batched), strict=True):
+    each matrix alone at the owners; ``foreach=True``: one stack per shape at the owners): direction inputs from the
+    unchanged momentum where the pieces lie (``driver.Inputs``), then per shape bucket the exchange; the step's writes
+    queued on its commit: each call's updates of this rank's pieces as one process's, then the momentum of every
+    call where it lies (``driver.write_inputs``). A bucket is DDP's matrices as one process's batched form buckets
+    them (an ``(n, m)`` matrix in the ``(m, n)`` bucket, which saves an exchange) or a DTensor's units by their global
+    shape; one bucket's exchange out and back at a time, so that a step holds one bucket's whole matrices."""
+    for rule, items, group, ctx in calls:
+        x_of = Inputs(rule, group, ctx)
         units = ctx.split.units
         transpose = batched and isinstance(rule, HiddenRule) and rule.transposes and all(
             units[it.index].replicas for it in items)
@@ -456,14 +541,17 @@ def step(calls: Sequence[Call], *, batched: bool, orth: Callable | None = None) 
             if isinstance(rule, HiddenRule):
                 pending += _hidden_bucket(rule, b, group, ctx, batched=batched, x_of=x_of, orth=orth)
             else:
-                pending += _elementwise_bucket(rule, b.items, group, ctx, x_of)
-        apply_pending(pending, group)
+                pending += _elementwise_bucket(rule, b.items, group, ctx, x_of, batched)
+        ctx.commit.later(apply_pending, pending, group)
+    if calls:
+        calls[0][3].commit.later(write_inputs, list(calls), batched=batched)
 
 
 def whole_step(rule: SteppingRule, items: Sequence[Item], group: dict, ctx: StepContext, foreach: bool) -> None:
     """A stepping rule whose statistics need whole tensors (SCALE's column and row rules on pieces that are not
     whole rows): parameter, gradient and sharded state to the owner, the rule's own step there on whole tensors
-    made for this step, the new parameter and state pieces back."""
+    made for this step (copies of what the owner holds), the new parameter and state pieces back, written in the
+    step's commit."""
     ex: Exchange = ctx.split  # type: ignore[assignment]
     indices = [it.index for it in items]
     keys, pieces = [], []
@@ -477,14 +565,22 @@ def whole_step(rule: SteppingRule, items: Sequence[Item], group: dict, ctx: Step
         if ws is None:
             states.append(None)
             continue
-        state = {k: (ws[ks.index(k)] if k in ks[2:] else _local(v)) for k, v in it.state.items()}
+        if ex.units[it.index].replicas:  # the pieces themselves: the owner steps a copy
+            ws[0] = ws[0].clone()
+        state = {k: (ws[ks.index(k)] if k in ks[2:] else _local(v).clone() if isinstance(v, Tensor) else v)
+                 for k, v in it.state.items()}
         layout = ex.units[it.index].layout
         at_owner += ([Item(ws[0], ws[1], state, it.name, it.shape, it.kind)] if layout is None else
                      cut_items(rule, layout, ws[0], ws[1], state, it.name, it.kind, layout.labels()))
         states.append(state)
     if at_owner:
-        (rule.step_foreach if foreach else rule.step)(at_owner, group, ctx)
-    names = [[k for k in sorted(it.state) if isinstance(it.state[k], Tensor)] for it in items]
+        try:
+            with naming(rule, at_owner):
+                (rule.step_foreach if foreach else rule.step)(at_owner, group, ctx)
+        except Exception as e:
+            _guard(ctx, e)
+    names = [[k for k in sorted(it.state) if isinstance(it.state[k], Tensor) and k != commit.SKIPPED]
+             for it in items]
     out_wholes = [None if st is None else [ws[0], *(st[k] for k in ns)]
                   for ws, st, ns in zip(wholes, states, names, strict=True)]
     back_keys = [["param", *(k if k in ex.units[i].state_pieces else None for k in ns)]
@@ -493,7 +589,11 @@ def whole_step(rule: SteppingRule, items: Sequence[Item], group: dict, ctx: Step
                          [lambda it=it, ns=ns: [torch.empty_like(it.param), *(torch.empty_like(_local(it.state[k]))
                                                                                for k in ns)]
                           for it, ns in zip(items, names, strict=True)])
+    targets, news = [], []
     for it, ns, parts in zip(items, names, got, strict=True):
-        it.param.copy_(parts[0])
+        targets.append(it.param)
+        news.append(parts[0])
         for k, t in zip(ns, parts[1:], strict=True):
-            _local(it.state[k]).copy_(t)
+            targets.append(_local(it.state[k]))
+            news.append(t)
+    ctx.commit.later(commit.copy_, targets, news)

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import compiled, driver, exchange
+from . import commit, compiled, driver, exchange
 from .calls import Item, Path, StepContext
 from .distributed import SHARDED_LAYOUTS, LocalSplit, RowSums, is_dtensor
 from .driver import HiddenRule
@@ -40,8 +40,15 @@ Form = Callable[[list[driver.Call]], None]
 
 
 def _own_step(rule: SteppingRule, items: list[Item], group: dict, ctx: StepContext, foreach: bool) -> None:
-    """A stepping rule on tensors it holds (whole, or whole rows with sums over shards): its own form."""
-    (rule.step_foreach if foreach else rule.step)(items, group, ctx)
+    """A stepping rule on tensors it holds (whole, or whole rows with sums over shards): its own form, a write of the
+    step's commit, made after the momentum rules' (``commit.stepping_``: on copies where the step may be skipped)."""
+    form = rule.step_foreach if foreach else rule.step
+
+    def run(its: list[Item]) -> None:
+        with driver.naming(rule, its):
+            form(its, group, ctx)
+
+    ctx.commit.last(commit.stepping_, run, list(items), foreach=foreach, elementwise=driver.elementwise(rule))
 
 
 class Executor(NamedTuple):

@@ -136,7 +136,9 @@ class MomentumRule(MomentumBase):
         raise NotImplementedError
 
     def update(self, items: Sequence[Item], group: dict, ctx: StepContext) -> None:
-        """The per-tensor form: the directions of ``items`` (momentum already updated) and their steps."""
+        """The per-tensor form: the directions of ``items`` and their steps, called among the step's writes (the
+        momentum already written, ``driver.direction_input`` reads it); its steps go through
+        ``driver.apply_update(..., gate=ctx.gate)``, so that a skipped step writes nothing."""
         raise NotImplementedError
 
 

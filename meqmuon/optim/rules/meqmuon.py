@@ -77,7 +77,7 @@ class Equilibrate(MomentumRule):
                 return direction_input(it, group, rows, out if same else None)
 
             blockwise.equilibrate_step_(it.param, rows_of, group["lr"], group["weight_decay"], group["rho"],
-                                        psum=ctx.split.psum, rows=it.shape[0])
+                                        psum=ctx.split.psum, rows=it.shape[0], gate=ctx.gate)
 
 
 class RmsNormalize(MomentumRule):
@@ -98,4 +98,4 @@ class RmsNormalize(MomentumRule):
         for it in items:
             X = direction_input(it, group).reshape(1, -1)
             D = F.rms_normalize(X, psum=ctx.split.psum, numel=math.prod(it.shape), scale=group["rho"])
-            apply_update([it], [D], [1.0], group)
+            apply_update([it], [D], [1.0], group, gate=ctx.gate)
