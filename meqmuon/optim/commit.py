@@ -28,8 +28,8 @@ from torch import Tensor
 from .. import functional as F
 from .calls import Item
 
-__all__ = ["CHUNKS", "Commit", "Gate", "copy_", "flat_copy", "momentum_", "name_error", "shadow_items", "stepping_",
-           "update_", "write_back"]
+__all__ = ["CHUNKS", "Commit", "Gate", "copy_", "decay_", "flat_copy", "lerp_", "momentum_", "name_error",
+           "shadow_items", "stepping_", "update_", "write_back"]
 
 #: A gated write goes through flat copies of at most ``1 / CHUNKS`` of its tensors' bytes (or one tensor, where
 #: that is larger) at a time, so that the copies of one write stay within the step's transient bound; a constant, so
@@ -86,6 +86,9 @@ class Commit:
         self.error: BaseException | None = None
         self._writes: list[tuple[Callable[..., None], tuple, dict]] = []
         self._last: list[tuple[Callable[..., None], tuple, dict]] = []
+        #: Called once the momentum rules' writes are made, before the stepping rules' (the engine lets go of the
+        #: momentum rules' workspaces there).
+        self.between: Callable[[], None] | None = None
 
     def later(self, write: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         """Queue ``write(*args, **kwargs, gate=...)`` for :meth:`run`."""
@@ -103,12 +106,23 @@ class Commit:
 
     def run(self) -> None:
         """Make the queued writes, in order, each let go once made (its transients with it)."""
-        writes, self._writes, self._last = self._writes + self._last, [], []
+        for writes in self._take(), self._take(last=True):
+            while writes:
+                write, args, kwargs = writes.pop()
+                write(*args, **kwargs, gate=self.gate)
+                del write, args, kwargs
+            if self.between is not None:
+                self.between()
+                self.between = None
+
+    def _take(self, last: bool = False) -> list[tuple[Callable[..., None], tuple, dict]]:
+        writes = self._last if last else self._writes
+        if last:
+            self._last = []
+        else:
+            self._writes = []
         writes.reverse()
-        while writes:
-            write, args, kwargs = writes.pop()
-            write(*args, **kwargs, gate=self.gate)
-            del write, args, kwargs
+        return writes
 
 
 def name_error(error: BaseException, rule: Any, names: Sequence[str]) -> BaseException:
@@ -202,15 +216,44 @@ def momentum_(bufs: Sequence[Tensor], grads: Sequence[Tensor], mu: float | Tenso
     if gate is None:
         F.momentum_(bufs, grads, mu, fused=fused)
         return
-    if fused:
+    if fused:  # by row blocks: a block's transient, whatever the tensor's size
         for b, g in zip(bufs, grads, strict=True):
-            torch.where(gate.skip(b.device), b, torch.add(g, b, alpha=mu), out=b)
+            for rows in _blocks(b):
+                bb, gg = (b, g) if rows is None else (b[rows], g[rows])
+                torch.where(gate.skip(b.device), bb, torch.add(gg, bb, alpha=mu), out=bb)
         return
     for idx in chunks(bufs):
         bs = [bufs[i] for i in idx]
         flat, views = flat_copy(bs)
         F.momentum_(views, [grads[i] for i in idx], mu)
         write_back(bs, flat, views, gate)
+
+
+def lerp_(targets: Sequence[Tensor], ends: Sequence[Tensor], weight: float, *, fused: bool,
+          gate: Gate | None) -> None:
+    """``T <- lerp(T, E, weight)`` (an EMA: SCALE's head momentum), per tensor (``fused``) or in one
+    ``_foreach_lerp_``; gated, as :func:`momentum_`: per tensor by row blocks and ``where``, batched on flat copies of
+    a chunk written back."""
+    if not targets:
+        return
+    if gate is None:
+        if fused:
+            for t, e in zip(targets, ends, strict=True):
+                t.lerp_(e, weight)
+        else:
+            torch._foreach_lerp_(list(targets), list(ends), weight)
+        return
+    if fused:
+        for t, e in zip(targets, ends, strict=True):
+            for rows in _blocks(t):
+                tt, ee = (t, e) if rows is None else (t[rows], e[rows])
+                torch.where(gate.skip(t.device), tt, torch.lerp(tt, ee, weight), out=tt)
+        return
+    for idx in chunks(targets):
+        ts = [targets[i] for i in idx]
+        flat, views = flat_copy(ts)
+        torch._foreach_lerp_(views, [ends[i] for i in idx], weight)
+        write_back(ts, flat, views, gate)
 
 
 def decay_(params: Sequence[Tensor], factor: float | Tensor, gate: Gate | None) -> None:
@@ -318,6 +361,14 @@ SKIPPED = "skipped_steps"
 BLOCK_ELEMENTS = 1 << 19
 
 
+def _blocks(t: Tensor, limit: int = BLOCK_ELEMENTS) -> list[slice | None]:
+    """Row ranges of ``t`` of at most ``limit`` elements (one row at least), or ``[None]`` (all of it)."""
+    if t.ndim == 0 or t.numel() <= limit:
+        return [None]
+    step = max(1, limit // max(1, t[:1].numel()))
+    return [slice(i, min(i + step, t.shape[0])) for i in range(0, t.shape[0], step)]
+
+
 def _written(it: Item) -> list[str]:
     """The state tensors a stepping rule may write: every one but the engine's counter."""
     return [k for k, v in it.state.items() if isinstance(v, Tensor) and k != SKIPPED]
@@ -326,22 +377,20 @@ def _written(it: Item) -> list[str]:
 def _row_pieces(it: Item, limit: int) -> list[slice | None]:
     """Row ranges of ``it`` of at most ``limit`` elements (an elementwise rule's step of a piece is the piece of its
     step), where its state tensors are shaped like it; else the whole item."""
-    p = it.param
-    if p.ndim == 0 or p.numel() <= limit or any(it.state[k].shape != p.shape for k in _written(it)):
+    if any(it.state[k].shape != it.param.shape for k in _written(it)):
         return [None]
-    step = max(1, limit // max(1, p[:1].numel()))
-    return [slice(i, min(i + step, p.shape[0])) for i in range(0, p.shape[0], step)]
+    return _blocks(it.param, limit)
 
 
 def stepping_(step: Callable[[list[Item]], None], items: Sequence[Item], *, foreach: bool, elementwise: bool,
-              gate: Gate | None, parts: int = 4) -> None:
+              gate: Gate | None, parts: int = 4, gated: bool = False) -> None:
     """A stepping rule's own step (``step(items)``, in place: AdamW's, SCALE's) in the commit. Ungated, as it is.
     Gated, on copies (:func:`shadow_items`) then written back unless the step is skipped: batched (``foreach``) a
     chunk of about ``1 / parts`` of the items' bytes at a time (an elementwise rule's large items cut into row
     pieces, so that a chunk's copies stay within the step's transient bound), one ``where`` per flat copy; per
     tensor each item (an elementwise rule's by row blocks), one ``where`` per tensor."""
     items = list(items)
-    if gate is None:
+    if gate is None or gated:  # ``gated``: the rule's own writes read the flag (``SteppingRule.gates_itself``)
         step(items)
         return
     if not foreach:
@@ -359,13 +408,22 @@ def stepping_(step: Callable[[list[Item]], None], items: Sequence[Item], *, fore
     chunk: list[tuple[Item, slice | None]] = []
     held = 0
     for n, (it, rows) in enumerate(pieces):
-        chunk.append((it, rows))
-        held += it.param.numel() if rows is None else it.param[rows].numel()
-        if held >= limit or n == len(pieces) - 1:
-            copies, flats = shadow_items(chunk, _written, True)
-            step(copies)
-            del copies
-            for targets, flat, views in flats:
-                write_back(targets, flat, views, gate)
-            del flats
+        size = it.param.numel() if rows is None else it.param[rows].numel()
+        if chunk and held + size > limit:
+            _step_chunk(step, chunk, gate)
             chunk, held = [], 0
+        chunk.append((it, rows))
+        held += size
+        if n == len(pieces) - 1:
+            _step_chunk(step, chunk, gate)
+
+
+def _step_chunk(step: Callable[[list[Item]], None], chunk: list[tuple[Item, slice | None]], gate: Gate) -> None:
+    """:func:`stepping_`'s step of one chunk of pieces on their copies, written back unless the step is skipped."""
+    copies, flats = shadow_items(chunk, _written, True)
+    step(copies)
+    del copies
+    while flats:
+        targets, flat, views = flats.pop()
+        write_back(targets, flat, views, gate)
+        del targets, flat, views

@@ -32,6 +32,7 @@ from .driver import (
     Inputs,
     bucket_directions,
     directions,
+    held_factored,
     keep_directions,
     make_buckets,
     matrix_shape,
@@ -213,11 +214,14 @@ def _hidden_compiled(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: 
         with naming(rule, [it]):
             shape = matrix_shape(it.shape)
             (b,) = make_buckets([it], matrix=True, transpose=False)
+            factored = held_factored(rule, group, ctx, it.param.reshape(shape))
             found = bucket_directions(rule, [b], group, ctx, batched=False,
-                                      inputs=lambda its: [x_of.one(i) for i in its], orth=owner_directions)
+                                      inputs=lambda its: [x_of.one(i) for i in its], orth=owner_directions,
+                                      factored=factored)
             for targets, news in found.writes:
                 ctx.commit.later(commit.copy_, targets, news)
-            kept.append((it.param, found.directions[0][0].reshape(1, *shape), rule.lr_scale(*shape, group)))
+            d = found.directions[0][0]
+            kept.append((it.param, d if factored else d.reshape(1, *shape), rule.lr_scale(*shape, group)))
     keep_directions(rule, kept, group, ctx)
 
 

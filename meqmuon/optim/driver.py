@@ -647,9 +647,9 @@ def _write_own_inputs(rule: HiddenRule, items: Sequence[Item], group: dict, *, b
         for chunk in ([items] if batched else [[it] for it in items]):
             rule.inputs(chunk, group)
         return
-    if batched:
+    if batched:  # a chunk's copies of its state and the rule's own temporaries (Muon-VS: 3 more) at a time
         bufs = [it.state["momentum_buffer"] for it in items]
-        chunks = [[items[i] for i in idx] for idx in commit.chunks(bufs)]
+        chunks = [[items[i] for i in idx] for idx in commit.chunks(bufs, parts=4)]
     else:
         chunks = [[it] for it in items]
     for chunk in chunks:
@@ -698,7 +698,8 @@ def _elementwise_update(rule: MomentumRule, items: Sequence[Item], group: dict, 
 def _hidden_eager(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: StepContext, x_of: Inputs) -> None:
     """A hidden rule's per-tensor directions: every matrix a stack of one, made just before its Newton-Schulz; its
     direction (or, for a rule with a step of its own, its stepped weights) and its new per-matrix state kept for
-    the step's writes (:func:`keep_directions`)."""
+    the step's writes (:func:`keep_directions`): as ``U`` with its factors where that is fewer bytes
+    (:func:`held_factored`)."""
     scratch: dict[tuple, Tensor] = {}
     per_matrix = [(k, how) for k, how in rule.state_views.items() if how in ("rows", "counter", "step")]
     kept = []
@@ -709,30 +710,50 @@ def _hidden_eager(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: Ste
             X = x.reshape(x.shape[0], -1) if x.ndim > 2 else x
             state = {k: F.on_device([it.state[k]], b.device) if how == "step" else it.state[k][None].clone()
                      for k, how in per_matrix}
-            ((D,),) = directions(rule, [(X[None], 1, state)], group, ctx, batched=False, scratch=scratch, fresh=True)
+            factored = held_factored(rule, group, ctx, X)
+            ((D,),) = directions(rule, [(X[None], 1, state)], group, ctx, batched=False, scratch=scratch, fresh=True,
+                                 factored=factored)
             for k in rule._owner_state:
                 ctx.commit.later(commit.copy_, [it.state[k]], [state[k][0]])
             kept.append((it.param, D, rule.lr_scale(shape[0], math.prod(shape[1:]), group)))
     keep_directions(rule, kept, group, ctx)
 
 
-def keep_directions(rule: HiddenRule, kept: Sequence[tuple[Tensor, Tensor, float]], group: dict,
+def held_factored(rule: HiddenRule, group: dict, ctx: StepContext, X: Tensor) -> bool:
+    """Whether the per-tensor forms keep a matrix's direction until the step's writes as ``U`` in the Newton-Schulz
+    dtype with its row and column factors (:meth:`HiddenRule.post_factors`, ``transfer.FACTORS``: MeqMuon's eq. 8,
+    NorMuon's) instead of ``D``: where that is fewer bytes (``transfer.pays``: bf16 ``U``, a float32 ``D``); the
+    writes make ``D`` from them bit for bit (``transfer.apply``)."""
+    if rule.transfer_form != transfer.FACTORS:
+        return False
+    ns = resolve_dtype(group, X, ctx)
+    return transfer.pays(transfer.FACTORS, X.shape[-2], X.shape[-1], ns, torch.promote_types(ns, torch.float32))
+
+
+def keep_directions(rule: HiddenRule, kept: Sequence[tuple[Tensor, Any, float]], group: dict,
                     ctx: StepContext) -> None:
-    """Queue the per-tensor forms' steps of ``kept`` (``(param, D, scale)``, ``D`` a stack ``(1, m, n)``): each
-    ``W <- (1 - lr wd) W - lr s D`` in the commit; a rule with a step of its own (:meth:`HiddenRule.step_weights`)
-    steps a copy of each weight now and the commit writes it."""
+    """Queue the per-tensor forms' steps of ``kept`` (``(param, D, scale)``: ``D`` a stack ``(1, m, n)``, or ``(U, row,
+    col)`` with its factors): each ``W <- (1 - lr wd) W - lr s D`` in the commit; a rule with a step of its own
+    (:meth:`HiddenRule.step_weights`) steps a copy of each weight now and the commit writes it."""
     if rule._own_step:
         for p, D, s in kept:
             ctx.commit.later(commit.copy_, [p], stepped_weights(rule, [p], D, s, group))
         return
-    ctx.commit.later(_apply_each, [p for p, _, _ in kept], [D for _, D, _ in kept], [s for _, _, s in kept], group)
+    ctx.commit.later(_apply_each, [p for p, _, _ in kept], [D for _, D, _ in kept], [s for _, _, s in kept], group,
+                     rule.factors_divide)
 
 
-def _apply_each(params: Sequence[Tensor], dirs: Sequence[Tensor], scales: Sequence[float], group: dict, *,
-                gate: Gate | None) -> None:
-    """The per-tensor form's updates, one parameter at a time (:func:`apply_update`'s kernels)."""
+def _apply_each(params: Sequence[Tensor], dirs: Sequence[Any], scales: Sequence[float], group: dict,
+                divide: bool, *, gate: Gate | None) -> None:
+    """The per-tensor form's updates, one parameter at a time (:func:`apply_update`'s kernels), a direction kept as
+    factors made first (``transfer.apply``, the bits of ``post``)."""
     scratch: dict = {}
     for p, D, s in zip(params, dirs, scales, strict=True):
+        if isinstance(D, tuple):
+            U, row, col = D
+            if row.ndim == 1:  # one matrix's (m,) and (n,) factors (bucket_directions')
+                row, col = row[:, None], col[None, :]
+            D = transfer.apply(U, row, col, divide)
         d = D.reshape(p.shape)
         if d.dtype != p.dtype and torch.promote_types(d.dtype, p.dtype) == p.dtype:
             d = buffer(scratch, "direction", p.shape, p.dtype, p.device).copy_(d)

@@ -243,6 +243,7 @@ class RoleOptimizer(Optimizer):
         self._rows: dict[tuple, RowSums] = {}
         self._local = LocalSplit()
         self._last_workspace = 0
+        self._released = True
         self._contexts: list[StepContext] = []
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -475,10 +476,11 @@ class RoleOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         calls, grads, counted = self._calls(self._plan())
+        self._released = False
         try:
             self._transact(calls, grads, counted, grad_scale, found_inf)
         finally:
-            self._release()
+            self._release(measure=not self._released)
         return loss
 
     def _transact(self, calls: tuple[list[driver.Call], list[driver.Call]], grads: list[tuple[str, torch.Tensor]],
@@ -490,6 +492,8 @@ class RoleOptimizer(Optimizer):
         raises before its writes is not counted (``counted``: the states whose ``"step"`` :meth:`_calls` advanced)."""
         world = 1 if self._process_group is None else dist.get_world_size(self._process_group)
         step = Commit(tolerant=world > 1)
+        if stepping is None:  # the momentum rules' stacks, before the stepping rules copy their tensors
+            step.between = self._release
         try:
             try:
                 step.gate = self._gate(grads, grad_scale, found_inf, world)
@@ -584,8 +588,8 @@ class RoleOptimizer(Optimizer):
         for state in counted:
             t = state[SKIPPED]
             by.setdefault(t.device, []).append(t)
-        for dev, ts in by.items():
-            torch._foreach_add_(ts, gate.value(torch.int64, dev))
+        for dev, ts in by.items():  # the List overload: the 0-D Tensor one reads the flag on the host (.item())
+            torch._foreach_add_(ts, [gate.value(torch.int64, dev)] * len(ts))
 
     def skipped_steps(self) -> int:
         """The steps skipped so far (``nonfinite="skip"``, a ``GradScaler``'s overflows, an error on another rank): the
@@ -696,10 +700,12 @@ class RoleOptimizer(Optimizer):
             )
         return self.step(closure)  # dynamo is off here: is_compiling() is False
 
-    def _release(self) -> None:
+    def _release(self, measure: bool = True) -> None:
         """Let go of the step's workspaces (stacks, Newton-Schulz buffers): nothing but the state is kept
         between steps, so that the forward and backward get that memory (on CUDA the caching allocator hands
-        freed blocks back to them). :meth:`workspace_bytes` keeps their size at the step's end."""
+        freed blocks back to them). :meth:`workspace_bytes` keeps their size at the step's end (``measure``: the
+        first release of a step, once the momentum rules' writes are made; the stepping rules' buffers after
+        it are let go too)."""
         spaces = [self._workspace, self._local.workspace, *(r.workspace for r in self._rows.values()),
                   *([self._exchange.workspace] if self._exchange is not None else [])]
         # the bytes of the tensors in the workspaces' entries (tensors, or dicts, lists and tuples of them)
@@ -710,7 +716,9 @@ class RoleOptimizer(Optimizer):
                 total += v.numel() * v.element_size()
             elif isinstance(v, dict | list | tuple):
                 pending += v.values() if isinstance(v, dict) else v
-        self._last_workspace = total
+        if measure:
+            self._last_workspace = total
+        self._released = True
         for ws in spaces:  # what stays: the resolved Newton-Schulz dtypes
             for key in [k for k, v in ws.items() if not isinstance(v, torch.dtype)]:
                 del ws[key]

@@ -44,11 +44,23 @@ def _own_step(rule: SteppingRule, items: list[Item], group: dict, ctx: StepConte
     step's commit, made after the momentum rules' (``commit.stepping_``: on copies where the step may be skipped)."""
     form = rule.step_foreach if foreach else rule.step
 
-    def run(its: list[Item]) -> None:
-        with driver.naming(rule, its):
-            form(its, group, ctx)
+    def run(its: list[Item], gate: commit.Gate | None = None) -> None:
+        ctx.gate = gate
+        try:
+            with driver.naming(rule, its):
+                form(its, group, ctx)
+        finally:
+            ctx.gate = None
 
-    ctx.commit.last(commit.stepping_, run, list(items), foreach=foreach, elementwise=driver.elementwise(rule))
+    ctx.commit.last(_stepping, run, list(items), foreach=foreach, elementwise=driver.elementwise(rule),
+                    gated=rule.gates_itself)
+
+
+def _stepping(run: Callable[..., None], items: list[Item], *, foreach: bool, elementwise: bool, gated: bool,
+              gate: commit.Gate | None) -> None:
+    """A stepping rule's write (``commit.stepping_``), its form given the flag where it reads it itself."""
+    commit.stepping_(lambda its: run(its, gate if gated else None), items, foreach=foreach, elementwise=elementwise,
+                     gated=gated, gate=gate)
 
 
 class Executor(NamedTuple):

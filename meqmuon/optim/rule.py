@@ -67,7 +67,8 @@ class Rule:
 
 class SteppingRule(Rule):
     """A rule that writes its own forms and state (AdamW, SCALE): the driver calls :meth:`step`
-    (``foreach=False``) or :meth:`step_foreach` (``foreach=True``); ``compile=True`` leaves it eager."""
+    (``foreach=False``) or :meth:`step_foreach` (``foreach=True``) among the step's writes, once every momentum
+    rule's direction exists (``commit.py``); ``compile=True`` leaves it eager."""
 
     #: The rule needs >=2-D tensors (matrix rules).
     needs_matrix: ClassVar[bool] = False
@@ -78,6 +79,12 @@ class SteppingRule(Rule):
     #: How each state tensor divides among a parameter's matrices (``views.py``; as the momentum rules'
     #: below): the keys a stacked or split parameter's matrices see as views of their own.
     state_views: ClassVar[dict[str, str]] = {}
+    #: The rule's :meth:`step` and :meth:`step_foreach` read the step's skip flag, ``ctx.gate``, and write nothing on
+    #: a skipped step (``driver.apply_update(..., gate=ctx.gate)``, ``commit.update_``, ``commit.lerp_``: SCALE's
+    #: rules). Else (AdamW) the engine runs them on copies of the parameters and state, written back unless the step
+    #: is skipped (``commit.stepping_``): the same kernels, so the same bits, and any rule's writes kept out of a
+    #: skipped step.
+    gates_itself: ClassVar[bool] = False
 
     def state_elements(self, layout: Layout) -> int:
         """Number of state elements (excluding scalar counters) kept for a parameter of ``layout``."""

@@ -54,6 +54,7 @@ class MuonVS(MoonlightHidden):
         diff = torch._foreach_sub(Ms, Gs)
         torch._foreach_mul_(Vs, mu)
         torch._foreach_addcmul_(Vs, diff, diff, value=mu * (1.0 - mu))
+        del diff  # before X and its divisor: the step's inputs are made a bucket at a time, on copies of M and V
         torch._foreach_mul_(Ms, mu)
         torch._foreach_add_(Ms, Gs, alpha=1.0 - mu)
         corrections = [1.0 - mu ** it.state["step"] for it in items]

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ... import functional as F
+from .. import commit
 from ..calls import state_dtype
 from ..driver import apply_update, grads_like, make_buckets, matrix_shape, stack_tensors, unstack
 from ..inputs import number
@@ -53,10 +54,12 @@ def _scale_col(x: Tensor, psum: F.PSum = None, rows: int | None = None) -> Tenso
 
 
 class _ScaleRaw(SteppingRule):
-    """SCALE without momentum: normalise the raw gradient slice-wise; no state."""
+    """SCALE without momentum: normalise the raw gradient slice-wise; no state. Its writes read the step's skip
+    flag (``ctx.gate``)."""
 
     normalise: ClassVar[Callable[[Tensor], Tensor]]
     needs_matrix = True
+    gates_itself = True
 
     def state_elements(self, layout):
         return 0
@@ -68,20 +71,22 @@ class _ScaleRaw(SteppingRule):
         ctx.emit(items, [it.grad for it in items], "gradient")
         psum = ctx.split.psum
         directions = [type(self).normalise(it.grad, psum, matrix_shape(it.shape)[0]) for it in items]
-        apply_update(items, directions, [1.0] * len(items), group)
+        apply_update(items, directions, [1.0] * len(items), group, gate=ctx.gate)
 
     #: The batched form's divisor of a gradient stack ``(k, m, n)`` (psum, global rows).
     divisor: ClassVar[Callable[..., Tensor]]
 
     def step_foreach(self, items, group, ctx):
         ctx.emit(items, [it.grad for it in items], "gradient")
-        params, directions = [], []
+        params, directions, stacks = [], [], []
         for b in make_buckets(items, matrix=True, transpose=False):
             G = stack_tensors(ctx, self.name, b, [it.grad for it in b.items])
             G.div_(type(self).divisor(G, ctx.split.psum, b.global_shape[0]))
             params += [it.param for it in b.items]
             directions += unstack(b, G)
-        F.decay_and_update_(params, directions, group["lr"], group["weight_decay"], [1.0] * len(params))
+            stacks.append(G)
+        commit.update_(params, directions, group["lr"], group["weight_decay"], [1.0] * len(params), stacks,
+                       gate=ctx.gate)
 
 
 class ScaleRow(_ScaleRaw):
@@ -102,10 +107,11 @@ class ScaleCol(_ScaleRaw):
 
 class ScaleHead(SteppingRule):
     """SCALE for the LM head: EMA momentum ``m <- lerp(m, g, 1 - beta)`` (no Nesterov, no bias
-    correction), then each vocabulary row to unit RMS."""
+    correction), then each vocabulary row to unit RMS. Its writes read the step's skip flag (``ctx.gate``)."""
 
     name = "scale_head"
     needs_matrix = True
+    gates_itself = True
     defaults = {"momentum": 0.9}  # upstream's beta for the head's EMA
 
     def validate(self, group):
@@ -128,18 +134,20 @@ class ScaleHead(SteppingRule):
         directions = []
         for it in items:
             m = it.state["momentum_buffer"]
-            m.lerp_(it.grad.to(m.dtype), 1.0 - group["momentum"])
+            commit.lerp_([m], [it.grad.to(m.dtype)], 1.0 - group["momentum"], fused=True, gate=ctx.gate)
             directions.append(_scale_row(m))
-        apply_update(items, directions, [1.0] * len(items), group)
+        apply_update(items, directions, [1.0] * len(items), group, gate=ctx.gate)
 
     def step_foreach(self, items, group, ctx):
         ctx.emit(items, [it.grad for it in items], "gradient")
         ms = [it.state["momentum_buffer"] for it in items]
-        torch._foreach_lerp_(ms, grads_like(items, ms), 1.0 - group["momentum"])
-        params, directions = [], []
+        commit.lerp_(ms, grads_like(items, ms), 1.0 - group["momentum"], fused=False, gate=ctx.gate)
+        params, directions, stacks = [], [], []
         for b in make_buckets(items, matrix=True, transpose=False):
             M = stack_tensors(ctx, self.name, b, [it.state["momentum_buffer"] for it in b.items])
             M.div_(_row_rms_divisor(M))
             params += [it.param for it in b.items]
             directions += unstack(b, M)
-        F.decay_and_update_(params, directions, group["lr"], group["weight_decay"], [1.0] * len(params))
+            stacks.append(M)
+        commit.update_(params, directions, group["lr"], group["weight_decay"], [1.0] * len(params), stacks,
+                       gate=ctx.gate)
