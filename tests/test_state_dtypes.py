@@ -210,5 +210,6 @@ def test_user_load_hooks_see_the_state_as_saved_and_as_loaded():
     opt.register_load_state_dict_post_hook(post)
     opt.load_state_dict(_roundtrip(opt))
     assert seen["pre"] <= {torch.Tensor, int} and torch.Tensor in seen["pre"]
-    assert seen["post"] == {torch.float32}  # momentum and second moment (state_dtype=torch.float32)
+    # momentum and second moment (state_dtype=torch.float32), and the skipped steps' int64 counter
+    assert seen["post"] == {torch.float32, torch.int64}
     assert len(opt._optimizer_load_state_dict_pre_hooks) == 1 and len(opt._optimizer_load_state_dict_post_hooks) == 1

@@ -409,7 +409,7 @@ def stepping_(step: Callable[[list[Item]], None], items: Sequence[Item], *, fore
     held = 0
     for n, (it, rows) in enumerate(pieces):
         size = it.param.numel() if rows is None else it.param[rows].numel()
-        if chunk and held + size > limit:
+        if chunk and held + size > limit + limit // 4:  # room for small tensors (norms) beside a full piece
             _step_chunk(step, chunk, gate)
             chunk, held = [], 0
         chunk.append((it, rows))

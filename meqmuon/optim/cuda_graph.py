@@ -160,13 +160,15 @@ def graph_key(opt: Any) -> tuple:
     return tuple(key)
 
 
-def adamw_foreach(rule: AdamW, items: Sequence[Item], group: dict, index: int, scalars: Scalars) -> None:
+def adamw_foreach(rule: AdamW, items: Sequence[Item], group: dict, index: int, scalars: Scalars,
+                  counted: Sequence[Item] | None = None) -> None:
     """:meth:`AdamW.step_foreach` with the step-dependent factors as device tensors: ``lr``, ``weight_decay``
     and, per distinct step count ``t``, ``-lr / (1 - beta1^t)`` (``-lr sqrt(1 - beta2^t) / (1 - beta1^t)``
     with eps before the correction) and ``1 / sqrt(1 - beta2^t)``. The same maths; the division by
     ``sqrt(1 - beta2^t)`` becomes a product and ``addcdiv`` a division then a scaled add (rounding only)."""
     beta1, beta2 = group["betas"]
     eps = group["eps"]
+    real = dict(zip(map(id, items), counted if counted is not None else items, strict=True))
     for n, b in enumerate(make_buckets(items, matrix=False, transpose=False, by_shape=False)):
         params = [it.param for it in b.items]
         ms = [it.state["exp_avg"] for it in b.items]
@@ -184,7 +186,9 @@ def adamw_foreach(rule: AdamW, items: Sequence[Item], group: dict, index: int, s
         for i, it in enumerate(b.items):
             by_step.setdefault(it.state["step"] - b.items[0].state["step"], []).append(i)
         for offset, members in by_step.items():
-            def t(item=b.items[members[0]]):
+            first = real[id(b.items[members[0]])]
+
+            def t(item=first):
                 return item.state["step"]
 
             def step_size(t=t):
@@ -301,8 +305,8 @@ class GraphedStep:
 
         def queue(step: commit.Commit) -> None:
             for rule, items, group, index in stepping:
-                step.last(commit.stepping_, lambda its, rule=rule, group=group, index=index: adamw_foreach(
-                    rule, its, group, index, self.scalars), items, foreach=True, elementwise=True, parts=1)
+                step.last(commit.stepping_, lambda its, rule=rule, group=group, index=index, items=items: adamw_foreach(
+                    rule, its, group, index, self.scalars, items), items, foreach=True, elementwise=True, parts=1)
 
         opt._transact(([], calls), grads, [], grad_scale, found_inf, queue)
         for _, entries, _ in plan:
