@@ -426,8 +426,9 @@ Orth = Callable[..., tuple[Tensor, Tensor | None, Tensor | None]]
 
 
 def bucket_directions(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, ctx: StepContext, *, batched: bool,
-                      x_of: Callable[[Item], Tensor], dtype: torch.dtype | None = None, orth: Orth | None = None,
-                      factored: bool = False) -> list[list[Any]]:
+                      x_of: Callable[[Item], Tensor] | None = None, dtype: torch.dtype | None = None,
+                      orth: Orth | None = None, factored: bool = False, handed: list[Tensor] | None = None,
+                      workspace: dict | None = None) -> list[list[Any]]:
     """The one body of a hidden rule's step, wherever its matrices are whole: one process's, and an owner rank's
     (``exchange.py``: DDP's shared matrices, the whole matrices of FSDP2's and tensor parallelism's pieces).
 
@@ -438,9 +439,16 @@ def bucket_directions(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, 
     Newton-Schulz per stack), or ``orth`` stack by stack (the owners' compiled graphs); the new per-matrix state
     written back into the members' (one copy kernel per key). Returns per bucket, per member, its direction in
     its own orientation (cast to ``dtype`` where that is wider), or with ``factored`` ``(U, row, col)``: its
-    ``U``, its ``(m,)`` row and ``(n,)`` column factors."""
+    ``U``, its ``(m,)`` row and ``(n,)`` column factors.
+
+    At an owner (``exchange.py``) the stacks may be ``handed`` over, one per bucket, already made (the received
+    whole matrices, put together in place): then nothing is copied, Newton-Schulz iterates in them and lets them
+    go before ``post``, and its buffers are this call's (``directions``' ``consume`` and ``release``), so that an
+    owner holds each whole matrix once and nothing of a bucket it is done with; ``workspace``: where the stacks
+    are made otherwise (default the call's, kept to the step's end)."""
     members = [it for b in buckets for it in b.items]
     device = members[0].param.device
+    workspace = ctx.workspace if workspace is None else workspace
     scalars = {k: F.on_device([it.state[k] for it in members], device) if how == "step" else
                torch.stack([it.state[k] for it in members]) for k, how in rule.state_views.items()
                if how in ("counter", "step")}
@@ -451,10 +459,14 @@ def bucket_directions(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, 
         state = {key: torch.stack([it.state[key] for it in b.items]) for key, how in rule.state_views.items()
                  if how == "rows"}
         state.update({key: v[o : o + k] for key, v in scalars.items()})
-        stacks.append((stack_inputs(ctx, rule.name, b, [x_of(it) for it in b.items], dt), b.plain, state))
+        X = handed.pop(0) if handed else stack_inputs(workspace, (rule.name, ctx.call), b,
+                                                      [x_of(it) for it in b.items], dt)
+        stacks.append((X, b.plain, state))
+        del X
         o += k
     if orth is None:
-        found = directions(rule, stacks, group, ctx, batched=batched, dtype=dtype, factored=factored)
+        found = directions(rule, stacks, group, ctx, batched=batched, dtype=dtype, factored=factored,
+                           **({"scratch": {}, "release": True, "consume": True} if handed is not None else {}))
     else:  # one graph per stack; the stack handed over (the graph's scratch)
         found = []
         for i, (X, plain, state) in enumerate(stacks):
@@ -493,12 +505,13 @@ def direction_input(it: Item, group: dict, rows: slice = slice(None), out: Tenso
     return F.direction_input([g], [b], group["momentum"], group["nesterov"], None if out is None else [out])[0]
 
 
-def stack_inputs(ctx: StepContext, name: str, bucket: Bucket, xs: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
-    """The members' direction inputs ``xs`` stacked (cast to ``dtype``) in the call's persistent workspace, in the
-    bucket's orientation: one ``stack`` reads the transposed members as strided views."""
+def stack_inputs(workspace: dict, role: tuple, bucket: Bucket, xs: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+    """The members' direction inputs ``xs`` stacked (cast to ``dtype``) in a buffer of ``workspace`` (a call's:
+    ``role`` names it, with the bucket's key), in the bucket's orientation: one ``stack`` reads the transposed
+    members as strided views."""
     if len(bucket.shape) == 2:
         xs = [x.reshape(x.shape[0], -1) if x.ndim > 2 else x for x in xs]
-    out = buffer(ctx.workspace, (name, "inputs", ctx.call, bucket.key), (len(xs), *bucket.shape), dtype,
+    out = buffer(workspace, (*role, "inputs", bucket.key), (len(xs), *bucket.shape), dtype,
                  bucket.items[0].param.device)
     return torch.stack([*xs[: bucket.plain], *(x.mT for x in xs[bucket.plain :])], out=out)
 
@@ -668,7 +681,8 @@ def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext, x
         found = bucket_directions(rule, buckets, group, ctx, batched=True, x_of=lambda it: xs.pop(id(it)),
                                   dtype=items[0].param.dtype)
     else:
-        found = [unstack(b, rule.direction(stack_inputs(ctx, rule.name, b, [xs.pop(id(it)) for it in b.items],
+        found = [unstack(b, rule.direction(stack_inputs(ctx.workspace, (rule.name, ctx.call), b,
+                                                        [xs.pop(id(it)) for it in b.items],
                                                         F.stat_dtype(b.items[0].param)),
                                            group, ctx.split.psum, b.global_shape)) for b in buckets]
     for b, ds in zip(buckets, found, strict=True):

@@ -52,6 +52,7 @@ from .driver import (
     resolve_dtype,
     step_weights,
 )
+from .newton_schulz import batched_ns
 from .owners import AXES, Replicas
 from .rule import SteppingRule
 from .views import Layout
@@ -160,18 +161,21 @@ class Exchange(LocalSplit):
                                       for m, n in self.units[i].pieces.local_shapes() if m * n)
         return self._factored[key]
 
-    def to_owners(self, indices: Sequence[int], pieces: list[list[Tensor]],
-                  keys: Sequence[Sequence[str]]) -> list[list[Tensor] | None]:
+    def to_owners(self, indices: Sequence[int], pieces: list[list[Tensor]], keys: Sequence[Sequence[str]],
+                  into: dict[int, Tensor] | None = None) -> list[list[Tensor] | None]:
         """Every rank's ``pieces[j]`` of unit ``indices[j]`` (local pieces, in ``keys[j]``'s layouts: ``"param"`` or a
         sharded state key) to its owner: one ``all_to_all_single``, none where every unit is a DDP one (its owner
         holds it whole). Returns per unit, at its owner, the tensors put together in their global shapes (under
-        DDP the pieces themselves), ``None`` elsewhere. ``pieces`` is handed over (emptied)."""
+        DDP the pieces themselves; ``into[j]``, where given, for its first), ``None`` elsewhere. ``pieces`` is handed
+        over (emptied)."""
         units = [self.units[i] for i in indices]
+        into = into or {}
         wholes: list[list[Tensor] | None] = []
-        for u, ps, ks in zip(units, pieces, keys, strict=True):
+        for j, (u, ps, ks) in enumerate(zip(units, pieces, keys, strict=True)):
             wholes.append(None if not u.mine else list(ps) if u.replicas else
-                          [torch.empty(u.descriptor(k).shape, dtype=p.dtype, device=p.device)
-                           for p, k in zip(ps, ks, strict=True)])
+                          [into[j] if n == 0 and j in into else
+                           torch.empty(u.descriptor(k).shape, dtype=p.dtype, device=p.device)
+                           for n, (p, k) in enumerate(zip(ps, ks, strict=True))])
         if all(u.replicas for u in units):
             pieces.clear()
             return wholes
@@ -318,7 +322,13 @@ def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepConte
               [x.to(x_dtype), *([it.param] if own else []), *(_local(it.state[k]) for k in ks[1 + own :])]
               for it, u, x, ks in zip(members, units, xs, keys_out, strict=True)]
     del xs
-    wholes = ex.to_owners(indices, pieces, keys_out)
+    # a DTensor's plain matrices are received straight into their owner's stack, which Newton-Schulz then iterates
+    # in and lets go (the one body's handed stacks): an owner holds each whole matrix once
+    mine = [j for j, u in enumerate(units) if u.mine]
+    plain = bool(mine) and not replicas and not own and all(units[j].layout is None for j in mine)
+    stack = torch.empty((len(mine), *bucket.global_shape), dtype=x_dtype, device=p0.device) if plain else None
+    wholes = ex.to_owners(indices, pieces, keys_out,
+                          {j: stack[k].view(members[j].shape) for k, j in enumerate(mine)} if plain else None)
     # at owners: every owned unit's whole matrices, one body for them all
     owned = [j for j, w in enumerate(wholes) if w is not None]
     results: dict[int, tuple[Any, dict[str, Tensor]]] = {}
@@ -333,25 +343,36 @@ def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepConte
                          for k in rule._owner_state}
                 if ctx.capture is not None:
                     ctx.capture(it.name, it.kind or ctx.kind, "momentum_input", ws[0])
-                its = _owner_items(rule, u, ws[0], state, it.state["step"], it.name)
+                its = _owner_items(rule, u, ws[0].new_empty(()).expand(bucket.global_shape) if plain else ws[0],
+                                   state, it.state["step"], it.name)
+                if plain:
+                    ws[0] = None  # the stack's row: only the stack keeps it
             spans.append((j, len(items), len(its), state))
             items += its
         xs = {id(members[j]): wholes[j][0] for j in owned} if replicas else {}
         # batched: one stack per shape, all in one body; per tensor: each matrix alone, as one process's form
         if not batched:
             groups = [[Bucket([it], 1, *[(it.shape[0], math.prod(it.shape[1:]))] * 2, ())] for it in items]
+            handed = [[stack[n : n + 1]] for n in range(len(items))] if plain else None
         elif replicas and orth is None:  # DDP: in the orientations one process's batched form stacks them
             flipped = [j >= bucket.plain for j in owned]
             order = sorted(range(len(items)), key=lambda n: flipped[n])
             groups = [[Bucket([items[n] for n in order], flipped.count(False), bucket.shape, bucket.global_shape,
                               bucket.key)]]
         else:
-            groups = [make_buckets(items, matrix=True, transpose=False)]
+            groups = ([[Bucket(items, len(items), bucket.global_shape, bucket.global_shape, bucket.key)]] if plain
+                      else [make_buckets(items, matrix=True, transpose=False)])
+            handed = [[stack]] if plain else None
+        del stack
+        # Newton-Schulz of a stack as one batched call: under DDP as one process's batched form runs it (its bits);
+        # a DTensor's owner where the device runs one (newton_schulz.batched_ns: on CPU matrix by matrix, faster
+        # there and iterated in the received buffer, the owner's transient peak one matrix's Newton-Schulz)
+        batched_ns_here = batched and (replicas or batched_ns(p0.device))
         by_item = {}
         for buckets in groups:
-            found = bucket_directions(rule, buckets, group, ctx, batched=batched,
+            found = bucket_directions(rule, buckets, group, ctx, batched=batched_ns_here,
                                       x_of=(lambda it: xs[id(it)]) if replicas else (lambda it: it.param), orth=orth,
-                                      factored=factored)
+                                      factored=factored, handed=handed.pop(0) if plain else None, workspace={})
             by_item.update((id(it), d) for b, ds in zip(buckets, found, strict=True)
                            for it, d in zip(b.items, ds, strict=True))
         if not replicas:  # the owner's items keep no whole matrix past the step
@@ -367,8 +388,7 @@ def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepConte
             elif factored or (units[j].layout is None and ds[0].dtype == d_dtype):
                 results[j] = (ds[0] if factored else ds[0].reshape(members[j].shape), state)
             else:  # a view's matrices into the whole direction, the step multipliers folded in where they differ
-                X = wholes[j][0]
-                D = torch.empty(X.shape, dtype=d_dtype, device=X.device)
+                D = torch.empty(members[j].shape, dtype=d_dtype, device=p0.device)
                 views = units[j].layout.matrices(D) if units[j].layout is not None else [D.view(ds[0].shape)]
                 for v, d, s in zip(views, ds, scales[j], strict=True):
                     v.copy_(d * s if fold else d)
@@ -448,15 +468,15 @@ def step(calls: Sequence[Call], *, batched: bool, orth: Callable | None = None) 
     matrix in the ``(m, n)`` bucket, which saves an exchange) or a DTensor's units by their global shape; one
     bucket's exchange out and back at a time, so that a step holds one bucket's whole matrices."""
     for (rule, items, group, ctx), x_of in zip(calls, input_makers(calls, batched=batched), strict=True):
-        units = ctx.split.units
-        transpose = batched and isinstance(rule, HiddenRule) and rule.transposes and all(
-            units[it.index].replicas for it in items)
         pending = []
-        for b in make_buckets(items, matrix=True, transpose=transpose):
-            if isinstance(rule, HiddenRule):
-                pending += _hidden_bucket(rule, b, group, ctx, batched=batched, x_of=x_of, orth=orth)
-            else:
-                pending += _elementwise_bucket(rule, b.items, group, ctx, x_of)
+        for replicas in (True, False):  # DDP's matrices and DTensors' pieces (one call may merge groups of both)
+            its = [it for it in items if ctx.split.units[it.index].replicas is replicas]
+            transpose = replicas and batched and isinstance(rule, HiddenRule) and rule.transposes
+            for b in make_buckets(its, matrix=True, transpose=transpose) if its else ():
+                if isinstance(rule, HiddenRule):
+                    pending += _hidden_bucket(rule, b, group, ctx, batched=batched, x_of=x_of, orth=orth)
+                else:
+                    pending += _elementwise_bucket(rule, b.items, group, ctx, x_of)
         apply_pending(pending, group)
 
 
