@@ -219,6 +219,14 @@ def _qwen3_next_ba(m: nn.Module) -> str:
             "fix_query_key_value_ordering): no row view gives a block, kept whole")
 
 
+def _torchtitan_wqkv(m: nn.Module) -> str:
+    r, hd = m.heads_per_kv, m.head_dim
+    n_kv = m.wqkv.weight.shape[0] // ((r + 2) * hd)
+    return (f"q, k, v interleaved per KV head ({n_kv} groups of {r * hd}, {hd}, {hd} rows; torchtitan's "
+            "FusedQKVLinear): no row view gives wq, wk, wv, kept whole (docs/torchtitan.md; fuse_qkv=False trains "
+            "as the unfused model)")
+
+
 def _gated_query(m: nn.Module) -> str:
     return (f"query and output gate interleaved per head ({m.config.num_attention_heads} heads of {m.head_dim}, "
             f"{m.head_dim} rows; view(..., -1, 2 * head_dim).chunk(2)): no row view gives a block, kept whole")
@@ -228,18 +236,23 @@ def _gated_query(m: nn.Module) -> str:
 #: strided view of the rows gives one block (``views.py`` cuts runs, or single rows in turn), so they
 #: stay whole and :func:`meqmuon.describe_groups` lists them with their layout. ``(parent class, module
 #: name) -> the note``. Qwen3-Next (transformers ``models/qwen3_next/modeling_qwen3_next.py``): the
-#: Gated-DeltaNet's ``in_proj_qkvz`` and ``in_proj_ba``, and the gated attention's ``q_proj``.
+#: Gated-DeltaNet's ``in_proj_qkvz`` and ``in_proj_ba``, and the gated attention's ``q_proj``. torchtitan's
+#: ``wqkv`` (``models/common/attention.py``, ``FusedQKVLinear``; ``AllGatherFusedQKVLinear`` its subclass in
+#: ``dist_gemm.py``): rows ``(n_kv, heads_per_kv + 2, head_dim)``, each KV group's q heads, then its k and v.
 INTERLEAVED_BLOCKS: dict[tuple[str, str], Callable[[nn.Module], str]] = {
     ("Qwen3NextGatedDeltaNet", "in_proj_qkvz"): _qwen3_next_qkvz,
     ("Qwen3NextGatedDeltaNet", "in_proj_ba"): _qwen3_next_ba,
     ("Qwen3NextAttention", "q_proj"): _gated_query,
+    ("FusedQKVLinear", "wqkv"): _torchtitan_wqkv,
+    ("AllGatherFusedQKVLinear", "wqkv"): _torchtitan_wqkv,
 }
 #: Names of projections known to be fused, for the modules whose layout is not in
 #: :data:`FUSED_LAYOUTS` (GPT-NeoX and Falcon interleave q, k, v per head; Baichuan's ``W_pack``,
-#: MLA, Mamba-style mixers and GLU inputs of other families): kept whole and listed.
+#: MLA, Mamba-style mixers and GLU inputs of other families; torchtitan's ``wqkv`` elsewhere and its MLA
+#: ``wkv_a``, ``split([kv_lora_rank, qk_rope_head_dim])`` in ``models/deepseek_v3/model.py``): kept whole and listed.
 FUSED_NAMES = re.compile(
-    r"(^|\.)(qkv_proj|query_key_value|c_attn|gate_up_proj|W_pack|Wqkv|qkv|in_proj|x_proj|kv_a_proj_with_mqa|Wi"
-    r"|input_linear|wi_gate_up)$")
+    r"(^|\.)(qkv_proj|query_key_value|c_attn|gate_up_proj|W_pack|Wqkv|wqkv|qkv|in_proj|x_proj|kv_a_proj_with_mqa"
+    r"|wkv_a|Wi|input_linear|wi_gate_up)$")
 
 
 def _fused_route(mname: str, parent: nn.Module | None, view: str, rows: int) -> Route:
