@@ -12,8 +12,8 @@ and tested (issue 37). CPU; gloo (2 processes) where distributed.
   (``_init_optim_state``) and torchtitan (``init_optim_state``) run one step with all-zero gradients and
   ``lr=0`` to create the state: it changes no parameter, leaves every state tensor finite and every
   momentum / moment zero, for every optimizer and step form (compiled: two cases, ~10-30 s each) and under
-  FSDP2 on 2 ranks (microsoft/dion#24 was NorMuon's NaN there). docs/torchtitan.md's recipe function is
-  run from the file on a plain model.
+  FSDP2 on 2 ranks (microsoft/dion#24 was NorMuon's NaN there). ``meqmuon.integrations.torchtitan`` on
+  torchtitan's own classes: tests/test_torchtitan.py.
 - **accelerate** (``accelerate.utils.fsdp_utils.fsdp2_switch_optimizer_parameters``; the steps around it
   from ``Accelerator._prepare_fsdp2``): an optimizer built on the unsharded model, whose parameters are
   swapped for FSDP2's DTensors after construction, steps like one built on the sharded model (2 ranks,
@@ -30,7 +30,6 @@ and tested (issue 37). CPU; gloo (2 processes) where distributed.
 from __future__ import annotations
 
 import io
-import re
 import warnings
 from pathlib import Path
 
@@ -41,7 +40,6 @@ from capabilities import CAPABILITIES, ENGINE, FORM_KWARGS, ROW_SHARDS, every_fo
 from test_distributed import _spawn
 from tinynet import batches, loss_fn, make_model
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     _init_optim_state,
@@ -53,7 +51,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import meqmuon
 from meqmuon.optim.registry import REGISTRY
 
-REPO = Path(__file__).resolve().parents[1]
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 #: The compiled forms run here: a compiled case costs 10-30 s. NorMuon's batched step (its second moment
 #: of a zero gradient is the NaN dion#24 had) and MeqMuon's per-tensor step (its adaptive row/column choice).
@@ -218,40 +215,6 @@ def test_zero_gradient_step_with_a_tensor_lr(name):
     _init_optim_state(opt)
     assert all(g["lr"] is lr for g in opt.param_groups)
     _check_zero_step(dict(model.state_dict()), before, opt)
-
-
-def test_docs_torchtitan_recipe_runs_on_a_plain_model():
-    """docs/torchtitan.md: section 1's function, run from the file, gives groups with torchtitan's keys
-    (names without the checkpoint wrapper), survives the zero-gradient ``lr=0`` step and the flat round
-    trip; section 2 (torchtitan's classes) compiles."""
-    text = (REPO / "docs" / "torchtitan.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) == 2
-    compile(blocks[1], "docs/torchtitan.md", "exec")
-    ns: dict = {}
-    exec(compile(blocks[0], "docs/torchtitan.md", "exec"), ns)
-    build = ns["build_meqmuon"]
-
-    model = make_model(torch.float32)
-    model.up = checkpoint_wrapper(model.up)  # as torchtitan's activation checkpointing wraps blocks
-    opt = build("meqmuon", model, "for-loop", lr=0.02, ns_dtype=torch.float32)
-    names = [n for g in opt.param_groups for n in g["param_names"]]
-    assert "up._checkpoint_wrapped_module.weight" in dict(model.named_parameters())
-    assert "up.weight" in names and not any("_checkpoint_wrapped_module" in n for n in names)
-    assert {g["foreach"] for g in opt.param_groups} == {False}
-    assert {g["foreach"] for g in build("muon", model, "fused").param_groups} == {None}
-    before = _snapshot(model)
-    _init_optim_state(opt)
-    _check_zero_step(dict(model.state_dict()), before, opt)
-    for ids in batches(2):
-        _grad_step(model, opt, ids)
-    flat = get_optimizer_state_dict(model, opt, options=FLAT)
-    # A flat dict loads into the state the zero-gradient step creates, which torch skips while gradients
-    # are set (then nothing loads, silently): a resumed run has none.
-    model.zero_grad(set_to_none=True)
-    opt2 = build("meqmuon", model, "for-loop", lr=0.02, ns_dtype=torch.float32)
-    set_optimizer_state_dict(model, opt2, flat, options=FLAT)
-    _assert_same_optimizer_state(opt, opt2)
 
 
 # ---- DeepSpeed ZeRO: flat 1-D partitions ------------------------------------------------------------
