@@ -29,6 +29,7 @@ and tested (issue 37). CPU; gloo (2 processes) where distributed.
 
 from __future__ import annotations
 
+import copy
 import io
 import warnings
 from pathlib import Path
@@ -215,6 +216,37 @@ def test_zero_gradient_step_with_a_tensor_lr(name):
     _init_optim_state(opt)
     assert all(g["lr"] is lr for g in opt.param_groups)
     _check_zero_step(dict(model.state_dict()), before, opt)
+
+
+@pytest.mark.parametrize("name", ENGINE)
+def test_dtype_hyperparameters_pass_torchs_state_dict_utilities(name):
+    """A group's ``state_dtype`` (every engine optimizer) and ``ns_dtype`` (those with Newton-Schulz) are
+    dtypes, which torch's state-dict utilities refused (``get_optimizer_state_dict`` with
+    ``cpu_offload`` or ``full_state_dict``: "Unexpected value type <class 'torch.dtype'>"; every checkpoint of
+    Lightning's ``ModelParallelStrategy``): saved as their names, loaded as dtypes, the run continues bit for bit."""
+    kw = {**_kwargs(name), "state_dtype": torch.float32}  # _kwargs pins ns_dtype=torch.float32 where there is one
+    model = make_model(torch.float32)
+    opt = meqmuon.build_optimizer(name, _titan_groups(model, False), **kw)
+    for ids in batches(2):
+        _grad_step(model, opt, ids)
+    for options in (StateDictOptions(cpu_offload=True), StateDictOptions(full_state_dict=True)):
+        buf = io.BytesIO()  # a checkpoint: the dict holds the live state tensors
+        torch.save(get_optimizer_state_dict(model, opt, options=options), buf)
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=True)
+    assert {g["state_dtype"] for g in saved["param_groups"]} == {"torch.float32"}
+    model2 = copy.deepcopy(model)
+    model2.zero_grad(set_to_none=True)  # else torch loads nothing into the state it does not create (see above)
+    other = {k: None for k in ("state_dtype", "ns_dtype") if k in kw}  # the saved groups bring the dtypes back
+    opt2 = meqmuon.build_optimizer(name, _titan_groups(model2, False), **{**kw, **other})
+    set_optimizer_state_dict(model2, opt2, saved)
+    assert all(g["state_dtype"] is torch.float32 for g in opt2.param_groups)
+    assert all(g.get("ns_dtype", torch.float32) is torch.float32 for g in opt2.param_groups)
+    for ids in batches(2, seed=3):
+        _grad_step(model, opt, ids)
+        _grad_step(model2, opt2, ids)
+    for (n, p), p2 in zip(model.named_parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, p2), n
 
 
 # ---- DeepSpeed ZeRO: flat 1-D partitions ------------------------------------------------------------

@@ -39,7 +39,7 @@ from .owners import OwnerPlan, is_replicated
 from .placement import Path, cuts, path_of
 from .rule import MomentumRule, Rule, SteppingRule, rule_defaults, validate_rule
 from .rules import RULES
-from .saved_state import keeping_saved_dtypes
+from .saved_state import dtypes_named, keeping_saved_dtypes
 from .views import Layout, group_layout, normalise_group_views
 
 #: The forms of a momentum rule's step by ``(foreach, compile)``, one signature (a sequence of rule calls),
@@ -262,9 +262,15 @@ class RoleOptimizer(Optimizer):
         self._contexts: list[StepContext] = []
         self._local = LocalSplit()
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's ``state_dict`` with the param groups' dtypes (``ns_dtype``, ``state_dtype``) as their names,
+        which torch.distributed.checkpoint's state-dict utilities take (``saved_state.py``)."""
+        return dtypes_named(super().state_dict())
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's ``load_state_dict`` without its cast of state to the parameter's dtype: every state
-        tensor keeps its saved dtype and values, moved to its parameter's device (``saved_state.py``)."""
+        tensor keeps its saved dtype and values, moved to its parameter's device, and the groups' dtype
+        names are dtypes again (``saved_state.py``)."""
         with keeping_saved_dtypes(self):
             super().load_state_dict(state_dict)
 
