@@ -254,6 +254,40 @@ def test_wqkv_layout_is_torchtitans():
     assert rows == expect
 
 
+@titan
+def test_gpt_oss_experts_gate_up_interleaved_and_biases_vectors():
+    """torchtitan's GPT-OSS experts (``GptOssGroupedExperts``): ``mlp1_weight_EGD`` split per expert into the
+    gate and up rows its ``swiglu`` reads (``x[..., ::2]``, ``x[..., 1::2]``: with the gate block zeroed through
+    meqmuon's own views, torchtitan's swiglu gives 0), its per-expert biases are vectors; ``wqkv`` listed."""
+    from torchtitan.models.gpt_oss import model_registry
+    from torchtitan.models.gpt_oss.moe import swiglu
+
+    from meqmuon.optim.views import group_layout
+
+    cfg = model_registry("debugmodel").model
+    cfg.layers = cfg.layers[:1]
+    with torch.device("meta"):
+        model = cfg.build()
+    groups = meqmuon.param_groups(model)
+    route = _routing(groups)
+    prefix = "layers.0.moe.routed_experts.inner_experts."
+    assert route[prefix + "mlp1_weight_EGD"][:5] == ("hidden", "stacked", (2880, 2880), None, True)
+    assert route[prefix + "mlp2_weight_EDF"][:3] == ("hidden", "stacked", None)
+    for bias in ("mlp1_bias_EG", "mlp2_bias_ED"):
+        assert route[prefix + bias][:2] == ("vector", "vectors"), route[prefix + bias]
+    assert route["layers.0.attention.qkv_linear.wqkv.weight"][5].startswith("q, k, v interleaved per KV head")
+    (hidden,) = [g for g in groups if g["kind"] == "hidden"]
+    i = hidden["names"].index(prefix + "mlp1_weight_EGD")
+    w = torch.randn(2, 8, 4)  # 2 experts of 2 x 4 gate and up rows, as the layout reads (E, 2F, D)
+    layout = group_layout({**hidden, "splits": [None] * i + [(4, 4)] + [None] * (len(hidden["names"]) - i - 1)},
+                          i, w.shape)
+    for gate in layout.matrices(w)[0::2]:
+        gate.zero_()
+    x = torch.randn(5, 4)
+    assert torch.equal(swiglu(x @ w[0].T), torch.zeros(5, 4)) and torch.equal(swiglu(x @ w[1].T), torch.zeros(5, 4))
+    assert swiglu(x @ torch.randn(2, 8, 4)[0].T).abs().sum() > 0  # the control: not zero by itself
+
+
 class _SDPA(nn.Module):
     """Causal SDPA in place of torchtitan's FlexAttention (no backward on a CPU), same call: ``(B, L, N, H)``
     tensors; under TP the heads of each rank (torchtitan's own local map does the same for FlexAttention)."""

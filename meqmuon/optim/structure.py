@@ -48,13 +48,22 @@ def _is_experts(module: nn.Module) -> bool:
     return type(module).__name__.endswith("Experts")
 
 
+#: Experts modules whose fused gate/up tensor interleaves gate and up rows, under another name than
+#: ``gate_up_proj``: class -> its name. torchtitan's GPT-OSS (``models/gpt_oss/moe.py``): ``mlp1_weight_EGD``
+#: ``(E, 2F, D)``, used ``x @ w[e].T``, then ``swiglu``: ``x[..., ::2], x[..., 1::2]``.
+INTERLEAVED_GATE_UP = {"GptOssGroupedExperts": "mlp1_weight_EGD"}
+
+
 def _experts_count(module: nn.Module) -> int | None:
-    """The number of experts an experts module holds: the leading dim of its 3-D expert tensors."""
+    """The number of experts an experts module holds: the leading dim of its 3-D expert tensors
+    (transformers' ``gate_up_proj``, ``down_proj``, ``up_proj``; else any 3-D parameter of its own, as
+    torchtitan's ``w1_EFD`` or ``mlp1_weight_EGD``)."""
     for attr in ("gate_up_proj", "down_proj", "up_proj"):
         t = getattr(module, attr, None)
         if isinstance(t, torch.Tensor) and t.ndim == 3:
             return t.shape[0]
-    return None
+    sizes = {p.shape[0] for p in module.parameters(recurse=False) if p.ndim == 3}
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _experts_route(module: nn.Module, pname: str, p: torch.Tensor) -> Route:
@@ -71,10 +80,12 @@ def _experts_route(module: nn.Module, pname: str, p: torch.Tensor) -> Route:
     experts = _experts_count(module)
     if p.ndim == 2 and experts is not None and p.shape[0] == experts and "bias" in pname:
         note = ("each expert's gate and up biases in one vector (the vector rule's RMS spans both)"
-                if pname.startswith("gate_up") else "")
+                if pname.startswith(("gate_up", "mlp1")) else "")
         return Route("vectors", note=note, kind="vector")
     if p.ndim < 3:
         return Route()
+    if INTERLEAVED_GATE_UP.get(type(module).__name__) == pname and p.shape[-2] % 2 == 0:
+        return Route("stacked", (p.shape[-2] // 2,) * 2, interleaved=True)
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     transposed = getattr(module, "is_transposed", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.ndim == down.ndim == 3):
