@@ -29,7 +29,7 @@ from .owners import check_mesh, descriptor, is_replicated
 from .placement import EXECUTORS, Path, cuts, path_of, splitter
 from .rule import MomentumRule, Rule, SteppingRule, rule_defaults, validate_rule
 from .rules import RULES
-from .saved_state import keeping_saved_dtypes
+from .saved_state import dtypes_named, keeping_saved_dtypes
 from .views import Layout, group_layout, normalise_group_views
 
 try:
@@ -222,9 +222,15 @@ class RoleOptimizer(Optimizer):
         self._last_workspace = 0
         self._contexts: list[StepContext] = []
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's ``state_dict`` with the param groups' dtypes (``ns_dtype``, ``state_dtype``) as their names,
+        which torch.distributed.checkpoint's state-dict utilities take (``saved_state.py``)."""
+        return dtypes_named(super().state_dict())
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's ``load_state_dict`` without its cast of state to the parameter's dtype: every state
-        tensor keeps its saved dtype and values, moved to its parameter's device (``saved_state.py``)."""
+        tensor keeps its saved dtype and values, moved to its parameter's device, and the groups' dtype
+        names are dtypes again (``saved_state.py``)."""
         with keeping_saved_dtypes(self):
             super().load_state_dict(state_dict)
 
