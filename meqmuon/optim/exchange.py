@@ -136,7 +136,9 @@ class Exchange(LocalSplit):
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         #: The predicted work each rank owns (``driver.cost``): the owners' balance.
         self.load = [0.0] * self.world
-        for u, o in zip(units, assign_owners(list(costs), self.load), strict=True):
+        # the shape bucket a unit travels in (``step``): an owner holds one bucket's whole matrices at a time
+        buckets = [(u.replicas, tuple(u.pieces.shape)) for u in units]
+        for u, o in zip(units, assign_owners(list(costs), self.load, buckets), strict=True):
             u.owner = o if u.replicas else u.pieces.owner_for(self.rank, o)
             u.mine = u.owner == self.rank
             if u.mine:
@@ -184,6 +186,7 @@ class Exchange(LocalSplit):
         for u, ps in zip(units, pieces, strict=True):
             send[u.owner] += [_bytes(p) for p in ps]
         pieces.clear()
+        ps = None  # noqa: F841 - the loop's last pieces are not alive during the exchange
         mine = [(u, ws, [self._where(u, k) for k in ks]) for u, ws, ks in zip(units, wholes, keys, strict=True)
                 if ws is not None]
         sizes: list[list[int]] = [[] for _ in range(self.world)]
@@ -206,11 +209,13 @@ class Exchange(LocalSplit):
 
     def from_owners(self, indices: Sequence[int], wholes: Sequence[list[Tensor] | None],
                     keys: Sequence[Sequence[str | None]],
-                    into: Sequence[Callable[[], list[Tensor]]]) -> list[list[Tensor]]:
+                    like: Sequence[Callable[[], list[tuple[Sequence[int], torch.dtype]]]],
+                    device: torch.device) -> list[list[Tensor]]:
         """The way back, one ``all_to_all_single``: owners send every rank of their group its pieces of ``wholes[j]``
         (by ``keys[j]``: ``"param"``, a vector along one of its dimensions, :data:`AXES`, or a sharded state key;
-        ``None``: the tensor whole). Returns per unit this rank's results: what it received, in the tensors
-        ``into[j]()`` makes, or where it owns a DDP unit its own ``wholes[j]``."""
+        ``None``: the tensor whole). Returns per unit this rank's results: what it received, as views of the one
+        receive buffer (on ``device``) in the shapes and dtypes ``like[j]()`` says (no copy beside it), or where it
+        owns a DDP unit its own ``wholes[j]``."""
         units = [self.units[i] for i in indices]
         send: list[list[Tensor]] = [[] for _ in range(self.world)]
         for u, ws, ks in zip(units, wholes, keys, strict=True):
@@ -230,26 +235,28 @@ class Exchange(LocalSplit):
                     for g, loc in boxes:
                         piece[loc].copy_(t[g])
                     send[r].append(_bytes(piece))
-        out, sizes = [], [[] for _ in range(self.world)]
-        for u, ws, make in zip(units, wholes, into, strict=True):
-            if ws is not None and u.replicas:
-                out.append(ws)  # a DDP owner's own results
-                continue
-            ts = make()
-            sizes[u.owner] += [t.numel() * t.element_size() for t in ts]
-            out.append(ts)
-        device = next((t.device for ts in out for t in ts), torch.device("cpu"))
+        specs, sizes = [], [[] for _ in range(self.world)]
+        for u, ws, make in zip(units, wholes, like, strict=True):
+            spec = None if ws is not None and u.replicas else make()  # a DDP owner keeps its own results
+            if spec is not None:
+                sizes[u.owner] += [math.prod(shape) * dtype.itemsize for shape, dtype in spec]
+            specs.append(spec)
         flat = exchange_flat(send, [sum(s) for s in sizes], self.pg, device)
+        del send
         starts = [0] * self.world
         for r in range(1, self.world):
             starts[r] = starts[r - 1] + sum(sizes[r - 1])
-        for u, ws, ts in zip(units, wholes, out, strict=True):
-            if ws is not None and u.replicas:
+        out = []
+        for u, ws, spec in zip(units, wholes, specs, strict=True):
+            if spec is None:
+                out.append(ws)
                 continue
-            for t in ts:
-                n = t.numel() * t.element_size()
-                t.copy_(_as(flat[starts[u.owner] : starts[u.owner] + n], t.dtype, t.shape))
+            got = []
+            for shape, dtype in spec:
+                n = math.prod(shape) * dtype.itemsize
+                got.append(_as(flat[starts[u.owner] : starts[u.owner] + n], dtype, shape))
                 starts[u.owner] += n
+            out.append(got)
         return out
 
 
@@ -395,7 +402,7 @@ def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepConte
                 results[j] = (D, state)
     del wholes
     # back: D (or U with its factors, or the stepped W) and the per-matrix state the rule changed
-    back_keys, out_wholes, into = [], [], []
+    back_keys, out_wholes, like = [], [], []
     for j, (it, u) in enumerate(zip(members, units, strict=True)):
         back_keys.append([*(["param", *AXES] if factored else ["param"]),
                           *(k if k in u.state_pieces else None for k in rule._owner_state)])
@@ -405,13 +412,10 @@ def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepConte
         else:
             out_wholes.append(None)
         p = it.param
-        dtype = p.dtype if own else d_dtype
-        into.append(lambda p=p, it=it, dtype=dtype: [
-            *([torch.empty(p.shape, dtype=ns, device=p.device),
-               *(torch.empty(p.shape[d], dtype=d_dtype, device=p.device) for d in AXES.values())]
-              if factored else [torch.empty(p.shape, dtype=dtype, device=p.device)]),
-            *(torch.empty_like(_local(it.state[k])) for k in rule._owner_state)])
-    got = ex.from_owners(indices, out_wholes, back_keys, into)
+        like.append(lambda p=p, it=it, dtype=p.dtype if own else d_dtype: [
+            *([(p.shape, ns), *(((p.shape[d],), d_dtype) for d in AXES.values())] if factored else [(p.shape, dtype)]),
+            *((_local(it.state[k]).shape, _local(it.state[k]).dtype) for k in rule._owner_state)])
+    got = ex.from_owners(indices, out_wholes, back_keys, like, p0.device)
     del out_wholes
     out = []
     n = 3 if factored else 1
@@ -455,8 +459,7 @@ def _elementwise_bucket(rule: Any, members: list[Item], group: dict, ctx: StepCo
             d.copy_(rule.direction(x.contiguous().to(x_dtype)[None], group, None, tuple(x.shape))[0].reshape(d.shape))
         out_wholes.append([D])
     got = ex.from_owners(indices, out_wholes, [["param"]] * len(members),
-                         [lambda it=it: [torch.empty(it.param.shape, dtype=d_dtype, device=it.param.device)]
-                          for it in members])
+                         [lambda it=it: [(it.param.shape, d_dtype)] for it in members], p0.device)
     return [(it.param, parts[0], 1.0) for it, parts in zip(members, got, strict=True)]
 
 
@@ -510,9 +513,9 @@ def whole_step(rule: SteppingRule, items: Sequence[Item], group: dict, ctx: Step
     back_keys = [["param", *(k if k in ex.units[i].state_pieces else None for k in ns)]
                  for i, ns in zip(indices, names, strict=True)]
     got = ex.from_owners(indices, out_wholes, back_keys,
-                         [lambda it=it, ns=ns: [torch.empty_like(it.param), *(torch.empty_like(_local(it.state[k]))
-                                                                               for k in ns)]
-                          for it, ns in zip(items, names, strict=True)])
+                         [lambda it=it, ns=ns: [(it.param.shape, it.param.dtype),
+                                                *((_local(it.state[k]).shape, _local(it.state[k]).dtype) for k in ns)]
+                          for it, ns in zip(items, names, strict=True)], items[0].param.device)
     for it, ns, parts in zip(items, names, got, strict=True):
         it.param.copy_(parts[0])
         for k, t in zip(ns, parts[1:], strict=True):
