@@ -341,3 +341,38 @@ def test_pieces_handed_to_the_exchange_go_before_the_step_peaks():
         kept, pieces = _owner_peak(placements, [(64, 48)] * 4, keep="pieces")
         assert pieces == 4 * (64 * 48 // 4) * 4, (placements, pieces)
         assert kept - released == pieces, (placements, kept, released, pieces)
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["batched", "per-tensor"])
+def test_an_owner_holds_its_whole_matrix_once_and_no_earlier_bucket(foreach):
+    """An owner's transient peak is Newton-Schulz of the whole matrices it owns, held once, and nothing of a
+    bucket it is done with. Rank 0 of 4 owns the 64 x 48 matrix (the first shape bucket; longest first, ties to
+    the lowest rank) and one of four 64 x 64 ones (the second), FSDP2's ``Shard(0)`` and FSDP2 over TP's
+    ``(Shard(0), Shard(1))``, both forms. The bound is what the row path and the owner path of 497228e met at
+    these shapes (68,664 B and 69,696 B, both forms): Newton-Schulz of the received 64 x 64 matrix iterated in
+    its own buffer (it, the result, two 64 x 64 Gram buffers: 4 x 16 KiB), beside it one rank's piece of such a
+    matrix (64 x 64 / 4 float32: a direction of the earlier bucket waiting for the update, or this rank's input
+    piece), and the per-matrix counters and norms (128 B). A second copy of the received matrix (a stack of it
+    beside it, or Newton-Schulz copying it), or the earlier bucket's whole matrix or stack kept to the step's end,
+    is 12-16 KiB more."""
+    from torch.distributed.tensor import Shard
+
+    m = n = 64
+    bound = 4 * (2 * m * n + 2 * n * n) + 4 * (m * n // 4) + 128
+    for placements in ((Shard(0),), (Shard(0), Shard(1))):
+        peak, _ = _owner_peak(placements, [(64, 48)] + [(m, n)] * 4, foreach=foreach)
+        assert peak <= bound, (placements, peak, bound)
+
+
+def test_an_owner_lets_its_received_matrix_go_before_post():
+    """At an owner, the whole direction input the exchange put together is spent once Newton-Schulz has read
+    it: it is let go before ``post`` (eq. 8) and the way back. With one wide 8 x 512 matrix (small Gram buffers:
+    ``post`` and the way back make the peak), FSDP2's ``Shard(0)`` and FSDP2 over TP's ``(Shard(0), Shard(1))``, the
+    control that keeps it alive raises the metered peak by exactly its 8 x 512 x 4 B."""
+    from torch.distributed.tensor import Shard
+
+    for placements in ((Shard(0),), (Shard(0), Shard(1))):
+        released, _ = _owner_peak(placements, [(8, 512)])
+        kept, whole = _owner_peak(placements, [(8, 512)], keep="wholes")
+        assert whole == 8 * 512 * 4, (placements, whole)
+        assert kept - released == whole, (placements, kept, released, whole)
