@@ -122,9 +122,10 @@ def _collectives(rank: int) -> dict:
 
 
 def _owner_bytes(rank: int, mesh) -> dict:
-    """Three 32 x 32 matrices on 2 ranks, rowwise ``Shard(1)`` as tensor parallelism's (the owner path) and
-    ``Shard(0)`` as FSDP2's (the row path): rank 0 owns two of them (equal costs, longest-first greedy), so it
-    receives 2 x 1024 elements of pieces and sends 2 x 1024 of directions against a floor of its 3 x 512."""
+    """Three 32 x 32 matrices on 2 ranks, rowwise ``Shard(1)`` as tensor parallelism's and ``Shard(0)`` as
+    FSDP2's, both through the one exchange: rank 0 owns two of them (equal costs, longest-first greedy over all
+    units), so it receives 2 x 1024 elements of pieces and sends 2 x 1024 of directions against a floor of its
+    3 x 512."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import meqmuon
@@ -169,10 +170,9 @@ def test_meter_counts_the_bytes_of_c10d_and_functional_collectives_on_gloo(tmp_p
         assert r["floor"] <= r["step"]["received"] <= 1.05 * r["floor"], r
         # AdamW's state as torch keeps it (two moments of the local shard, a float32 step per parameter)
         assert r["adamw"][0] == r["adamw"][1] == 4 * (2 * 4 * 16 * 32 + 4), r["adamw"]
-        # rank 0 owns matrices 0 and 2, rank 1 matrix 1 (whole 32 x 32 each), on the owner path (TP's Shard(1))
-        # and the row path (FSDP2's Shard(0)); the bound, itemsize x (local + owned), is exactly what the step
-        # moves each way, above the floor at rank 0 (4 x (1536 + 2048) B against 8 x 1536 B) and below it at
-        # rank 1 (4 x (1536 + 1024) B)
+        # rank 0 owns matrices 0 and 2, rank 1 matrix 1 (whole 32 x 32 each), under TP's Shard(1) and FSDP2's
+        # Shard(0) alike; the bound, itemsize x (local + owned), is exactly what the step moves each way, above
+        # the floor at rank 0 (4 x (1536 + 2048) B against 8 x 1536 B) and below it at rank 1 (4 x (1536 + 1024) B)
         for name, o in r["owners"].items():
             assert o["owned"] == [2048, 1024], (name, o["owned"])
             assert o["floor"] == o["model_floor"] == 2 * 4 * 3 * 32 * 16, name
@@ -213,7 +213,7 @@ def test_one_rank_counts_every_newton_schulz_flop_and_table_reports_unplannable_
     two_d = scale_sim.simulate("llama-tiny", "fsdp2xtp", "4x2", 0, layers=1, device="meta")
     summary = scale_sim.summarise({"rows": [two_d], "wall_s": 1.0, "rss": 2**30})
     line = scale_sim.table([summary]).splitlines()[-1]
-    # the owner path plans from placements alone (no collective), so FSDP2 x TP plans on the fake group;
+    # the exchange plans from placements alone (no collective), so FSDP2 x TP plans on the fake group;
     # a layout that cannot be planned would say so in one line instead
     assert ("not plannable on fake PG: " in line) == ("error" in two_d), line
     assert line.startswith("| llama-tiny | fsdp2xtp | 4x2 | 0 |")
@@ -230,7 +230,7 @@ def _every_rank(model: str, layout: str, ranks: str, optimizer: str = "meqmuon")
                                                 ("moe-tiny", "ep", "4")])
 def test_rank_model_read_on_one_rank_predicts_every_rank(model, layout, ranks):
     """Every rank simulated: the plan read on any rank is the same, and it gives every rank's floor and its
-    Newton-Schulz FLOPs exactly (the FSDP2 row path's owners by shape bucket, torchtitan's EP experts
+    Newton-Schulz FLOPs exactly (the exchange's owners, planned once for all units; torchtitan's EP experts
     orthogonalised where they lie, its FSDP2 rest at owners); no rank moves less than its bound; the model's
     busiest rank by FLOPs is the measured one."""
     rows = _every_rank(model, layout, ranks)
@@ -275,129 +275,104 @@ def test_torchtitan_ep_keeps_whole_experts_on_every_rank_and_shards_the_rest():
     assert ep["ranks_model"]["local"][1] * 4 * 2 == ep["floor"] and experts > 0
 
 
-def _row_path_peak(keep: bool) -> tuple[int, int, int]:
-    """Rank 0 of 4 on the fake group, ``meta``: MeqMuon's batched step of four 64 x 48 ``Shard(0)`` matrices (one
-    shape bucket, one matrix owned per rank), metered at its second step. ``keep``: a negative control that
-    keeps references to the bucket's stack of local rows and to its send buffer while the step runs, as the
-    row path did before it handed them over. Returns the peak and the two buffers' bytes."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    import meqmuon
-    from meqmuon.optim import distributed, driver
-
-    kept: list[torch.Tensor] = []
-    orig_hidden, orig_at = driver.hidden_at_owners, distributed.ShardedSplit.at_owners
-
-    def hidden(rule, stack, *args):
-        kept.extend(stack)
-        return orig_hidden(rule, stack, *args)
-
-    def at_owners(self, stack, *args):
-        kept.extend(stack)
-        return orig_at(self, stack, *args)
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    mp = pytest.MonkeyPatch()
-    try:
-        if keep:
-            mp.setattr(driver, "hidden_at_owners", hidden)
-            mp.setattr(distributed.ShardedSplit, "at_owners", at_owners)
-        mesh = init_device_mesh("cpu", (4,))
-        params = [torch.nn.Parameter(DTensor.from_local(torch.empty(16, 48, device="meta"), mesh, [Shard(0)],
-                                                        run_check=False, shape=(64, 48), stride=(48, 1)))
-                  for _ in range(4)]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        groups = [{"params": params, "kind": "hidden", "names": [f"w{i}" for i in range(4)]}]
-        opt = meqmuon.build_optimizer("meqmuon", groups, ns_dtype=torch.float32, foreach=True)
-        opt.step()
-        kept.clear()
-        meter = StepMeter()
-        with meter:
-            opt.step()
-        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in kept}  # the stack twice
-        kept.clear()
-        return meter.peak, *(sorted(storages.values(), reverse=True) or [0, 0])
-    finally:
-        mp.undo()
-        dist.destroy_process_group()
-
-
-def test_row_path_lets_its_stack_and_send_buffer_go_before_the_owners_newton_schulz():
-    """FSDP2's row path at an owner: the stack of this rank's rows (4 x 16 x 48 float32, sent as it is) and the
-    columns of MeqMuon's per-matrix counter beside it (4 x 16 x 1) are not alive during Newton-Schulz, the
-    step's transient peak: keeping them alive (the control) raises the metered peak by exactly their bytes,
-    so the simulator's peak sees them go."""
-    released, _, _ = _row_path_peak(keep=False)
-    kept, stack, columns = _row_path_peak(keep=True)
-    assert (stack, columns) == (4 * 16 * 48 * 4, 4 * 16 * 1 * 4)
-    assert kept - released == stack + columns, (kept, released, stack, columns)
-
-
-def _owner_peak(placements: tuple, control: str | None, shape: tuple[int, int] = (64, 64)) -> int:
-    """Rank 0 of 4 on the fake group, ``meta``: MeqMuon's batched step (float32 Newton-Schulz) of one ``shape``
-    matrix placed by ``placements`` on a 1-D mesh of 4 or a 2 x 2 one (rank 0 its owner), metered at its second
-    step. ``control``: ``"copy"``, Newton-Schulz copying its input into a buffer of its own first (its ``inplace``
-    off, as before); ``"keep"``, a reference kept to every received matrix handed to ``driver.directions``, as
-    before it was handed over and let go once Newton-Schulz had run."""
+def _owner_peak(placements: tuple, shapes: list[tuple[int, int]], *, foreach: bool = True,
+                keep: str | None = None) -> tuple[int, int]:
+    """Rank 0 of 4 on the fake group, ``meta``: MeqMuon's step (float32 Newton-Schulz) of one matrix of each of
+    ``shapes``, placed by ``placements`` on a 1-D mesh of 4 (FSDP2's ``Shard(0)``) or a 2 x 2 one (FSDP2 over TP,
+    ``(Shard(0), Shard(1))``), both through the one exchange, metered at its second step. ``keep``: a negative
+    control that keeps references while the step runs: ``"pieces"``, to every piece this rank hands the exchange
+    (``Exchange.to_owners``' ``pieces``); ``"wholes"``, to every whole direction input the exchange puts together
+    at this owner (what ``to_owners`` returns). Returns the peak and the bytes of what the control kept."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import meqmuon
-    from meqmuon import orthogonalization
-    from meqmuon.optim import driver, exchange
+    from meqmuon.optim import exchange
 
-    kept: list = []
-    directions = driver.directions
+    kept: list[torch.Tensor] = []
 
-    def keeping(rule, stacks, *args, **kwargs):
-        kept.extend(x for x, _, _ in stacks)
-        return directions(rule, stacks, *args, **kwargs)
+    def keeping(self, indices, pieces, keys):
+        if keep == "pieces":
+            kept.extend(p for ps in pieces for p in ps)
+        wholes = to_owners(self, indices, pieces, keys)
+        if keep == "wholes":
+            kept.extend(ws[0] for ws in wholes if ws is not None)
+        return wholes
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     mp = pytest.MonkeyPatch()
     try:
-        if control == "copy":
-            iterate = orthogonalization._matrix_iteration
-            mp.setattr(orthogonalization, "_matrix_iteration", lambda *a, **k: iterate(*a, **{**k, "inplace": False}))
-        elif control == "keep":
-            mp.setattr(driver, "directions", keeping)
-            mp.setattr(exchange, "directions", keeping)
+        if keep is not None:
+            to_owners = exchange.Exchange.to_owners
+            mp.setattr(exchange.Exchange, "to_owners", keeping)
         mesh = init_device_mesh("cpu", (4,) if len(placements) == 1 else (2, 2))
-        m, n = shape
-        local = (m // 4, n) if len(placements) == 1 else (m // 2, n // 2)
-        w = torch.nn.Parameter(DTensor.from_local(torch.empty(local, device="meta"), mesh, placements,
-                                                  run_check=False, shape=shape, stride=(n, 1)))
-        w.grad = torch.zeros_like(w)
-        opt = meqmuon.build_optimizer("meqmuon", [{"params": [w], "kind": "hidden", "names": ["w"]}],
-                                      ns_dtype=torch.float32, foreach=True)
+        params = []
+        for m, n in shapes:
+            local = (m // 4, n) if len(placements) == 1 else (m // 2, n // 2)
+            params.append(torch.nn.Parameter(DTensor.from_local(torch.empty(local, device="meta"), mesh, placements,
+                                                                run_check=False, shape=(m, n), stride=(n, 1))))
+            params[-1].grad = torch.zeros_like(params[-1])
+        groups = [{"params": params, "kind": "hidden", "names": [f"w{i}" for i in range(len(params))]}]
+        opt = meqmuon.build_optimizer("meqmuon", groups, ns_dtype=torch.float32, foreach=foreach)
         opt.step()
         kept.clear()
         meter = StepMeter()
         with meter:
             opt.step()
-        assert (len(kept) == 1) == (control == "keep")
+        held = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in kept}.values())
         kept.clear()
-        return meter.peak
+        return meter.peak, held
     finally:
         mp.undo()
         dist.destroy_process_group()
 
 
-def test_owners_newton_schulz_iterates_in_the_received_matrices_and_lets_them_go():
-    """At an owner, FSDP2's row path (``Shard(0)``) and the owner path (``(Shard(0), Shard(1))``, FSDP2 over TP):
-    Newton-Schulz iterates in the received whole matrix (its first iterate, ``driver.directions``' ``consume``),
-    so that no copy of it is alive beside it: with one square 64 x 64 matrix (Newton-Schulz's two Gram buffers
-    make it the step's peak) the control that copies it first raises the metered peak by exactly that copy,
-    64 x 64 x 4 B. And it is let go once Newton-Schulz has run: with one wide 8 x 512 matrix (small Gram
-    buffers: ``post``, eq. 8, makes the peak) the control that keeps it alive raises the peak by exactly its
-    8 x 512 x 4 B."""
+def test_pieces_handed_to_the_exchange_go_before_the_step_peaks():
+    """At an owner (rank 0 of 4, one 64 x 48 matrix of four, MeqMuon batched), this rank's pieces of the
+    direction inputs it hands the exchange (four 16 x 48 float32 rows of FSDP2's ``Shard(0)``, four 32 x 24
+    pieces of ``(Shard(0), Shard(1))``) are let go once in the send buffer, and the send buffer once sent: neither
+    is alive at the step's transient peak (the owner's Newton-Schulz or its way back). A control that keeps the
+    pieces alive raises the metered peak by exactly their bytes, so the simulator's peak sees them go."""
     from torch.distributed.tensor import Shard
 
     for placements in ((Shard(0),), (Shard(0), Shard(1))):
-        assert _owner_peak(placements, "copy") - _owner_peak(placements, None) == 64 * 64 * 4, placements
-        wide = (8, 512)
-        assert _owner_peak(placements, "keep", wide) - _owner_peak(placements, None, wide) == 8 * 512 * 4, placements
+        released, _ = _owner_peak(placements, [(64, 48)] * 4)
+        kept, pieces = _owner_peak(placements, [(64, 48)] * 4, keep="pieces")
+        assert pieces == 4 * (64 * 48 // 4) * 4, (placements, pieces)
+        assert kept - released == pieces, (placements, kept, released, pieces)
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["batched", "per-tensor"])
+def test_an_owner_holds_its_whole_matrix_once_and_no_earlier_bucket(foreach):
+    """An owner's transient peak is Newton-Schulz of the whole matrices it owns, held once, and nothing of a
+    bucket it is done with. Rank 0 of 4 owns the 64 x 48 matrix (the first shape bucket; longest first, ties to
+    the lowest rank) and one of four 64 x 64 ones (the second), FSDP2's ``Shard(0)`` and FSDP2 over TP's
+    ``(Shard(0), Shard(1))``, both forms. The bound is what the row path and the owner path of 497228e met at
+    these shapes (68,664 B and 69,696 B, both forms): Newton-Schulz of the received 64 x 64 matrix iterated in
+    its own buffer (it, the result, two 64 x 64 Gram buffers: 4 x 16 KiB), beside it one rank's piece of such a
+    matrix (64 x 64 / 4 float32: a direction of the earlier bucket waiting for the update, or this rank's input
+    piece), and the per-matrix counters and norms (128 B). A second copy of the received matrix (a stack of it
+    beside it, or Newton-Schulz copying it), or the earlier bucket's whole matrix or stack kept to the step's end,
+    is 12-16 KiB more."""
+    from torch.distributed.tensor import Shard
+
+    m = n = 64
+    bound = 4 * (2 * m * n + 2 * n * n) + 4 * (m * n // 4) + 128
+    for placements in ((Shard(0),), (Shard(0), Shard(1))):
+        peak, _ = _owner_peak(placements, [(64, 48)] + [(m, n)] * 4, foreach=foreach)
+        assert peak <= bound, (placements, peak, bound)
+
+
+def test_an_owner_lets_its_received_matrix_go_before_post():
+    """At an owner, the whole direction input the exchange put together is spent once Newton-Schulz has read
+    it: it is let go before ``post`` (eq. 8) and the way back. With one wide 8 x 512 matrix (small Gram buffers:
+    ``post`` and the way back make the peak), FSDP2's ``Shard(0)`` and FSDP2 over TP's ``(Shard(0), Shard(1))``, the
+    control that keeps it alive raises the metered peak by exactly its 8 x 512 x 4 B."""
+    from torch.distributed.tensor import Shard
+
+    for placements in ((Shard(0),), (Shard(0), Shard(1))):
+        released, _ = _owner_peak(placements, [(8, 512)])
+        kept, whole = _owner_peak(placements, [(8, 512)], keep="wholes")
+        assert whole == 8 * 512 * 4, (placements, whole)
+        assert kept - released == whole, (placements, kept, released, whole)
