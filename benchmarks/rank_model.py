@@ -140,7 +140,7 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
                 total = sum(method_flops(group, m, n) for m, n in shapes)
                 owners = set()
                 for r in range(world):
-                    n, q = unit.pieces.numel(r), ex.owner_of(i, r)
+                    n, q = unit.pieces.numel(r), ex.owner_of(unit, r)
                     model.local[r] += n
                     model.owned[q] += n
                     owners.add(q)

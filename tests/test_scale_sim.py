@@ -292,10 +292,10 @@ def _owner_peak(placements: tuple, shapes: list[tuple[int, int]], *, foreach: bo
 
     kept: list[torch.Tensor] = []
 
-    def keeping(self, indices, pieces, keys):
+    def keeping(self, indices, pieces, keys, into=None):
         if keep == "pieces":
             kept.extend(p for ps in pieces for p in ps)
-        wholes = to_owners(self, indices, pieces, keys)
+        wholes = to_owners(self, indices, pieces, keys, into)
         if keep == "wholes":
             kept.extend(ws[0] for ws in wholes if ws is not None)
         return wholes

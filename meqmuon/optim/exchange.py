@@ -107,12 +107,13 @@ class Unit:
     for a DTensor, every other rank under DDP), and, read off the descriptors once, where each of their pieces
     lies (``where``)."""
 
-    __slots__ = ("pieces", "state_pieces", "layout", "owner", "mine", "group", "replicas", "where", "items")
+    __slots__ = ("pieces", "state_pieces", "layout", "assigned", "owner", "mine", "group", "replicas", "where",
+                 "items")
 
     def __init__(self, pieces: Any, state_pieces: dict[str, Any], layout: Layout | None) -> None:
         self.pieces, self.state_pieces, self.layout = pieces, state_pieces, layout
         self.replicas = isinstance(pieces, Replicas)
-        self.owner, self.mine, self.group = 0, False, []
+        self.assigned, self.owner, self.mine, self.group = 0, 0, False, []
         #: key -> {rank of ``group``: (boxes, local shape)}: the pieces of ``"param"``, of a vector along one of its
         #: dimensions (:data:`AXES`) or of a sharded state tensor, read off the descriptor at first use.
         self.where: dict[str, dict[int, tuple[list, tuple[int, ...]]]] = {}
@@ -139,14 +140,20 @@ class Exchange(LocalSplit):
         # the shape bucket a unit travels in (``step``): an owner holds one bucket's whole matrices at a time
         buckets = [(u.replicas, tuple(u.pieces.shape)) for u in units]
         for u, o in zip(units, assign_owners(list(costs), self.load, buckets), strict=True):
-            u.owner = o if u.replicas else u.pieces.owner_for(self.rank, o)
+            u.assigned = o
+            u.owner = self.owner_of(u)
             u.mine = u.owner == self.rank
             if u.mine:
                 u.group = ([r for r in range(self.world) if r != self.rank] if u.replicas else
-                           [r for r in range(self.world) if u.pieces.owner_for(r, o) == self.rank])
+                           [r for r in range(self.world) if self.owner_of(u, r) == self.rank])
         self.units = list(units)
         #: Whether a unit's results travel as factors, by unit and dtypes (``transfer.pays``, decided once).
         self._factored: dict[tuple, bool] = {}
+
+    def owner_of(self, u: Unit, r: int | None = None) -> int:
+        """The rank that computes unit ``u`` for rank ``r`` (default: this one): its owner, or under mesh dimensions
+        that replicate it the owner of ``r``'s replica group (read when planning; a step reads ``u.owner``)."""
+        return u.assigned if u.replicas else u.pieces.owner_for(self.rank if r is None else r, u.assigned)
 
     def _where(self, u: Unit, key: str) -> dict[int, tuple[list, tuple[int, ...]]]:
         if key not in u.where:
