@@ -22,6 +22,12 @@ def test_optim_has_no_import_cycle_and_no_upward_import():
     assert "optim.driver -> optim.newton_schulz" in r["edges"] and "optim.compiled -> optim.driver" in r["edges"]
 
 
+def test_train_has_no_import_cycle():
+    """``meqmuon/train/`` has no import cycle either, lazy imports counted (issue 55: ``config`` checked the
+    device with a function of ``run``, which imports ``config``; the device now lives in ``train/device.py``)."""
+    assert imports.report("train")["cycles"] == []
+
+
 def test_the_counter_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
     pkg = tmp_path / "meqmuon"
     (pkg / "optim").mkdir(parents=True)

@@ -37,6 +37,7 @@ import torch
 
 from meqmuon import precision as _precision
 from meqmuon.precision import PRECISIONS, resolve_ns_dtype, resolve_precision
+from meqmuon.train.device import check_device
 
 __all__ = [
     "TrainConfig",
@@ -239,7 +240,6 @@ def validate_config(cfg: TrainConfig) -> None:
     from meqmuon.optim.registry import spec
     from meqmuon.train.data import data_source
     from meqmuon.train.models import MODELS
-    from meqmuon.train.run import check_device
 
     if cfg.model not in MODELS:
         raise ValueError(f"unknown model {cfg.model!r}; valid models: {', '.join(MODELS)}")

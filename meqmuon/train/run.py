@@ -41,9 +41,10 @@ from meqmuon.train.config import (
     optimizer_kwargs,
     resolve,
 )
+from meqmuon.train.device import device_of
 from meqmuon.train.parallel import Layout, check_layout, shard_model
 
-__all__ = ["Run", "WarmupCosine", "build_run", "check_device", "device_of", "seed_all"]
+__all__ = ["Run", "WarmupCosine", "build_run", "seed_all"]
 
 
 class WarmupCosine:
@@ -109,37 +110,6 @@ class Run:
         return contextlib.nullcontext()
 
 
-def device_of(cfg: TrainConfig, local_rank: int) -> torch.device:
-    """``cfg.device``, or for ``"auto"`` ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
-    if cfg.device != "auto":
-        return torch.device(cfg.device)
-    return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def check_device(spec: str) -> None:
-    """``ValueError`` (one line) for a ``--device`` this process cannot use: a malformed name, CUDA on a
-    torch build without it or a machine without a GPU, a CUDA index past the visible devices, MPS
-    where it is absent. Checked before anything is written (torch's own error is an assertion deep
-    in the first tensor moved there)."""
-    if spec == "auto":
-        return
-    try:
-        dev = torch.device(spec)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"--device {spec!r} is not a device name (auto, cpu, cuda, cuda:0, ...)") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            why = (f"this torch ({torch.__version__}) is built without CUDA" if torch.version.cuda is None
-                   else "no CUDA GPU is visible to this process")
-            raise ValueError(f"--device {spec}: {why}; use --device cpu (or auto, which picks the GPU when there "
-                             "is one)")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) are visible "
-                             f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
-    elif dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"--device {spec}: MPS is not available here; use --device cpu or auto")
-
-
 def seed_all(seed: int) -> None:
     """Seed Python's, NumPy's and torch's generators (the model's init and the data order follow)."""
     random.seed(seed)
@@ -152,7 +122,7 @@ def build_run(cfg: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
     from meqmuon import build_optimizer
     from meqmuon.train.models import build_model, count_unique_params
 
-    device = device_of(cfg, local_rank)
+    device = device_of(cfg.device, local_rank)
     check_layout(world, cfg.tp, cfg.fsdp)
     layout = Layout(world, cfg.tp, cfg.fsdp, rank)
     plan = resolve(cfg, device=device, world_size=layout.dp)
