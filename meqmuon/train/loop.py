@@ -356,8 +356,9 @@ def _open_log(run: Run) -> tuple[MetricsLogger, bool]:
     logger = MetricsLogger(run_dir, enabled=run.is_main, tensorboard=c.tensorboard)
     logger.log({"kind": "run", "step": run.step, "tokens": run.tokens, **_numerics_record(c)})
     quiet = c.quiet or not run.is_main
+    layout = run.layout.describe() if run.layout is not None else f"{run.world} process(es)"
     _log(f"[meqmuon] {c.model} ({run.n_params:,} params) | {c.optimizer} lr={c.lr:g} wd={c.weight_decay:g} | "
-         f"{c.steps} steps x {c.global_batch} x {c.seq_len} = {c.tokens:,} tokens | world {run.world}, "
+         f"{c.steps} steps x {c.global_batch} x {c.seq_len} = {c.tokens:,} tokens | {layout}, "
          f"micro-batch {c.micro_batch}, accum {c.accumulation(run.dp)} | {run.device} {c.precision} "
          f"(NS {c.optimizer_args.get('ns_dtype', '-')}, CPU {c.numerics['cpu_capability']}, "
          f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}) | {run_dir}"
