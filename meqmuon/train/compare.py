@@ -32,7 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from meqmuon.optim.registry import spec
-from meqmuon.train.config import TrainConfig, fill_model_defaults, resolve_numerics, resume_requests, run_name
+from meqmuon.train.config import (
+    TrainConfig,
+    check_positive,
+    fill_model_defaults,
+    resolve_numerics,
+    resume_requests,
+    run_name,
+)
 from meqmuon.train.device import device_of
 from meqmuon.train.loop import train
 from meqmuon.train.metrics import write_json
@@ -271,8 +278,7 @@ def run_sweep(optimizers: list[str], lrs: list[float], seeds: list[int], base: T
     if not (optimizers and lrs and seeds):
         raise ValueError("sweep needs at least one optimizer, one lr and one seed")
     for lr in lrs:
-        if not lr > 0 or not math.isfinite(lr):
-            raise ValueError(f"lr must be a positive number, got {lr!r}")
+        check_positive("lr", lr)
     seeds = _check_seeds(seeds)
     _check_distinct("optimizers", optimizers)
     _check_distinct("lrs", lrs)

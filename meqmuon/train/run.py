@@ -38,6 +38,7 @@ from meqmuon.train.config import (
     ResolvedConfig,
     TrainConfig,
     attention_of,
+    check_steps_within,
     optimizer_kwargs,
     resolve,
 )
@@ -142,7 +143,7 @@ def build_run(cfg: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
     final = plan.for_model(unique_params=n_params, data_source=data.source, vocab_size=model.config.vocab_size)
     if ckpt is not None and final.resume:
         _check_resume_config(ckpt["config"], final, ckpt_path)
-    _check_capture(final, model)
+    _check_within_run(final, model)
     shard_model(model, layout, final.precision, device)
     opt = build_optimizer(final.optimizer, model, **optimizer_kwargs(final))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(final.steps, final.warmup_ratio, final.min_lr_ratio))
@@ -155,6 +156,9 @@ def build_run(cfg: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
               torch.compile(train_model) if final.compile else train_model, opt, sched, n_params, 0, 0, layout)
     if ckpt is not None:
         _restore(run, ckpt, ckpt_path)
+        if final.stop_at_step is not None and final.stop_at_step <= run.step:
+            raise ValueError(f"--stop-at-step {final.stop_at_step}: the run is already at step {run.step} "
+                             f"(checkpoint {ckpt_path}); give a later step, or leave it out to train to the end")
     else:
         # Same weights and data order on every rank; per-rank training RNG (nothing random is drawn in
         # the loop today, but future dropout/sampling must differ across ranks).
@@ -194,7 +198,8 @@ def _build_data(cfg: ResolvedConfig, rank: int, world: int, layout: Layout) -> A
     data = build_data(None if cfg.data == "builtin" else cfg.data, tokenizer_name=_tokenizer_name(cfg),
                       seq_len=cfg.seq_len, seed=cfg.seed, rank=layout.dp_rank, world_size=layout.dp,
                       cache_dir=cfg.cache_dir,
-                      val_tokens=cfg.val_tokens, vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction)
+                      val_tokens=cfg.val_tokens, vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction,
+                      announce=rank == 0 and not cfg.quiet)
     if world > 1 and rank == 0:
         dist.barrier()
     return data
@@ -277,12 +282,12 @@ def _dcp_in_one_process(alone: bool) -> Iterator[None]:
         yield
 
 
-def _check_capture(cfg: ResolvedConfig, model: torch.nn.Module) -> None:
-    """``--capture-steps`` within the run and ``--capture-layers`` among the model's layers, or a
-    ``ValueError``: a capture that can never happen would otherwise be skipped without a word."""
-    late = [s for s in cfg.capture_steps or () if s > cfg.steps]
-    if late:
-        raise ValueError(f"--capture-steps {','.join(map(str, late))} beyond the run's {cfg.steps} steps")
+def _check_within_run(cfg: ResolvedConfig, model: torch.nn.Module) -> None:
+    """``--stop-at-step`` and ``--capture-steps`` within the run, ``--capture-layers`` among the model's
+    layers, or a ``ValueError``: a stop or a capture that can never happen would otherwise be skipped
+    without a word (the run's length is known here, once the model's size is; :func:`validate_config`
+    checks the steps earlier where ``--steps`` gives the length)."""
+    check_steps_within(cfg.stop_at_step, cfg.capture_steps, cfg.steps)
     if cfg.capture_layers is None:
         return
     layers = sorted({i for n, _ in model.named_parameters() if (i := layer_index(n)) is not None})
