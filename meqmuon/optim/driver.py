@@ -104,7 +104,7 @@ class HiddenRule(MomentumBase):
         cls._rewrites_input = cls.pre is not HiddenRule.pre
         cls._own_inputs = cls.inputs is not HiddenRule.inputs
         cls._own_step = cls.step_weights is not HiddenRule.step_weights
-        cls.transfer_form = transfer.DIRECTION if cls._own_step else transfer.form_of(cls)
+        cls.transfer_form = transfer.DIRECTION if cls._own_step else transfer.form_of(cls, HiddenRule)
         if cls.transposes and ("rows" in cls.state_views.values() or cls._own_step):
             raise TypeError(f"{cls.__name__}: per-row state or a step of its own needs transposes = False (rows "
                             "would change length; the weights keep their orientation)")
@@ -361,9 +361,8 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
     contiguous matrix already in its dtype in place (``inplace``: the first iterate is ``X``'s own buffer), so
     that the received bytes are not alive beside Newton-Schulz's copy of them; the same ops on the same values.
     The caller hands them over (keeps no reference): each entry of ``stacks`` loses its ``X`` once Newton-Schulz
-    has run, so that the spent bytes are let go before ``post``. ``factored``: an owner's stacks (one side each)
-    of a rule whose directions travel as factors (``transfer.FACTORS``): per stack ``(U, row, col)`` instead of
-    ``D`` (``U`` in the Newton-Schulz dtype, ``row`` and ``col`` the rule's :meth:`~HiddenRule.post_factors`).
+    has run, so that the spent bytes are let go before ``post``. ``factored`` (directions that travel as factors,
+    ``transfer.FACTORS``): per side ``(U, row, col)``, ``U`` in its dtype with :meth:`~HiddenRule.post_factors`.
 
     Args:
         rule: the ``HiddenRule``.

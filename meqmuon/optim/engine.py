@@ -492,15 +492,15 @@ class RoleOptimizer(Optimizer):
         return out[: len(single)], out[len(single) :]
 
     def _run(self, calls: tuple[list[driver.Call], list[driver.Call]]) -> None:
-        """Each call by its path's executor (``placement.EXECUTORS``): the one chooser. A :class:`SteppingRule`
-        runs its executor's ``stepping`` (its own ``step`` or ``step_foreach``, or the exchange's), the momentum
-        rules the executor's form ``[foreach, compile]``."""
+        """Each call by its path's executor (``placement.EXECUTORS``): the one chooser. A :class:`SteppingRule`'s
+        form is its own ``step`` or ``step_foreach``, which its executor's ``stepping`` runs (where the tensors lie,
+        or on whole tensors at owners), the momentum rules' the executor's form ``[foreach, compile]``."""
         for foreach, group_calls in zip((False, True), calls, strict=True):
             by_form: dict[int, tuple[Callable, list[driver.Call]]] = {}
             for call in group_calls:
                 executor = EXECUTORS[call[3].path]
                 if isinstance(call[0], SteppingRule):
-                    executor.stepping(*call, foreach)
+                    executor.stepping(call[0].step_foreach if foreach else call[0].step, *call[1:])
                 else:
                     form = executor.forms[foreach, self._compile]
                     by_form.setdefault(id(form), (form, []))[1].append(call)

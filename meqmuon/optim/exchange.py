@@ -304,28 +304,45 @@ def _owner_items(rule: HiddenRule, u: Unit, X: Tensor, state: dict[str, Tensor],
     return u.items
 
 
+class _Call:
+    """What every rank knows of one shape bucket of a hidden rule's units before it goes out (the same on every
+    rank: shapes, dtypes and the plan): the members, their units and step multipliers, the dtypes of what travels,
+    whether the directions travel as factors, and the keys of the pieces that go out."""
+
+    __slots__ = ("rule", "bucket", "group", "ctx", "batched", "orth", "members", "indices", "units", "replicas",
+                 "scales", "fold", "ns", "x_dtype", "d_dtype", "factored", "own", "keys_out", "device")
+
+    def __init__(self, rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepContext, batched: bool,
+                 orth: Callable | None) -> None:
+        ex: Exchange = ctx.split  # type: ignore[assignment]
+        self.rule, self.bucket, self.group, self.ctx, self.batched, self.orth = rule, bucket, group, ctx, batched, orth
+        self.members = members = bucket.items
+        self.indices = [it.index for it in members]
+        self.units = units = [ex.units[i] for i in self.indices]
+        p0 = members[0].param
+        self.device, self.replicas = p0.device, units[0].replicas
+        self.scales = [[rule.lr_scale(r, c, group) for r, c in u.layout.shapes()] if u.layout is not None else
+                       [rule.lr_scale(it.shape[0], math.prod(it.shape[1:]), group)]
+                       for u, it in zip(units, members, strict=True)]
+        self.fold = any(len(set(s)) > 1 for s in self.scales)
+        self.ns = resolve_dtype(group, p0, ctx)
+        self.x_dtype, self.d_dtype = _dtypes(rule, group, p0, self.ns, self.fold)
+        # eq. 8's (or NorMuon's) factors where they are fewer bytes for every rank's piece of a plain matrix
+        self.factored = not self.fold and all(
+            u.layout is None and len(it.shape) == 2 and ex.factored(i, rule, self.ns, self.d_dtype)
+            for u, it, i in zip(units, members, self.indices, strict=True))
+        self.own = rule._own_step  # the weights' pieces travel too, and come back stepped (MuonH's projection)
+        self.keys_out = [["param", *(["param"] if self.own else []),
+                          *(k for k in rule._owner_state if k in u.state_pieces)] for u in units]
+
+
 def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepContext, *, batched: bool,
                    x_of: Callable[[Item], Tensor], orth: Callable | None) -> list:
     """One shape bucket of a hidden rule's units: ``X`` out, directions of whole matrices at owners (the one body,
-    ``driver.bucket_directions``), each rank's piece back. Returns ``(param, D, scale)`` of this rank's pieces."""
-    ex: Exchange = ctx.split  # type: ignore[assignment]
-    members = bucket.items
-    indices = [it.index for it in members]
-    units = [ex.units[i] for i in indices]
-    p0 = members[0].param
-    replicas = units[0].replicas
-    scales = [[rule.lr_scale(r, c, group) for r, c in u.layout.shapes()] if u.layout is not None else
-              [rule.lr_scale(it.shape[0], math.prod(it.shape[1:]), group)]
-              for u, it in zip(units, members, strict=True)]
-    fold = any(len(set(s)) > 1 for s in scales)
-    ns = resolve_dtype(group, p0, ctx)
-    x_dtype, d_dtype = _dtypes(rule, group, p0, ns, fold)
-    # eq. 8's (or NorMuon's) factors where they are fewer bytes for every rank's piece of a plain matrix
-    factored = not fold and all(u.layout is None and len(it.shape) == 2 and ex.factored(i, rule, ns, d_dtype)
-                                for u, it, i in zip(units, members, indices, strict=True))
-    own = rule._own_step  # the weights' pieces travel too, and come back stepped (MuonH's projection)
-    keys_out = [["param", *(["param"] if own else []), *(k for k in rule._owner_state if k in u.state_pieces)]
-                for u in units]
+    ``driver.bucket_directions``, :func:`_at_owners`), each rank's piece back (:func:`_back`). Returns
+    ``(param, D, scale)`` of this rank's pieces."""
+    c = _Call(rule, bucket, group, ctx, batched, orth)
+    members, units, replicas, own = c.members, c.units, c.replicas, c.own
     # out: every rank's pieces of X (and of W), and of the sharded per-matrix state (under DDP nothing: the owner
     # holds them all, and makes X for its own matrices only, or for every matrix where a capture hook reads them)
     xs = [x_of(it) if u.mine or not replicas or ctx.capture is not None else None
@@ -333,84 +350,100 @@ def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepConte
     if replicas and ctx.capture is not None:
         ctx.emit(members, xs, "momentum_input")
     pieces = [[] if replicas and not u.mine else
-              [x.to(x_dtype), *([it.param] if own else []), *(_local(it.state[k]) for k in ks[1 + own :])]
-              for it, u, x, ks in zip(members, units, xs, keys_out, strict=True)]
+              [x.to(c.x_dtype), *([it.param] if own else []), *(_local(it.state[k]) for k in ks[1 + own :])]
+              for it, u, x, ks in zip(members, units, xs, c.keys_out, strict=True)]
     del xs
     # a DTensor's plain matrices are received straight into their owner's stack, which Newton-Schulz then iterates
     # in and lets go (the one body's handed stacks): an owner holds each whole matrix once
     mine = [j for j, u in enumerate(units) if u.mine]
     plain = bool(mine) and not replicas and not own and all(units[j].layout is None for j in mine)
-    stack = torch.empty((len(mine), *bucket.global_shape), dtype=x_dtype, device=p0.device) if plain else None
-    wholes = ex.to_owners(indices, pieces, keys_out,
-                          {j: stack[k].view(members[j].shape) for k, j in enumerate(mine)} if plain else None)
-    # at owners: every owned unit's whole matrices, one body for them all
-    owned = [j for j, w in enumerate(wholes) if w is not None]
-    results: dict[int, tuple[Any, dict[str, Tensor]]] = {}
-    if owned:
-        items, spans = [], []
-        for j in owned:
-            it, u, ws = members[j], units[j], wholes[j]
-            if replicas:  # the item itself: its X and its own state
-                its, state = [it], it.state
-            else:
-                state = {k: ws[keys_out[j].index(k)] if k in keys_out[j] else _local(it.state[k])
-                         for k in rule._owner_state}
-                if ctx.capture is not None:
-                    ctx.capture(it.name, it.kind or ctx.kind, "momentum_input", ws[0])
-                its = _owner_items(rule, u, ws[0].new_empty(()).expand(bucket.global_shape) if plain else ws[0],
-                                   state, it.state["step"], it.name)
-                if plain:
-                    ws[0] = None  # the stack's row: only the stack keeps it
-            spans.append((j, len(items), len(its), state))
-            items += its
-        xs = {id(members[j]): wholes[j][0] for j in owned} if replicas else {}
-        # batched: one stack per shape, all in one body; per tensor: each matrix alone, as one process's form
-        if not batched:
-            groups = [[Bucket([it], 1, *[(it.shape[0], math.prod(it.shape[1:]))] * 2, ())] for it in items]
-            handed = [[stack[n : n + 1]] for n in range(len(items))] if plain else None
-        elif replicas and orth is None:  # DDP: in the orientations one process's batched form stacks them
-            flipped = [j >= bucket.plain for j in owned]
-            order = sorted(range(len(items)), key=lambda n: flipped[n])
-            groups = [[Bucket([items[n] for n in order], flipped.count(False), bucket.shape, bucket.global_shape,
-                              bucket.key)]]
-        else:
-            groups = ([[Bucket(items, len(items), bucket.global_shape, bucket.global_shape, bucket.key)]] if plain
-                      else [make_buckets(items, matrix=True, transpose=False)])
-            handed = [[stack]] if plain else None
-        del stack
-        # Newton-Schulz of a stack as one batched call: under DDP as one process's batched form runs it (its bits);
-        # a DTensor's owner where the device runs one (newton_schulz.batched_ns: on CPU matrix by matrix, faster
-        # there and iterated in the received buffer, the owner's transient peak one matrix's Newton-Schulz)
-        batched_ns_here = batched and (replicas or batched_ns(p0.device))
-        by_item = {}
-        for buckets in groups:
-            found = bucket_directions(rule, buckets, group, ctx, batched=batched_ns_here,
-                                      x_of=(lambda it: xs[id(it)]) if replicas else (lambda it: it.param), orth=orth,
-                                      factored=factored, handed=handed.pop(0) if plain else None, workspace={})
-            by_item.update((id(it), d) for b, ds in zip(buckets, found, strict=True)
-                           for it, d in zip(b.items, ds, strict=True))
-        if not replicas:  # the owner's items keep no whole matrix past the step
-            for it in items:
-                it.param, it.state = None, {}
-        for j, start, n, state in spans:
-            ds = [by_item[id(it)] for it in items[start : start + n]]
-            if own:  # the rule's own step of each whole matrix, in the whole weight: it goes back stepped
-                W, layout = wholes[j][1], units[j].layout
-                for w, d, s in zip(layout.matrices(W) if layout is not None else [W], ds, scales[j], strict=True):
-                    step_weights(rule, [w], d.reshape(1, w.shape[0], -1), s, group)
-                results[j] = (W, state)
-            elif factored or (units[j].layout is None and ds[0].dtype == d_dtype):
-                results[j] = (ds[0] if factored else ds[0].reshape(members[j].shape), state)
-            else:  # a view's matrices into the whole direction, the step multipliers folded in where they differ
-                D = torch.empty(members[j].shape, dtype=d_dtype, device=p0.device)
-                views = units[j].layout.matrices(D) if units[j].layout is not None else [D.view(ds[0].shape)]
-                for v, d, s in zip(views, ds, scales[j], strict=True):
-                    v.copy_(d * s if fold else d)
-                results[j] = (D, state)
+    stack = [torch.empty((len(mine), *bucket.global_shape), dtype=c.x_dtype, device=c.device)] if plain else []
+    wholes = ctx.split.to_owners(c.indices, pieces, c.keys_out,
+                                 {j: stack[0][k].view(members[j].shape) for k, j in enumerate(mine)} if plain else None)
+    results = _at_owners(c, wholes, stack)
     del wholes
-    # back: D (or U with its factors, or the stepped W) and the per-matrix state the rule changed
+    return _back(c, results)
+
+
+def _at_owners(c: _Call, wholes: list[list[Tensor] | None], stack: list[Tensor]) -> dict[int, tuple[Any, dict]]:
+    """At an owner, every owned unit's whole matrices through one body (``driver.bucket_directions``): per owned
+    member, its whole direction (or ``U`` with its factors, or the stepped weight) and the per-matrix state the rule
+    changed. ``stack``: the owned plain matrices received in one stack, handed over (emptied)."""
+    rule, members, units, replicas, batched = c.rule, c.members, c.units, c.replicas, c.batched
+    owned = [j for j, w in enumerate(wholes) if w is not None]
+    if not owned:
+        return {}
+    plain = bool(stack)
+    items, spans = [], []
+    for j in owned:
+        it, u, ws = members[j], units[j], wholes[j]
+        if replicas:  # the item itself: its X and its own state
+            its, state = [it], it.state
+        else:
+            state = {k: ws[c.keys_out[j].index(k)] if k in c.keys_out[j] else _local(it.state[k])
+                     for k in rule._owner_state}
+            if c.ctx.capture is not None:
+                c.ctx.capture(it.name, it.kind or c.ctx.kind, "momentum_input", ws[0])
+            its = _owner_items(rule, u, ws[0].new_empty(()).expand(c.bucket.global_shape) if plain else ws[0],
+                               state, it.state["step"], it.name)
+            if plain:
+                ws[0] = None  # the stack's row: only the stack keeps it
+        spans.append((j, len(items), len(its), state))
+        items += its
+    xs = {id(members[j]): wholes[j][0] for j in owned} if replicas else {}
+    # batched: one stack per shape, all in one body; per tensor: each matrix alone, as one process's form
+    b = c.bucket
+    handed = ([[stack[0][n : n + 1]] for n in range(len(items))] if plain and not batched else
+              [[stack[0]]] if plain else None)
+    stack.clear()
+    if not batched:
+        groups = [[Bucket([it], 1, *[(it.shape[0], math.prod(it.shape[1:]))] * 2, ())] for it in items]
+    elif replicas and c.orth is None:  # DDP: in the orientations one process's batched form stacks them
+        flipped = [j >= b.plain for j in owned]
+        order = sorted(range(len(items)), key=lambda n: flipped[n])
+        groups = [[Bucket([items[n] for n in order], flipped.count(False), b.shape, b.global_shape, b.key)]]
+    else:
+        groups = ([[Bucket(items, len(items), b.global_shape, b.global_shape, b.key)]] if plain
+                  else [make_buckets(items, matrix=True, transpose=False)])
+    # Newton-Schulz of a stack as one batched call: under DDP as one process's batched form runs it (its bits);
+    # a DTensor's owner where the device runs one (newton_schulz.batched_ns: on CPU matrix by matrix, faster
+    # there and iterated in the received buffer, the owner's transient peak one matrix's Newton-Schulz)
+    batched_ns_here = batched and (replicas or batched_ns(c.device))
+    by_item = {}
+    for buckets in groups:
+        found = bucket_directions(rule, buckets, c.group, c.ctx, batched=batched_ns_here,
+                                  x_of=(lambda it: xs[id(it)]) if replicas else (lambda it: it.param), orth=c.orth,
+                                  factored=c.factored, handed=handed.pop(0) if plain else None, workspace={})
+        by_item.update((id(it), d) for bk, ds in zip(buckets, found, strict=True)
+                       for it, d in zip(bk.items, ds, strict=True))
+    if not replicas:  # the owner's items keep no whole matrix past the step
+        for it in items:
+            it.param, it.state = None, {}
+    results = {}
+    for j, start, n, state in spans:
+        ds = [by_item[id(it)] for it in items[start : start + n]]
+        if c.own:  # the rule's own step of each whole matrix, in the whole weight: it goes back stepped
+            W, layout = wholes[j][1], units[j].layout
+            for w, d, s in zip(layout.matrices(W) if layout is not None else [W], ds, c.scales[j], strict=True):
+                step_weights(rule, [w], d.reshape(1, w.shape[0], -1), s, c.group)
+            results[j] = (W, state)
+        elif c.factored or (units[j].layout is None and ds[0].dtype == c.d_dtype):
+            results[j] = (ds[0] if c.factored else ds[0].reshape(members[j].shape), state)
+        else:  # a view's matrices into the whole direction, the step multipliers folded in where they differ
+            D = torch.empty(members[j].shape, dtype=c.d_dtype, device=c.device)
+            views = units[j].layout.matrices(D) if units[j].layout is not None else [D.view(ds[0].shape)]
+            for v, d, s in zip(views, ds, c.scales[j], strict=True):
+                v.copy_(d * s if c.fold else d)
+            results[j] = (D, state)
+    return results
+
+
+def _back(c: _Call, results: dict[int, tuple[Any, dict]]) -> list:
+    """The way back: D (or U with its factors, or the stepped W) and the per-matrix state the rule changed, each
+    rank's piece; the state and a stepped weight written, ``(param, D, scale)`` of the rest returned."""
+    rule, factored, own, d_dtype = c.rule, c.factored, c.own, c.d_dtype
     back_keys, out_wholes, like = [], [], []
-    for j, (it, u) in enumerate(zip(members, units, strict=True)):
+    for j, (it, u) in enumerate(zip(c.members, c.units, strict=True)):
         back_keys.append([*(["param", *AXES] if factored else ["param"]),
                           *(k if k in u.state_pieces else None for k in rule._owner_state)])
         if j in results:
@@ -420,13 +453,15 @@ def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepConte
             out_wholes.append(None)
         p = it.param
         like.append(lambda p=p, it=it, dtype=p.dtype if own else d_dtype: [
-            *([(p.shape, ns), *(((p.shape[d],), d_dtype) for d in AXES.values())] if factored else [(p.shape, dtype)]),
+            *([(p.shape, c.ns), *(((p.shape[d],), d_dtype) for d in AXES.values())] if factored else
+              [(p.shape, dtype)]),
             *((_local(it.state[k]).shape, _local(it.state[k]).dtype) for k in rule._owner_state)])
-    got = ex.from_owners(indices, out_wholes, back_keys, like, p0.device)
+    results.clear()
+    got = c.ctx.split.from_owners(c.indices, out_wholes, back_keys, like, c.device)
     del out_wholes
     out = []
     n = 3 if factored else 1
-    for it, s, parts in zip(members, scales, got, strict=True):
+    for it, s, parts in zip(c.members, c.scales, got, strict=True):
         for k, t in zip(rule._owner_state, parts[n:], strict=True):
             mine = _local(it.state[k])
             if t is not mine:
@@ -436,9 +471,9 @@ def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepConte
                 it.param.copy_(parts[0])
         elif factored:  # this rank's block of D = (U * row) * col (F.apply_factors), the owner's bits on any block
             out.append((it.param, transfer.apply(parts[0], parts[1][:, None], parts[2][None, :],
-                                                 rule.factors_divide), 1.0 if fold else s[0]))
+                                                 rule.factors_divide), 1.0 if c.fold else s[0]))
         else:
-            out.append((it.param, parts[0], 1.0 if fold else s[0]))
+            out.append((it.param, parts[0], 1.0 if c.fold else s[0]))
     return out
 
 
@@ -490,11 +525,12 @@ def step(calls: Sequence[Call], *, batched: bool, orth: Callable | None = None) 
         apply_pending(pending, group)
 
 
-def whole_step(rule: SteppingRule, items: Sequence[Item], group: dict, ctx: StepContext, foreach: bool) -> None:
+def whole_step(form: Callable[..., None], items: Sequence[Item], group: dict, ctx: StepContext) -> None:
     """A stepping rule whose statistics need whole tensors (SCALE's column and row rules on pieces that are not
-    whole rows): parameter, gradient and sharded state to the owner, the rule's own step there on whole tensors
-    made for this step, the new parameter and state pieces back."""
+    whole rows): parameter, gradient and sharded state to the owner, the rule's form (its ``step`` or
+    ``step_foreach``) there on whole tensors made for this step, the new parameter and state pieces back."""
     ex: Exchange = ctx.split  # type: ignore[assignment]
+    rule: SteppingRule = form.__self__  # type: ignore[attr-defined]
     indices = [it.index for it in items]
     keys, pieces = [], []
     for it, i in zip(items, indices, strict=True):
@@ -513,7 +549,7 @@ def whole_step(rule: SteppingRule, items: Sequence[Item], group: dict, ctx: Step
                      cut_items(rule, layout, ws[0], ws[1], state, it.name, it.kind, layout.labels()))
         states.append(state)
     if at_owner:
-        (rule.step_foreach if foreach else rule.step)(at_owner, group, ctx)
+        form(at_owner, group, ctx)
     names = [[k for k in sorted(it.state) if isinstance(it.state[k], Tensor)] for it in items]
     out_wholes = [None if st is None else [ws[0], *(st[k] for k in ns)]
                   for ws, st, ns in zip(wholes, states, names, strict=True)]
