@@ -59,10 +59,8 @@ from .views import Layout
 
 try:
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch builds without distributed support
     dist = None  # type: ignore[assignment]
-    DTensor = ()  # type: ignore[assignment,misc]
 
 __all__ = ["Exchange", "Unit", "exchange_flat", "step", "whole_step"]
 
@@ -147,8 +145,8 @@ class Exchange(LocalSplit):
                 u.group = ([r for r in range(self.world) if r != self.rank] if u.replicas else
                            [r for r in range(self.world) if self.owner_of(u, r) == self.rank])
         self.units = list(units)
-        #: Whether a unit's results travel as factors, by unit and dtypes (``transfer.pays``, decided once).
-        self._factored: dict[tuple, bool] = {}
+        #: Whether a unit's results travel as factors, by unit, form and dtypes (``transfer.pays``, decided once).
+        self.factored: dict[tuple, bool] = {}
 
     def owner_of(self, u: Unit, r: int | None = None) -> int:
         """The rank that computes unit ``u`` for rank ``r`` (default: this one): its owner, or under mesh dimensions
@@ -160,15 +158,6 @@ class Exchange(LocalSplit):
             d = u.descriptor(key)
             u.where[key] = {r: (d.boxes(r), d.local_shape(r)) for r in u.group}
         return u.where[key]
-
-    def factored(self, i: int, rule: HiddenRule, ns: torch.dtype, d: torch.dtype) -> bool:
-        """Whether unit ``i``'s direction travels as ``U`` with factors (``transfer.pays`` for every rank's
-        non-empty piece), from shapes and dtypes alone: every rank decides it alike, with no collective."""
-        key = (i, rule.transfer_form, ns, d)
-        if key not in self._factored:
-            self._factored[key] = all(transfer.pays(rule.transfer_form, m, n, ns, d)
-                                      for m, n in self.units[i].pieces.local_shapes() if m * n)
-        return self._factored[key]
 
     def to_owners(self, indices: Sequence[int], pieces: list[list[Tensor]], keys: Sequence[Sequence[str]],
                   into: dict[int, Tensor] | None = None) -> list[list[Tensor] | None]:
@@ -270,22 +259,6 @@ class Exchange(LocalSplit):
 # ---- a momentum rule's step through the exchange ----------------------------------------------------------
 
 
-def _local(t: Any) -> Any:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _dtypes(rule: Any, group: dict, p: Tensor, ns: torch.dtype, fold: bool) -> tuple[torch.dtype, torch.dtype]:
-    """What travels: the direction input (the Newton-Schulz dtype ``ns`` where a hidden rule keeps the default
-    ``pre``, else at least float32, as ``pre`` and the elementwise rules compute) and the direction: ``U``'s dtype
-    where the rule's ``post`` is the identity and no step multipliers are folded in (``transfer.IDENTITY``), else at
-    least the parameter's dtype, so that each rank adds what one process adds."""
-    hidden = isinstance(rule, HiddenRule)
-    x = ns if hidden and not rule._rewrites_input else torch.promote_types(p.dtype, torch.float32)
-    if hidden and rule.transfer_form == transfer.IDENTITY and not fold:
-        return x, ns
-    return x, torch.promote_types(x, p.dtype)
-
-
 def _owner_items(rule: HiddenRule, u: Unit, X: Tensor, state: dict[str, Tensor], step: int, name: str) -> list[Item]:
     """A unit's whole matrices at its owner, as items of the one body (``driver.bucket_directions``): ``X``'s
     matrices by the unit's layout, each with its per-matrix state as views of the whole ``state`` (updated in
@@ -325,12 +298,24 @@ class _Call:
                        [rule.lr_scale(it.shape[0], math.prod(it.shape[1:]), group)]
                        for u, it in zip(units, members, strict=True)]
         self.fold = any(len(set(s)) > 1 for s in self.scales)
-        self.ns = resolve_dtype(group, p0, ctx)
-        self.x_dtype, self.d_dtype = _dtypes(rule, group, p0, self.ns, self.fold)
-        # eq. 8's (or NorMuon's) factors where they are fewer bytes for every rank's piece of a plain matrix
-        self.factored = not self.fold and all(
-            u.layout is None and len(it.shape) == 2 and ex.factored(i, rule, self.ns, self.d_dtype)
-            for u, it, i in zip(units, members, self.indices, strict=True))
+        # What travels: the direction input in the Newton-Schulz dtype where the rule keeps the default ``pre``, else
+        # at least float32, as ``pre`` computes; the direction in U's dtype where ``post`` is the identity and no
+        # step multipliers are folded in (transfer.IDENTITY), else at least the parameter's dtype, so that each
+        # rank adds what one process adds
+        self.ns = ns = resolve_dtype(group, p0, ctx)
+        self.x_dtype = x = torch.promote_types(p0.dtype, torch.float32) if rule._rewrites_input else ns
+        self.d_dtype = (ns if rule.transfer_form == transfer.IDENTITY and not self.fold else
+                        torch.promote_types(x, p0.dtype))
+        # eq. 8's (or NorMuon's) factors where they are fewer bytes for every rank's piece of a plain matrix,
+        # decided once per unit and dtypes (transfer.pays), from shapes alone: every rank alike, no collective
+        self.factored = not self.fold
+        for u, it, i in zip(units, members, self.indices, strict=True):
+            key = (i, rule.transfer_form, ns, self.d_dtype)
+            if key not in ex.factored:
+                ex.factored[key] = u.layout is None and len(it.shape) == 2 and all(
+                    transfer.pays(rule.transfer_form, m, n, ns, self.d_dtype)
+                    for m, n in u.pieces.local_shapes() if m * n)
+            self.factored = self.factored and ex.factored[key]
         self.own = rule._own_step  # the weights' pieces travel too, and come back stepped (MuonH's projection)
         self.keys_out = [["param", *(["param"] if self.own else []),
                           *(k for k in rule._owner_state if k in u.state_pieces)] for u in units]
@@ -350,7 +335,7 @@ def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepConte
     if replicas and ctx.capture is not None:
         ctx.emit(members, xs, "momentum_input")
     pieces = [[] if replicas and not u.mine else
-              [x.to(c.x_dtype), *([it.param] if own else []), *(_local(it.state[k]) for k in ks[1 + own :])]
+              [x.to(c.x_dtype), *([it.param] if own else []), *(it.state[k] for k in ks[1 + own :])]
               for it, u, x, ks in zip(members, units, xs, c.keys_out, strict=True)]
     del xs
     # a DTensor's plain matrices are received straight into their owner's stack, which Newton-Schulz then iterates
@@ -380,7 +365,7 @@ def _at_owners(c: _Call, wholes: list[list[Tensor] | None], stack: list[Tensor])
         if replicas:  # the item itself: its X and its own state
             its, state = [it], it.state
         else:
-            state = {k: ws[c.keys_out[j].index(k)] if k in c.keys_out[j] else _local(it.state[k])
+            state = {k: ws[c.keys_out[j].index(k)] if k in c.keys_out[j] else it.state[k]
                      for k in rule._owner_state}
             if c.ctx.capture is not None:
                 c.ctx.capture(it.name, it.kind or c.ctx.kind, "momentum_input", ws[0])
@@ -448,14 +433,14 @@ def _back(c: _Call, results: dict[int, tuple[Any, dict]]) -> list:
                           *(k if k in u.state_pieces else None for k in rule._owner_state)])
         if j in results:
             d, state = results[j]
-            out_wholes.append([*(d if factored else [d]), *(_local(state[k]) for k in rule._owner_state)])
+            out_wholes.append([*(d if factored else [d]), *(state[k] for k in rule._owner_state)])
         else:
             out_wholes.append(None)
         p = it.param
         like.append(lambda p=p, it=it, dtype=p.dtype if own else d_dtype: [
             *([(p.shape, c.ns), *(((p.shape[d],), d_dtype) for d in AXES.values())] if factored else
               [(p.shape, dtype)]),
-            *((_local(it.state[k]).shape, _local(it.state[k]).dtype) for k in rule._owner_state)])
+            *((it.state[k].shape, it.state[k].dtype) for k in rule._owner_state)])
     results.clear()
     got = c.ctx.split.from_owners(c.indices, out_wholes, back_keys, like, c.device)
     del out_wholes
@@ -463,7 +448,7 @@ def _back(c: _Call, results: dict[int, tuple[Any, dict]]) -> list:
     n = 3 if factored else 1
     for it, s, parts in zip(c.members, c.scales, got, strict=True):
         for k, t in zip(rule._owner_state, parts[n:], strict=True):
-            mine = _local(it.state[k])
+            mine = it.state[k]
             if t is not mine:
                 mine.copy_(t)
         if own:
@@ -485,7 +470,7 @@ def _elementwise_bucket(rule: Any, members: list[Item], group: dict, ctx: StepCo
     ex: Exchange = ctx.split  # type: ignore[assignment]
     indices = [it.index for it in members]
     p0 = members[0].param
-    x_dtype, d_dtype = _dtypes(rule, group, p0, p0.dtype, False)
+    x_dtype = d_dtype = torch.promote_types(p0.dtype, torch.float32)  # its statistics' dtype, as one process's
     wholes = ex.to_owners(indices, [[x_of(it).to(x_dtype)] for it in members], [["param"]] * len(members))
     out_wholes = []
     for i, ws in zip(indices, wholes, strict=True):
@@ -536,14 +521,14 @@ def whole_step(form: Callable[..., None], items: Sequence[Item], group: dict, ct
     for it, i in zip(items, indices, strict=True):
         sharded = list(ex.units[i].state_pieces)
         keys.append(["param", "param", *sharded])
-        pieces.append([it.param, it.grad, *(_local(it.state[k]) for k in sharded)])
+        pieces.append([it.param, it.grad, *(it.state[k] for k in sharded)])
     wholes = ex.to_owners(indices, pieces, keys)
     at_owner, states = [], []
     for it, ws, ks in zip(items, wholes, keys, strict=True):
         if ws is None:
             states.append(None)
             continue
-        state = {k: (ws[ks.index(k)] if k in ks[2:] else _local(v)) for k, v in it.state.items()}
+        state = {k: (ws[ks.index(k)] if k in ks[2:] else v) for k, v in it.state.items()}
         layout = ex.units[it.index].layout
         at_owner += ([Item(ws[0], ws[1], state, it.name, it.shape, it.kind)] if layout is None else
                      cut_items(rule, layout, ws[0], ws[1], state, it.name, it.kind, layout.labels()))
@@ -557,9 +542,9 @@ def whole_step(form: Callable[..., None], items: Sequence[Item], group: dict, ct
                  for i, ns in zip(indices, names, strict=True)]
     got = ex.from_owners(indices, out_wholes, back_keys,
                          [lambda it=it, ns=ns: [(it.param.shape, it.param.dtype),
-                                                *((_local(it.state[k]).shape, _local(it.state[k]).dtype) for k in ns)]
+                                                *((it.state[k].shape, it.state[k].dtype) for k in ns)]
                           for it, ns in zip(items, names, strict=True)], items[0].param.device)
     for it, ns, parts in zip(items, names, got, strict=True):
         it.param.copy_(parts[0])
         for k, t in zip(ns, parts[1:], strict=True):
-            _local(it.state[k]).copy_(t)
+            it.state[k].copy_(t)
