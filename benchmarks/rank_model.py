@@ -13,7 +13,12 @@ simulated rank knows every rank's work. For each hidden-kind parameter (the Newt
 - ``owned[r]``: elements of the whole matrices it puts together and orthogonalises for its replica group
   (its own pieces of them included);
 - ``flops[r]``: the Newton-Schulz FLOPs it runs (``newton_schulz.method_flops``): its owned matrices, its
-  whole local matrices (experts ``Shard(0)``), and every matrix it holds replicated (``Replicate()``).
+  whole local matrices (experts ``Shard(0)``), and every matrix it holds replicated (``Replicate()``);
+- ``rounds``: the same work by exchange round, for a time model (``benchmarks/time_model.py``): one per shape
+  bucket, as the step exchanges them (one ``all_to_all_single`` out and one back per bucket, on the row path
+  and the owner path alike), each with every rank's ``local`` elements in it and the matrices each owner
+  orthogonalises (``owned``: ``[rank, count]`` pairs of the bucket's ``shape``); whole local matrices are
+  rounds without an exchange (``local`` empty).
 
 **The reachable bound.** With whole-matrix Newton-Schulz at owners, rank ``r`` must send its pieces as
 Newton-Schulz input and the directions of every piece of its owned matrices, and receive those pieces and
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +81,7 @@ class RankModel:
     local: list[int] = field(default_factory=list)
     owned: list[int] = field(default_factory=list)
     flops: list[int] = field(default_factory=list)
+    rounds: list[dict] = field(default_factory=list)
 
     def floor(self, r: int) -> int:
         return 2 * self.itemsize * self.local[r]
@@ -118,11 +125,15 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
     world = dist.get_world_size()
     model = RankModel(world, itemsize, [0] * world, [0] * world, [0] * world)
     cache: dict = {}
+    rounds: dict[tuple, dict] = {}  # (path, m, n) -> round, in first-appearance order
+
+    def round_of(key: tuple, m: int, n: int, exchanged: bool) -> dict:
+        return rounds.setdefault(key, {"shape": [m, n], "local": [0] * world if exchanged else [], "owned": {}})
     # the row path's owners: carried from the owner path's planned work where the splitter has one
     # (``ShardedSplit.bucket_owners``: every bucket of a call at once, longest first); else each bucket from
     # no load (``assign_counts``: the left-over matrices to the lowest ranks)
     load = list(opt._owners.load) if getattr(opt._owners, "load", None) is not None else [0.0] * world
-    for group, entries, split, _ in opt._plan():
+    for call, (group, entries, split, _) in enumerate(opt._plan()):
         buckets: dict[tuple, list] = {}  # shape bucket (first-appearance order) -> [count, FLOPs, cost]
         for e in entries:
             if e.kind != "hidden":
@@ -138,10 +149,18 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
                     b = buckets.setdefault((e.param.dtype, m, n), [0, method_flops(group, m, n),
                                                                    driver.cost(e.rule, (m, n), group)])
                     b[0] += 1
+                size = sum(m * n for m, n in shapes)
+                for (m, n), c in Counter(shapes).items():  # each shape's bucket gets its share of the rows
+                    local = round_of(("rows", call, e.param.dtype, m, n), m, n, True)["local"]
+                    for r, k in enumerate(numels):
+                        local[r] += k * c * m * n // size
             elif e.path is Path.LOCAL:  # whole local matrices: replicated, or a stack's own members
                 total = sum(method_flops(group, m, n) for m, n in shapes)
                 for r, n in enumerate(numels):
                     model.flops[r] += total * n // e.param.numel()
+                    for (m, c), k in Counter(shapes).items() if n else ():  # the whole matrices rank r holds
+                        owned = round_of(("local", m, c), m, c, False)["owned"]
+                        owned[r] = owned.get(r, 0) + k * n // e.param.numel()
             else:
                 raise NotImplementedError(f"rank_model: path {e.path} of {e.name}")
         if not buckets:
@@ -152,24 +171,32 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
         else:
             owners = [[r for r, c in enumerate(assign_counts([k], [f], world)[0]) for _ in range(c)]
                       for k, f, _ in buckets.values()]
-        for ((_, m, n), (_, f, _)), ranks in zip(buckets.items(), owners, strict=True):
+        for ((dtype, m, n), (_, f, _)), ranks in zip(buckets.items(), owners, strict=True):
+            owned = round_of(("rows", call, dtype, m, n), m, n, True)["owned"]
             for r in ranks:
                 model.owned[r] += m * n
                 model.flops[r] += f
+                owned[r] = owned.get(r, 0) + 1
     plan = opt._owners
     for (group, *_), owned in zip(opt._plan(), opt._owned, strict=True):
         for index, p, _, kind, _, layout in owned:
             if kind != "hidden":
                 continue
-            total = sum(method_flops(group, m, n) for m, n in layout.shapes())
+            shapes = layout.shapes()
+            total = sum(method_flops(group, m, n) for m, n in shapes)
+            # the engine's bucket: the parameter's global shape (engine._shape_buckets), its matrices' shape
+            rnd = round_of(("pieces", tuple(p.shape)), *shapes[0], True)
             owners = set()
             for r, n in enumerate(local_numels(p, world, cache)):
                 q = plan.owner_of(index, r)
                 model.local[r] += n
                 model.owned[q] += n
+                rnd["local"][r] += n
                 owners.add(q)
             for q in owners:
                 model.flops[q] += total
+                rnd["owned"][q] = rnd["owned"].get(q, 0) + len(shapes)
+    model.rounds = [{**r, "owned": sorted(r["owned"].items())} for r in rounds.values()]
     return model
 
 
