@@ -16,9 +16,10 @@ simulated rank knows every rank's work. For each hidden-kind parameter (the Newt
   whole local matrices (experts ``Shard(0)``), and every matrix it holds replicated (``Replicate()``);
 - ``rounds``: the same work by exchange round, for a time model (``benchmarks/time_model.py``): one per shape
   bucket, as the step exchanges them (one ``all_to_all_single`` out and one back per bucket, on the row path
-  and the owner path alike), each with every rank's ``local`` elements in it and the matrices each owner
-  orthogonalises (``owned``: ``[rank, count]`` pairs of the bucket's ``shape``); whole local matrices are
-  rounds without an exchange (``local`` empty).
+  and the owner path alike), each with every rank's ``local`` elements in it and how many units of work each
+  owner orthogonalises (``owned``: ``[rank, count]`` pairs; a unit is ``matrices``: one matrix of the bucket's
+  ``shape`` on the row path, a parameter's matrices on the owner path, whose bucket is the parameter's shape);
+  whole local matrices are rounds without an exchange (``local`` empty).
 
 **The reachable bound.** With whole-matrix Newton-Schulz at owners, rank ``r`` must send its pieces as
 Newton-Schulz input and the directions of every piece of its owned matrices, and receive those pieces and
@@ -127,8 +128,9 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
     cache: dict = {}
     rounds: dict[tuple, dict] = {}  # (path, m, n) -> round, in first-appearance order
 
-    def round_of(key: tuple, m: int, n: int, exchanged: bool) -> dict:
-        return rounds.setdefault(key, {"shape": [m, n], "local": [0] * world if exchanged else [], "owned": {}})
+    def round_of(key: tuple, m: int, n: int, exchanged: bool, matrices: list | None = None) -> dict:
+        return rounds.setdefault(key, {"shape": [m, n], "matrices": [list(s) for s in matrices or [(m, n)]],
+                                       "local": [0] * world if exchanged else [], "owned": {}})
     # the row path's owners: carried from the owner path's planned work where the splitter has one
     # (``ShardedSplit.bucket_owners``: every bucket of a call at once, longest first); else each bucket from
     # no load (``assign_counts``: the left-over matrices to the lowest ranks)
@@ -185,7 +187,7 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
             shapes = layout.shapes()
             total = sum(method_flops(group, m, n) for m, n in shapes)
             # the engine's bucket: the parameter's global shape (engine._shape_buckets), its matrices' shape
-            rnd = round_of(("pieces", tuple(p.shape)), *shapes[0], True)
+            rnd = round_of(("pieces", tuple(p.shape)), *shapes[0], True, shapes)
             owners = set()
             for r, n in enumerate(local_numels(p, world, cache)):
                 q = plan.owner_of(index, r)
@@ -195,7 +197,7 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
                 owners.add(q)
             for q in owners:
                 model.flops[q] += total
-                rnd["owned"][q] = rnd["owned"].get(q, 0) + len(shapes)
+                rnd["owned"][q] = rnd["owned"].get(q, 0) + 1
     model.rounds = [{**r, "owned": sorted(r["owned"].items())} for r in rounds.values()]
     return model
 
