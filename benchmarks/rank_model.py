@@ -15,6 +15,11 @@ each hidden-kind parameter (the Newton-Schulz kind), per rank ``r`` of the defau
   ``Exchange.owner_of``);
 - ``flops[r]``: the Newton-Schulz FLOPs it runs (``newton_schulz.method_flops``): its owned units' matrices,
   its whole local matrices (experts ``Shard(0)``), and every matrix it holds replicated (``Replicate()``).
+- ``rounds``: the same work by exchange round, for a time model (``benchmarks/time_model.py``): one per shape
+  bucket of a call, as ``exchange.step`` exchanges them (one ``all_to_all_single`` out and one back per bucket:
+  the exchange's units grouped by the matrix shape of their global shape), each with every rank's ``local``
+  elements in it and how many units each owner orthogonalises (``owned``: ``[rank, count]`` pairs; a unit's
+  ``matrices``: its view's matrices); whole local matrices are rounds without an exchange (``local`` empty).
 
 **The reachable bound.** With whole-matrix Newton-Schulz at owners, rank ``r`` must send its pieces as
 Newton-Schulz input and the directions of every piece of its owned matrices, and receive those pieces and
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +83,7 @@ class RankModel:
     local: list[int] = field(default_factory=list)
     owned: list[int] = field(default_factory=list)
     flops: list[int] = field(default_factory=list)
+    rounds: list[dict] = field(default_factory=list)
 
     def floor(self, r: int) -> int:
         return 2 * self.itemsize * self.local[r]
@@ -121,31 +128,48 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
     world = dist.get_world_size()
     model = RankModel(world, itemsize, [0] * world, [0] * world, [0] * world)
     ex, cache = opt._exchange, {}
-    for group, entries, _ in opt._plan():
+    rounds: dict[tuple, dict] = {}  # (call, dtype, m, n) -> round, in first-appearance order
+
+    def round_of(key: tuple, m: int, n: int, exchanged: bool, matrices: list | None = None) -> dict:
+        return rounds.setdefault(key, {"shape": [m, n], "matrices": [list(s) for s in matrices or [(m, n)]],
+                                       "local": [0] * world if exchanged else [], "owned": {}})
+
+    for index, (group, entries, batched) in enumerate(opt._plan()):
         for e in entries:
             if e.kind != "hidden":
                 continue
+            shapes = e.layout.shapes()
             if e.path is Path.LOCAL:  # whole local matrices: replicated, or a stack's own members
-                total = sum(method_flops(group, m, n) for m, n in e.layout.shapes())
+                total = sum(method_flops(group, m, n) for m, n in shapes)
                 for r, n in enumerate(local_numels(e.param, world, cache)):
                     model.flops[r] += total * n // e.param.numel()
+                    for (m, c), k in Counter(shapes).items() if n else ():  # the whole matrices rank r holds
+                        owned = round_of(("local", m, c), m, c, False)["owned"]
+                        owned[r] = owned.get(r, 0) + k * n // e.param.numel()
                 continue
             if e.path is not Path.OWNERS:
                 raise NotImplementedError(f"rank_model: path {e.path} of {e.name}")
+            # the step's call (engine._calls: a per-tensor group alone, batched ones merged by rule and values)
+            values = sorted({"lr", "weight_decay", *e.rule.hyperparameters})
+            call = (e.rule.name, *(repr(group[k]) for k in values)) if batched else index
             for i in e.units:
                 unit = ex.units[i]
                 if isinstance(unit.pieces, Replicas):
                     raise NotImplementedError(f"rank_model: DDP's plain tensor {e.name} (broadcast whole)")
-                shapes = unit.layout.shapes() if unit.layout is not None else [matrix_shape(unit.pieces.shape)]
-                total = sum(method_flops(group, m, n) for m, n in shapes)
+                matrices = unit.layout.shapes() if unit.layout is not None else [matrix_shape(unit.pieces.shape)]
+                total = sum(method_flops(group, m, n) for m, n in matrices)
+                rnd = round_of((call, e.param.dtype, *matrix_shape(unit.pieces.shape)), *matrices[0], True, matrices)
                 owners = set()
                 for r in range(world):
                     n, q = unit.pieces.numel(r), ex.owner_of(unit, r)
                     model.local[r] += n
                     model.owned[q] += n
+                    rnd["local"][r] += n
                     owners.add(q)
                 for q in owners:
                     model.flops[q] += total
+                    rnd["owned"][q] = rnd["owned"].get(q, 0) + 1
+    model.rounds = [{**r, "owned": sorted(r["owned"].items())} for r in rounds.values()]
     return model
 
 

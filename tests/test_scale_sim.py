@@ -1,6 +1,7 @@
 """The instruments of issue 47 measure what they say: ``benchmarks/step_accounting.py`` (bytes of collectives,
-the floor, tensors held, transient allocations, matmul FLOPs), ``benchmarks/comm_bytes.py`` (gloo) and
-``benchmarks/scale_sim.py`` (torch's fake process group).
+the floor, tensors held, transient allocations, matmul FLOPs, memory traffic), ``benchmarks/comm_bytes.py``
+(gloo) and ``benchmarks/scale_sim.py`` (torch's fake process group); and issue 59's time model
+(``benchmarks/time_model.py``) turns their counts into seconds as its docstring says.
 
 Every count is checked against a number worked out by hand from shapes, on code we did not write where we can
 (``torch.distributed`` collectives, ``torch.optim.AdamW``'s state, a DTensor's ``full_tensor()``).
@@ -19,6 +20,7 @@ from test_distributed import _spawn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import scale_sim  # noqa: E402
+import time_model  # noqa: E402
 from rank_model import RankModel, adamw_bytes, rank_model  # noqa: E402
 from step_accounting import StepMeter, floor_bytes, held_bytes  # noqa: E402
 
@@ -237,6 +239,14 @@ def test_rank_model_read_on_one_rank_predicts_every_rank(model, layout, ranks):
     assert all("error" not in r for r in rows), [r.get("error") for r in rows]
     m = rows[0]["ranks_model"]
     assert all(r["ranks_model"] == m for r in rows)
+    # the rounds (the time model's view of the same plan): one all-to-all out and one back per exchanged round,
+    # as measured; every rank's pieces and owned matrices split among them without remainder
+    exchanged = [rd for rd in m["rounds"] if rd["local"]]
+    assert 2 * len(exchanged) == rows[0]["calls"]["alltoall_base_"], (len(exchanged), rows[0]["calls"])
+    for r in range(len(rows)):
+        assert sum(rd["local"][r] for rd in exchanged) == m["local"][r], r
+        assert sum(k * sum(a * b for a, b in rd["matrices"]) for rd in exchanged for q, k in rd["owned"] if q == r) \
+            == m["owned"][r], r
     ranks_model = RankModel(len(rows), 4, m["local"], m["owned"], m["flops"])
     assert sum(m["owned"]) == sum(m["local"])  # every piece goes to exactly one owner
     for r, row in enumerate(rows):
@@ -376,3 +386,111 @@ def test_an_owner_lets_its_received_matrix_go_before_post():
         kept, whole = _owner_peak(placements, [(8, 512)], keep="wholes")
         assert whole == 8 * 512 * 4, (placements, whole)
         assert kept - released == whole, (placements, kept, released, whole)
+
+
+def test_meter_counts_the_ops_that_launch_and_the_bytes_memory_bound_ops_move():
+    """``StepMeter.ops`` and ``.traffic`` follow ``op_count.TrafficCounter``'s rule (``op_traffic``): a float32
+    ``add`` of 100 elements reads 800 B and writes 400 B, an in-place ``mul_`` reads its two operands and
+    writes its first, a matmul moves no counted bytes (its FLOPs are counted), a view launches nothing."""
+    import op_count
+
+    def work():
+        a, b = torch.ones(100), torch.ones(100)
+        c = a + b  # 1,200 B
+        c.mul_(b)  # 1,200 B
+        d = torch.ones(4, 5) @ torch.ones(5, 6)  # FLOPs only
+        return c.view(10, 10), d  # a view: no kernel
+
+    with StepMeter() as meter:
+        work()
+    with op_count.TrafficCounter() as counted:
+        work()
+    assert meter.traffic == counted.total_bytes == 2 * 1200 + 4 * 100 * 2 + 4 * (20 + 30)  # and the ones' writes
+    assert meter.ops == counted.total == 7  # 4 ones, add, mul_, mm
+    assert meter.flops == 2 * 4 * 5 * 6
+
+
+def _hardware(ranks_per_node: int, latency: float = 0.0) -> time_model.Hardware:
+    link = time_model.Link(100e9, latency)
+    return time_model.Hardware("test", hbm=1e12, peak={"bfloat16": 1e15, "float32": 1e14},
+                               nvlink=time_model.Link(400e9, latency), network=link,
+                               ranks_per_node=ranks_per_node, base_latency=latency, hbm_efficiency=1.0)
+
+
+def test_exchange_time_is_each_rounds_busiest_rank_over_the_bandwidth_of_the_link_it_crosses():
+    """Muon (float32 Newton-Schulz: it moves exactly the plan's bytes) on Llama-tiny under FSDP2 on 16 ranks,
+    two layers: four rounds (q/o 64 x 64, k/v 32 x 64, gate/up 128 x 64, down 64 x 128), each with owners of one
+    whole matrix, who move the most: 4 B x m x n each way, of which 1 / 16 is their own piece. One rank a node:
+    all 15 / 16 over the network; eight a node: 7 / 16 over NVLink and 8 / 16 over the network at once, the
+    slower sets the time; latencies add once per collective."""
+    row = scale_sim.simulate("llama-tiny", "fsdp2", "16", 0, layers=2, device="meta", optimizer="muon")
+    summary = scale_sim.summarise({"rows": [row], "wall_s": 1.0, "rss": 1}, 4)
+    cal = time_model.Calibration("test", rate_fraction=0.5)
+    largest = 4 * (64 * 64 + 32 * 64 + 128 * 64 + 64 * 128)  # bytes each round's owner moves, summed
+    alone = time_model.step_times(summary, _hardware(1), cal)
+    # Muon at its bound, measured (rank 0 sends 3 B more than its 51,200: the all-to-all's byte of each round)
+    assert alone.factor == pytest.approx(1.0, abs=1e-4)
+    f = alone.factor
+    assert alone.exchange == pytest.approx(2 * f * largest * 15 / 16 / 100e9, rel=1e-12)
+    nodes = time_model.step_times(summary, _hardware(8), cal)
+    assert nodes.exchange == pytest.approx(2 * f * largest * max(7 / 16 / 400e9, 8 / 16 / 100e9), rel=1e-12)
+    latent = time_model.step_times(summary, _hardware(8, latency=1e-6), cal)
+    assert latent.exchange == pytest.approx(nodes.exchange + 8 * 2e-6, rel=1e-12)  # 8 collectives
+    # twice the bytes, twice the time (bandwidth-bound)
+    assert time_model.exchange_seconds(2e6, 16, _hardware(8)) == 2 * time_model.exchange_seconds(1e6, 16, _hardware(8))
+    # Newton-Schulz: each round's owner at the calibrated time of its matrix, one after the other today
+    ns = [time_model.ns_flops(m, n) / (0.5 * 1e14) for m, n in ((64, 64), (32, 64), (128, 64), (64, 128))]
+    assert alone.ns_serial == pytest.approx(sum(ns), rel=1e-12)
+    assert alone.serial >= alone.exchange + alone.ns_serial >= alone.overlapped
+
+
+def test_overlap_never_exceeds_the_serial_step_and_is_the_compute_where_it_dominates():
+    """``time_model.pipeline``: the two-bucket pipeline is never slower than the serial rounds and never
+    faster than either side's sum; with nothing to exchange both are the compute; where every round's compute
+    is at least both its ways' exchange it hides all but the first way out and the last way back."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        rounds, ranks = rng.randint(1, 6), rng.randint(1, 5)
+        out = [rng.random() for _ in range(rounds)]
+        back = [rng.random() for _ in range(rounds)]
+        compute = [[rng.random() for _ in range(ranks)] for _ in range(rounds)]
+        serial = time_model.pipeline(out, compute, back, overlap=False)
+        overlapped = time_model.pipeline(out, compute, back, overlap=True)
+        busiest = max(sum(c[r] for c in compute) for r in range(ranks))
+        assert max(busiest, sum(out) + sum(back)) - 1e-12 <= overlapped <= serial + 1e-12
+    compute = [[3.0, 1.0]] * 4
+    assert time_model.pipeline([0.0] * 4, compute, [0.0] * 4, overlap=True) == \
+        time_model.pipeline([0.0] * 4, compute, [0.0] * 4, overlap=False) == 12.0
+    e = 1.5  # every round's 3.0 of compute >= 2e: the exchange hides behind it but the pipeline's ends
+    assert time_model.pipeline([e] * 4, compute, [e] * 4, overlap=True) == e + 12.0 + e
+    assert time_model.pipeline([e] * 4, compute, [e] * 4, overlap=False) == 4 * (2 * e + 3.0)
+
+
+def test_calibration_table_is_read_and_shapes_outside_it_are_extrapolated_and_said_so(tmp_path):
+    """A table written by ``benchmarks/ns_calibrate.py`` (CPU, two tiny shapes) is read back; a shape in it
+    gets its measured time, in either orientation; one outside it the rate of the entry nearest in FLOPs,
+    "extrapolated"; a dtype without entries the nearest entry's rate scaled by the peaks; a table with a
+    fraction of the peak for what it lacks, that."""
+    import ns_calibrate
+
+    path = tmp_path / "cal.json"
+    ns_calibrate.main(["--shapes", "8x16,32x32", "--dtypes", "float32", "--device", "cpu", "--repeats", "1",
+                       "--stack-flop", "1e6", "--out", str(path)])
+    cal = time_model.Calibration.load(path)
+    hw = _hardware(8)
+    assert {(e["m"], e["n"], e["dtype"]) for e in cal.entries} == {(8, 16, "float32"), (32, 32, "float32")}
+    small = next(e for e in cal.entries if e["m"] == 8)
+    assert cal.seconds(16, 8, "float32", hw) == (small["seconds"], "measured")
+    rate = time_model.ns_flops(32, 32) / next(e for e in cal.entries if e["m"] == 32)["seconds"]
+    seconds, how = cal.seconds(64, 64, "float32", hw)  # nearest in FLOPs: 32 x 32
+    assert how == "extrapolated" and seconds == pytest.approx(time_model.ns_flops(64, 64) / rate, rel=1e-12)
+    seconds, how = cal.seconds(64, 64, "bfloat16", hw)  # no bf16 entries: float32's rate, times 1e15 / 1e14
+    assert how == "extrapolated" and seconds == pytest.approx(time_model.ns_flops(64, 64) / (10 * rate), rel=1e-9)
+    cal.rate_fraction = 0.5
+    assert cal.seconds(64, 64, "bfloat16", hw)[0] == time_model.ns_flops(64, 64) / 0.5e15
+    assert cal.seconds(8, 16, "float32", hw) == (small["seconds"], "measured")  # the table still first
+    shipped = time_model.Calibration.load(time_model.DEFAULT_CALIBRATION)
+    assert shipped.seconds(1024, 2736, "bfloat16", time_model.H100)[1] == "derived"
+    assert shipped.seconds(16384, 53248, "bfloat16", time_model.H100)[1] == "extrapolated"
