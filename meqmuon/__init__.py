@@ -14,6 +14,6 @@ from . import functional
 from .optim import *  # noqa: F403  (the public names, listed once: meqmuon.optim.__all__)
 from .optim import __all__ as _OPTIM_NAMES
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["functional", *_OPTIM_NAMES]

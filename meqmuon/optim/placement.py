@@ -65,10 +65,10 @@ EXECUTORS: dict[Path, Executor] = {
     Path.LOCAL: Executor(_HERE, _own_step),
     Path.ROWS: Executor(_HERE, _own_step),
     Path.OWNERS: Executor({
-        (False, False): exchange.per_tensor,
-        (True, False): exchange.batched,
-        (False, True): partial(exchange.per_tensor, orth=compiled.owner_directions),
-        (True, True): partial(exchange.batched, orth=compiled.owner_directions),
+        (False, False): partial(exchange.step, batched=False),
+        (True, False): partial(exchange.step, batched=True),
+        (False, True): partial(exchange.step, batched=False, orth=compiled.owner_directions),
+        (True, True): partial(exchange.step, batched=True, orth=compiled.owner_directions),
     }, exchange.whole_step),
 }
 
