@@ -17,7 +17,8 @@
   are larger than its hidden matrices every rank sends at most 1.05x the floor (``floor_bytes``: each
   direction once to every other rank), exactly the owned directions' bytes, the ranks end bit-identical with
   equal ``state_dict()`` and equal to one process bit for bit. The negative control, a rank that skips the
-  embedding's in-place update, fails the identity check.
+  embedding's in-place update, fails the identity check. A plain and a sharded matrix of one shape in one
+  batched call (two param groups with the same hyperparameters) step as one process in either order.
 - What travels back per rule class (``transfer.form_of``, ``HiddenRule.transfer_form``) and when the factors
   pay (``transfer.pays``).
 """
@@ -446,9 +447,6 @@ def _mixed_worker(rank: int) -> dict:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="exchange._hidden_bucket takes a bucket's units as DDP's when its first "
-                   "is (units[0].pieces is Replicas), and exchange._buckets does not keep them apart: a non-owner "
-                   "then sends none of a DTensor member's piece (silently wrong, no error)")
 def test_plain_and_sharded_matrices_of_one_shape_in_one_call_step_as_one_process(tmp_path):
     """A plain hidden matrix (its Newton-Schulz shared as under DDP) and a sharded one of the same shape, in two
     param groups with the same hyperparameters (one batched call, one shape bucket): both equal one process, in

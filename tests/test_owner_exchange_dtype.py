@@ -4,7 +4,7 @@
 On 2 gloo ranks, the tiny Llama under torchtitan's TP plan (``parallelize_module``: colwise q/k/v/gate/up
 ``Shard(0)``, rowwise o/down ``Shard(1)``, a vocabulary-parallel embedding and head), every hidden matrix, colwise
 and rowwise, goes through the one exchange: each rank's piece of ``X`` out to the matrix's owner, the piece of its
-direction back. The exchange is metered apart (``exchange.exchange_bytes`` wrapped while the step runs, inside
+direction back. The exchange is metered apart (``exchange.exchange_flat`` wrapped while the step runs, inside
 ``benchmarks/step_accounting.py``'s ``StepMeter`` of the whole step), and its bytes are exactly what the pieces'
 shapes (read off the placements, ``owners.Pieces``) and the owners give:
 
@@ -70,7 +70,7 @@ def _run(mesh, name: str, direction_back: bool = False) -> dict:
     kw = dict(lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16)
     opt, ref_opt = meqmuon.build_optimizer(name, model, **kw), meqmuon.build_optimizer(name, ref, **kw)
     rule = opt._rules["hidden"]
-    meter, ex_meter, real = StepMeter(), StepMeter(), exchange.exchange_bytes
+    meter, ex_meter, real = StepMeter(), StepMeter(), exchange.exchange_flat
 
     def metered(*args, **kwargs):
         with ex_meter:
@@ -85,17 +85,17 @@ def _run(mesh, name: str, direction_back: bool = False) -> dict:
             for n, p in ref.named_parameters():
                 p.grad = grads[n].clone()
             if step == STEPS - 1:  # the whole step metered, and apart the exchange's collectives
-                exchange.exchange_bytes = metered
+                exchange.exchange_flat = metered
                 with meter:
                     opt.step()
-                exchange.exchange_bytes = real
+                exchange.exchange_flat = real
             else:
                 opt.step()
             ref_opt.step()
             opt.zero_grad()
             ref_opt.zero_grad()
     finally:
-        exchange.exchange_bytes = real
+        exchange.exchange_flat = real
         if direction_back:
             del rule.transfer_form
     full = {n: (p.full_tensor() if is_dtensor(p) else p).detach().clone() for n, p in model.named_parameters()}
@@ -108,7 +108,7 @@ def _run(mesh, name: str, direction_back: bool = False) -> dict:
             for i in e.units:
                 u = ex.units[i]
                 assert u.pieces.local_shape(ex.rank) == tuple(e.param.to_local().shape)  # torch's split
-                units.append({"name": names[id(e.param)], "shape": tuple(u.pieces.shape), "owner": ex.owner_of(i),
+                units.append({"name": names[id(e.param)], "shape": tuple(u.pieces.shape), "owner": u.owner,
                               "local": [u.pieces.local_shape(r) for r in range(ex.world)],
                               "sharded": sorted(u.state_pieces)})
     return {"unequal": unequal, "params": full, "step": meter.summary(), "exchange": ex_meter.summary(),
