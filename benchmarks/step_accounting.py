@@ -23,7 +23,11 @@ optimizer's code looks like inside (it reads nothing of ``meqmuon.optim`` but it
 - :func:`floor_bytes`: what an exchange at the floor moves for this rank (issue 47): each local piece of a
   hidden matrix goes out once as Newton-Schulz input and its direction comes back once, in the Newton-Schulz
   dtype, ``2 x itemsize x local hidden elements``; nothing for a parameter whose view's matrices this rank
-  holds whole (experts under EP or FSDP2's ``Shard(0)`` of a stack, ``Replicate()``, plain tensors).
+  holds whole (experts under EP or FSDP2's ``Shard(0)`` of a stack, ``Replicate()``). Under DDP (plain
+  tensors, a process group of more than one rank initialised) each hidden direction is computed once and
+  goes once to every other rank (issue 55): ``itemsize x hidden elements`` per rank, which is what a
+  broadcast of every direction moves as the meter counts it (a broadcast's buffer sent by every rank, root or
+  not); an exchange that sends each rank only the directions it owns, once to every other rank, stays under it.
 - :func:`held_bytes`: the bytes of the distinct storages reachable from an optimizer object (its ``__dict__``,
   containers and slots, through DTensors to their local tensors), parameters and gradients excluded, split
   into its state (``opt.state``) and everything else (workspaces, whole copies, index maps). The walk is the
@@ -236,13 +240,29 @@ def hidden_layouts(opt: torch.optim.Optimizer):
             yield p, group, group_layout(group, i, p.shape, name)
 
 
+def _shared(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a plain tensor whose Newton-Schulz the ranks of an initialised process group of more
+    than one rank share (DDP: each computes some directions and sends them to every other rank)."""
+    import torch.distributed as dist
+
+    return (not hasattr(p, "placements") and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() > 1)
+
+
 def floor_bytes(opt: torch.optim.Optimizer, itemsize: int) -> int:
-    """Bytes per step a rank's exchange at the floor moves (see the module docstring): ``2 x itemsize`` per
-    local element of every hidden-kind parameter (``kind == "hidden"``, the Newton-Schulz kind of every
-    Muon-family optimizer) whose view's matrices this rank does not hold whole. ``itemsize``: of the
-    Newton-Schulz dtype."""
-    return sum(2 * itemsize * _local(p).numel() for p, _, layout in hidden_layouts(opt)
-               if not _whole_matrices(p, len(layout.batch)))
+    """Bytes per step a rank's exchange at the floor moves (see the module docstring), per element of every
+    hidden-kind parameter (``kind == "hidden"``, the Newton-Schulz kind of every Muon-family optimizer):
+    ``2 x itemsize`` per local element of a DTensor whose view's matrices this rank does not hold whole (out
+    once, back once); ``itemsize`` per element of a plain tensor under DDP (each direction once to every other
+    rank, a broadcast's buffer counted as sent by every rank, as :class:`StepMeter` counts it); nothing for the
+    rest. ``itemsize``: of the Newton-Schulz dtype."""
+    total = 0
+    for p, _, layout in hidden_layouts(opt):
+        if _shared(p):
+            total += itemsize * p.numel()
+        elif not _whole_matrices(p, len(layout.batch)):
+            total += 2 * itemsize * _local(p).numel()
+    return total
 
 
 def held_bytes(opt: torch.optim.Optimizer) -> dict[str, int]:
