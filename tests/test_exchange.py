@@ -495,7 +495,7 @@ def test_what_an_owner_sends_back_follows_the_rules_post():
             W.sub_(D)
 
     classes = (MoonlightHidden, OnlyPre, MeqHidden, NorMuonHidden, OwnPost, OwnPostAll)
-    forms = {c: transfer.form_of(c) for c in classes}
+    forms = {c: transfer.form_of(c, meqmuon.HiddenRule) for c in classes}
     assert forms == {MoonlightHidden: transfer.IDENTITY, OnlyPre: transfer.IDENTITY, MeqHidden: transfer.FACTORS,
                      NorMuonHidden: transfer.FACTORS, OwnPost: transfer.DIRECTION,
                      OwnPostAll: transfer.DIRECTION}, forms
