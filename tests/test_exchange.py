@@ -524,3 +524,100 @@ def test_factors_travel_only_where_fewer_bytes_and_in_the_directions_dtype():
     ((row, col),), _ = F.adaptive_normalize_factors([u])
     assert torch.equal(transfer.apply(u, row, col, False), d)
     assert not torch.equal(transfer.apply(u, row.double(), col.double(), False), d.double())
+
+
+# ---- the exchange overlapped (the optimizer's ``overlap``) -------------------------------------------------
+
+
+def _overlap_run(layout: str, foreach: bool, overlap: bool) -> dict:
+    """MeqMuon (float32 Newton-Schulz) on :data:`SHAPES` (three shape buckets), FSDP2 or DDP (replicated, the same
+    gradients on every rank), 3 steps; the last one's order of events recorded: ``"post"`` an exchange posted,
+    ``"wait"`` a wait on one, ``"ns"`` an owner's bucket (``exchange._at_owners``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from meqmuon.optim import exchange
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList(torch.nn.Linear(n, m, bias=False) for m, n in SHAPES)
+    mesh = init_device_mesh("cpu", (2,)) if layout == "fsdp2" else None
+    for layer in model if mesh is not None else ():
+        fully_shard(layer, mesh=mesh)
+    params = [layer.weight for layer in model]
+    opt = meqmuon.build_optimizer("meqmuon", [{"params": params, "kind": "hidden"}], ns_dtype=torch.float32,
+                                  foreach=foreach, overlap=overlap)  # one group: one pipeline of buckets
+    events: list[str] = []
+    flat, at_owners, wait = exchange.exchange_flat, exchange._at_owners, exchange.InFlight.wait
+
+    def posted(*args, **kwargs):
+        events.append("post")
+        return flat(*args, **kwargs)
+
+    def owners(*args, **kwargs):
+        events.append("ns")
+        return at_owners(*args, **kwargs)
+
+    def waited(self):
+        if self._work is not None:
+            events.append("wait")
+        return wait(self)
+
+    for step in range(3):
+        for p, g in zip(params, _grads(step), strict=True):
+            p.grad = distribute_tensor(g, mesh, p.placements) if mesh is not None else g
+        if step == 2:
+            exchange.exchange_flat, exchange._at_owners, exchange.InFlight.wait = posted, owners, waited
+        try:
+            opt.step()
+        finally:
+            exchange.exchange_flat, exchange._at_owners, exchange.InFlight.wait = flat, at_owners, wait
+    whole = (lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t)  # noqa: E731
+    state = opt.state_dict()
+    state["state"] = {k: {key: whole(v) for key, v in st.items()} for k, st in state["state"].items()}
+    return {"events": events, "overlap": opt._exchange.overlap,
+            "params": {i: whole(p).detach().clone() for i, p in enumerate(params)}, "state": state}
+
+
+def _overlap_worker(rank: int) -> dict:
+    return {(layout, foreach, overlap): _overlap_run(layout, foreach, overlap)
+            for layout in ("fsdp2", "ddp") for foreach in (True, False) for overlap in (True, False)}
+
+
+def _pipeline(buckets: int, out: bool, overlap: bool) -> list[str]:
+    """The order a rank posts, waits and computes ``buckets`` shape buckets (``out``: the inputs travel, as under
+    FSDP2; under DDP only the directions do): one at a time, or bucket ``k + 1``'s inputs posted and bucket
+    ``k - 1``'s directions awaited around bucket ``k``'s Newton-Schulz."""
+    o = ["post", "wait"] if out else []
+    if not overlap:
+        return [e for _ in range(buckets) for e in (*o, "ns", "post", "wait")]
+    events = o[:1]
+    for k in range(buckets):
+        events += [*(o[:1] if k + 1 < buckets else []), *o[1:], "ns", *(["wait"] if k else []), "post"]
+    return events + ["wait"]
+
+
+def test_overlap_pipelines_the_buckets_with_the_same_bits(tmp_path):
+    """``overlap=True`` on 2 gloo ranks, FSDP2 and DDP, batched and per tensor: every rank posts bucket ``k + 1``'s
+    inputs before bucket ``k``'s Newton-Schulz and waits for bucket ``k - 1``'s directions only after it (the
+    recorded order is the pipeline's, not the blocking one's, which ``overlap=False`` still gives), and the
+    parameters and ``state_dict()`` are those of ``overlap=False`` bit for bit. The default on CPU is off."""
+    got = _spawn(_overlap_worker, tmp_path)
+    assert _pipeline(2, True, True) == ["post", "post", "wait", "ns", "post", "wait", "ns", "wait", "post", "wait"]
+    for r in got:
+        for (layout, foreach, overlap), run in r.items():
+            assert run["overlap"] is overlap
+            buckets = run["events"].count("ns")
+            assert buckets == 3, (layout, foreach, run["events"])  # every rank runs every bucket, owned or not
+            assert run["events"] == _pipeline(buckets, layout == "fsdp2", overlap), (layout, foreach, overlap, run)
+            other = r[(layout, foreach, not overlap)]
+            _identical(run, other)
+    for key in got[0]:
+        _identical(got[0][key], got[1][key])
+
+
+def test_overlap_defaults_to_where_the_step_runs_and_is_checked():
+    w = torch.nn.Parameter(torch.zeros(8, 8))
+    with pytest.raises(ValueError, match="Invalid overlap: 1"):
+        meqmuon.build_optimizer("meqmuon", [{"params": [w], "kind": "hidden"}], overlap=1)
+    assert meqmuon.build_optimizer("muon", [{"params": [w], "kind": "hidden"}], overlap=True)._overlap is True

@@ -286,7 +286,7 @@ def test_torchtitan_ep_keeps_whole_experts_on_every_rank_and_shards_the_rest():
 
 
 def _owner_peak(placements: tuple, shapes: list[tuple[int, int]], *, foreach: bool = True,
-                keep: str | None = None) -> tuple[int, int]:
+                keep: str | None = None, overlap: bool = False) -> tuple[int, int]:
     """Rank 0 of 4 on the fake group, ``meta``: MeqMuon's step (float32 Newton-Schulz) of one matrix of each of
     ``shapes``, placed by ``placements`` on a 1-D mesh of 4 (FSDP2's ``Shard(0)``) or a 2 x 2 one (FSDP2 over TP,
     ``(Shard(0), Shard(1))``), both through the one exchange, metered at its second step. ``keep``: a negative
@@ -302,13 +302,13 @@ def _owner_peak(placements: tuple, shapes: list[tuple[int, int]], *, foreach: bo
 
     kept: list[torch.Tensor] = []
 
-    def keeping(self, indices, pieces, keys, into=None):
+    def keeping(self, indices, pieces, keys, into=None, *, wait=True):
         if keep == "pieces":
             kept.extend(p for ps in pieces for p in ps)
-        wholes = to_owners(self, indices, pieces, keys, into)
+        wholes = to_owners(self, indices, pieces, keys, into, wait=True)
         if keep == "wholes":
             kept.extend(ws[0] for ws in wholes if ws is not None)
-        return wholes
+        return wholes if wait else exchange.InFlight(None, lambda: wholes)
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     mp = pytest.MonkeyPatch()
@@ -324,7 +324,7 @@ def _owner_peak(placements: tuple, shapes: list[tuple[int, int]], *, foreach: bo
                                                                 run_check=False, shape=(m, n), stride=(n, 1))))
             params[-1].grad = torch.zeros_like(params[-1])
         groups = [{"params": params, "kind": "hidden", "names": [f"w{i}" for i in range(len(params))]}]
-        opt = meqmuon.build_optimizer("meqmuon", groups, ns_dtype=torch.float32, foreach=foreach)
+        opt = meqmuon.build_optimizer("meqmuon", groups, ns_dtype=torch.float32, foreach=foreach, overlap=overlap)
         opt.step()
         kept.clear()
         meter = StepMeter()
@@ -372,6 +372,24 @@ def test_an_owner_holds_its_whole_matrix_once_and_no_earlier_bucket(foreach):
     for placements in ((Shard(0),), (Shard(0), Shard(1))):
         peak, _ = _owner_peak(placements, [(64, 48)] + [(m, n)] * 4, foreach=foreach)
         assert peak <= bound, (placements, peak, bound)
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["batched", "per-tensor"])
+def test_overlap_holds_at_most_two_buckets(foreach):
+    """With ``overlap=True`` the next bucket's whole matrix is received while this one's Newton-Schulz runs, so an
+    owner holds two buckets' matrices where it held one: the peak grows (the pipeline is real) by no more than one
+    more bucket's whole matrices and its way in (the 64 x 64 matrix, its received bytes, this rank's piece), within
+    twice the one-bucket bound of the test above; rank 0 of 4 owns one 64 x 48 and one 64 x 64 matrix, FSDP2's
+    ``Shard(0)`` and FSDP2 over TP's ``(Shard(0), Shard(1))``."""
+    from torch.distributed.tensor import Shard
+
+    m = n = 64
+    bound = 4 * (2 * m * n + 2 * n * n) + 4 * (m * n // 4) + 128
+    for placements in ((Shard(0),), (Shard(0), Shard(1))):
+        shapes = [(64, 48)] + [(m, n)] * 4
+        serial, _ = _owner_peak(placements, shapes, foreach=foreach)
+        piped, _ = _owner_peak(placements, shapes, foreach=foreach, overlap=True)
+        assert serial < piped <= serial + 4 * (2 * m * n + m * n // 4) and piped <= 2 * bound, (serial, piped, bound)
 
 
 def test_an_owner_lets_its_received_matrix_go_before_post():

@@ -133,12 +133,18 @@ class RoleOptimizer(Optimizer):
     CUDA graph after one eager step and replayed, with ``lr``, ``weight_decay``, ``momentum`` and AdamW's bias
     corrections read from device tensors that each step refreshes (``cuda_graph.py``: what it keeps static,
     what re-captures, what it refuses).
+
+    ``overlap`` (every optimizer takes it): under ``torch.distributed``, the exchange's shape buckets pipelined two
+    deep, the next bucket's inputs and the previous bucket's directions travelling while owners run this bucket's
+    Newton-Schulz (asynchronous collectives; transient memory two buckets' whole matrices instead of one). The
+    same bits either way. ``None`` (default): on where the parameters are on CUDA, off elsewhere.
     """
 
     RULES: ClassVar[dict[str, str]] = {}
 
     def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any = None, compile: bool = False,
-                 rules: dict[str, Rule] | None = None, cuda_graph: bool = False, **hyperparameters: Any) -> None:
+                 rules: dict[str, Rule] | None = None, cuda_graph: bool = False, overlap: bool | None = None,
+                 **hyperparameters: Any) -> None:
         if (what := wrong_params(params)) is not None:
             cls = type(self).__name__
             raise TypeError(f"{cls}(params=...) takes parameters or param groups, e.g. "
@@ -147,7 +153,12 @@ class RoleOptimizer(Optimizer):
             raise ValueError(f"Invalid compile: {compile!r} (expected True or False)")
         if not isinstance(cuda_graph, bool):
             raise ValueError(f"Invalid cuda_graph: {cuda_graph!r} (expected True or False)")
+        if overlap is not None and not isinstance(overlap, bool):
+            raise ValueError(f"Invalid overlap: {overlap!r} (expected True, False or None)")
         self._compile = compile
+        #: ``overlap``: the exchange's buckets pipelined (``exchange._hidden_buckets``); ``None``: where the step runs
+        #: on CUDA (docs/algorithm.md says which measurement chose it).
+        self._overlap = overlap
         #: ``cuda_graph=True``: the step captured in a CUDA graph and replayed (``cuda_graph.py``).
         self._graphed = GraphedStep() if cuda_graph else None
         self._rules = self._rule_table(rules)
@@ -195,15 +206,16 @@ class RoleOptimizer(Optimizer):
                 f"{type(self).__name__} was built with an explicit process_group, which cannot be pickled or "
                 "copied; build a new optimizer with that group and load_state_dict() this one's state_dict()"
             )
-        return {**super().__getstate__(), "_compile": self._compile, "_warned_inferred": self._warned_inferred,
+        return {**super().__getstate__(), "_compile": self._compile, "_overlap": self._overlap,
+                "_warned_inferred": self._warned_inferred,
                 "_rules": self._rules, "_graphed": None if self._graphed is None else GraphedStep()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy's settings (:meth:`__getstate__`), or, from ``load_state_dict``, new state and param
         groups for this optimizer, which keeps its settings and hook and prepares its next step anew."""
         super().__setstate__(state)
-        for key, value in (("_compile", False), ("_warned_inferred", False), ("_warned_traced", False),
-                           ("_capture_hook", None), ("_workspace", {}), ("_graphed", None)):
+        for key, value in (("_compile", False), ("_overlap", None), ("_warned_inferred", False),
+                           ("_warned_traced", False), ("_capture_hook", None), ("_workspace", {}), ("_graphed", None)):
             self.__dict__.setdefault(key, value)
         self.__dict__.setdefault("_rules", self._rule_table(None))
         self.__dict__.setdefault("_process_group", resolve_process_group(None))
@@ -403,7 +415,9 @@ class RoleOptimizer(Optimizer):
                     "gradient may differ between ranks. Shard every module of the group (fully_shard / "
                     "parallelize_module) or none, or put the plain tensors in a group of their own")
             plan.append((group, entries, batched))
-        self._exchange = Exchange(units, costs, pg) if units else None
+        overlap = self._overlap if self._overlap is not None else all(
+            p.device.type == "cuda" for group in self.param_groups for p in group["params"])
+        self._exchange = Exchange(units, costs, pg, overlap=overlap) if units else None
         self._rows = {}
         for _, entries, _ in plan:
             for e in entries:

@@ -65,11 +65,30 @@ except ImportError:  # pragma: no cover - torch builds without distributed suppo
 __all__ = ["Exchange", "Unit", "exchange_flat", "step", "whole_step"]
 
 
-def exchange_flat(send: list[list[Tensor]], out_splits: Sequence[int], group: Any, device: torch.device) -> Tensor:
+class InFlight:
+    """A result whose collective may still be in flight: :meth:`wait` completes it, once (the collective's ``wait``,
+    then ``finish``, which reads what was received), and returns what ``finish`` made."""
+
+    __slots__ = ("_work", "_finish", "_value")
+
+    def __init__(self, work: Any, finish: Callable[[], Any]) -> None:
+        self._work, self._finish, self._value = work, finish, None
+
+    def wait(self) -> Any:
+        if self._finish is not None:
+            if self._work is not None:
+                self._work.wait()
+            self._value, self._work, self._finish = self._finish(), None, None
+        return self._value
+
+
+def exchange_flat(send: list[list[Tensor]], out_splits: Sequence[int], group: Any, device: torch.device, *,
+                  wait: bool = True) -> Tensor | InFlight:
     """One uneven ``all_to_all_single`` of bytes, the one collective of the exchange: ``send[r]`` (uint8 tensors)
     to rank ``r`` of ``group``, nothing padded; ``out_splits[r]`` the bytes rank ``r`` sends here. ``send`` is
     emptied (its pieces, copies at owners, let go before the exchange). Returns the received bytes, rank ``0``'s
-    first."""
+    first; ``wait=False``: posted asynchronously, an :class:`InFlight` of them (the send buffer kept alive by the
+    collective until it completes)."""
     send_sizes = [sum(p.numel() for p in s) for s in send]
     pieces = [p for s in send for p in s]  # rank-major: one copy into the send buffer
     flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
@@ -83,8 +102,10 @@ def exchange_flat(send: list[list[Tensor]], out_splits: Sequence[int], group: An
         # sends nothing sends itself one byte, which it does not read. Real backends never take this branch.
         flat = torch.zeros(1, dtype=torch.uint8, device=device)
         send_sizes[dist.get_rank(group)] = 1
-    dist.all_to_all_single(out, flat, list(out_splits), send_sizes, group=group)
-    return out
+    work = dist.all_to_all_single(out, flat, list(out_splits), send_sizes, group=group, async_op=not wait)
+    if wait:
+        return out
+    return InFlight(work, lambda: (flat, out)[1])  # ``flat`` referenced until the collective completes
 
 
 def _bytes(t: Tensor) -> Tensor:
@@ -129,9 +150,12 @@ class Exchange(LocalSplit):
     Every rank plans the same units in the same order (every rank steps the same parameters, the DDP contract),
     over the optimizer's process group (the default one unless it was given another)."""
 
-    def __init__(self, units: Sequence[Unit], costs: Sequence[float], group: Any = None) -> None:
+    def __init__(self, units: Sequence[Unit], costs: Sequence[float], group: Any = None, *,
+                 overlap: bool = False) -> None:
         super().__init__()
         self.pg = group
+        #: Whether a hidden rule's buckets are pipelined (:func:`_hidden_buckets`; the optimizer's ``overlap``).
+        self.overlap = overlap
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         #: The predicted work each rank owns (``driver.cost``): the owners' balance.
         self.load = [0.0] * self.world
@@ -160,12 +184,12 @@ class Exchange(LocalSplit):
         return u.where[key]
 
     def to_owners(self, indices: Sequence[int], pieces: list[list[Tensor]], keys: Sequence[Sequence[str]],
-                  into: dict[int, Tensor] | None = None) -> list[list[Tensor] | None]:
+                  into: dict[int, Tensor] | None = None, *, wait: bool = True) -> list[list[Tensor] | None] | InFlight:
         """Every rank's ``pieces[j]`` of unit ``indices[j]`` (local pieces, in ``keys[j]``'s layouts: ``"param"`` or a
         sharded state key) to its owner: one ``all_to_all_single``, none where every unit is a DDP one (its owner
         holds it whole). Returns per unit, at its owner, the tensors put together in their global shapes (under
-        DDP the pieces themselves; ``into[j]``, where given, for its first), ``None`` elsewhere. ``pieces`` is handed
-        over (emptied)."""
+        DDP the pieces themselves; ``into[j]``, where given, for its first), ``None`` elsewhere; ``wait=False``: an
+        :class:`InFlight` of them, the exchange posted. ``pieces`` is handed over (emptied)."""
         units = [self.units[i] for i in indices]
         into = into or {}
         wholes: list[list[Tensor] | None] = []
@@ -176,7 +200,7 @@ class Exchange(LocalSplit):
                            for n, (p, k) in enumerate(zip(ps, ks, strict=True))])
         if all(u.replicas for u in units):
             pieces.clear()
-            return wholes
+            return wholes if wait else InFlight(None, lambda: wholes)
         send: list[list[Tensor]] = [[] for _ in range(self.world)]
         device = next(p.device for ps in pieces for p in ps)
         for u, ps in zip(units, pieces, strict=True):
@@ -189,29 +213,33 @@ class Exchange(LocalSplit):
         for u, ws, where in mine:
             for r in u.group:
                 sizes[r] += [math.prod(w[r][1]) * t.element_size() for t, w in zip(ws, where, strict=True)]
-        out = exchange_flat(send, [sum(s) for s in sizes], self.pg, device)
-        start = 0
-        for r in range(self.world):
-            for _, ws, where in mine:
-                if r in where[0]:
-                    for t, w in zip(ws, where, strict=True):
-                        boxes, shape = w[r]
-                        n = math.prod(shape) * t.element_size()
-                        piece = _as(out[start : start + n], t.dtype, shape)
-                        for g, loc in boxes:
-                            t[g].copy_(piece[loc])
-                        start += n
-        return wholes
+        sent = exchange_flat(send, [sum(s) for s in sizes], self.pg, device, wait=False)
+
+        def put_together() -> list[list[Tensor] | None]:
+            out, start = sent.wait(), 0
+            for r in range(self.world):
+                for _, ws, where in mine:
+                    if r in where[0]:
+                        for t, w in zip(ws, where, strict=True):
+                            boxes, shape = w[r]
+                            n = math.prod(shape) * t.element_size()
+                            piece = _as(out[start : start + n], t.dtype, shape)
+                            for g, loc in boxes:
+                                t[g].copy_(piece[loc])
+                            start += n
+            return wholes
+
+        return put_together() if wait else InFlight(None, put_together)
 
     def from_owners(self, indices: Sequence[int], wholes: Sequence[list[Tensor] | None],
                     keys: Sequence[Sequence[str | None]],
                     like: Sequence[Callable[[], list[tuple[Sequence[int], torch.dtype]]]],
-                    device: torch.device) -> list[list[Tensor]]:
+                    device: torch.device, *, wait: bool = True) -> list[list[Tensor]] | InFlight:
         """The way back, one ``all_to_all_single``: owners send every rank of their group its pieces of ``wholes[j]``
         (by ``keys[j]``: ``"param"``, a vector along one of its dimensions, :data:`AXES`, or a sharded state key;
         ``None``: the tensor whole). Returns per unit this rank's results: what it received, as views of the one
         receive buffer (on ``device``) in the shapes and dtypes ``like[j]()`` says (no copy beside it), or where it
-        owns a DDP unit its own ``wholes[j]``."""
+        owns a DDP unit its own ``wholes[j]``; ``wait=False``: an :class:`InFlight` of them, the exchange posted."""
         units = [self.units[i] for i in indices]
         send: list[list[Tensor]] = [[] for _ in range(self.world)]
         for u, ws, ks in zip(units, wholes, keys, strict=True):
@@ -237,23 +265,30 @@ class Exchange(LocalSplit):
             if spec is not None:
                 sizes[u.owner] += [math.prod(shape) * dtype.itemsize for shape, dtype in spec]
             specs.append(spec)
-        flat = exchange_flat(send, [sum(s) for s in sizes], self.pg, device)
+        sent = exchange_flat(send, [sum(s) for s in sizes], self.pg, device, wait=False)
         del send
-        starts = [0] * self.world
-        for r in range(1, self.world):
-            starts[r] = starts[r - 1] + sum(sizes[r - 1])
-        out = []
-        for u, ws, spec in zip(units, wholes, specs, strict=True):
-            if spec is None:
-                out.append(ws)
-                continue
-            got = []
-            for shape, dtype in spec:
-                n = math.prod(shape) * dtype.itemsize
-                got.append(_as(flat[starts[u.owner] : starts[u.owner] + n], dtype, shape))
-                starts[u.owner] += n
-            out.append(got)
-        return out
+        # an owner's own (DDP) results are kept; every other whole is let go once its bytes are in the send buffer
+        kept = [ws if spec is None else None for ws, spec in zip(wholes, specs, strict=True)]
+
+        def views() -> list[list[Tensor]]:
+            flat = sent.wait()
+            starts = [0] * self.world
+            for r in range(1, self.world):
+                starts[r] = starts[r - 1] + sum(sizes[r - 1])
+            out = []
+            for u, ws, spec in zip(units, kept, specs, strict=True):
+                if spec is None:
+                    out.append(ws)
+                    continue
+                got = []
+                for shape, dtype in spec:
+                    n = math.prod(shape) * dtype.itemsize
+                    got.append(_as(flat[starts[u.owner] : starts[u.owner] + n], dtype, shape))
+                    starts[u.owner] += n
+                out.append(got)
+            return out
+
+        return views() if wait else InFlight(None, views)
 
 
 # ---- a momentum rule's step through the exchange ----------------------------------------------------------
@@ -321,15 +356,15 @@ class _Call:
                           *(k for k in rule._owner_state if k in u.state_pieces)] for u in units]
 
 
-def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepContext, *, batched: bool,
-                   x_of: Callable[[Item], Tensor], orth: Callable | None) -> list:
-    """One shape bucket of a hidden rule's units: ``X`` out, directions of whole matrices at owners (the one body,
-    ``driver.bucket_directions``, :func:`_at_owners`), each rank's piece back (:func:`_back`). Returns
-    ``(param, D, scale)`` of this rank's pieces."""
+def _out(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepContext, *, batched: bool,
+         x_of: Callable[[Item], Tensor], orth: Callable | None) -> tuple[_Call, InFlight, list[Tensor]]:
+    """One shape bucket of a hidden rule's units on its way out: every rank's pieces of ``X`` (and of ``W`` where the
+    rule steps its weights, and of the sharded per-matrix state) posted to their owners. Returns the bucket's
+    :class:`_Call`, the whole matrices in flight and the owner's stack they are received into."""
     c = _Call(rule, bucket, group, ctx, batched, orth)
     members, units, replicas, own = c.members, c.units, c.replicas, c.own
-    # out: every rank's pieces of X (and of W), and of the sharded per-matrix state (under DDP nothing: the owner
-    # holds them all, and makes X for its own matrices only, or for every matrix where a capture hook reads them)
+    # under DDP nothing goes out: the owner holds every piece, and makes X for its own matrices only, or for every
+    # matrix where a capture hook reads them
     xs = [x_of(it) if u.mine or not replicas or ctx.capture is not None else None
           for it, u in zip(members, units, strict=True)]
     if replicas and ctx.capture is not None:
@@ -343,11 +378,42 @@ def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepConte
     mine = [j for j, u in enumerate(units) if u.mine]
     plain = bool(mine) and not replicas and not own and all(units[j].layout is None for j in mine)
     stack = [torch.empty((len(mine), *bucket.global_shape), dtype=c.x_dtype, device=c.device)] if plain else []
-    wholes = ctx.split.to_owners(c.indices, pieces, c.keys_out,
-                                 {j: stack[0][k].view(members[j].shape) for k, j in enumerate(mine)} if plain else None)
-    results = _at_owners(c, wholes, stack)
-    del wholes
-    return _back(c, results)
+    into = {j: stack[0][k].view(members[j].shape) for k, j in enumerate(mine)} if plain else None
+    return c, ctx.split.to_owners(c.indices, pieces, c.keys_out, into, wait=False), stack
+
+
+def _hidden_buckets(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, ctx: StepContext, *, batched: bool,
+                    x_of: Callable[[Item], Tensor], orth: Callable | None) -> list:
+    """A hidden rule's shape buckets through the exchange: out (:func:`_out`), Newton-Schulz at the owners
+    (:func:`_at_owners`), back (:func:`_back`). Pipelined two deep where the optimizer's ``overlap`` is on
+    (``Exchange.overlap``): bucket ``k + 1``'s inputs travel out and bucket ``k - 1``'s directions travel back while
+    the owners of bucket ``k`` run its Newton-Schulz, so that a bucket costs the larger of its exchange and its
+    compute, not their sum; every rank posts the collectives in the same order (out ``k + 1``, then back ``k``), so
+    they pair up as the blocking ones do, and the transient memory is two buckets' whole matrices (the way back of
+    a third in flight) instead of one. Otherwise one bucket at a time. Returns ``(param, D, scale)`` of this rank's
+    pieces."""
+    overlap = ctx.split.overlap
+
+    def out(k: int) -> tuple[_Call, InFlight, list[Tensor]] | None:
+        return _out(rule, buckets[k], group, ctx, batched=batched, x_of=x_of, orth=orth) if k < len(buckets) else None
+
+    pending: list = []
+    ahead, back = out(0), None
+    for k in range(len(buckets)):
+        c, wholes, stack = ahead
+        if overlap:
+            ahead = out(k + 1)
+        results = _at_owners(c, wholes.wait(), stack)
+        del wholes
+        if back is not None:
+            pending += back.wait()
+        back = _back(c, results)
+        if not overlap:
+            pending += back.wait()
+            back, ahead = None, out(k + 1)
+    if back is not None:
+        pending += back.wait()
+    return pending
 
 
 def _at_owners(c: _Call, wholes: list[list[Tensor] | None], stack: list[Tensor]) -> dict[int, tuple[Any, dict]]:
@@ -423,9 +489,10 @@ def _at_owners(c: _Call, wholes: list[list[Tensor] | None], stack: list[Tensor])
     return results
 
 
-def _back(c: _Call, results: dict[int, tuple[Any, dict]]) -> list:
-    """The way back: D (or U with its factors, or the stepped W) and the per-matrix state the rule changed, each
-    rank's piece; the state and a stepped weight written, ``(param, D, scale)`` of the rest returned."""
+def _back(c: _Call, results: dict[int, tuple[Any, dict]]) -> InFlight:
+    """The way back, posted: D (or U with its factors, or the stepped W) and the per-matrix state the rule changed,
+    each rank's piece. Once received (:meth:`InFlight.wait`) the state and a stepped weight are written and
+    ``(param, D, scale)`` of the rest returned."""
     rule, factored, own, d_dtype = c.rule, c.factored, c.own, c.d_dtype
     back_keys, out_wholes, like = [], [], []
     for j, (it, u) in enumerate(zip(c.members, c.units, strict=True)):
@@ -442,8 +509,15 @@ def _back(c: _Call, results: dict[int, tuple[Any, dict]]) -> list:
               [(p.shape, dtype)]),
             *((it.state[k].shape, it.state[k].dtype) for k in rule._owner_state)])
     results.clear()
-    got = c.ctx.split.from_owners(c.indices, out_wholes, back_keys, like, c.device)
+    sent = c.ctx.split.from_owners(c.indices, out_wholes, back_keys, like, c.device, wait=False)
     del out_wholes
+    return InFlight(None, lambda: _received(c, sent.wait()))
+
+
+def _received(c: _Call, got: list[list[Tensor]]) -> list:
+    """This rank's pieces back from the owners (:func:`_back`): the per-matrix state and a stepped weight written,
+    ``(param, D, scale)`` of the rest returned for the one update."""
+    rule, factored, own = c.rule, c.factored, c.own
     out = []
     n = 3 if factored else 1
     for it, s, parts in zip(c.members, c.scales, got, strict=True):
@@ -495,17 +569,18 @@ def step(calls: Sequence[Call], *, batched: bool, orth: Callable | None = None) 
     each matrix alone at the owners; ``foreach=True``: one stack per shape at the owners): momentum and direction
     inputs where the pieces lie (``driver.input_makers``), then per shape bucket the exchange, each rank's pieces
     applied as one process's. A bucket is DDP's matrices as one process's batched form buckets them (an ``(n, m)``
-    matrix in the ``(m, n)`` bucket, which saves an exchange) or a DTensor's units by their global shape; one
-    bucket's exchange out and back at a time, so that a step holds one bucket's whole matrices."""
+    matrix in the ``(m, n)`` bucket, which saves an exchange) or a DTensor's units by their global shape; a hidden
+    rule's buckets pipelined (:func:`_hidden_buckets`), so that a step holds two buckets' whole matrices."""
     for (rule, items, group, ctx), x_of in zip(calls, input_makers(calls, batched=batched), strict=True):
         pending = []
         for replicas in (True, False):  # DDP's matrices and DTensors' pieces (one call may merge groups of both)
             its = [it for it in items if ctx.split.units[it.index].replicas is replicas]
             transpose = replicas and batched and isinstance(rule, HiddenRule) and rule.transposes
-            for b in make_buckets(its, matrix=True, transpose=transpose) if its else ():
-                if isinstance(rule, HiddenRule):
-                    pending += _hidden_bucket(rule, b, group, ctx, batched=batched, x_of=x_of, orth=orth)
-                else:
+            buckets = make_buckets(its, matrix=True, transpose=transpose) if its else []
+            if isinstance(rule, HiddenRule):
+                pending += _hidden_buckets(rule, buckets, group, ctx, batched=batched, x_of=x_of, orth=orth)
+            else:
+                for b in buckets:
                     pending += _elementwise_bucket(rule, b.items, group, ctx, x_of)
         apply_pending(pending, group)
 
