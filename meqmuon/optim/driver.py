@@ -107,7 +107,7 @@ class HiddenRule(MomentumBase):
         cls._rewrites_input = cls.pre is not HiddenRule.pre
         cls._own_inputs = cls.inputs is not HiddenRule.inputs
         cls._own_step = cls.step_weights is not HiddenRule.step_weights
-        cls.transfer_form = transfer.DIRECTION if cls._own_step else transfer.form_of(cls)
+        cls.transfer_form = transfer.DIRECTION if cls._own_step else transfer.form_of(cls, HiddenRule)
         if cls.transposes and ("rows" in cls.state_views.values() or cls._own_step):
             raise TypeError(f"{cls.__name__}: per-row state or a step of its own needs transposes = False (rows "
                             "would change length; the weights keep their orientation)")
@@ -118,7 +118,8 @@ class HiddenRule(MomentumBase):
         ``X = G + mu B`` (Nesterov) or ``B``. A rule whose input is another elementwise function of the gradient
         and its state (Muon-VS's variance-stabilised input) overrides it; it runs where the pieces lie, in
         ``torch._foreach_*`` kernels for all of a call's items in the batched forms, item by item per tensor. (The
-        driver runs the default itself, over every call of a step at once: :func:`input_makers`.)"""
+        driver runs the default itself, from the unchanged momentum, :class:`Inputs`, and writes it with the step's
+        other writes, :func:`write_inputs`.)"""
         bufs = [it.state["momentum_buffer"] for it in items]
         grads = grads_like(items, bufs)
         F.momentum_(bufs, grads, group["momentum"])
@@ -366,9 +367,8 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
     The caller hands them over (keeps no reference): each entry of ``stacks`` loses its ``X`` once Newton-Schulz
     has run, so that the spent bytes are let go before ``post``. ``fresh``: the result in tensors of its own, not
     in ``scratch``'s buffers (the per-tensor form keeps every matrix's direction until the step's writes).
-    ``factored``: an owner's stacks (one side each) of a rule whose directions travel as factors
-    (``transfer.FACTORS``): per stack ``(U, row, col)`` instead of ``D`` (``U`` in the Newton-Schulz dtype, ``row``
-    and ``col`` the rule's :meth:`~HiddenRule.post_factors`).
+    ``factored`` (directions that travel as factors, ``transfer.FACTORS``): per side ``(U, row, col)``, ``U`` in its
+    dtype with :meth:`~HiddenRule.post_factors`.
 
     Args:
         rule: the ``HiddenRule``.
@@ -443,7 +443,8 @@ class Found(NamedTuple):
 
 def bucket_directions(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, ctx: StepContext, *, batched: bool,
                       inputs: Callable[[Sequence[Item]], list[Tensor]], dtype: torch.dtype | None = None,
-                      orth: Orth | None = None, factored: bool = False) -> Found:
+                      orth: Orth | None = None, factored: bool = False, handed: list[Tensor] | None = None,
+                      workspace: dict | None = None) -> Found:
     """The one body of a hidden rule's step, wherever its matrices are whole: one process's, and an owner rank's
     (``exchange.py``: DDP's shared matrices, the whole matrices of FSDP2's and tensor parallelism's pieces).
 
@@ -454,9 +455,16 @@ def bucket_directions(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, 
     fixed number of kernels; ``batched``: one batched Newton-Schulz per stack), or ``orth`` stack by stack (the
     owners' compiled graphs). Writes nothing: returns per bucket, per member, its direction in its own orientation
     (cast to ``dtype`` where that is wider), or with ``factored`` ``(U, row, col)``: its ``U``, its ``(m,)`` row and
-    ``(n,)`` column factors; and the new per-matrix state (:class:`Found`)."""
+    ``(n,)`` column factors; and the new per-matrix state (:class:`Found`).
+
+    At an owner (``exchange.py``) the stacks may be ``handed`` over, one per bucket, already made (the received
+    whole matrices, put together in place): then nothing is copied, Newton-Schulz iterates in them and lets them
+    go before ``post``, and its buffers are this call's (``directions``' ``consume`` and ``release``), so that an
+    owner holds each whole matrix once and nothing of a bucket it is done with; ``workspace``: where the stacks
+    are made otherwise (default the call's, kept to the step's end)."""
     members = [it for b in buckets for it in b.items]
     device = members[0].param.device
+    workspace = ctx.workspace if workspace is None else workspace
     scalars = {k: F.on_device([it.state[k] for it in members], device) if how == "step" else
                torch.stack([it.state[k] for it in members]) for k, how in rule.state_views.items()
                if how in ("counter", "step")}
@@ -467,12 +475,18 @@ def bucket_directions(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, 
         state = {key: torch.stack([it.state[key] for it in b.items]) for key, how in rule.state_views.items()
                  if how == "rows"}
         state.update({key: v[o : o + k] for key, v in scalars.items()})
-        xs = inputs(b.items)
-        stacks.append((stack_inputs(ctx, rule.name, b, xs, dt), b.plain, state))
-        del xs
+        if handed:
+            X = handed.pop(0)
+        else:
+            xs = inputs(b.items)
+            X = stack_inputs(workspace, (rule.name, ctx.call), b, xs, dt)
+            del xs
+        stacks.append((X, b.plain, state))
+        del X
         o += k
     if orth is None:
-        found = directions(rule, stacks, group, ctx, batched=batched, dtype=dtype, factored=factored)
+        found = directions(rule, stacks, group, ctx, batched=batched, dtype=dtype, factored=factored,
+                           **({"scratch": {}, "release": True, "consume": True} if handed is not None else {}))
     else:  # one graph per stack; the stack handed over (the graph's scratch)
         found = []
         for i, (X, plain, state) in enumerate(stacks):
@@ -513,12 +527,13 @@ def direction_input(it: Item, group: dict, rows: slice = slice(None), out: Tenso
     return F.direction_input([g], [b], group["momentum"], group["nesterov"], None if out is None else [out])[0]
 
 
-def stack_inputs(ctx: StepContext, name: str, bucket: Bucket, xs: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
-    """The members' direction inputs ``xs`` stacked (cast to ``dtype``) in the call's persistent workspace, in the
-    bucket's orientation: one ``stack`` reads the transposed members as strided views."""
+def stack_inputs(workspace: dict, role: tuple, bucket: Bucket, xs: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+    """The members' direction inputs ``xs`` stacked (cast to ``dtype``) in a buffer of ``workspace`` (a call's:
+    ``role`` names it, with the bucket's key), in the bucket's orientation: one ``stack`` reads the transposed
+    members as strided views."""
     if len(bucket.shape) == 2:
         xs = [x.reshape(x.shape[0], -1) if x.ndim > 2 else x for x in xs]
-    out = buffer(ctx.workspace, (name, "inputs", ctx.call, bucket.key), (len(xs), *bucket.shape), dtype,
+    out = buffer(workspace, (*role, "inputs", bucket.key), (len(xs), *bucket.shape), dtype,
                  bucket.items[0].param.device)
     return torch.stack([*xs[: bucket.plain], *(x.mT for x in xs[bucket.plain :])], out=out)
 
@@ -834,7 +849,8 @@ def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext,
         else:
             per_bucket = []
             for b in buckets:
-                D = rule.direction(stack_inputs(ctx, rule.name, b, x_of(b.items), F.stat_dtype(b.items[0].param)),
+                D = rule.direction(stack_inputs(ctx.workspace, (rule.name, ctx.call), b, x_of(b.items),
+                                                F.stat_dtype(b.items[0].param)),
                                    group, ctx.split.psum, b.global_shape)
                 per_bucket.append(unstack(b, D))
                 bases.append(D)

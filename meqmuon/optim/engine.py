@@ -30,7 +30,7 @@ from .owners import check_mesh, descriptor, is_replicated
 from .placement import EXECUTORS, Path, cuts, path_of, splitter
 from .rule import MomentumRule, Rule, SteppingRule, rule_defaults, validate_rule
 from .rules import RULES
-from .saved_state import keeping_saved_dtypes
+from .saved_state import dtypes_named, keeping_saved_dtypes
 from .views import Layout, group_layout, normalise_group_views
 
 try:
@@ -147,6 +147,11 @@ class RoleOptimizer(Optimizer):
     CUDA graph after one eager step and replayed, with ``lr``, ``weight_decay``, ``momentum`` and AdamW's bias
     corrections read from device tensors that each step refreshes (``cuda_graph.py``: what it keeps static,
     what re-captures, what it refuses).
+
+    ``overlap`` (every optimizer takes it): under ``torch.distributed``, the exchange's shape buckets pipelined two
+    deep, the next bucket's inputs and the previous bucket's directions travelling while owners run this bucket's
+    Newton-Schulz (asynchronous collectives; transient memory two buckets' whole matrices instead of one). The
+    same bits either way. ``None`` (default): on where the parameters are on CUDA, off elsewhere.
     """
 
     RULES: ClassVar[dict[str, str]] = {}
@@ -155,8 +160,8 @@ class RoleOptimizer(Optimizer):
     _step_supports_amp_scaling: ClassVar[bool] = True
 
     def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any = None, compile: bool = False,
-                 rules: dict[str, Rule] | None = None, cuda_graph: bool = False, nonfinite: str = "skip",
-                 **hyperparameters: Any) -> None:
+                 rules: dict[str, Rule] | None = None, cuda_graph: bool = False, overlap: bool | None = None,
+                 nonfinite: str = "skip", **hyperparameters: Any) -> None:
         if (what := wrong_params(params)) is not None:
             cls = type(self).__name__
             raise TypeError(f"{cls}(params=...) takes parameters or param groups, e.g. "
@@ -169,7 +174,12 @@ class RoleOptimizer(Optimizer):
             raise ValueError(f"Invalid nonfinite: {nonfinite!r} (expected one of {', '.join(map(repr, NONFINITE))})")
         #: What a step does with a non-finite gradient (:data:`NONFINITE`, docs/algorithm.md).
         self._nonfinite = nonfinite
+        if overlap is not None and not isinstance(overlap, bool):
+            raise ValueError(f"Invalid overlap: {overlap!r} (expected True, False or None)")
         self._compile = compile
+        #: ``overlap``: the exchange's buckets pipelined (``exchange._hidden_buckets``); ``None``: where the step runs
+        #: on CUDA (docs/algorithm.md says which measurement chose it).
+        self._overlap = overlap
         #: ``cuda_graph=True``: the step captured in a CUDA graph and replayed (``cuda_graph.py``).
         self._graphed = GraphedStep() if cuda_graph else None
         self._rules = self._rule_table(rules)
@@ -217,7 +227,8 @@ class RoleOptimizer(Optimizer):
                 f"{type(self).__name__} was built with an explicit process_group, which cannot be pickled or "
                 "copied; build a new optimizer with that group and load_state_dict() this one's state_dict()"
             )
-        return {**super().__getstate__(), "_compile": self._compile, "_warned_inferred": self._warned_inferred,
+        return {**super().__getstate__(), "_compile": self._compile, "_overlap": self._overlap,
+                "_warned_inferred": self._warned_inferred,
                 "_rules": self._rules, "_graphed": None if self._graphed is None else GraphedStep(),
                 "_nonfinite": self._nonfinite}
 
@@ -225,8 +236,9 @@ class RoleOptimizer(Optimizer):
         """A copy's settings (:meth:`__getstate__`), or, from ``load_state_dict``, new state and param
         groups for this optimizer, which keeps its settings and hook and prepares its next step anew."""
         super().__setstate__(state)
-        for key, value in (("_compile", False), ("_warned_inferred", False), ("_warned_traced", False),
-                           ("_capture_hook", None), ("_workspace", {}), ("_graphed", None), ("_nonfinite", "skip")):
+        for key, value in (("_compile", False), ("_overlap", None), ("_warned_inferred", False),
+                           ("_warned_traced", False), ("_capture_hook", None), ("_workspace", {}), ("_graphed", None),
+                           ("_nonfinite", "skip")):
             self.__dict__.setdefault(key, value)
         self.__dict__.setdefault("_rules", self._rule_table(None))
         self.__dict__.setdefault("_process_group", resolve_process_group(None))
@@ -246,9 +258,15 @@ class RoleOptimizer(Optimizer):
         self._released = True
         self._contexts: list[StepContext] = []
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's ``state_dict`` with the param groups' dtypes (``ns_dtype``, ``state_dtype``) as their names,
+        which torch.distributed.checkpoint's state-dict utilities take (``saved_state.py``)."""
+        return dtypes_named(super().state_dict())
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's ``load_state_dict`` without its cast of state to the parameter's dtype: every state
-        tensor keeps its saved dtype and values, moved to its parameter's device (``saved_state.py``)."""
+        tensor keeps its saved dtype and values, moved to its parameter's device, and the groups' dtype
+        names are dtypes again (``saved_state.py``)."""
         with keeping_saved_dtypes(self):
             super().load_state_dict(state_dict)
 
@@ -423,7 +441,9 @@ class RoleOptimizer(Optimizer):
                     "gradient may differ between ranks. Shard every module of the group (fully_shard / "
                     "parallelize_module) or none, or put the plain tensors in a group of their own")
             plan.append((group, entries, batched))
-        self._exchange = Exchange(units, costs, pg) if units else None
+        overlap = self._overlap if self._overlap is not None else all(
+            p.device.type == "cuda" for group in self.param_groups for p in group["params"])
+        self._exchange = Exchange(units, costs, pg, overlap=overlap) if units else None
         self._rows = {}
         for _, entries, _ in plan:
             for e in entries:
@@ -664,7 +684,8 @@ class RoleOptimizer(Optimizer):
                 call[3].commit = step
                 executor = EXECUTORS[call[3].path]
                 if isinstance(call[0], SteppingRule):
-                    self._guarded(step, call[0], call[1], executor.stepping, *call, foreach)
+                    self._guarded(step, call[0], call[1], executor.stepping,
+                                  call[0].step_foreach if foreach else call[0].step, *call[1:])
                 else:
                     form = executor.forms[foreach, self._compile]
                     by_form.setdefault(id(form), (form, []))[1].append(call)

@@ -6,10 +6,11 @@ as every other rank does and shares its Newton-Schulz with them, steps here, by 
 1. each *unit* -- a DTensor parameter, or under DDP one matrix of a plain parameter's view -- has one owner,
    planned once (longest first by predicted cost onto the least-loaded rank, :func:`.distributed.assign_owners`,
    identical on every rank, no collective);
-2. every rank updates the momentum of its piece where it lies (the forms' first phase, as one process's,
-   ``driver.input_makers``) and sends its piece of the direction input ``X`` to the owner, with the per-matrix
-   state the rule reads where that is sharded: one ``all_to_all_single`` of bytes per shape bucket
-   (:func:`exchange_flat`, nothing padded); under DDP the owner holds ``X`` whole and nothing goes out;
+2. every rank makes the direction input ``X`` of its piece where it lies, from the unchanged momentum (as one
+   process's, ``driver.Inputs``; the momentum is written with the step's other writes, ``commit.py``), and sends
+   it to the owner, with the per-matrix state the rule reads where that is sharded: one ``all_to_all_single`` of
+   bytes per shape bucket (:func:`exchange_flat`, nothing padded); under DDP the owner holds ``X`` whole and
+   nothing goes out;
 3. the owner puts the pieces together and runs the one body of a hidden rule on whole matrices
    (:func:`.driver.bucket_directions`: ``pre``, Newton-Schulz, ``post``), so every statistic is the whole
    matrix's, one process's bits (an elementwise momentum rule's ``direction``, a stepping rule's own step on
@@ -54,25 +55,43 @@ from .driver import (
     step_weights,
     write_inputs,
 )
+from .newton_schulz import batched_ns
 from .owners import AXES, Replicas
 from .rule import SteppingRule
 from .views import Layout
 
 try:
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch builds without distributed support
     dist = None  # type: ignore[assignment]
-    DTensor = ()  # type: ignore[assignment,misc]
 
 __all__ = ["Exchange", "Unit", "exchange_flat", "step", "whole_step"]
 
 
-def exchange_flat(send: list[list[Tensor]], out_splits: Sequence[int], group: Any, device: torch.device) -> Tensor:
+class InFlight:
+    """A result whose collective may still be in flight: :meth:`wait` completes it, once (the collective's ``wait``,
+    then ``finish``, which reads what was received), and returns what ``finish`` made."""
+
+    __slots__ = ("_work", "_finish", "_value")
+
+    def __init__(self, work: Any, finish: Callable[[], Any]) -> None:
+        self._work, self._finish, self._value = work, finish, None
+
+    def wait(self) -> Any:
+        if self._finish is not None:
+            if self._work is not None:
+                self._work.wait()
+            self._value, self._work, self._finish = self._finish(), None, None
+        return self._value
+
+
+def exchange_flat(send: list[list[Tensor]], out_splits: Sequence[int], group: Any, device: torch.device, *,
+                  wait: bool = True) -> Tensor | InFlight:
     """One uneven ``all_to_all_single`` of bytes, the one collective of the exchange: ``send[r]`` (uint8 tensors)
     to rank ``r`` of ``group``, nothing padded; ``out_splits[r]`` the bytes rank ``r`` sends here. ``send`` is
     emptied (its pieces, copies at owners, let go before the exchange). Returns the received bytes, rank ``0``'s
-    first."""
+    first; ``wait=False``: posted asynchronously, an :class:`InFlight` of them (the send buffer kept alive by the
+    collective until it completes)."""
     send_sizes = [sum(p.numel() for p in s) for s in send]
     pieces = [p for s in send for p in s]  # rank-major: one copy into the send buffer
     flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
@@ -86,8 +105,10 @@ def exchange_flat(send: list[list[Tensor]], out_splits: Sequence[int], group: An
         # sends nothing sends itself one byte, which it does not read. Real backends never take this branch.
         flat = torch.zeros(1, dtype=torch.uint8, device=device)
         send_sizes[dist.get_rank(group)] = 1
-    dist.all_to_all_single(out, flat, list(out_splits), send_sizes, group=group)
-    return out
+    work = dist.all_to_all_single(out, flat, list(out_splits), send_sizes, group=group, async_op=not wait)
+    if wait:
+        return out
+    return InFlight(work, lambda: (flat, out)[1])  # ``flat`` referenced until the collective completes
 
 
 def _bytes(t: Tensor) -> Tensor:
@@ -108,12 +129,13 @@ class Unit:
     for a DTensor, every other rank under DDP), and, read off the descriptors once, where each of their pieces
     lies (``where``)."""
 
-    __slots__ = ("pieces", "state_pieces", "layout", "owner", "mine", "group", "replicas", "where", "items")
+    __slots__ = ("pieces", "state_pieces", "layout", "assigned", "owner", "mine", "group", "replicas", "where",
+                 "items")
 
     def __init__(self, pieces: Any, state_pieces: dict[str, Any], layout: Layout | None) -> None:
         self.pieces, self.state_pieces, self.layout = pieces, state_pieces, layout
         self.replicas = isinstance(pieces, Replicas)
-        self.owner, self.mine, self.group = 0, False, []
+        self.assigned, self.owner, self.mine, self.group = 0, 0, False, []
         #: key -> {rank of ``group``: (boxes, local shape)}: the pieces of ``"param"``, of a vector along one of its
         #: dimensions (:data:`AXES`) or of a sharded state tensor, read off the descriptor at first use.
         self.where: dict[str, dict[int, tuple[list, tuple[int, ...]]]] = {}
@@ -131,21 +153,32 @@ class Exchange(LocalSplit):
     Every rank plans the same units in the same order (every rank steps the same parameters, the DDP contract),
     over the optimizer's process group (the default one unless it was given another)."""
 
-    def __init__(self, units: Sequence[Unit], costs: Sequence[float], group: Any = None) -> None:
+    def __init__(self, units: Sequence[Unit], costs: Sequence[float], group: Any = None, *,
+                 overlap: bool = False) -> None:
         super().__init__()
         self.pg = group
+        #: Whether a hidden rule's buckets are pipelined (:func:`_hidden_buckets`; the optimizer's ``overlap``).
+        self.overlap = overlap
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         #: The predicted work each rank owns (``driver.cost``): the owners' balance.
         self.load = [0.0] * self.world
-        for u, o in zip(units, assign_owners(list(costs), self.load), strict=True):
-            u.owner = o if u.replicas else u.pieces.owner_for(self.rank, o)
+        # the shape bucket a unit travels in (``step``): an owner holds one bucket's whole matrices at a time
+        buckets = [(u.replicas, tuple(u.pieces.shape)) for u in units]
+        for u, o in zip(units, assign_owners(list(costs), self.load, buckets), strict=True):
+            u.assigned = o
+            u.owner = self.owner_of(u)
             u.mine = u.owner == self.rank
             if u.mine:
                 u.group = ([r for r in range(self.world) if r != self.rank] if u.replicas else
-                           [r for r in range(self.world) if u.pieces.owner_for(r, o) == self.rank])
+                           [r for r in range(self.world) if self.owner_of(u, r) == self.rank])
         self.units = list(units)
-        #: Whether a unit's results travel as factors, by unit and dtypes (``transfer.pays``, decided once).
-        self._factored: dict[tuple, bool] = {}
+        #: Whether a unit's results travel as factors, by unit, form and dtypes (``transfer.pays``, decided once).
+        self.factored: dict[tuple, bool] = {}
+
+    def owner_of(self, u: Unit, r: int | None = None) -> int:
+        """The rank that computes unit ``u`` for rank ``r`` (default: this one): its owner, or under mesh dimensions
+        that replicate it the owner of ``r``'s replica group (read when planning; a step reads ``u.owner``)."""
+        return u.assigned if u.replicas else u.pieces.owner_for(self.rank if r is None else r, u.assigned)
 
     def _where(self, u: Unit, key: str) -> dict[int, tuple[list, tuple[int, ...]]]:
         if key not in u.where:
@@ -153,62 +186,63 @@ class Exchange(LocalSplit):
             u.where[key] = {r: (d.boxes(r), d.local_shape(r)) for r in u.group}
         return u.where[key]
 
-    def factored(self, i: int, rule: HiddenRule, ns: torch.dtype, d: torch.dtype) -> bool:
-        """Whether unit ``i``'s direction travels as ``U`` with factors (``transfer.pays`` for every rank's
-        non-empty piece), from shapes and dtypes alone: every rank decides it alike, with no collective."""
-        key = (i, rule.transfer_form, ns, d)
-        if key not in self._factored:
-            self._factored[key] = all(transfer.pays(rule.transfer_form, m, n, ns, d)
-                                      for m, n in self.units[i].pieces.local_shapes() if m * n)
-        return self._factored[key]
-
-    def to_owners(self, indices: Sequence[int], pieces: list[list[Tensor]],
-                  keys: Sequence[Sequence[str]]) -> list[list[Tensor] | None]:
+    def to_owners(self, indices: Sequence[int], pieces: list[list[Tensor]], keys: Sequence[Sequence[str]],
+                  into: dict[int, Tensor] | None = None, *, wait: bool = True) -> list[list[Tensor] | None] | InFlight:
         """Every rank's ``pieces[j]`` of unit ``indices[j]`` (local pieces, in ``keys[j]``'s layouts: ``"param"`` or a
         sharded state key) to its owner: one ``all_to_all_single``, none where every unit is a DDP one (its owner
         holds it whole). Returns per unit, at its owner, the tensors put together in their global shapes (under
-        DDP the pieces themselves), ``None`` elsewhere. ``pieces`` is handed over (emptied)."""
+        DDP the pieces themselves; ``into[j]``, where given, for its first), ``None`` elsewhere; ``wait=False``: an
+        :class:`InFlight` of them, the exchange posted. ``pieces`` is handed over (emptied)."""
         units = [self.units[i] for i in indices]
+        into = into or {}
         wholes: list[list[Tensor] | None] = []
-        for u, ps, ks in zip(units, pieces, keys, strict=True):
+        for j, (u, ps, ks) in enumerate(zip(units, pieces, keys, strict=True)):
             wholes.append(None if not u.mine else list(ps) if u.replicas else
-                          [torch.empty(u.descriptor(k).shape, dtype=p.dtype, device=p.device)
-                           for p, k in zip(ps, ks, strict=True)])
+                          [into[j] if n == 0 and j in into else
+                           torch.empty(u.descriptor(k).shape, dtype=p.dtype, device=p.device)
+                           for n, (p, k) in enumerate(zip(ps, ks, strict=True))])
         if all(u.replicas for u in units):
             pieces.clear()
-            return wholes
+            return wholes if wait else InFlight(None, lambda: wholes)
         send: list[list[Tensor]] = [[] for _ in range(self.world)]
         device = next(p.device for ps in pieces for p in ps)
         for u, ps in zip(units, pieces, strict=True):
             send[u.owner] += [_bytes(p) for p in ps]
         pieces.clear()
+        ps = None  # noqa: F841 - the loop's last pieces are not alive during the exchange
         mine = [(u, ws, [self._where(u, k) for k in ks]) for u, ws, ks in zip(units, wholes, keys, strict=True)
                 if ws is not None]
         sizes: list[list[int]] = [[] for _ in range(self.world)]
         for u, ws, where in mine:
             for r in u.group:
                 sizes[r] += [math.prod(w[r][1]) * t.element_size() for t, w in zip(ws, where, strict=True)]
-        out = exchange_flat(send, [sum(s) for s in sizes], self.pg, device)
-        start = 0
-        for r in range(self.world):
-            for _, ws, where in mine:
-                if r in where[0]:
-                    for t, w in zip(ws, where, strict=True):
-                        boxes, shape = w[r]
-                        n = math.prod(shape) * t.element_size()
-                        piece = _as(out[start : start + n], t.dtype, shape)
-                        for g, loc in boxes:
-                            t[g].copy_(piece[loc])
-                        start += n
-        return wholes
+        sent = exchange_flat(send, [sum(s) for s in sizes], self.pg, device, wait=False)
+
+        def put_together() -> list[list[Tensor] | None]:
+            out, start = sent.wait(), 0
+            for r in range(self.world):
+                for _, ws, where in mine:
+                    if r in where[0]:
+                        for t, w in zip(ws, where, strict=True):
+                            boxes, shape = w[r]
+                            n = math.prod(shape) * t.element_size()
+                            piece = _as(out[start : start + n], t.dtype, shape)
+                            for g, loc in boxes:
+                                t[g].copy_(piece[loc])
+                            start += n
+            return wholes
+
+        return put_together() if wait else InFlight(None, put_together)
 
     def from_owners(self, indices: Sequence[int], wholes: Sequence[list[Tensor] | None],
                     keys: Sequence[Sequence[str | None]],
-                    into: Sequence[Callable[[], list[Tensor]]]) -> list[list[Tensor]]:
+                    like: Sequence[Callable[[], list[tuple[Sequence[int], torch.dtype]]]],
+                    device: torch.device, *, wait: bool = True) -> list[list[Tensor]] | InFlight:
         """The way back, one ``all_to_all_single``: owners send every rank of their group its pieces of ``wholes[j]``
         (by ``keys[j]``: ``"param"``, a vector along one of its dimensions, :data:`AXES`, or a sharded state key;
-        ``None``: the tensor whole). Returns per unit this rank's results: what it received, in the tensors
-        ``into[j]()`` makes, or where it owns a DDP unit its own ``wholes[j]``."""
+        ``None``: the tensor whole). Returns per unit this rank's results: what it received, as views of the one
+        receive buffer (on ``device``) in the shapes and dtypes ``like[j]()`` says (no copy beside it), or where it
+        owns a DDP unit its own ``wholes[j]``; ``wait=False``: an :class:`InFlight` of them, the exchange posted."""
         units = [self.units[i] for i in indices]
         send: list[list[Tensor]] = [[] for _ in range(self.world)]
         for u, ws, ks in zip(units, wholes, keys, strict=True):
@@ -228,46 +262,39 @@ class Exchange(LocalSplit):
                     for g, loc in boxes:
                         piece[loc].copy_(t[g])
                     send[r].append(_bytes(piece))
-        out, sizes = [], [[] for _ in range(self.world)]
-        for u, ws, make in zip(units, wholes, into, strict=True):
-            if ws is not None and u.replicas:
-                out.append(ws)  # a DDP owner's own results
-                continue
-            ts = make()
-            sizes[u.owner] += [t.numel() * t.element_size() for t in ts]
-            out.append(ts)
-        device = next((t.device for ts in out for t in ts), torch.device("cpu"))
-        flat = exchange_flat(send, [sum(s) for s in sizes], self.pg, device)
-        starts = [0] * self.world
-        for r in range(1, self.world):
-            starts[r] = starts[r - 1] + sum(sizes[r - 1])
-        for u, ws, ts in zip(units, wholes, out, strict=True):
-            if ws is not None and u.replicas:
-                continue
-            for t in ts:
-                n = t.numel() * t.element_size()
-                t.copy_(_as(flat[starts[u.owner] : starts[u.owner] + n], t.dtype, t.shape))
-                starts[u.owner] += n
-        return out
+        specs, sizes = [], [[] for _ in range(self.world)]
+        for u, ws, make in zip(units, wholes, like, strict=True):
+            spec = None if ws is not None and u.replicas else make()  # a DDP owner keeps its own results
+            if spec is not None:
+                sizes[u.owner] += [math.prod(shape) * dtype.itemsize for shape, dtype in spec]
+            specs.append(spec)
+        sent = exchange_flat(send, [sum(s) for s in sizes], self.pg, device, wait=False)
+        del send
+        # an owner's own (DDP) results are kept; every other whole is let go once its bytes are in the send buffer
+        kept = [ws if spec is None else None for ws, spec in zip(wholes, specs, strict=True)]
+
+        def views() -> list[list[Tensor]]:
+            flat = sent.wait()
+            starts = [0] * self.world
+            for r in range(1, self.world):
+                starts[r] = starts[r - 1] + sum(sizes[r - 1])
+            out = []
+            for u, ws, spec in zip(units, kept, specs, strict=True):
+                if spec is None:
+                    out.append(ws)
+                    continue
+                got = []
+                for shape, dtype in spec:
+                    n = math.prod(shape) * dtype.itemsize
+                    got.append(_as(flat[starts[u.owner] : starts[u.owner] + n], dtype, shape))
+                    starts[u.owner] += n
+                out.append(got)
+            return out
+
+        return views() if wait else InFlight(None, views)
 
 
 # ---- a momentum rule's step through the exchange ----------------------------------------------------------
-
-
-def _local(t: Any) -> Any:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _dtypes(rule: Any, group: dict, p: Tensor, ns: torch.dtype, fold: bool) -> tuple[torch.dtype, torch.dtype]:
-    """What travels: the direction input (the Newton-Schulz dtype ``ns`` where a hidden rule keeps the default
-    ``pre``, else at least float32, as ``pre`` and the elementwise rules compute) and the direction: ``U``'s dtype
-    where the rule's ``post`` is the identity and no step multipliers are folded in (``transfer.IDENTITY``), else at
-    least the parameter's dtype, so that each rank adds what one process adds."""
-    hidden = isinstance(rule, HiddenRule)
-    x = ns if hidden and not rule._rewrites_input else torch.promote_types(p.dtype, torch.float32)
-    if hidden and rule.transfer_form == transfer.IDENTITY and not fold:
-        return x, ns
-    return x, torch.promote_types(x, p.dtype)
 
 
 def _owner_items(rule: HiddenRule, u: Unit, X: Tensor, state: dict[str, Tensor], step: int, name: str) -> list[Item]:
@@ -302,39 +329,67 @@ def _inputs(x_of: Inputs, items: Sequence[Item], batched: bool) -> list[Tensor]:
     return x_of(items) if batched else [x_of.one(it) for it in items]
 
 
-def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepContext, *, batched: bool,
-                   x_of: Inputs, orth: Callable | None) -> list:
-    """One shape bucket of a hidden rule's units: ``X`` out, directions of whole matrices at owners (the one body,
-    ``driver.bucket_directions``), each rank's piece back. Returns ``(param, D, scale)`` of this rank's pieces; the
-    new per-matrix state and a rule's own stepped weights are queued on the step's commit. Nothing real is written
-    here: an owner computes on copies of what it holds and on what it receives."""
-    ex: Exchange = ctx.split  # type: ignore[assignment]
-    members = bucket.items
-    indices = [it.index for it in members]
-    units = [ex.units[i] for i in indices]
-    p0 = members[0].param
-    replicas = units[0].replicas
-    scales = [[rule.lr_scale(r, c, group) for r, c in u.layout.shapes()] if u.layout is not None else
-              [rule.lr_scale(it.shape[0], math.prod(it.shape[1:]), group)]
-              for u, it in zip(units, members, strict=True)]
-    fold = any(len(set(s)) > 1 for s in scales)
-    ns = resolve_dtype(group, p0, ctx)
-    x_dtype, d_dtype = _dtypes(rule, group, p0, ns, fold)
-    # eq. 8's (or NorMuon's) factors where they are fewer bytes for every rank's piece of a plain matrix
-    factored = not fold and all(u.layout is None and len(it.shape) == 2 and ex.factored(i, rule, ns, d_dtype)
-                                for u, it, i in zip(units, members, indices, strict=True))
-    own = rule._own_step  # the weights' pieces travel too, and come back stepped (MuonH's projection)
-    keys_out = [["param", *(["param"] if own else []), *(k for k in rule._owner_state if k in u.state_pieces)]
-                for u in units]
-    # out: every rank's pieces of X (and of W), and of the sharded per-matrix state (under DDP nothing: the owner
-    # holds them all, and makes X for its own matrices only, or for every matrix where a capture hook reads them)
+class _Call:
+    """What every rank knows of one shape bucket of a hidden rule's units before it goes out (the same on every
+    rank: shapes, dtypes and the plan): the members, their units and step multipliers, the dtypes of what travels,
+    whether the directions travel as factors, and the keys of the pieces that go out."""
+
+    __slots__ = ("rule", "bucket", "group", "ctx", "batched", "orth", "members", "indices", "units", "replicas",
+                 "scales", "fold", "ns", "x_dtype", "d_dtype", "factored", "own", "keys_out", "device")
+
+    def __init__(self, rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepContext, batched: bool,
+                 orth: Callable | None) -> None:
+        ex: Exchange = ctx.split  # type: ignore[assignment]
+        self.rule, self.bucket, self.group, self.ctx, self.batched, self.orth = rule, bucket, group, ctx, batched, orth
+        self.members = members = bucket.items
+        self.indices = [it.index for it in members]
+        self.units = units = [ex.units[i] for i in self.indices]
+        p0 = members[0].param
+        self.device, self.replicas = p0.device, units[0].replicas
+        self.scales = [[rule.lr_scale(r, c, group) for r, c in u.layout.shapes()] if u.layout is not None else
+                       [rule.lr_scale(it.shape[0], math.prod(it.shape[1:]), group)]
+                       for u, it in zip(units, members, strict=True)]
+        self.fold = any(len(set(s)) > 1 for s in self.scales)
+        # What travels: the direction input in the Newton-Schulz dtype where the rule keeps the default ``pre``, else
+        # at least float32, as ``pre`` computes; the direction in U's dtype where ``post`` is the identity and no
+        # step multipliers are folded in (transfer.IDENTITY), else at least the parameter's dtype, so that each
+        # rank adds what one process adds
+        self.ns = ns = resolve_dtype(group, p0, ctx)
+        self.x_dtype = x = torch.promote_types(p0.dtype, torch.float32) if rule._rewrites_input else ns
+        self.d_dtype = (ns if rule.transfer_form == transfer.IDENTITY and not self.fold else
+                        torch.promote_types(x, p0.dtype))
+        # eq. 8's (or NorMuon's) factors where they are fewer bytes for every rank's piece of a plain matrix,
+        # decided once per unit and dtypes (transfer.pays), from shapes alone: every rank alike, no collective
+        self.factored = not self.fold
+        for u, it, i in zip(units, members, self.indices, strict=True):
+            key = (i, rule.transfer_form, ns, self.d_dtype)
+            if key not in ex.factored:
+                ex.factored[key] = u.layout is None and len(it.shape) == 2 and all(
+                    transfer.pays(rule.transfer_form, m, n, ns, self.d_dtype)
+                    for m, n in u.pieces.local_shapes() if m * n)
+            self.factored = self.factored and ex.factored[key]
+        self.own = rule._own_step  # the weights' pieces travel too, and come back stepped (MuonH's projection)
+        self.keys_out = [["param", *(["param"] if self.own else []),
+                          *(k for k in rule._owner_state if k in u.state_pieces)] for u in units]
+
+
+def _out(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepContext, *, batched: bool,
+         x_of: Inputs, orth: Callable | None) -> tuple[_Call, InFlight, list[Tensor]]:
+    """One shape bucket of a hidden rule's units on its way out: every rank's pieces of ``X`` (and of ``W`` where the
+    rule steps its weights, and of the sharded per-matrix state) posted to their owners. Returns the bucket's
+    :class:`_Call`, the whole matrices in flight and the owner's stack they are received into. The inputs are made
+    from the unchanged momentum (``driver.Inputs``): nothing is written here."""
+    c = _Call(rule, bucket, group, ctx, batched, orth)
+    members, units, replicas, own = c.members, c.units, c.replicas, c.own
+    # under DDP nothing goes out: the owner holds every piece, and makes X for its own matrices only, or for every
+    # matrix where a capture hook reads them
     need = [j for j, u in enumerate(units) if u.mine or not replicas or ctx.capture is not None]
     try:
         with naming(rule, [members[j] for j in need]):
             made = _inputs(x_of, [members[j] for j in need], batched)
     except Exception as e:
         _guard(ctx, e)
-        made = [torch.zeros(members[j].param.shape, dtype=x_dtype, device=p0.device) for j in need]
+        made = [torch.zeros(members[j].param.shape, dtype=c.x_dtype, device=c.device) for j in need]
     xs: list[Tensor | None] = [None] * len(members)
     for j, x in zip(need, made, strict=True):
         xs[j] = x
@@ -343,143 +398,210 @@ def _hidden_bucket(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepConte
         ctx.emit(members, xs, "momentum_input")
     # a DDP owner's W piece is its own parameter: it steps a copy (the commit writes it)
     pieces = [[] if replicas and not u.mine else
-              [x.to(x_dtype), *([it.param.clone() if replicas else it.param] if own else []),
-               *(_local(it.state[k]) for k in ks[1 + own :])]
-              for it, u, x, ks in zip(members, units, xs, keys_out, strict=True)]
+              [x.to(c.x_dtype), *([it.param.clone() if replicas else it.param] if own else []),
+               *(it.state[k] for k in ks[1 + own :])]
+              for it, u, x, ks in zip(members, units, xs, c.keys_out, strict=True)]
     del xs
-    wholes = ex.to_owners(indices, pieces, keys_out)
-    # at owners: every owned unit's whole matrices, one body for them all
+    # a DTensor's plain matrices are received straight into their owner's stack, which Newton-Schulz then iterates
+    # in and lets go (the one body's handed stacks): an owner holds each whole matrix once
+    mine = [j for j, u in enumerate(units) if u.mine]
+    plain = bool(mine) and not replicas and not own and all(units[j].layout is None for j in mine)
+    stack = [torch.empty((len(mine), *bucket.global_shape), dtype=c.x_dtype, device=c.device)] if plain else []
+    into = {j: stack[0][k].view(members[j].shape) for k, j in enumerate(mine)} if plain else None
+    return c, ctx.split.to_owners(c.indices, pieces, c.keys_out, into, wait=False), stack
+
+
+def _hidden_buckets(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, ctx: StepContext, *, batched: bool,
+                    x_of: Callable[[Item], Tensor], orth: Callable | None) -> list:
+    """A hidden rule's shape buckets through the exchange: out (:func:`_out`), Newton-Schulz at the owners
+    (:func:`_at_owners`), back (:func:`_back`). Pipelined two deep where the optimizer's ``overlap`` is on
+    (``Exchange.overlap``): bucket ``k + 1``'s inputs travel out and bucket ``k - 1``'s directions travel back while
+    the owners of bucket ``k`` run its Newton-Schulz, so that a bucket costs the larger of its exchange and its
+    compute, not their sum; every rank posts the collectives in the same order (out ``k + 1``, then back ``k``), so
+    they pair up as the blocking ones do, and the transient memory is two buckets' whole matrices (the way back of
+    a third in flight) instead of one. Otherwise one bucket at a time. Returns ``(param, D, scale)`` of this rank's
+    pieces."""
+    overlap = ctx.split.overlap
+
+    def out(k: int) -> tuple[_Call, InFlight, list[Tensor]] | None:
+        return _out(rule, buckets[k], group, ctx, batched=batched, x_of=x_of, orth=orth) if k < len(buckets) else None
+
+    pending: list = []
+    ahead, back = out(0), None
+    for k in range(len(buckets)):
+        c, wholes, stack = ahead
+        if overlap:
+            ahead = out(k + 1)
+        results = _at_owners(c, wholes.wait(), stack)
+        del wholes
+        if back is not None:
+            pending += back.wait()
+        back = _back(c, results)
+        if not overlap:
+            pending += back.wait()
+            back, ahead = None, out(k + 1)
+    if back is not None:
+        pending += back.wait()
+    return pending
+
+
+def _at_owners(c: _Call, wholes: list[list[Tensor] | None], stack: list[Tensor]) -> dict[int, tuple[Any, dict]]:
+    """At an owner, every owned unit's whole matrices through one body (``driver.bucket_directions``): per owned
+    member, its whole direction (or ``U`` with its factors, or the stepped weight) and the per-matrix state the rule
+    changed, computed on copies (nothing real is written here). ``stack``: the owned plain matrices received in one
+    stack, handed over (emptied). Under ``torch.distributed`` an error here is kept (``_guard``) and placeholders
+    go back, so that the owner's ranks still receive what they wait for and the step is skipped on every rank."""
+    rule, members, replicas = c.rule, c.members, c.replicas
     owned = [j for j, w in enumerate(wholes) if w is not None]
-    results: dict[int, tuple[Any, dict[str, Tensor]]] = {}
-    if owned:
-        items: list[Item] = []
-        try:
-            with naming(rule, [members[j] for j in owned]):
-                results = _owner_results(rule, bucket, group, ctx, members, units, wholes, keys_out, owned, items,
-                                         scales, batched=batched, orth=orth, factored=factored, fold=fold,
-                                         d_dtype=d_dtype, replicas=replicas, own=own)
-        except Exception as e:
-            _guard(ctx, e)
-            results = {j: _placeholder(rule, members[j], wholes[j], keys_out[j], own=own, factored=factored, ns=ns,
-                                       d_dtype=d_dtype) for j in owned}
-        finally:
-            if not replicas:  # the owner's items keep no whole matrix past the step
-                for it in items:
-                    it.param, it.state = None, {}
-    del wholes
-    # back: D (or U with its factors, or the stepped W) and the per-matrix state the rule changed
-    back_keys, out_wholes, into = [], [], []
-    for j, (it, u) in enumerate(zip(members, units, strict=True)):
+    if not owned:
+        return {}
+    items: list[Item] = []
+    try:
+        with naming(rule, [members[j] for j in owned]):
+            return _owner_results(c, wholes, stack, owned, items)
+    except Exception as e:
+        _guard(c.ctx, e)
+        return {j: _placeholder(c, j, wholes[j]) for j in owned}
+    finally:
+        stack.clear()
+        if not replicas:  # the owner's items keep no whole matrix past the step
+            for it in items:
+                it.param, it.state = None, {}
+
+
+def _owner_results(c: _Call, wholes: list[list[Tensor] | None], stack: list[Tensor], owned: list[int],
+                   items: list[Item]) -> dict[int, tuple[Any, dict]]:
+    """:func:`_at_owners`' body: the one body on the owned units' whole matrices, with copies of the per-matrix state
+    the owner holds (the real state is written in the step's commit, from what comes back); ``items`` receives the
+    owner's items (the caller lets go of their whole matrices)."""
+    rule, members, units, replicas, batched = c.rule, c.members, c.units, c.replicas, c.batched
+    plain = bool(stack)
+    spans = []
+    xs: dict[int, Tensor] = {}
+    for j in owned:
+        it, u, ws = members[j], units[j], wholes[j]
+        if replicas:  # the item with copies of its per-matrix state; its X is the received (its own) whole
+            state = {k: it.state[k].clone() for k in rule._owner_state}
+            its = [Item(it.param, it.grad, {**it.state, **state}, it.name, it.shape, it.kind, it.index)]
+            xs[id(its[0])] = ws[0]
+        else:
+            state = {k: ws[c.keys_out[j].index(k)] if k in c.keys_out[j] else it.state[k].clone()
+                     for k in rule._owner_state}
+            if c.ctx.capture is not None:
+                c.ctx.capture(it.name, it.kind or c.ctx.kind, "momentum_input", ws[0])
+            its = _owner_items(rule, u, ws[0].new_empty(()).expand(c.bucket.global_shape) if plain else ws[0],
+                               state, it.state["step"], it.name)
+            if plain:
+                ws[0] = None  # the stack's row: only the stack keeps it
+        spans.append((j, len(items), len(its), state))
+        items += its
+    # batched: one stack per shape, all in one body; per tensor: each matrix alone, as one process's form
+    b = c.bucket
+    handed = ([[stack[0][n : n + 1]] for n in range(len(items))] if plain and not batched else
+              [[stack[0]]] if plain else None)
+    stack.clear()
+    if not batched:
+        groups = [[Bucket([it], 1, *[(it.shape[0], math.prod(it.shape[1:]))] * 2, ())] for it in items]
+    elif replicas and c.orth is None:  # DDP: in the orientations one process's batched form stacks them
+        flipped = [j >= b.plain for j in owned]
+        order = sorted(range(len(items)), key=lambda n: flipped[n])
+        groups = [[Bucket([items[n] for n in order], flipped.count(False), b.shape, b.global_shape, b.key)]]
+    else:
+        groups = ([[Bucket(items, len(items), b.global_shape, b.global_shape, b.key)]] if plain
+                  else [make_buckets(items, matrix=True, transpose=False)])
+    # Newton-Schulz of a stack as one batched call: under DDP as one process's batched form runs it (its bits);
+    # a DTensor's owner where the device runs one (newton_schulz.batched_ns: on CPU matrix by matrix, faster
+    # there and iterated in the received buffer, the owner's transient peak one matrix's Newton-Schulz)
+    batched_ns_here = batched and (replicas or batched_ns(c.device))
+    by_item = {}
+    for buckets in groups:
+        found = bucket_directions(rule, buckets, c.group, c.ctx, batched=batched_ns_here,
+                                  inputs=(lambda its: [xs[id(i)] for i in its]) if replicas else
+                                  (lambda its: [i.param for i in its]), orth=c.orth, factored=c.factored,
+                                  handed=handed.pop(0) if plain else None, workspace={})
+        for targets, news in found.writes:  # the owner's copies: what goes back
+            torch._foreach_copy_(targets, news)
+        by_item.update((id(it), d) for bk, ds in zip(buckets, found.directions, strict=True)
+                       for it, d in zip(bk.items, ds, strict=True))
+    results = {}
+    for j, start, n, state in spans:
+        ds = [by_item[id(it)] for it in items[start : start + n]]
+        if c.own:  # the rule's own step of each whole matrix, in the whole weight (a copy): it goes back stepped
+            W, layout = wholes[j][1], units[j].layout
+            for w, d, s in zip(layout.matrices(W) if layout is not None else [W], ds, c.scales[j], strict=True):
+                step_weights(rule, [w], d.reshape(1, w.shape[0], -1), s, c.group)
+            results[j] = (W, state)
+        elif c.factored or (units[j].layout is None and ds[0].dtype == c.d_dtype):
+            results[j] = (ds[0] if c.factored else ds[0].reshape(members[j].shape), state)
+        else:  # a view's matrices into the whole direction, the step multipliers folded in where they differ
+            D = torch.empty(members[j].shape, dtype=c.d_dtype, device=c.device)
+            views = units[j].layout.matrices(D) if units[j].layout is not None else [D.view(ds[0].shape)]
+            for v, d, s in zip(views, ds, c.scales[j], strict=True):
+                v.copy_(d * s if c.fold else d)
+            results[j] = (D, state)
+    return results
+
+
+def _placeholder(c: _Call, j: int, ws: list[Tensor | None]) -> tuple[Any, dict]:
+    """What an owner whose computation raised sends back for member ``j`` (the step is skipped on every rank): zeros
+    of the shapes and dtypes its ranks wait for, the weights and the per-matrix state as received."""
+    it, keys, shape = c.members[j], c.keys_out[j], c.members[j].shape
+    state = {k: ws[keys.index(k)] if k in keys else it.state[k] for k in c.rule._owner_state}
+    if c.own:
+        return ws[1], state
+    if c.factored:
+        return (torch.zeros(shape, dtype=c.ns, device=c.device),
+                *(torch.zeros(shape[d], dtype=c.d_dtype, device=c.device) for d in AXES.values())), state
+    return torch.zeros(shape, dtype=c.d_dtype, device=c.device), state
+
+
+def _back(c: _Call, results: dict[int, tuple[Any, dict]]) -> InFlight:
+    """The way back, posted: D (or U with its factors, or the stepped W) and the per-matrix state the rule changed,
+    each rank's piece. Once received (:meth:`InFlight.wait`) the state and a stepped weight are written and
+    ``(param, D, scale)`` of the rest returned."""
+    rule, factored, own, d_dtype = c.rule, c.factored, c.own, c.d_dtype
+    back_keys, out_wholes, like = [], [], []
+    for j, (it, u) in enumerate(zip(c.members, c.units, strict=True)):
         back_keys.append([*(["param", *AXES] if factored else ["param"]),
                           *(k if k in u.state_pieces else None for k in rule._owner_state)])
         if j in results:
             d, state = results[j]
-            out_wholes.append([*(d if factored else [d]), *(_local(state[k]) for k in rule._owner_state)])
+            out_wholes.append([*(d if factored else [d]), *(state[k] for k in rule._owner_state)])
         else:
             out_wholes.append(None)
         p = it.param
-        dtype = p.dtype if own else d_dtype
-        into.append(lambda p=p, it=it, dtype=dtype: [
-            *([torch.empty(p.shape, dtype=ns, device=p.device),
-               *(torch.empty(p.shape[d], dtype=d_dtype, device=p.device) for d in AXES.values())]
-              if factored else [torch.empty(p.shape, dtype=dtype, device=p.device)]),
-            *(torch.empty_like(_local(it.state[k])) for k in rule._owner_state)])
-    got = ex.from_owners(indices, out_wholes, back_keys, into)
+        like.append(lambda p=p, it=it, dtype=p.dtype if own else d_dtype: [
+            *([(p.shape, c.ns), *(((p.shape[d],), d_dtype) for d in AXES.values())] if factored else
+              [(p.shape, dtype)]),
+            *((it.state[k].shape, it.state[k].dtype) for k in rule._owner_state)])
+    results.clear()
+    sent = c.ctx.split.from_owners(c.indices, out_wholes, back_keys, like, c.device, wait=False)
     del out_wholes
+    return InFlight(None, lambda: _received(c, sent.wait()))
+
+
+def _received(c: _Call, got: list[list[Tensor]]) -> list:
+    """This rank's pieces back from the owners (:func:`_back`): the per-matrix state and a stepped weight written,
+    ``(param, D, scale)`` of the rest returned for the one update."""
+    rule, factored, own = c.rule, c.factored, c.own
     out = []
     n = 3 if factored else 1
     state_targets, state_news, weights, stepped = [], [], [], []
-    for it, s, parts in zip(members, scales, got, strict=True):
+    for it, s, parts in zip(c.members, c.scales, got, strict=True):
         for k, t in zip(rule._owner_state, parts[n:], strict=True):
-            state_targets.append(_local(it.state[k]))
+            state_targets.append(it.state[k])
             state_news.append(t)
         if own:  # the stepped weight (a DDP owner's, its own copy)
             weights.append(it.param)
             stepped.append(parts[0])
         elif factored:  # this rank's block of D = (U * row) * col (F.apply_factors), the owner's bits on any block
             out.append((it.param, transfer.apply(parts[0], parts[1][:, None], parts[2][None, :],
-                                                 rule.factors_divide), 1.0 if fold else s[0]))
+                                                 rule.factors_divide), 1.0 if c.fold else s[0]))
         else:
-            out.append((it.param, parts[0], 1.0 if fold else s[0]))
-    ctx.commit.later(commit.copy_, state_targets, state_news)
-    ctx.commit.later(commit.copy_, weights, stepped)
+            out.append((it.param, parts[0], 1.0 if c.fold else s[0]))
+    c.ctx.commit.later(commit.copy_, state_targets, state_news)
+    c.ctx.commit.later(commit.copy_, weights, stepped)
     return out
-
-
-def _owner_results(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepContext, members: list[Item],
-                   units: list[Unit], wholes: list, keys_out: list, owned: list[int], items: list[Item],
-                   scales: list, *, batched: bool, orth: Callable | None, factored: bool, fold: bool,
-                   d_dtype: torch.dtype, replicas: bool, own: bool) -> dict[int, tuple[Any, dict[str, Tensor]]]:
-    """An owner's results of its units of one bucket (:func:`_hidden_bucket`): the one body on their whole matrices,
-    with copies of the per-matrix state it holds (the real state is written in the commit, from what comes back);
-    ``items`` receives the owner's items (the caller lets go of their whole matrices)."""
-    spans = []
-    xs: dict[int, Tensor] = {}
-    for j in owned:
-        it, u, ws = members[j], units[j], wholes[j]
-        if replicas:  # the item with copies of its per-matrix state; its X is the received (its own) whole
-            state = {k: _local(it.state[k]).clone() for k in rule._owner_state}
-            its = [Item(it.param, it.grad, {**it.state, **state}, it.name, it.shape, it.kind, it.index)]
-            xs[id(its[0])] = ws[0]
-        else:
-            state = {k: ws[keys_out[j].index(k)] if k in keys_out[j] else _local(it.state[k]).clone()
-                     for k in rule._owner_state}
-            if ctx.capture is not None:
-                ctx.capture(it.name, it.kind or ctx.kind, "momentum_input", ws[0])
-            its = _owner_items(rule, u, ws[0], state, it.state["step"], it.name)
-        spans.append((j, len(items), len(its), state))
-        items += its
-    # batched: one stack per shape, all in one body; per tensor: each matrix alone, as one process's form
-    if not batched:
-        groups = [[Bucket([it], 1, *[(it.shape[0], math.prod(it.shape[1:]))] * 2, ())] for it in items]
-    elif replicas and orth is None:  # DDP: in the orientations one process's batched form stacks them
-        flipped = [j >= bucket.plain for j in owned]
-        order = sorted(range(len(items)), key=lambda n: flipped[n])
-        groups = [[Bucket([items[n] for n in order], flipped.count(False), bucket.shape, bucket.global_shape,
-                          bucket.key)]]
-    else:
-        groups = [make_buckets(items, matrix=True, transpose=False)]
-    by_item = {}
-    for buckets in groups:
-        found = bucket_directions(rule, buckets, group, ctx, batched=batched,
-                                  inputs=(lambda its: [xs[id(i)] for i in its]) if replicas else
-                                  (lambda its: [i.param for i in its]), orth=orth, factored=factored)
-        for targets, news in found.writes:  # the owner's copies: what goes back
-            torch._foreach_copy_(targets, news)
-        by_item.update((id(it), d) for b, ds in zip(buckets, found.directions, strict=True)
-                       for it, d in zip(b.items, ds, strict=True))
-    results = {}
-    for j, start, n, state in spans:
-        ds = [by_item[id(it)] for it in items[start : start + n]]
-        if own:  # the rule's own step of each whole matrix, in the whole weight (a copy): it goes back stepped
-            W, layout = wholes[j][1], units[j].layout
-            for w, d, s in zip(layout.matrices(W) if layout is not None else [W], ds, scales[j], strict=True):
-                step_weights(rule, [w], d.reshape(1, w.shape[0], -1), s, group)
-            results[j] = (W, state)
-        elif factored or (units[j].layout is None and ds[0].dtype == d_dtype):
-            results[j] = (ds[0] if factored else ds[0].reshape(members[j].shape), state)
-        else:  # a view's matrices into the whole direction, the step multipliers folded in where they differ
-            X = wholes[j][0]
-            D = torch.empty(X.shape, dtype=d_dtype, device=X.device)
-            views = units[j].layout.matrices(D) if units[j].layout is not None else [D.view(ds[0].shape)]
-            for v, d, s in zip(views, ds, scales[j], strict=True):
-                v.copy_(d * s if fold else d)
-            results[j] = (D, state)
-    return results
-
-
-def _placeholder(rule: HiddenRule, it: Item, ws: list[Tensor], keys: list[str], *, own: bool, factored: bool,
-                 ns: torch.dtype, d_dtype: torch.dtype) -> tuple[Any, dict[str, Tensor]]:
-    """What an owner whose computation raised sends back (the step is skipped on every rank): zeros of the shapes and
-    dtypes its ranks wait for, the weights and the per-matrix state as they were."""
-    X = ws[0]
-    state = {k: ws[keys.index(k)] if k in keys else _local(it.state[k]) for k in rule._owner_state}
-    if own:
-        return ws[1], state
-    if factored:
-        return (torch.zeros(X.shape, dtype=ns, device=X.device),
-                *(torch.zeros(X.shape[d], dtype=d_dtype, device=X.device) for d in AXES.values())), state
-    return torch.zeros(X.shape, dtype=d_dtype, device=X.device), state
 
 
 def _elementwise_bucket(rule: Any, members: list[Item], group: dict, ctx: StepContext, x_of: Inputs,
@@ -490,7 +612,7 @@ def _elementwise_bucket(rule: Any, members: list[Item], group: dict, ctx: StepCo
     ex: Exchange = ctx.split  # type: ignore[assignment]
     indices = [it.index for it in members]
     p0 = members[0].param
-    x_dtype, d_dtype = _dtypes(rule, group, p0, p0.dtype, False)
+    x_dtype = d_dtype = torch.promote_types(p0.dtype, torch.float32)  # its statistics' dtype, as one process's
     try:
         with naming(rule, members):
             xs = [x.to(x_dtype) for x in _inputs(x_of, members, batched)]
@@ -518,8 +640,7 @@ def _elementwise_bucket(rule: Any, members: list[Item], group: dict, ctx: StepCo
             _guard(ctx, e)
         out_wholes.append([D])
     got = ex.from_owners(indices, out_wholes, [["param"]] * len(members),
-                         [lambda it=it: [torch.empty(it.param.shape, dtype=d_dtype, device=it.param.device)]
-                          for it in members])
+                         [lambda it=it: [(it.param.shape, d_dtype)] for it in members], p0.device)
     return [(it.param, parts[0], 1.0) for it, parts in zip(members, got, strict=True)]
 
 
@@ -530,35 +651,38 @@ def step(calls: Sequence[Call], *, batched: bool, orth: Callable | None = None) 
     queued on its commit: each call's updates of this rank's pieces as one process's, then the momentum of every
     call where it lies (``driver.write_inputs``). A bucket is DDP's matrices as one process's batched form buckets
     them (an ``(n, m)`` matrix in the ``(m, n)`` bucket, which saves an exchange) or a DTensor's units by their global
-    shape; one bucket's exchange out and back at a time, so that a step holds one bucket's whole matrices."""
+    shape; a hidden rule's buckets pipelined (:func:`_hidden_buckets`), so that a step holds two buckets' whole
+    matrices."""
     for rule, items, group, ctx in calls:
         x_of = Inputs(rule, group, ctx)
-        units = ctx.split.units
-        transpose = batched and isinstance(rule, HiddenRule) and rule.transposes and all(
-            units[it.index].replicas for it in items)
         pending = []
-        for b in make_buckets(items, matrix=True, transpose=transpose):
+        for replicas in (True, False):  # DDP's matrices and DTensors' pieces (one call may merge groups of both)
+            its = [it for it in items if ctx.split.units[it.index].replicas is replicas]
+            transpose = replicas and batched and isinstance(rule, HiddenRule) and rule.transposes
+            buckets = make_buckets(its, matrix=True, transpose=transpose) if its else []
             if isinstance(rule, HiddenRule):
-                pending += _hidden_bucket(rule, b, group, ctx, batched=batched, x_of=x_of, orth=orth)
+                pending += _hidden_buckets(rule, buckets, group, ctx, batched=batched, x_of=x_of, orth=orth)
             else:
-                pending += _elementwise_bucket(rule, b.items, group, ctx, x_of, batched)
+                for b in buckets:
+                    pending += _elementwise_bucket(rule, b.items, group, ctx, x_of, batched)
         ctx.commit.later(apply_pending, pending, group)
     if calls:
         calls[0][3].commit.later(write_inputs, list(calls), batched=batched)
 
 
-def whole_step(rule: SteppingRule, items: Sequence[Item], group: dict, ctx: StepContext, foreach: bool) -> None:
+def whole_step(form: Callable[..., None], items: Sequence[Item], group: dict, ctx: StepContext) -> None:
     """A stepping rule whose statistics need whole tensors (SCALE's column and row rules on pieces that are not
-    whole rows): parameter, gradient and sharded state to the owner, the rule's own step there on whole tensors
-    made for this step (copies of what the owner holds), the new parameter and state pieces back, written in the
-    step's commit."""
+    whole rows): parameter, gradient and sharded state to the owner, the rule's form (its ``step`` or
+    ``step_foreach``) there on whole tensors made for this step (copies of what the owner holds), the new parameter
+    and state pieces back, written in the step's commit."""
     ex: Exchange = ctx.split  # type: ignore[assignment]
+    rule: SteppingRule = form.__self__  # type: ignore[attr-defined]
     indices = [it.index for it in items]
     keys, pieces = [], []
     for it, i in zip(items, indices, strict=True):
         sharded = list(ex.units[i].state_pieces)
         keys.append(["param", "param", *sharded])
-        pieces.append([it.param, it.grad, *(_local(it.state[k]) for k in sharded)])
+        pieces.append([it.param, it.grad, *(it.state[k] for k in sharded)])
     wholes = ex.to_owners(indices, pieces, keys)
     at_owner, states = [], []
     for it, ws, ks in zip(items, wholes, keys, strict=True):
@@ -567,7 +691,7 @@ def whole_step(rule: SteppingRule, items: Sequence[Item], group: dict, ctx: Step
             continue
         if ex.units[it.index].replicas:  # the pieces themselves: the owner steps a copy
             ws[0] = ws[0].clone()
-        state = {k: (ws[ks.index(k)] if k in ks[2:] else _local(v).clone() if isinstance(v, Tensor) else v)
+        state = {k: (ws[ks.index(k)] if k in ks[2:] else v.clone() if isinstance(v, Tensor) else v)
                  for k, v in it.state.items()}
         layout = ex.units[it.index].layout
         at_owner += ([Item(ws[0], ws[1], state, it.name, it.shape, it.kind)] if layout is None else
@@ -576,7 +700,7 @@ def whole_step(rule: SteppingRule, items: Sequence[Item], group: dict, ctx: Step
     if at_owner:
         try:
             with naming(rule, at_owner):
-                (rule.step_foreach if foreach else rule.step)(at_owner, group, ctx)
+                form(at_owner, group, ctx)
         except Exception as e:
             _guard(ctx, e)
     names = [[k for k in sorted(it.state) if isinstance(it.state[k], Tensor) and k != commit.SKIPPED]
@@ -586,14 +710,14 @@ def whole_step(rule: SteppingRule, items: Sequence[Item], group: dict, ctx: Step
     back_keys = [["param", *(k if k in ex.units[i].state_pieces else None for k in ns)]
                  for i, ns in zip(indices, names, strict=True)]
     got = ex.from_owners(indices, out_wholes, back_keys,
-                         [lambda it=it, ns=ns: [torch.empty_like(it.param), *(torch.empty_like(_local(it.state[k]))
-                                                                               for k in ns)]
-                          for it, ns in zip(items, names, strict=True)])
+                         [lambda it=it, ns=ns: [(it.param.shape, it.param.dtype),
+                                                *((it.state[k].shape, it.state[k].dtype) for k in ns)]
+                          for it, ns in zip(items, names, strict=True)], items[0].param.device)
     targets, news = [], []
     for it, ns, parts in zip(items, names, got, strict=True):
         targets.append(it.param)
         news.append(parts[0])
         for k, t in zip(ns, parts[1:], strict=True):
-            targets.append(_local(it.state[k]))
+            targets.append(it.state[k])
             news.append(t)
     ctx.commit.later(commit.copy_, targets, news)

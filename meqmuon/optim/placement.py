@@ -39,10 +39,11 @@ __all__ = ["EXECUTORS", "Executor", "Path", "cuts", "path_of", "splitter", "whol
 Form = Callable[[list[driver.Call]], None]
 
 
-def _own_step(rule: SteppingRule, items: list[Item], group: dict, ctx: StepContext, foreach: bool) -> None:
-    """A stepping rule on tensors it holds (whole, or whole rows with sums over shards): its own form, a write of the
-    step's commit, made after the momentum rules' (``commit.stepping_``: on copies where the step may be skipped)."""
-    form = rule.step_foreach if foreach else rule.step
+def _own_step(form: Callable[..., None], items: list[Item], group: dict, ctx: StepContext) -> None:
+    """A stepping rule on tensors it holds (whole, or whole rows with sums over shards): its form (its ``step`` or
+    ``step_foreach``), a write of the step's commit, made after the momentum rules' (``commit.stepping_``: on
+    copies where the step may be skipped)."""
+    rule: SteppingRule = form.__self__  # type: ignore[attr-defined]
 
     def run(its: list[Item], gate: commit.Gate | None = None) -> None:
         ctx.gate = gate
@@ -52,8 +53,8 @@ def _own_step(rule: SteppingRule, items: list[Item], group: dict, ctx: StepConte
         finally:
             ctx.gate = None
 
-    ctx.commit.last(_stepping, run, list(items), foreach=foreach, elementwise=driver.elementwise(rule),
-                    gated=rule.gates_itself)
+    ctx.commit.last(_stepping, run, list(items), foreach=form.__name__ == "step_foreach",
+                    elementwise=driver.elementwise(rule), gated=rule.gates_itself)
 
 
 def _stepping(run: Callable[..., None], items: list[Item], *, foreach: bool, elementwise: bool, gated: bool,
@@ -64,8 +65,8 @@ def _stepping(run: Callable[..., None], items: list[Item], *, foreach: bool, ele
 
 
 class Executor(NamedTuple):
-    """What runs a path's calls: the forms of the momentum rules' calls by ``(foreach, compile)``, and the
-    stepping rules' step ``(rule, items, group, ctx, foreach)``."""
+    """What runs a path's calls: the forms of the momentum rules' calls by ``(foreach, compile)``, and how a
+    stepping rule's form runs, ``stepping(form, items, group, ctx)`` (``form`` its ``step`` or ``step_foreach``)."""
 
     forms: dict[tuple[bool, bool], Form]
     stepping: Callable[..., None]
