@@ -50,6 +50,12 @@ from meqmuon.optim.memory import optimizer_held_bytes, storage_key
 
 __all__ = ["StepMeter", "floor_bytes", "held_bytes", "op_traffic", "storage_key", "tensor_bytes"]
 
+#: The step's one decision under ``torch.distributed`` (issue 56): its skip flag, a 0-D float32 that carries a
+#: non-finite gradient or an error of any rank, all-reduced once per step (``engine.RoleOptimizer._agree``), as
+#: this meter counts it: 4 B sent, 4 B received, one ``allreduce_``.
+AGREEMENT_BYTES = 4
+AGREEMENT_CALLS = {"allreduce_": 1}
+
 #: ``c10d`` ops (in-place on their arguments): op name -> (positions of the arguments sent, of those received).
 C10D = {
     "allreduce_": ((0,), (0,)), "allreduce_coalesced_": ((0,), (0,)), "broadcast_": ((0,), (0,)),

@@ -41,7 +41,7 @@ from meqmuon.optim.newton_schulz import method_flops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from step_accounting import StepMeter, floor_bytes  # noqa: E402
+from step_accounting import AGREEMENT_BYTES, AGREEMENT_CALLS, StepMeter, floor_bytes  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 
@@ -205,10 +205,10 @@ def test_fsdp2_exchange_sends_each_piece_once_with_no_padding_and_equals_one_pro
             # rank its rows (and MeqMuon's counter, whole to each rank). So sent = local + the whole matrices
             # it owns, and received the same, nothing padded.
             owned = sum(w + 2 * counter for w, o in zip(whole, plan, strict=True) if o == rank)
-            assert r["sent"] == local + owned, (name, rank, r["sent"], local, owned)
+            assert r["sent"] == local + owned + AGREEMENT_BYTES, (name, rank, r["sent"], local, owned)
             received = local + sum(w for w, o in zip(whole, plan, strict=True) if o == rank) + counter * len(SHAPES)
-            assert r["received"] == received, (name, rank, r["received"], received)
-            assert r["calls"] == {"alltoall_base_": 6}, r["calls"]  # one pair per shape bucket
+            assert r["received"] == received + AGREEMENT_BYTES, (name, rank, r["received"], received)
+            assert r["calls"] == {"alltoall_base_": 6, **AGREEMENT_CALLS}, r["calls"]  # one pair per shape bucket
         _equal_one_process([r[name] for r in got])
     group = _hidden_rule_and_group()[1] | {"ns_method": "quintic", "ns_steps": 5}
     flops = [method_flops(group, m, n) for m, n in SHAPES]
@@ -262,8 +262,9 @@ def test_bf16_newton_schulz_fsdp2_pieces_travel_in_bf16_at_exactly_their_shapes_
                 sum(way_back(name, i, s) for i in mine for s in range(world))
             received = sum(way_back(name, i, q) for i in range(len(SHAPES))) + \
                 sum(way_out(name, i, s) for i in mine for s in range(world))
-            assert (r["sent"], r["received"]) == (sent, received), (name, q, r["sent"], r["received"], sent, received)
-            assert r["calls"] == {"alltoall_base_": 6}, (name, r["calls"])  # one pair per shape bucket
+            assert (r["sent"] - AGREEMENT_BYTES, r["received"] - AGREEMENT_BYTES) == (sent, received), (
+                name, q, r["sent"], r["received"], sent, received)
+            assert r["calls"] == {"alltoall_base_": 6, **AGREEMENT_CALLS}, (name, r["calls"])  # a pair per bucket
             assert r["floor"] == 2 * 2 * sum(a * b for a, b in r["local"]), (q, r["floor"])
         _equal_one_process([r[name] for r in got])
 
@@ -397,10 +398,11 @@ def test_ddp_sends_each_hidden_direction_once_at_the_floor_and_equals_one_proces
             assert sorted(s for s, _ in r["units"]) == sorted([(128, 128)] * 4 + [(352, 128)] * 2 + [(128, 352)])
             owned = sum(_ddp_back_bytes(name, ns, s) for s, o in r["units"] if o == rank)
             others = sum(_ddp_back_bytes(name, ns, s) for s, o in r["units"] if o != rank)
-            assert (r["sent"], r["received"]) == ((world - 1) * owned, others), (name, ns, rank, r["sent"], owned)
+            assert (r["sent"] - AGREEMENT_BYTES, r["received"] - AGREEMENT_BYTES) == ((world - 1) * owned, others), (
+                name, ns, rank, r["sent"], owned)
             assert r["sent"] <= 1.05 * r["floor"] and r["received"] <= 1.05 * r["floor"], (name, ns, rank, r)
             buckets = 3 if name == "normuon" else 2  # NorMuon's per-row state keeps (128, 352) apart
-            assert r["calls"] == {"alltoall_base_": buckets}, (name, ns, r["calls"])
+            assert r["calls"] == {"alltoall_base_": buckets, **AGREEMENT_CALLS}, (name, ns, r["calls"])
             assert 0 < owned, (name, ns, rank)  # the work is shared
         _identical(runs[0], runs[1])
         params, state, counts = ref
