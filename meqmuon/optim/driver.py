@@ -591,7 +591,6 @@ class Inputs:
         self.rule, self.group, self.ctx = rule, group, ctx
         self.own = getattr(rule, "_own_inputs", False)
         self.emit = emit and ctx is not None and ctx.capture is not None
-        self.scratch: dict = {}
 
     def _keys(self, it: Item) -> list[str]:
         return [k for k, how in self.rule.state_views.items() if how == "param"]
@@ -623,9 +622,10 @@ class Inputs:
             g = it.grad.to(b.dtype)
             if not nesterov:
                 x = torch.add(g, b, alpha=mu, out=out)
-            else:
-                new = torch.add(g, b, alpha=mu, out=buffer(self.scratch, "momentum", b.shape, b.dtype, b.device))
+            else:  # the new momentum a transient of this input's making alone (not kept beside Newton-Schulz)
+                new = torch.add(g, b, alpha=mu)
                 x = torch.add(g, new, alpha=mu, out=out)
+                del new
         if self.emit:
             self.ctx.emit([it], [x], "momentum_input")
         return x
