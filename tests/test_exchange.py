@@ -588,11 +588,11 @@ def _overlap_worker(rank: int) -> dict:
 
 def _pipeline(buckets: int, out: bool, overlap: bool) -> list[str]:
     """The order a rank posts, waits and computes ``buckets`` shape buckets (``out``: the inputs travel, as under
-    FSDP2; under DDP only the directions do): one at a time, or bucket ``k + 1``'s inputs posted and bucket
-    ``k - 1``'s directions awaited around bucket ``k``'s Newton-Schulz."""
+    FSDP2; under DDP only the directions do): one at a time, each collective blocking (no wait of its own), or
+    bucket ``k + 1``'s inputs posted and bucket ``k - 1``'s directions awaited around bucket ``k``'s Newton-Schulz."""
     o = ["post", "wait"] if out else []
     if not overlap:
-        return [e for _ in range(buckets) for e in (*o, "ns", "post", "wait")]
+        return [e for _ in range(buckets) for e in (*o[:1], "ns", "post")]
     events = o[:1]
     for k in range(buckets):
         events += [*(o[:1] if k + 1 < buckets else []), *o[1:], "ns", *(["wait"] if k else []), "post"]

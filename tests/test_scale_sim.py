@@ -516,3 +516,15 @@ def test_calibration_table_is_read_and_shapes_outside_it_are_extrapolated_and_sa
     shipped = time_model.Calibration.load(time_model.DEFAULT_CALIBRATION)
     assert shipped.seconds(1024, 2736, "bfloat16", time_model.H100)[1] == "derived"
     assert shipped.seconds(16384, 53248, "bfloat16", time_model.H100)[1] == "extrapolated"
+
+
+@pytest.mark.parametrize("optimizer,form", [("muon", "batched"), ("meqmuon", "per-tensor")])
+def test_a_rank_that_holds_no_expert_steps(optimizer, form):
+    """FSDP2 on more ranks than experts (``moe-tiny``'s 8 routed experts, ``Shard(0)`` over 64 ranks): the last rank
+    holds none of them, so its ``LOCAL`` call of the experts has no matrices. It joins no collective, so the rank
+    skips it and steps the rest (it raised ``Tensor list must have at least one tensor`` in the momentum's
+    ``_foreach_mul_`` before; DeepSeek-V3 on 1,024 ranks the same)."""
+    row = scale_sim.simulate("moe-tiny", "fsdp2", "64", 63, layers=None, device="meta", optimizer=optimizer,
+                             ns_dtype=torch.float32, foreach=form == "batched")
+    assert "error" not in row, row["error"]
+    assert row["sent"] > 0 and row["held"]["state"] > 0, {k: row[k] for k in ("sent", "held")}

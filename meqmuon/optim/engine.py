@@ -177,7 +177,7 @@ class RoleOptimizer(Optimizer):
         if overlap is not None and not isinstance(overlap, bool):
             raise ValueError(f"Invalid overlap: {overlap!r} (expected True, False or None)")
         self._compile = compile
-        #: ``overlap``: the exchange's buckets pipelined (``exchange._hidden_buckets``); ``None``: where the step runs
+        #: ``overlap``: the exchange's buckets pipelined (``exchange._pipelined``); ``None``: where the step runs
         #: on CUDA (docs/algorithm.md says which measurement chose it).
         self._overlap = overlap
         #: ``cuda_graph=True``: the step captured in a CUDA graph and replayed (``cuda_graph.py``).
@@ -654,6 +654,10 @@ class RoleOptimizer(Optimizer):
                 else:
                     items += e.items(g)
             for (rule, path, split), items in by_rule.items():
+                if not items and path is Path.LOCAL:
+                    # this rank holds none of the call's matrices (FSDP2's Shard(0) of a stack of experts over
+                    # more ranks than experts) and a LOCAL call joins no collective: nothing to do here
+                    continue
                 kind = group.get("kind") or items[0].kind
                 if not batched_group:
                     single.append((rule, items, group, kind, split, path))

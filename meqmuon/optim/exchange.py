@@ -87,13 +87,14 @@ class InFlight:
 
 def exchange_flat(send: list[list[Tensor]], out_splits: Sequence[int], group: Any, device: torch.device, *,
                   wait: bool = True) -> Tensor | InFlight:
-    """One uneven ``all_to_all_single`` of bytes, the one collective of the exchange: ``send[r]`` (uint8 tensors)
-    to rank ``r`` of ``group``, nothing padded; ``out_splits[r]`` the bytes rank ``r`` sends here. ``send`` is
-    emptied (its pieces, copies at owners, let go before the exchange). Returns the received bytes, rank ``0``'s
-    first; ``wait=False``: posted asynchronously, an :class:`InFlight` of them (the send buffer kept alive by the
-    collective until it completes)."""
-    send_sizes = [sum(p.numel() for p in s) for s in send]
-    pieces = [p for s in send for p in s]  # rank-major: one copy into the send buffer
+    """One uneven ``all_to_all_single`` of bytes, the one collective of the exchange: the bytes of ``send[r]``
+    (tensors of any dtype) to rank ``r`` of ``group``, nothing padded; ``out_splits[r]`` the bytes rank ``r`` sends
+    here. ``send`` is emptied (its pieces, copies at owners, let go before the exchange). Returns the received
+    bytes, rank ``0``'s first; ``wait=False``: posted asynchronously, an :class:`InFlight` of them (the send buffer
+    kept alive by the collective until it completes)."""
+    send_sizes = [sum(p.numel() * p.element_size() for p in s) for s in send]
+    # rank-major, as bytes (a view where a piece is contiguous): one copy into the send buffer
+    pieces = [p.contiguous().reshape(-1).view(torch.uint8) for s in send for p in s]
     flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
     del pieces
     for s in send:
@@ -109,11 +110,6 @@ def exchange_flat(send: list[list[Tensor]], out_splits: Sequence[int], group: An
     if wait:
         return out
     return InFlight(work, lambda: (flat, out)[1])  # ``flat`` referenced until the collective completes
-
-
-def _bytes(t: Tensor) -> Tensor:
-    """``t``'s elements as a flat uint8 tensor (a view where ``t`` is contiguous)."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _as(piece: Tensor, dtype: torch.dtype, shape: Sequence[int]) -> Tensor:
@@ -157,7 +153,7 @@ class Exchange(LocalSplit):
                  overlap: bool = False) -> None:
         super().__init__()
         self.pg = group
-        #: Whether a hidden rule's buckets are pipelined (:func:`_hidden_buckets`; the optimizer's ``overlap``).
+        #: Whether a hidden rule's buckets are pipelined (:func:`_pipelined`; the optimizer's ``overlap``).
         self.overlap = overlap
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         #: The predicted work each rank owns (``driver.cost``): the owners' balance.
@@ -207,7 +203,7 @@ class Exchange(LocalSplit):
         send: list[list[Tensor]] = [[] for _ in range(self.world)]
         device = next(p.device for ps in pieces for p in ps)
         for u, ps in zip(units, pieces, strict=True):
-            send[u.owner] += [_bytes(p) for p in ps]
+            send[u.owner] += ps
         pieces.clear()
         ps = None  # noqa: F841 - the loop's last pieces are not alive during the exchange
         mine = [(u, ws, [self._where(u, k) for k in ks]) for u, ws, ks in zip(units, wholes, keys, strict=True)
@@ -216,23 +212,25 @@ class Exchange(LocalSplit):
         for u, ws, where in mine:
             for r in u.group:
                 sizes[r] += [math.prod(w[r][1]) * t.element_size() for t, w in zip(ws, where, strict=True)]
-        sent = exchange_flat(send, [sum(s) for s in sizes], self.pg, device, wait=False)
+        got = exchange_flat(send, [sum(s) for s in sizes], self.pg, device, wait=wait)
+        return (self._put_together(wholes, mine, got) if wait else
+                InFlight(None, lambda: self._put_together(wholes, mine, got.wait())))  # type: ignore[union-attr]
 
-        def put_together() -> list[list[Tensor] | None]:
-            out, start = sent.wait(), 0
-            for r in range(self.world):
-                for _, ws, where in mine:
-                    if r in where[0]:
-                        for t, w in zip(ws, where, strict=True):
-                            boxes, shape = w[r]
-                            n = math.prod(shape) * t.element_size()
-                            piece = _as(out[start : start + n], t.dtype, shape)
-                            for g, loc in boxes:
-                                t[g].copy_(piece[loc])
-                            start += n
-            return wholes
-
-        return put_together() if wait else InFlight(None, put_together)
+    def _put_together(self, wholes: list, mine: list, out: Tensor) -> list[list[Tensor] | None]:
+        """:meth:`to_owners`' received bytes ``out`` (rank ``0``'s first) copied into the owned wholes of ``mine``
+        (``(unit, wholes, where)``) by their boxes; returns ``wholes``, every unit's."""
+        start = 0
+        for r in range(self.world):
+            for _, ws, where in mine:
+                if r in where[0]:
+                    for t, w in zip(ws, where, strict=True):
+                        boxes, shape = w[r]
+                        n = math.prod(shape) * t.element_size()
+                        piece = _as(out[start : start + n], t.dtype, shape)
+                        for g, loc in boxes:
+                            t[g].copy_(piece[loc])
+                        start += n
+        return wholes
 
     def from_owners(self, indices: Sequence[int], wholes: Sequence[list[Tensor] | None],
                     keys: Sequence[Sequence[str | None]],
@@ -252,46 +250,47 @@ class Exchange(LocalSplit):
             for r in u.group:
                 for t, w in zip(ws, where, strict=True):
                     if w is None:
-                        send[r].append(_bytes(t))
+                        send[r].append(t)
                         continue
                     boxes, shape = w[r]
                     if len(boxes) == 1:
-                        send[r].append(_bytes(t[boxes[0][0]]))
+                        send[r].append(t[boxes[0][0]])
                         continue
                     piece = torch.empty(shape, dtype=t.dtype, device=t.device)
                     for g, loc in boxes:
                         piece[loc].copy_(t[g])
-                    send[r].append(_bytes(piece))
+                    send[r].append(piece)
         specs, sizes = [], [[] for _ in range(self.world)]
         for u, ws, make in zip(units, wholes, like, strict=True):
             spec = None if ws is not None and u.replicas else make()  # a DDP owner keeps its own results
             if spec is not None:
                 sizes[u.owner] += [math.prod(shape) * dtype.itemsize for shape, dtype in spec]
             specs.append(spec)
-        sent = exchange_flat(send, [sum(s) for s in sizes], self.pg, device, wait=False)
+        flat = exchange_flat(send, [sum(s) for s in sizes], self.pg, device, wait=wait)
         del send
-        # an owner's own (DDP) results are kept; every other whole is let go once its bytes are in the send buffer
-        kept = [ws if spec is None else None for ws, spec in zip(wholes, specs, strict=True)]
+        kept = [ws if spec is None else None for ws, spec in zip(wholes, specs, strict=True)]  # a DDP owner's own
+        return (self._views(units, kept, specs, sizes, flat) if wait else
+                InFlight(None, lambda: self._views(units, kept, specs, sizes, flat.wait())))  # type: ignore[union-attr]
 
-        def views() -> list[list[Tensor]]:
-            flat = sent.wait()
-            starts = [0] * self.world
-            for r in range(1, self.world):
-                starts[r] = starts[r - 1] + sum(sizes[r - 1])
-            out = []
-            for u, ws, spec in zip(units, kept, specs, strict=True):
-                if spec is None:
-                    out.append(ws)
-                    continue
-                got = []
-                for shape, dtype in spec:
-                    n = math.prod(shape) * dtype.itemsize
-                    got.append(_as(flat[starts[u.owner] : starts[u.owner] + n], dtype, shape))
-                    starts[u.owner] += n
-                out.append(got)
-            return out
-
-        return views() if wait else InFlight(None, views)
+    def _views(self, units: list[Unit], kept: list, specs: list, sizes: list[list[int]],
+               flat: Tensor) -> list[list[Tensor]]:
+        """:meth:`from_owners`' received bytes ``flat`` as views in the shapes and dtypes of ``specs`` (per unit;
+        ``None``: the unit's ``kept`` results, a DDP owner's own), each owner's bytes where ``sizes`` put them."""
+        starts = [0] * self.world
+        for r in range(1, self.world):
+            starts[r] = starts[r - 1] + sum(sizes[r - 1])
+        out = []
+        for u, ws, spec in zip(units, kept, specs, strict=True):
+            if spec is None:
+                out.append(ws)
+                continue
+            got = []
+            for shape, dtype in spec:
+                n = math.prod(shape) * dtype.itemsize
+                got.append(_as(flat[starts[u.owner] : starts[u.owner] + n], dtype, shape))
+                starts[u.owner] += n
+            out.append(got)
+        return out
 
 
 # ---- a momentum rule's step through the exchange ----------------------------------------------------------
@@ -330,15 +329,19 @@ def _inputs(x_of: Inputs, items: Sequence[Item], batched: bool) -> list[Tensor]:
 
 
 class _Call:
-    """What every rank knows of one shape bucket of a hidden rule's units before it goes out (the same on every
-    rank: shapes, dtypes and the plan): the members, their units and step multipliers, the dtypes of what travels,
-    whether the directions travel as factors, and the keys of the pieces that go out."""
+    """One shape bucket of a hidden rule's units on its way out. First what every rank knows of it (the same on
+    every rank: shapes, dtypes and the plan): the members, their units and step multipliers, the dtypes of what
+    travels, whether the directions travel as factors, and the keys of the pieces that go out. Then its pieces
+    posted: every rank's pieces of ``X`` (and of ``W`` where the rule steps its weights, and of the sharded
+    per-matrix state) to their owners, ``wholes`` the whole matrices at this rank's owned units (``wait=False``:
+    an :class:`InFlight` of them), ``stack`` the owner's stack they are received into."""
 
     __slots__ = ("rule", "bucket", "group", "ctx", "batched", "orth", "members", "indices", "units", "replicas",
-                 "scales", "fold", "ns", "x_dtype", "d_dtype", "factored", "own", "keys_out", "device")
+                 "scales", "fold", "ns", "x_dtype", "d_dtype", "factored", "own", "keys_out", "device", "wholes",
+                 "stack")
 
     def __init__(self, rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepContext, batched: bool,
-                 orth: Callable | None) -> None:
+                 orth: Callable | None, x_of: Inputs, wait: bool = True) -> None:
         ex: Exchange = ctx.split  # type: ignore[assignment]
         self.rule, self.bucket, self.group, self.ctx, self.batched, self.orth = rule, bucket, group, ctx, batched, orth
         self.members = members = bucket.items
@@ -371,77 +374,62 @@ class _Call:
         self.own = rule._own_step  # the weights' pieces travel too, and come back stepped (MuonH's projection)
         self.keys_out = [["param", *(["param"] if self.own else []),
                           *(k for k in rule._owner_state if k in u.state_pieces)] for u in units]
+        # out: under DDP nothing goes out (the owner holds every piece, and makes X for its own matrices only, or
+        # for every matrix where a capture hook reads them)
+        # the inputs from the unchanged momentum (driver.Inputs): nothing is written here; under torch.distributed
+        # an error is kept (_guard) and zeros go out, so that the owners still receive what they wait for
+        need = [j for j, u in enumerate(units) if u.mine or not self.replicas or ctx.capture is not None]
+        try:
+            with naming(rule, [members[j] for j in need]):
+                made = _inputs(x_of, [members[j] for j in need], batched)
+        except Exception as e:
+            _guard(ctx, e)
+            made = [torch.zeros(members[j].param.shape, dtype=self.x_dtype, device=self.device) for j in need]
+        xs: list[Tensor | None] = [None] * len(members)
+        for j, x in zip(need, made, strict=True):
+            xs[j] = x
+        del made
+        if self.replicas and ctx.capture is not None:
+            ctx.emit(members, xs, "momentum_input")
+        # a DDP owner's W piece is its own parameter: it steps a copy (the commit writes it)
+        pieces = [[] if self.replicas and not u.mine else
+                  [x.to(self.x_dtype), *([it.param.clone() if self.replicas else it.param] if self.own else []),
+                   *(it.state[k] for k in ks[1 + self.own :])]
+                  for it, u, x, ks in zip(members, units, xs, self.keys_out, strict=True)]
+        del xs
+        # a DTensor's plain matrices are received straight into their owner's stack, which Newton-Schulz then
+        # iterates in and lets go (the one body's handed stacks): an owner holds each whole matrix once
+        mine = [j for j, u in enumerate(units) if u.mine]
+        plain = bool(mine) and not self.replicas and not self.own and all(units[j].layout is None for j in mine)
+        self.stack = ([torch.empty((len(mine), *bucket.global_shape), dtype=self.x_dtype, device=self.device)]
+                      if plain else [])
+        into = {j: self.stack[0][k].view(members[j].shape) for k, j in enumerate(mine)} if plain else None
+        self.wholes = ex.to_owners(self.indices, pieces, self.keys_out, into, wait=wait)
 
 
-def _out(rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepContext, *, batched: bool,
-         x_of: Inputs, orth: Callable | None) -> tuple[_Call, InFlight, list[Tensor]]:
-    """One shape bucket of a hidden rule's units on its way out: every rank's pieces of ``X`` (and of ``W`` where the
-    rule steps its weights, and of the sharded per-matrix state) posted to their owners. Returns the bucket's
-    :class:`_Call`, the whole matrices in flight and the owner's stack they are received into. The inputs are made
-    from the unchanged momentum (``driver.Inputs``): nothing is written here."""
-    c = _Call(rule, bucket, group, ctx, batched, orth)
-    members, units, replicas, own = c.members, c.units, c.replicas, c.own
-    # under DDP nothing goes out: the owner holds every piece, and makes X for its own matrices only, or for every
-    # matrix where a capture hook reads them
-    need = [j for j, u in enumerate(units) if u.mine or not replicas or ctx.capture is not None]
-    try:
-        with naming(rule, [members[j] for j in need]):
-            made = _inputs(x_of, [members[j] for j in need], batched)
-    except Exception as e:
-        _guard(ctx, e)
-        made = [torch.zeros(members[j].param.shape, dtype=c.x_dtype, device=c.device) for j in need]
-    xs: list[Tensor | None] = [None] * len(members)
-    for j, x in zip(need, made, strict=True):
-        xs[j] = x
-    del made
-    if replicas and ctx.capture is not None:
-        ctx.emit(members, xs, "momentum_input")
-    # a DDP owner's W piece is its own parameter: it steps a copy (the commit writes it)
-    pieces = [[] if replicas and not u.mine else
-              [x.to(c.x_dtype), *([it.param.clone() if replicas else it.param] if own else []),
-               *(it.state[k] for k in ks[1 + own :])]
-              for it, u, x, ks in zip(members, units, xs, c.keys_out, strict=True)]
-    del xs
-    # a DTensor's plain matrices are received straight into their owner's stack, which Newton-Schulz then iterates
-    # in and lets go (the one body's handed stacks): an owner holds each whole matrix once
-    mine = [j for j, u in enumerate(units) if u.mine]
-    plain = bool(mine) and not replicas and not own and all(units[j].layout is None for j in mine)
-    stack = [torch.empty((len(mine), *bucket.global_shape), dtype=c.x_dtype, device=c.device)] if plain else []
-    into = {j: stack[0][k].view(members[j].shape) for k, j in enumerate(mine)} if plain else None
-    return c, ctx.split.to_owners(c.indices, pieces, c.keys_out, into, wait=False), stack
-
-
-def _hidden_buckets(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, ctx: StepContext, *, batched: bool,
-                    x_of: Callable[[Item], Tensor], orth: Callable | None) -> list:
-    """A hidden rule's shape buckets through the exchange: out (:func:`_out`), Newton-Schulz at the owners
-    (:func:`_at_owners`), back (:func:`_back`). Pipelined two deep where the optimizer's ``overlap`` is on
-    (``Exchange.overlap``): bucket ``k + 1``'s inputs travel out and bucket ``k - 1``'s directions travel back while
-    the owners of bucket ``k`` run its Newton-Schulz, so that a bucket costs the larger of its exchange and its
-    compute, not their sum; every rank posts the collectives in the same order (out ``k + 1``, then back ``k``), so
-    they pair up as the blocking ones do, and the transient memory is two buckets' whole matrices (the way back of
-    a third in flight) instead of one. Otherwise one bucket at a time. Returns ``(param, D, scale)`` of this rank's
+def _pipelined(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, ctx: StepContext, *, batched: bool,
+               x_of: Inputs, orth: Callable | None) -> list:
+    """A hidden rule's shape buckets pipelined two deep (the optimizer's ``overlap``, ``Exchange.overlap``): bucket
+    ``k + 1``'s inputs are posted before bucket ``k``'s Newton-Schulz at the owners and bucket ``k - 1``'s directions
+    awaited only after it, so that the exchange runs while owners compute: a bucket costs about the larger of its
+    exchange and its compute, not their sum. Every rank posts the collectives in the same order (out ``k + 1``, then
+    back ``k``), so they pair up as the blocking ones do; the transient memory is two buckets' whole matrices (the
+    way back of a third in flight) instead of one. Returns ``(param, D, scale)`` of this rank's
     pieces."""
-    overlap = ctx.split.overlap
-
-    def out(k: int) -> tuple[_Call, InFlight, list[Tensor]] | None:
-        return _out(rule, buckets[k], group, ctx, batched=batched, x_of=x_of, orth=orth) if k < len(buckets) else None
-
     pending: list = []
-    ahead, back = out(0), None
+    ahead = _Call(rule, buckets[0], group, ctx, batched, orth, x_of, wait=False) if buckets else None
+    back: tuple[_Call, InFlight] | None = None
     for k in range(len(buckets)):
-        c, wholes, stack = ahead
-        if overlap:
-            ahead = out(k + 1)
-        results = _at_owners(c, wholes.wait(), stack)
-        del wholes
+        c = ahead
+        if k + 1 < len(buckets):
+            ahead = _Call(rule, buckets[k + 1], group, ctx, batched, orth, x_of, wait=False)
+        results = _at_owners(c, c.wholes.wait(), c.stack)
+        c.wholes = None
         if back is not None:
-            pending += back.wait()
-        back = _back(c, results)
-        if not overlap:
-            pending += back.wait()
-            back, ahead = None, out(k + 1)
+            pending += _received(back[0], back[1].wait())
+        back = (c, _back(c, results, wait=False))
     if back is not None:
-        pending += back.wait()
+        pending += _received(back[0], back[1].wait())
     return pending
 
 
@@ -555,10 +543,10 @@ def _placeholder(c: _Call, j: int, ws: list[Tensor | None]) -> tuple[Any, dict]:
     return torch.zeros(shape, dtype=c.d_dtype, device=c.device), state
 
 
-def _back(c: _Call, results: dict[int, tuple[Any, dict]]) -> InFlight:
-    """The way back, posted: D (or U with its factors, or the stepped W) and the per-matrix state the rule changed,
-    each rank's piece. Once received (:meth:`InFlight.wait`) the state and a stepped weight are written and
-    ``(param, D, scale)`` of the rest returned."""
+def _back(c: _Call, results: dict[int, tuple[Any, dict]], wait: bool = True) -> list[list[Tensor]] | InFlight:
+    """The way back: D (or U with its factors, or the stepped W) and the per-matrix state the rule changed, each
+    rank's piece, as :meth:`Exchange.from_owners` returns them (``wait=False``: posted, an :class:`InFlight`), for
+    :func:`_received`."""
     rule, factored, own, d_dtype = c.rule, c.factored, c.own, c.d_dtype
     back_keys, out_wholes, like = [], [], []
     for j, (it, u) in enumerate(zip(c.members, c.units, strict=True)):
@@ -575,14 +563,12 @@ def _back(c: _Call, results: dict[int, tuple[Any, dict]]) -> InFlight:
               [(p.shape, dtype)]),
             *((it.state[k].shape, it.state[k].dtype) for k in rule._owner_state)])
     results.clear()
-    sent = c.ctx.split.from_owners(c.indices, out_wholes, back_keys, like, c.device, wait=False)
-    del out_wholes
-    return InFlight(None, lambda: _received(c, sent.wait()))
+    return c.ctx.split.from_owners(c.indices, out_wholes, back_keys, like, c.device, wait=wait)
 
 
 def _received(c: _Call, got: list[list[Tensor]]) -> list:
-    """This rank's pieces back from the owners (:func:`_back`): the per-matrix state and a stepped weight written,
-    ``(param, D, scale)`` of the rest returned for the one update."""
+    """This rank's pieces back from the owners (``got``, :func:`_back`'s): the per-matrix state and a stepped weight
+    queued on the step's commit, ``(param, D, scale)`` of the rest returned for the one update."""
     rule, factored, own = c.rule, c.factored, c.own
     out = []
     n = 3 if factored else 1
@@ -651,8 +637,8 @@ def step(calls: Sequence[Call], *, batched: bool, orth: Callable | None = None) 
     queued on its commit: each call's updates of this rank's pieces as one process's, then the momentum of every
     call where it lies (``driver.write_inputs``). A bucket is DDP's matrices as one process's batched form buckets
     them (an ``(n, m)`` matrix in the ``(m, n)`` bucket, which saves an exchange) or a DTensor's units by their global
-    shape; a hidden rule's buckets pipelined (:func:`_hidden_buckets`), so that a step holds two buckets' whole
-    matrices."""
+    shape; one bucket's exchange out and back at a time, so that a step holds one bucket's whole matrices, or with
+    ``overlap`` two buckets pipelined (:func:`_pipelined`)."""
     for rule, items, group, ctx in calls:
         x_of = Inputs(rule, group, ctx)
         pending = []
@@ -660,11 +646,15 @@ def step(calls: Sequence[Call], *, batched: bool, orth: Callable | None = None) 
             its = [it for it in items if ctx.split.units[it.index].replicas is replicas]
             transpose = replicas and batched and isinstance(rule, HiddenRule) and rule.transposes
             buckets = make_buckets(its, matrix=True, transpose=transpose) if its else []
-            if isinstance(rule, HiddenRule):
-                pending += _hidden_buckets(rule, buckets, group, ctx, batched=batched, x_of=x_of, orth=orth)
-            else:
+            if not isinstance(rule, HiddenRule):
                 for b in buckets:
                     pending += _elementwise_bucket(rule, b.items, group, ctx, x_of, batched)
+            elif ctx.split.overlap:
+                pending += _pipelined(rule, buckets, group, ctx, batched=batched, x_of=x_of, orth=orth)
+            else:  # one bucket at a time: out, whole matrices at owners, back
+                for b in buckets:
+                    c = _Call(rule, b, group, ctx, batched, orth, x_of)
+                    pending += _received(c, _back(c, _at_owners(c, c.wholes, c.stack)))
         ctx.commit.later(apply_pending, pending, group)
     if calls:
         calls[0][3].commit.later(write_inputs, list(calls), batched=batched)
