@@ -1,0 +1,54 @@
+#!/bin/bash
+# Issue 58's queue: runs the lines of JOBS ("SETTING OPTIMIZER LR SEED", in order) LANES at a time, one thread
+# each, from a clean clone of the library pinned at a commit (CODE), and appends start/end lines to RUNS/jobs.log.
+# A setting names the model, data and length (README, "Settings"):
+#   p600      pysrc-600: llama-tiny, 4,096-id BPE (RUNS/pysrc-data), batch 8 x 128, 600 updates
+#   1x, 4x    horizon-micro: llama-micro, 1,280-id BPE (RUNS/pysrc-1280), batch 32 x 128, 1,143 / 4,572 updates
+#   w32, w96  the width study's other widths: llama-micro-w32, llama-micro-w96 at 1x's 1,143 updates (width 48: 1x)
+# Every run: float32 (--precision fp32 and ns_dtype=float32; AdamW takes no ns_dtype), evaluation on the first
+# 65,536 held-out tokens, checkpoints kept (all of them: the selection counters live in the optimizer state).
+# Resumable: after an interruption remove RUNS/queue-<JOBS>.next and start it again: jobs that ended with rc=0 are
+# skipped, interrupted ones resume from their last checkpoint. Copy this script out of the worktree before
+# starting it (bash reads a script as it runs).
+# usage: CODE=/work/exp58 RUNS=/work/runs58 nice -n 19 queue.sh JOBS
+set -u
+jobs_file=$1
+CODE=${CODE:?a clean clone of the library}; RUNS=${RUNS:?the run root}; LANES=${LANES:-2}
+log=$RUNS/jobs.log; next=$RUNS/queue-$(basename "$jobs_file").next; mkdir -p "$RUNS/logs"; [ -f "$next" ] || echo 1 > "$next"
+
+run_one() {  # SETTING OPTIMIZER LR SEED
+  local set=$1 opt=$2 lr=$3 seed=$4 args=()
+  case $set in
+    p600) args=(--model llama-tiny --data "$RUNS/pysrc-data" --seq-len 128 --global-batch 8 --steps 600
+                --eval-every 300 --save-every 100) ;;
+    1x) args=(--model llama-micro --data "$RUNS/pysrc-1280" --steps 1143 --eval-every 1143 --save-every 500) ;;
+    4x) args=(--model llama-micro --data "$RUNS/pysrc-1280" --steps 4572 --eval-every 4572 --save-every 500) ;;
+    w32|w96) args=(--model "llama-micro-$set" --data "$RUNS/pysrc-1280" --steps 1143 --eval-every 1143
+                   --save-every 500) ;;
+    *) echo "unknown setting $set" >&2; return 2 ;;
+  esac
+  [ "$opt" = adamw ] || args+=(--optimizer-arg ns_dtype=float32)
+  local start; start=$(date +%s)
+  echo "start $(date -u +%FT%TZ) $set $opt $lr $seed" >> "$log"
+  (cd "$CODE" && PYTHONPATH=$CODE python3 -m meqmuon sweep --optimizers "$opt" --lrs "$lr" --seeds "$seed" \
+     "${args[@]}" --precision fp32 --val-tokens 65536 --keep-checkpoints 100 --threads 1 --quiet \
+     --out "$RUNS/$set") > "$RUNS/logs/$set-$opt-$lr-s$seed.log" 2>&1
+  local rc=$? end; end=$(date +%s)
+  echo "end $(date -u +%FT%TZ) $set $opt $lr $seed rc=$rc wall_s=$((end - start)) git=$(git -C "$CODE" rev-parse --short HEAD)" >> "$log"
+}
+
+lane() {
+  while true; do
+    local n line
+    n=$(flock "$next" -c "n=\$(cat '$next'); echo \$((n + 1)) > '$next'; echo \$n")
+    line=$(sed -n "${n}p" "$jobs_file")
+    [ -z "$line" ] && return
+    case $line in \#*) continue ;; esac
+    grep -qF " $line rc=0 " "$log" 2>/dev/null && continue  # ended well before: skip
+    # shellcheck disable=SC2086
+    run_one $line
+  done
+}
+
+for _ in $(seq "$LANES"); do lane & sleep 2; done
+wait
