@@ -3,16 +3,21 @@ AdamW, under torch's parallel layouts on real gloo process groups (issue 47's ta
 
 Usage::
 
-    python benchmarks/comm_bytes.py                          # FSDP2, HSDP 2x2, TP, FSDP2 x TP 2x2, EP
+    python benchmarks/comm_bytes.py                          # DDP, FSDP2, HSDP 2x2, TP, FSDP2 x TP 2x2, EP
     python benchmarks/comm_bytes.py --layouts fsdp2 --layers 1 --optimizers muon   # seconds
+    python benchmarks/comm_bytes.py --layouts ddp --vocab 32000 --optimizers meqmuon,muon,normuon
 
 A Llama with Llama-60M's layer shapes (hidden 512, MLP 1376, ``--layers`` decoder layers, 4 by default),
 sharded by torch itself as ``benchmarks/collectives.py`` shards it (FSDP2 per decoder layer and the root;
-HSDP the same on a 2 x 2 ``(replicate, shard)`` mesh; torchtitan's TP plan; FSDP2 over TP on 2 x 2), a real
-forward and backward, then the optimizer's steps with float32 Newton-Schulz (``--ns-dtype``). EP: a
-Qwen3-MoE of the same widths (4 experts of MLP 688), its stacked experts ``Shard(0)`` over a 2-rank EP mesh and
-every other parameter a ``Replicate()`` DTensor on it (issue 47 item 4), with random gradients of the
-parameters' placements (transformers' experts do not run forward on an EP shard).
+HSDP the same on a 2 x 2 ``(replicate, shard)`` mesh; torchtitan's TP plan; FSDP2 over TP on 2 x 2), or
+replicated whole on every rank (DDP: the same batch on each, so every rank holds the gradients DDP's all-reduce
+leaves; that all-reduce is not the optimizer's and is left out), a real forward and backward, then the
+optimizer's steps with float32 Newton-Schulz (``--ns-dtype``). Under DDP the floor is each hidden direction once
+to every other rank (``step_accounting.floor_bytes``), counted as a broadcast's: a rank that sends only the
+directions it owns, once to each other rank, sends about ``(ranks - 1) / ranks`` of it. EP: a Qwen3-MoE of the
+same widths (4 experts of MLP 688), its stacked experts ``Shard(0)`` over a 2-rank EP mesh and every other
+parameter a ``Replicate()`` DTensor on it (issue 47 item 4), with random gradients of the parameters' placements
+(transformers' experts do not run forward on an EP shard).
 
 Per rank, on the third step (the first plans and creates state), :class:`step_accounting.StepMeter` counts
 the bytes of the collectives the step issues; :func:`step_accounting.floor_bytes` gives the floor;
@@ -40,6 +45,7 @@ from step_accounting import StepMeter, floor_bytes, held_bytes  # noqa: E402
 
 #: Layout -> (processes, mesh shape, mesh dimension names).
 LAYOUTS = {
+    "ddp": (2, (2,), ("dp",)),
     "fsdp2": (2, (2,), ("dp",)),
     "hsdp": (4, (2, 2), ("replicate", "shard")),
     "tp": (2, (2,), ("tp",)),
@@ -81,11 +87,14 @@ def expert_parallel(model, mesh) -> None:
 
 
 def shard(model, layout: str, mesh) -> None:
-    """``layout`` applied by torch's own APIs (``tests/test_layouts.py``'s FSDP2, ``meqmuon``'s TP plan)."""
+    """``layout`` applied by torch's own APIs (``tests/test_layouts.py``'s FSDP2, ``meqmuon``'s TP plan); DDP
+    leaves the model whole (replicated: every rank built it from the same seed)."""
     from test_layouts import fsdp
 
     from meqmuon.train.parallel import tp_plan
 
+    if layout == "ddp":
+        return
     if layout == "fsdp2xtp":
         tp_plan(model, mesh["tp"])
         fsdp(model, mesh["dp"])

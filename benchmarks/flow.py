@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/flow.py                      # the table for MeqMuon, Muon and torch's Muon
     python benchmarks/flow.py --list meqmuon       # + the functions one row enters, in call order
+    python benchmarks/flow.py --layouts            # MeqMuon per tensor under DDP, FSDP2 and TP (2 gloo ranks)
 
 A reader follows an update by reading the functions it enters; each move from one file to another is a
 page turned. ``sys.setprofile`` sees every Python call and return of the second ``opt.step()`` (the first
@@ -17,6 +18,10 @@ comprehensions, generator expressions or lambdas:
 - files: distinct files they live in;
 - moves: along the stream of counted calls (the callee's file) and returns (the caller's file, when
   the caller is counted too), the number of times the file changes.
+
+``--layouts`` counts rank 0's second MeqMuon step (per tensor, float32 Newton-Schulz) of the two-matrix model on
+2 gloo ranks as torch lays it out: DDP (plain tensors, the process group initialised), FSDP2 (``fully_shard`` of
+each layer) and TP (``parallelize_module``: the first layer colwise, the second rowwise), beside one process.
 """
 
 from __future__ import annotations
@@ -133,10 +138,65 @@ def rows() -> dict[str, tuple[Callable[[nn.Module], torch.optim.Optimizer], str,
     return out
 
 
+LAYOUTS = ("one process", "DDP", "FSDP2", "TP")
+
+
+def _layout_flow(rank: int, port: int, out: str) -> None:
+    """Rank ``rank`` of 2: the flow of MeqMuon's second per-tensor step under each of :data:`LAYOUTS`; rank 0
+    saves the counts to ``out``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    layouts = {"DDP": lambda m: None, "FSDP2": lambda m: [fully_shard(layer, mesh=mesh) for layer in m],
+               "TP": lambda m: parallelize_module(m, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})}
+    counts = {}
+    for label, lay in layouts.items():
+        def make(m, lay=lay):
+            lay(m)
+            return meqmuon.MeqMuon(meqmuon.param_groups(m), lr=1e-2, foreach=False, ns_dtype=torch.float32)
+        torch.manual_seed(0)  # the same input on both ranks
+        flow = profile(make, _root(meqmuon))
+        counts[label] = (len(flow.functions), len(flow.files), flow.moves)
+    if rank == 0:
+        torch.save(counts, out)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def layouts() -> dict[str, tuple[int, int, int]]:
+    """Functions, files and moves of MeqMuon's per-tensor step per layout (2 gloo ranks, rank 0)."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "counts.pt")
+        mp.spawn(_layout_flow, args=(port, out), nprocs=2)
+        counts = torch.load(out)
+    one = profile(lambda m: meqmuon.MeqMuon(meqmuon.param_groups(m), lr=1e-2, foreach=False,
+                                            ns_dtype=torch.float32), _root(meqmuon))
+    return {"one process": (len(one.functions), len(one.files), one.moves), **counts}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--list", metavar="ROW", help="also list the functions of rows whose label contains ROW")
+    ap.add_argument("--layouts", action="store_true", help="MeqMuon per tensor under DDP, FSDP2 and TP instead")
     args = ap.parse_args(argv)
+    if args.layouts:
+        print("| MeqMuon, per tensor, rank 0 of 2 | functions | files | moves |\n|---|---:|---:|---:|")
+        for label, (functions, files, moves) in layouts().items():
+            print(f"| {label} | {functions} | {files} | {moves} |")
+        return 0
     print("| step | functions | files | moves |\n|---|---:|---:|---:|")
     flows = {label: profile(make, root, lm) for label, (make, root, lm) in rows().items()}
     for label, flow in flows.items():

@@ -14,6 +14,13 @@
 #   4. benchmarks/gpu.py: a short Llama-60M MeqMuon training run, eager against cuda_graph=True.
 # compile=True's warm-up (met: 17.2 s cold at Llama-350M) is measured by benchmarks/gpu_diag_warmup.py.
 # usage (repo root): OUT=/some/dir bash benchmarks/gpu_all.sh
+#
+# Issue 59's calibration, one call of its own (~1-3 minutes of parts, well inside a 15-minute loan with the
+# machine's start): OUT=/some/dir bash benchmarks/gpu_all.sh calibration
+#   benchmarks/ns_calibrate.py times the batched bf16 and float32 Newton-Schulz of every matrix shape of Llama-3
+#   8B/70B/405B, the DeepSeek-V3-like MoE and the paper's Llama-60M/350M (22 shapes, smallest first; what is
+#   done is written after each shape, so a cut leaves a valid file) into OUT/ns_calibration.json, which
+#   benchmarks/time_model.py reads (--calibration; copy it to benchmarks/calibration/<gpu>.json).
 set -u
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
@@ -28,6 +35,11 @@ part() {  # NAME LIMIT_S COMMAND...
 }
 { nvidia-smi -L; $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"; git rev-parse --short HEAD 2>/dev/null; } >> "$log" 2>&1
 
+if [ "${1:-}" = calibration ]; then
+  part calibration 420 $PY benchmarks/ns_calibrate.py --out "$OUT/ns_calibration.json" --budget-s 360
+  echo "=== done $(date -u +%T)" >> "$log"
+  exit 0
+fi
 part tests 150 $PY -m pytest -q -p no:cacheprovider -rs --durations=6 tests/test_cuda.py tests/test_cuda_graph.py \
   "tests/test_inputs.py::test_a_cuda_tensor_lr_is_refused"
 part state 35 $PY -m pytest -q -p no:cacheprovider tests/test_state_dtypes.py -k cuda

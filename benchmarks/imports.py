@@ -9,9 +9,9 @@ inside functions (a lazy import that hides a cycle counts as the cycle it hides)
 - An **upward import** is an edge from a module to one on a higher layer of :data:`LAYERS`: the
   architecture in one table, from the tensor maths up to the named optimizers (docs/design.md:
   ``cli -> train -> optim -> functional``; inside ``optim``, what a rule is below the table of
-  Newton-Schulz methods and the FSDP2 exchange, those below the driver, the driver below its compiled
-  forms, the rules and the engine). A module of the package that is in no layer is reported too, so a new
-  file is placed deliberately.
+  Newton-Schulz methods, those below the driver, the driver below its compiled forms, the exchange and the
+  table of paths, those below the rules and the engine). A module of the package that is in no layer is
+  reported too, so a new file is placed deliberately.
 
 Exit status 0 only with 0 cycles, 0 upward imports and 0 unplaced modules; ``--graph`` prints every edge.
 """
@@ -32,12 +32,12 @@ LAYERS: list[list[str]] = [
     ["precision", "orthogonalization", "functional"],
     ["optim.views", "optim.inputs", "optim.distributed", "optim.owners", "optim.groups", "optim.structure",
      "optim.saved_state"],  # saved_state: load_state_dict with each state tensor in its saved dtype
-    ["optim.calls", "optim.blockwise"],  # what a rule call is handed; the row-blocked passes of eq. 9
+    ["optim.calls", "optim.blockwise", "optim.transfer"],  # what a rule call is handed; the row-blocked passes of
+    # eq. 9; what travels back from an owner
     ["optim.rule"],  # what a rule is: the elementwise and stepping protocols
     ["optim.newton_schulz"],  # the table of Newton-Schulz methods, their cost
-    ["optim.sharded"],  # FSDP2 owners: row shards to whole matrices and back, the body given
     ["optim.driver"],  # HiddenRule, stacks, the seam (pre -> NS -> post), the eager forms
-    ["optim.compiled", "optim.exchange", "optim.placement"],  # compiled forms; the owner path's step; paths
+    ["optim.compiled", "optim.exchange", "optim.placement"],  # compiled forms; the exchange; paths and who runs them
     ["optim.rules.adam", "optim.rules.scale", "optim.rules.muon", "optim.rules.meqmuon", "optim.rules.normuon",
      "optim.rules.muonplus", "optim.rules.aurora", "optim.rules.meq_shape", "optim.rules.muon_vs", "optim.rules.muonh"],
     ["optim.rules"],

@@ -30,17 +30,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import MODELS, model_shapes  # noqa: E402
-from step_accounting import tensor_bytes  # noqa: E402
+from step_accounting import launches, op_traffic  # noqa: E402
 
 import meqmuon  # noqa: E402
 from meqmuon.optim.cuda_graph import GraphedStep  # noqa: E402
 
 #: The optimizers of the comparison that run our engine (``adamw`` is torch's own).
 OPTIMIZERS = [n for n in meqmuon.OPTIMIZERS if n != "adamw"]
-
-
-#: Ops that allocate and launch nothing.
-ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like"})
 
 
 class OpCounter(TorchDispatchMode):
@@ -52,7 +48,7 @@ class OpCounter(TorchDispatchMode):
         self.ops: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view and func.overloadpacket.__name__ not in ALLOCATIONS:
+        if launches(func):
             self.ops[str(func.overloadpacket.__name__)] += 1
         return func(*args, **(kwargs or {}))
 
@@ -62,15 +58,11 @@ class OpCounter(TorchDispatchMode):
 
 
 
-#: Ops whose cost is FLOPs, not bytes (:class:`TrafficCounter` leaves them out: the FLOP floor counts them).
-MATMULS = frozenset({"mm", "bmm", "addmm", "baddbmm", "matmul", "addbmm"})
-
-
 class TrafficCounter(OpCounter):
-    """:class:`OpCounter` plus the bytes each non-matmul op moves through memory: every tensor argument read
-    once, the result written once (``out=``: that tensor; an in-place op: its first argument). The step's
-    memory-bound work, which the op count does not see: at Llama-350M shapes on an H100 (docs/benchmarks.md,
-    GPU) MeqMuon's 3.7 GB over Muon's batched step came to 2.2 ms of its 1.08x."""
+    """:class:`OpCounter` plus the bytes each non-matmul op moves through memory (``step_accounting.op_traffic``:
+    every tensor argument read once, the result written once). The step's memory-bound work, which the op
+    count does not see: at Llama-350M shapes on an H100 (docs/benchmarks.md, GPU) MeqMuon's 3.7 GB over Muon's
+    batched step came to 2.2 ms of its 1.08x."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -78,14 +70,9 @@ class TrafficCounter(OpCounter):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        name = func.overloadpacket.__name__
-        if func.is_view or name in ALLOCATIONS or name in MATMULS:
-            return out
-        kw = dict(kwargs or {})
-        written = kw.pop("out", None)
-        if written is None:
-            written = args[0] if name.endswith("_") else out
-        self.bytes[name] += tensor_bytes(args) + tensor_bytes(list(kw.values())) + tensor_bytes(written)
+        moved = op_traffic(func, args, kwargs, out)
+        if moved:
+            self.bytes[func.overloadpacket.__name__] += moved
         return out
 
     @property

@@ -2,18 +2,24 @@
 which rank of a simulated layout moves the most bytes and which runs the most Newton-Schulz FLOPs, the
 bytes that whole-matrix owners cannot avoid, and AdamW's state on the same layout.
 
-The optimizer's plan is deterministic and needs no collective (``owners.OwnerPlan``: every rank assigns every
-owner from the same costs; the FSDP2 row path: ``distributed.assign_counts`` per shape bucket), so one
-simulated rank knows every rank's work. For each hidden-kind parameter (the Newton-Schulz kind), per rank
-``r`` of the default group:
+The optimizer's plan is deterministic and needs no collective: one exchange per optimizer
+(``meqmuon.optim.exchange.Exchange``, ``opt._exchange``) plans the owner of every unit once, longest first
+over all of them (``distributed.assign_owners``), from the same costs on every rank, and reads where every
+rank's piece lies off the placements (``owners.Pieces``), so one simulated rank knows every rank's work. For
+each hidden-kind parameter (the Newton-Schulz kind), per rank ``r`` of the default group:
 
-- ``local[r]``: elements of its pieces of matrices it does not hold whole (what the floor counts:
-  ``step_accounting.floor_bytes = 2 x itemsize x local[r]``), read from the placements by torch's own
-  ``_compute_local_shape_and_global_offset``;
-- ``owned[r]``: elements of the whole matrices it puts together and orthogonalises for its replica group
-  (its own pieces of them included);
-- ``flops[r]``: the Newton-Schulz FLOPs it runs (``newton_schulz.method_flops``): its owned matrices, its
-  whole local matrices (experts ``Shard(0)``), and every matrix it holds replicated (``Replicate()``).
+- ``local[r]``: elements of its pieces of the matrices it does not hold whole, the exchange's units
+  (``Pieces.numel(r)``; what the floor counts: ``step_accounting.floor_bytes = 2 x itemsize x local[r]``);
+- ``owned[r]``: elements of the whole units it puts together and orthogonalises for its replica group (its
+  own pieces of them included; under replicated mesh dimensions each replica group has its owner,
+  ``Exchange.owner_of``);
+- ``flops[r]``: the Newton-Schulz FLOPs it runs (``newton_schulz.method_flops``): its owned units' matrices,
+  its whole local matrices (experts ``Shard(0)``), and every matrix it holds replicated (``Replicate()``).
+- ``rounds``: the same work by exchange round, for a time model (``benchmarks/time_model.py``): one per shape
+  bucket of a call, as ``exchange.step`` exchanges them (one ``all_to_all_single`` out and one back per bucket:
+  the exchange's units grouped by the matrix shape of their global shape), each with every rank's ``local``
+  elements in it and how many units each owner orthogonalises (``owned``: ``[rank, count]`` pairs; a unit's
+  ``matrices``: its view's matrices); whole local matrices are rounds without an exchange (``local`` empty).
 
 **The reachable bound.** With whole-matrix Newton-Schulz at owners, rank ``r`` must send its pieces as
 Newton-Schulz input and the directions of every piece of its owned matrices, and receive those pieces and
@@ -23,15 +29,17 @@ floor, ``2 x itemsize x local[r]``, is this with ``owned[r] = local[r]`` (each r
 owning more than its share cannot reach the floor, one owning less moves less than it. Averaged over ranks
 the two agree (``sum(owned) = sum(local)`` for every layout without replication).
 
-Reads the engine's kept plan (``RoleOptimizer._plan()``, ``_owners``, ``_owned``): a benchmark's window into
-internals, checked against the measured bytes and FLOPs of every rank in ``tests/test_scale_sim.py`` (fake
-group, every rank simulated) and against real gloo bytes, so that a change of the assignment shows there.
+Reads the engine's kept plan (``RoleOptimizer._plan()``: each entry's ``path`` and exchange ``units``;
+``opt._exchange``: the units' descriptors and owners): a benchmark's window into internals, checked against
+the measured bytes and FLOPs of every rank in ``tests/test_scale_sim.py`` (fake group, every rank simulated)
+and against real gloo bytes, so that a change of the assignment shows there.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +83,7 @@ class RankModel:
     local: list[int] = field(default_factory=list)
     owned: list[int] = field(default_factory=list)
     flops: list[int] = field(default_factory=list)
+    rounds: list[dict] = field(default_factory=list)
 
     def floor(self, r: int) -> int:
         return 2 * self.itemsize * self.local[r]
@@ -105,71 +114,62 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
     first step, on any rank. ``itemsize``: of the Newton-Schulz dtype.
 
     Raises:
-        NotImplementedError: for a path the model does not know (DDP's plain tensors, row shards on a
-            group smaller than the world).
+        NotImplementedError: for what the model does not know: DDP's plain tensors (``owners.Replicas``: each
+            direction is broadcast whole, not exchanged in pieces) and a hidden-kind parameter on the row-sums
+            path (``Path.ROWS``: a rule without Newton-Schulz).
     """
     import torch.distributed as dist
 
-    from meqmuon.optim import distributed, driver
-    from meqmuon.optim.distributed import assign_counts
+    from meqmuon.optim.driver import matrix_shape
     from meqmuon.optim.newton_schulz import method_flops
+    from meqmuon.optim.owners import Replicas
     from meqmuon.optim.placement import Path
 
     world = dist.get_world_size()
     model = RankModel(world, itemsize, [0] * world, [0] * world, [0] * world)
-    cache: dict = {}
-    # the row path's owners: carried from the owner path's planned work where the splitter has one
-    # (``ShardedSplit.bucket_owners``: every bucket of a call at once, longest first); else each bucket from
-    # no load (``assign_counts``: the left-over matrices to the lowest ranks)
-    load = list(opt._owners.load) if getattr(opt._owners, "load", None) is not None else [0.0] * world
-    for group, entries, split, _ in opt._plan():
-        buckets: dict[tuple, list] = {}  # shape bucket (first-appearance order) -> [count, FLOPs, cost]
+    ex, cache = opt._exchange, {}
+    rounds: dict[tuple, dict] = {}  # (call, dtype, m, n) -> round, in first-appearance order
+
+    def round_of(key: tuple, m: int, n: int, exchanged: bool, matrices: list | None = None) -> dict:
+        return rounds.setdefault(key, {"shape": [m, n], "matrices": [list(s) for s in matrices or [(m, n)]],
+                                       "local": [0] * world if exchanged else [], "owned": {}})
+
+    for index, (group, entries, batched) in enumerate(opt._plan()):
         for e in entries:
             if e.kind != "hidden":
                 continue
             shapes = e.layout.shapes()
-            numels = local_numels(e.param, world, cache)
-            if e.path is Path.ROWS:
-                if split.world_size != world:
-                    raise NotImplementedError("rank_model: row shards on a group of part of the world (HSDP)")
-                for r, n in enumerate(numels):
-                    model.local[r] += n
-                for m, n in shapes:
-                    b = buckets.setdefault((e.param.dtype, m, n), [0, method_flops(group, m, n),
-                                                                   driver.cost(e.rule, (m, n), group)])
-                    b[0] += 1
-            elif e.path is Path.LOCAL:  # whole local matrices: replicated, or a stack's own members
+            if e.path is Path.LOCAL:  # whole local matrices: replicated, or a stack's own members
                 total = sum(method_flops(group, m, n) for m, n in shapes)
-                for r, n in enumerate(numels):
+                for r, n in enumerate(local_numels(e.param, world, cache)):
                     model.flops[r] += total * n // e.param.numel()
-            else:
-                raise NotImplementedError(f"rank_model: path {e.path} of {e.name}")
-        if not buckets:
-            continue
-        if hasattr(split, "bucket_owners"):
-            counts, costs = ([b[i] for b in buckets.values()] for i in (0, 2))
-            owners = distributed.bucket_owners(counts, costs, load)
-        else:
-            owners = [[r for r, c in enumerate(assign_counts([k], [f], world)[0]) for _ in range(c)]
-                      for k, f, _ in buckets.values()]
-        for ((_, m, n), (_, f, _)), ranks in zip(buckets.items(), owners, strict=True):
-            for r in ranks:
-                model.owned[r] += m * n
-                model.flops[r] += f
-    plan = opt._owners
-    for (group, *_), owned in zip(opt._plan(), opt._owned, strict=True):
-        for index, p, _, kind, _, layout in owned:
-            if kind != "hidden":
+                    for (m, c), k in Counter(shapes).items() if n else ():  # the whole matrices rank r holds
+                        owned = round_of(("local", m, c), m, c, False)["owned"]
+                        owned[r] = owned.get(r, 0) + k * n // e.param.numel()
                 continue
-            total = sum(method_flops(group, m, n) for m, n in layout.shapes())
-            owners = set()
-            for r, n in enumerate(local_numels(p, world, cache)):
-                q = plan.owner_of(index, r)
-                model.local[r] += n
-                model.owned[q] += n
-                owners.add(q)
-            for q in owners:
-                model.flops[q] += total
+            if e.path is not Path.OWNERS:
+                raise NotImplementedError(f"rank_model: path {e.path} of {e.name}")
+            # the step's call (engine._calls: a per-tensor group alone, batched ones merged by rule and values)
+            values = sorted({"lr", "weight_decay", *e.rule.hyperparameters})
+            call = (e.rule.name, *(repr(group[k]) for k in values)) if batched else index
+            for i in e.units:
+                unit = ex.units[i]
+                if isinstance(unit.pieces, Replicas):
+                    raise NotImplementedError(f"rank_model: DDP's plain tensor {e.name} (broadcast whole)")
+                matrices = unit.layout.shapes() if unit.layout is not None else [matrix_shape(unit.pieces.shape)]
+                total = sum(method_flops(group, m, n) for m, n in matrices)
+                rnd = round_of((call, e.param.dtype, *matrix_shape(unit.pieces.shape)), *matrices[0], True, matrices)
+                owners = set()
+                for r in range(world):
+                    n, q = unit.pieces.numel(r), ex.owner_of(unit, r)
+                    model.local[r] += n
+                    model.owned[q] += n
+                    rnd["local"][r] += n
+                    owners.add(q)
+                for q in owners:
+                    model.flops[q] += total
+                    rnd["owned"][q] = rnd["owned"].get(q, 0) + 1
+    model.rounds = [{**r, "owned": sorted(r["owned"].items())} for r in rounds.values()]
     return model
 
 

@@ -6,6 +6,7 @@ Usage::
     python benchmarks/scale_sim.py                                   # the issue's table (minutes)
     python benchmarks/scale_sim.py --model llama3-405b --layout fsdp2 --ranks 1024 --layers 2
     python benchmarks/scale_sim.py --model llama3-70b --layout fsdp2xtp --ranks 128x8 --sample-ranks 0,5,1023
+    python benchmarks/scale_sim.py --runs time --ns-dtype bfloat16 --optimizer muon --save sim-muon.json --time
 
 ``dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=N)``: every collective is a no-op
 that returns at once and receives nothing, so a plan that needs data another rank sends cannot be made
@@ -89,6 +90,10 @@ DEFAULT_RUNS = [
     ("llama3-405b", "fsdp2", "256"), ("llama3-405b", "fsdp2", "1024"), ("llama3-405b", "fsdp2xtp", "128x8"),
     ("deepseek-v3", "fsdp2", "256"), ("deepseek-v3", "ep", "256"), ("deepseek-v3", "ep-replicated", "256"),
 ]
+#: Issue 59's configurations (``--runs time``), whose step times ``benchmarks/time_model.py`` models.
+TIME_RUNS = [(model, layout, ranks) for model in ("llama3-8b", "llama3-70b", "llama3-405b", "deepseek-v3")
+             for layout, ranks in (("fsdp2", "256"), ("fsdp2", "1024"), ("fsdp2xtp", "128x8"))]
+RUNS = {"issue47": DEFAULT_RUNS, "time": TIME_RUNS}
 
 
 def build_model(name: str, layers: int | None):
@@ -158,6 +163,19 @@ def hidden_ns_flops(opt) -> tuple[int, int]:
     return total, largest
 
 
+def train_params(model) -> int:
+    """The parameters one token's forward multiplies by (``6 N`` FLOPs per token for forward and backward, as
+    ``benchmarks/gpu.py`` counts: every matrix but the input embedding; attention's own FLOPs left out), a routed
+    expert stack ``(E, ...)`` counted for the ``num_experts_per_tok`` of its ``E`` experts a token visits."""
+    top_k = getattr(model.config, "num_experts_per_tok", None)
+    total = 0
+    for name, p in model.named_parameters():
+        if p.ndim < 2 or "embed_tokens" in name:
+            continue
+        total += p.numel() * top_k // p.shape[0] if p.ndim == 3 and top_k else p.numel()
+    return total
+
+
 def _fail_reason(exc: BaseException) -> str:
     """The exception in one line with the innermost frame of ``meqmuon`` that raised it."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/meqmuon/" in f.filename]
@@ -199,12 +217,16 @@ def simulate(model_name: str, layout: str, ranks: str, rank: int, *, layers: int
             model.to_empty(device=device)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
-        opt = meqmuon.build_optimizer(optimizer, model, foreach=foreach, ns_dtype=ns_dtype)
+        # torch's AdamW (meqmuon's "adamw") has no Newton-Schulz dtype
+        dtype_kw = {"ns_dtype": ns_dtype} if "ns_dtype" in meqmuon.valid_hyperparameters(optimizer) else {}
+        opt = meqmuon.build_optimizer(optimizer, model, foreach=foreach, **dtype_kw)
         built = time.perf_counter() - t0
         row = {"model": model_name, "layout": layout, "ranks": ranks, "rank": rank, "device": device,
-               "layers": model.config.num_hidden_layers, "build_s": built,
-               "floor": floor_bytes(opt, ns_dtype.itemsize)}
-        row["ns_total"], row["ns_largest"] = hidden_ns_flops(opt)
+               "optimizer": optimizer, "ns_dtype": str(ns_dtype).removeprefix("torch."),
+               "layers": model.config.num_hidden_layers, "build_s": built, "train_params": train_params(model)}
+        engine = hasattr(opt, "_plan")  # the engine's optimizers; torch's AdamW exchanges nothing, has no NS
+        row["floor"] = floor_bytes(opt, ns_dtype.itemsize) if engine else 0
+        row["ns_total"], row["ns_largest"] = hidden_ns_flops(opt) if engine else (0, 0)
         meter, times = StepMeter(), [time.perf_counter()]
         try:
             opt.step()  # plans, creates state
@@ -218,9 +240,13 @@ def simulate(model_name: str, layout: str, ranks: str, rank: int, *, layers: int
             return {**row, "error": f"{what}: {_fail_reason(exc)}"}
         row.update(meter.summary(), first_step_s=times[1] - times[0], step_s=times[2] - times[1],
                    held=held_bytes(opt), adamw=adamw_bytes(model.parameters()))
+        if not engine:
+            row["model_error"] = f"{optimizer}: no Newton-Schulz plan"
+            return row
         try:
             ranks_model = rank_model(opt, ns_dtype.itemsize)
-            row["ranks_model"] = {"local": ranks_model.local, "owned": ranks_model.owned, "flops": ranks_model.flops}
+            row["ranks_model"] = {"local": ranks_model.local, "owned": ranks_model.owned, "flops": ranks_model.flops,
+                                  "rounds": ranks_model.rounds}
         except NotImplementedError as exc:
             row["model_error"] = str(exc)
         return row
@@ -257,7 +283,8 @@ def sample(spec: str, world: int, busiest: dict[str, int] | None = None) -> list
 
 def _model_of(row: dict, itemsize: int) -> RankModel | None:
     m = row.get("ranks_model")
-    return RankModel(world_of(row["ranks"]), itemsize, m["local"], m["owned"], m["flops"]) if m else None
+    return (RankModel(world_of(row["ranks"]), itemsize, m["local"], m["owned"], m["flops"], m.get("rounds", []))
+            if m else None)
 
 
 def summarise(result: dict, itemsize: int = 4) -> dict:
@@ -268,6 +295,7 @@ def summarise(result: dict, itemsize: int = 4) -> dict:
     rows = result["rows"]
     r0 = rows[0]
     out = {k: r0[k] for k in ("model", "layout", "ranks", "layers", "device")}
+    out["optimizer"] = r0.get("optimizer")
     out.update(wall_s=result["wall_s"], rss=result["rss"], sampled=[r["rank"] for r in rows])
     failed = [r for r in rows if "error" in r]
     if failed:
@@ -281,6 +309,12 @@ def summarise(result: dict, itemsize: int = 4) -> dict:
     worst = max(rows, key=lambda r: (max(r["sent"], r["received"]) / r["floor"] if r["floor"] else 0, -r["rank"]))
     out["worst"] = {"rank": worst["rank"], "ratio": max(worst["sent"], worst["received"]) / worst["floor"]
                     if worst["floor"] else 0.0}
+    # what benchmarks/time_model.py reads: every simulated rank's counts, the plan's rounds for every rank
+    out["time_inputs"] = {
+        "optimizer": r0.get("optimizer"), "ns_dtype": r0.get("ns_dtype"), "train_params": r0.get("train_params"),
+        "itemsize": itemsize, "calls": r0["calls"], "bytes_by_name": r0["bytes_by_name"],
+        "ranks": [{k: r.get(k) for k in ("rank", "sent", "received", "flops", "ops", "traffic")} for r in rows],
+        **({k: r0["ranks_model"][k] for k in ("local", "owned", "rounds")} if "ranks_model" in r0 else {})}
     model = _model_of(r0, itemsize)
     if model is None:
         out["model_error"] = r0.get("model_error", "no rank model")
@@ -344,6 +378,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sample-ranks", default="0,busiest",
                         help="ranks simulated: numbers, 'last', 'busiest' (the rank model's busiest by bytes, "
                              "bytes per floor and FLOPs, read from the first rank's plan)")
+    parser.add_argument("--runs", default="issue47", choices=sorted(RUNS),
+                        help="the configurations without --model: issue 47's table, or issue 59's (time)")
+    parser.add_argument("--time", action="store_true",
+                        help="also print benchmarks/time_model.py's table of the runs (H100, its defaults)")
     parser.add_argument("--json", action="store_true", help="print the configuration's result as JSON")
     parser.add_argument("--save", help="also write every configuration's summary to this JSON file")
     return parser
@@ -389,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(run_one(args)))
         return 0
-    runs = [(args.model, args.layout, args.ranks)] if args.model else DEFAULT_RUNS
+    runs = [(args.model, args.layout, args.ranks)] if args.model else RUNS[args.runs]
     if args.model and not (args.layout and args.ranks):
         parser.error("--model needs --layout and --ranks")
     from meqmuon.precision import detect_cpu_capability
@@ -404,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.save:
             Path(args.save).write_text(json.dumps(summaries, indent=1))
     print(table(summaries))
+    if args.time:
+        import time_model
+
+        print("\n" + time_model.table(summaries, time_model.H100, time_model.Calibration.load(
+            time_model.DEFAULT_CALIBRATION), 0.4, time_model.TOKENS))
     return 0
 
 

@@ -16,11 +16,18 @@ optimizer's code looks like inside (it reads nothing of ``meqmuon.optim`` but it
   inside a shard group). It also counts matmul FLOPs (``2 m k n`` per product) and, as a counting
   allocator, the bytes of every storage an op creates while it is active, until that storage is freed
   (a ``weakref.finalize`` on the storage): ``peak`` is the most such bytes alive at once, on CPU, CUDA or
-  ``meta`` alike (``meta`` storages have sizes but no memory).
+  ``meta`` alike (``meta`` storages have sizes but no memory). And, for a time model
+  (``benchmarks/time_model.py``), the ops a step dispatches (views and allocations left out: they launch no
+  kernel) and the bytes its non-matmul ops move through memory (:func:`op_traffic`, the rule of
+  ``op_count.TrafficCounter``): the memory-bound work beside Newton-Schulz's FLOPs.
 - :func:`floor_bytes`: what an exchange at the floor moves for this rank (issue 47): each local piece of a
   hidden matrix goes out once as Newton-Schulz input and its direction comes back once, in the Newton-Schulz
   dtype, ``2 x itemsize x local hidden elements``; nothing for a parameter whose view's matrices this rank
-  holds whole (experts under EP or FSDP2's ``Shard(0)`` of a stack, ``Replicate()``, plain tensors).
+  holds whole (experts under EP or FSDP2's ``Shard(0)`` of a stack, ``Replicate()``). Under DDP (plain
+  tensors, a process group of more than one rank initialised) each hidden direction is computed once and
+  goes once to every other rank (issue 55): ``itemsize x hidden elements`` per rank, which is what a
+  broadcast of every direction moves as the meter counts it (a broadcast's buffer sent by every rank, root or
+  not); an exchange that sends each rank only the directions it owns, once to every other rank, stays under it.
 - :func:`held_bytes`: the bytes of the distinct storages reachable from an optimizer object (its ``__dict__``,
   containers and slots, through DTensors to their local tensors), parameters and gradients excluded, split
   into its state (``opt.state``) and everything else (workspaces, whole copies, index maps). The walk is the
@@ -41,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from meqmuon.optim.memory import optimizer_held_bytes, storage_key
 
-__all__ = ["StepMeter", "floor_bytes", "held_bytes", "storage_key", "tensor_bytes"]
+__all__ = ["StepMeter", "floor_bytes", "held_bytes", "op_traffic", "storage_key", "tensor_bytes"]
 
 #: ``c10d`` ops (in-place on their arguments): op name -> (positions of the arguments sent, of those received).
 C10D = {
@@ -61,6 +68,10 @@ FUNCTIONAL = frozenset({
 })
 #: Matmul ops whose FLOPs are counted: op name -> FLOPs from the shapes of (first, second) operand.
 MATMULS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2), "addbmm": (1, 2)}
+#: Ops whose cost is FLOPs, not bytes (:func:`op_traffic` leaves them out).
+FLOP_OPS = frozenset({*MATMULS, "matmul"})
+#: Ops that allocate and launch nothing.
+ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like"})
 
 
 def tensor_bytes(x: Any) -> int:
@@ -81,6 +92,27 @@ def _tensors(x: Any) -> Iterator[torch.Tensor]:
     elif isinstance(x, dict):
         for y in x.values():
             yield from _tensors(y)
+
+
+def launches(func) -> bool:
+    """Whether an aten op launches a kernel: not a view, not an allocation."""
+    return not func.is_view and func.overloadpacket.__name__ not in ALLOCATIONS
+
+
+def op_traffic(func, args: tuple, kwargs: dict | None, out: Any) -> int:
+    """The bytes an op moves through memory, for the memory-bound ops (not matmuls, views, allocations): every
+    tensor argument read once, the result written once (``out=``: that tensor; an in-place op: its first
+    argument). A lower bound of what a GPU kernel moves (no re-reads), the rule of ``op_count.TrafficCounter``:
+    at Llama-350M shapes on an H100 its count put MeqMuon's 3.7 GB over Muon's at 1.1 ms, measured 1.9-2.2 ms
+    (docs/benchmarks.md, Issue 49)."""
+    name = func.overloadpacket.__name__
+    if not launches(func) or name in FLOP_OPS:
+        return 0
+    kw = dict(kwargs or {})
+    written = kw.pop("out", None)
+    if written is None:
+        written = args[0] if name.endswith("_") else out
+    return tensor_bytes(args) + tensor_bytes(list(kw.values())) + tensor_bytes(written)
 
 
 def _group_size(args: tuple) -> int | None:
@@ -109,7 +141,9 @@ class StepMeter(TorchDispatchMode):
     """Counts, while active: collectives by name and the bytes this rank sends and receives in them
     (:attr:`calls`, :attr:`sent`, :attr:`received`, per name in :attr:`bytes_by_name`, per group size in
     :attr:`bytes_by_group_size`), matmul FLOPs
-    (:attr:`flops`) and the bytes of the storages created (:attr:`live` now, :attr:`peak` at most, from 0)."""
+    (:attr:`flops`), the bytes of the storages created (:attr:`live` now, :attr:`peak` at most, from 0), the
+    other ops that launch a kernel (:attr:`ops`, collectives apart) and the bytes the memory-bound ones move
+    (:attr:`traffic`, :func:`op_traffic`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -118,6 +152,7 @@ class StepMeter(TorchDispatchMode):
         self.bytes_by_group_size: Counter = Counter()
         self.sent = self.received = self.flops = 0
         self.live = self.peak = 0
+        self.ops = self.traffic = 0
         self._alive: dict[int, int] = {}
 
     def _freed(self, key: int, nbytes: int) -> None:
@@ -164,6 +199,9 @@ class StepMeter(TorchDispatchMode):
         out = func(*args, **kwargs)
         if namespace in ("c10d", "_c10d_functional"):
             self._collective(namespace, name, args, out)
+        elif launches(func):
+            self.ops += 1
+            self.traffic += op_traffic(func, args, kwargs, out)
         self._track(out, inputs)
         return out
 
@@ -171,7 +209,7 @@ class StepMeter(TorchDispatchMode):
         """The counts as plain values (for ``torch.save`` across processes)."""
         return {"calls": dict(self.calls), "sent": self.sent, "received": self.received, "flops": self.flops,
                 "peak": self.peak, "bytes_by_name": dict(self.bytes_by_name),
-                "bytes_by_group_size": dict(self.bytes_by_group_size)}
+                "bytes_by_group_size": dict(self.bytes_by_group_size), "ops": self.ops, "traffic": self.traffic}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -202,13 +240,29 @@ def hidden_layouts(opt: torch.optim.Optimizer):
             yield p, group, group_layout(group, i, p.shape, name)
 
 
+def _shared(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a plain tensor whose Newton-Schulz the ranks of an initialised process group of more
+    than one rank share (DDP: each computes some directions and sends them to every other rank)."""
+    import torch.distributed as dist
+
+    return (not hasattr(p, "placements") and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() > 1)
+
+
 def floor_bytes(opt: torch.optim.Optimizer, itemsize: int) -> int:
-    """Bytes per step a rank's exchange at the floor moves (see the module docstring): ``2 x itemsize`` per
-    local element of every hidden-kind parameter (``kind == "hidden"``, the Newton-Schulz kind of every
-    Muon-family optimizer) whose view's matrices this rank does not hold whole. ``itemsize``: of the
-    Newton-Schulz dtype."""
-    return sum(2 * itemsize * _local(p).numel() for p, _, layout in hidden_layouts(opt)
-               if not _whole_matrices(p, len(layout.batch)))
+    """Bytes per step a rank's exchange at the floor moves (see the module docstring), per element of every
+    hidden-kind parameter (``kind == "hidden"``, the Newton-Schulz kind of every Muon-family optimizer):
+    ``2 x itemsize`` per local element of a DTensor whose view's matrices this rank does not hold whole (out
+    once, back once); ``itemsize`` per element of a plain tensor under DDP (each direction once to every other
+    rank, a broadcast's buffer counted as sent by every rank, as :class:`StepMeter` counts it); nothing for the
+    rest. ``itemsize``: of the Newton-Schulz dtype."""
+    total = 0
+    for p, _, layout in hidden_layouts(opt):
+        if _shared(p):
+            total += itemsize * p.numel()
+        elif not _whole_matrices(p, len(layout.batch)):
+            total += 2 * itemsize * _local(p).numel()
+    return total
 
 
 def held_bytes(opt: torch.optim.Optimizer) -> dict[str, int]:

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from meqmuon.registry_names import registry_names
+
 __all__ = ["build_parser", "main", "parse_count"]
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -80,14 +82,12 @@ def _csv_numbers(text: str, flag: str, kind: type) -> list[Any]:
 
 def _add_run_args(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
     """Flags shared by train/compare/sweep. Defaults are SUPPRESSed so that only given flags override."""
-    from meqmuon.optim.registry import REGISTRY
-
     S = argparse.SUPPRESS
     g = p.add_argument_group("run")
     g.add_argument("--config", metavar="FILE", default=S, help="JSON config (e.g. a run's config.json); flags override")
     g.add_argument("--model", default=S, help="registry name (llama-60m ... qwen2-0.5b, llama-tiny, ...)")
     if not compare:
-        g.add_argument("--optimizer", default=S, help=", ".join(REGISTRY))
+        g.add_argument("--optimizer", default=S, help=", ".join(registry_names().names))
         g.add_argument("--lr", type=float, default=S, help="peak learning rate (default: per optimizer)")
     g.add_argument("--weight-decay", type=float, default=S, help="decoupled weight decay (0.1)")
     g.add_argument("--optimizer-arg", action="append", metavar="KEY=VALUE", default=S,
@@ -166,7 +166,14 @@ def _base_dict(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from meqmuon.train.checkpoint import list_checkpoints
-    from meqmuon.train.config import config_from_dict, load_config_file, resume_requests, run_dir_of
+    from meqmuon.train.config import (
+        IDENTITY_KEYS,
+        config_from_dict,
+        load_config_file,
+        resume_requests,
+        run_dir_of,
+        validate_config,
+    )
     from meqmuon.train.loop import train
 
     over = _overrides(args)
@@ -183,16 +190,75 @@ def _cmd_train(args: argparse.Namespace) -> int:
             for per_invocation in ("stop_at_step", "resume", "quiet", "out", "fsdp", "tp"):
                 saved.pop(per_invocation, None)
             d = {**saved, **_base_dict(args), **over}
-        if d["resume"] == "auto" and int(os.environ.get("RANK", "0")) == 0 and not list_checkpoints(run_dir):
-            # A job script that always passes --resume auto must be able to start the run, so this is
-            # not an error; but a mistyped --out would otherwise start a new run silently.
-            print(f"meqmuon: note: --resume auto found no checkpoint in {run_dir}; starting a new run there",
-                  file=sys.stderr)
+        if d["resume"] == "auto" and not list_checkpoints(run_dir):
+            validate_config(config_from_dict(d))  # bad input: its one error line, not a note before it
+            # the run's settings: what defines its trajectory, and its length
+            described = "config" in args or any(k in over for k in (*IDENTITY_KEYS, "tokens"))
+            _resume_auto_without_checkpoint(run_dir, started=saved_path.is_file(), described=described)
     summary = train(config_from_dict(d))
     if summary.get("finished") and os.environ.get("RANK", "0") == "0":  # one line, from rank 0 under torchrun
         keys = ("val_loss", "val_ppl", "val_bpb", "tokens", "tokens_per_s", "optimizer_state_mib", "run_dir")
         print(json.dumps({k: summary[k] for k in keys}))
     return 0
+
+
+def _resume_auto_without_checkpoint(run_dir: Path, *, started: bool, described: bool) -> None:
+    """``--resume auto`` where ``run_dir`` holds no checkpoint: the first launch of a job script that always
+    passes it, or a mistyped ``--out`` (docs/training.md, ``--resume``). Returns where a run starts (with one
+    note line), raises ``ValueError`` where the command names no run to start:
+
+    * ``run_dir`` holds a run that stopped before its first checkpoint (its ``config.json``): it starts
+      again from step 0, with its own settings;
+    * ``run_dir`` holds run directories (``--out runs``): an error naming them;
+    * the command gives the run's settings (``described``: a flag of
+      :data:`~meqmuon.train.config.IDENTITY_KEYS`, ``--tokens`` or ``--config``), as a job script does: the
+      run starts there;
+    * only ``--out`` (and flags that do not change a run), as in the line a stopped run prints: an error
+      naming the run directories nearest to ``run_dir``, since a run of defaults is not what it asks for.
+    """
+    say = int(os.environ.get("RANK", "0")) == 0  # one note for the job; every rank raises the same error
+    if started:
+        if say:
+            print(f"meqmuon: note: --resume auto found no checkpoint in {run_dir} (the run stopped before its "
+                  "first one); starting it again from step 0", file=sys.stderr)
+        return
+    inside = _run_dirs(run_dir)
+    if inside:
+        raise ValueError(f"--resume auto: {run_dir} is not a run but holds run directories "
+                         f"({_listed(inside)}); give one of them to --out")
+    if not described:
+        raise ValueError(f"--resume auto: {run_dir} {'holds no run' if run_dir.exists() else 'does not exist'}"
+                         f"{_nearest_runs(run_dir)}; to start a new run there, give its settings (--model, "
+                         "--optimizer, ... or --config)")
+    if say:
+        print(f"meqmuon: note: --resume auto found no checkpoint in {run_dir}; starting a new run there",
+              file=sys.stderr)
+
+
+def _run_dirs(folder: Path) -> list[Path]:
+    """The run directories (those with a ``config.json``) directly in ``folder``, by name."""
+    return sorted(p for p in folder.iterdir() if (p / "config.json").is_file()) if folder.is_dir() else []
+
+
+def _listed(paths: list[Path], most: int = 3) -> str:
+    return ", ".join(str(p) for p in paths[:most]) + (f" and {len(paths) - most} more" if len(paths) > most else "")
+
+
+def _nearest_runs(run_dir: Path) -> str:
+    """``"; nearest run directories: A, B"``: the runs beside ``run_dir`` whose names are closest to its
+    (``difflib``'s ratio >= 0.6), else the runs there, else that there are none."""
+    import difflib
+
+    parent = run_dir.parent
+    if not parent.is_dir():
+        return f" (nor does {parent})"
+    runs = _run_dirs(parent)
+    if not runs:
+        return f" (no run directory beside it in {parent})"
+    close = difflib.get_close_matches(run_dir.name, [p.name for p in runs], n=3, cutoff=0.6)
+    if close:
+        return f"; nearest run director{'y' if len(close) == 1 else 'ies'}: {_listed([parent / c for c in close])}"
+    return f"; run directories beside it: {_listed(runs)}"
 
 
 def _compare_lrs(items: list[str] | None) -> dict[str, float]:
@@ -204,7 +270,7 @@ def _compare_lrs(items: list[str] | None) -> dict[str, float]:
         except ValueError:
             lr = float("nan")
         if not sep or not name or not lr > 0 or lr == float("inf"):
-            raise ValueError(f"--lr expects NAME=VALUE with a positive VALUE, got {item!r}")
+            raise ValueError(f"--lr expects NAME=VALUE with a positive, finite VALUE, got {item!r}")
         out[name.strip().lower()] = lr
     return out
 
@@ -293,7 +359,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
         m = prepare_pysrc(out, cache=cache_root(args.cache_dir), tokenizer_name=None if builtin else args.tokenizer,
                           vocab_size=args.vocab_size, val_fraction=args.val_fraction,
-                          progress=not args.quiet)[0].manifest
+                          progress=not args.quiet, announce=not args.quiet)[0].manifest
     elif args.tokenizer is None:
         raise ValueError("prepare --data PATH... needs --tokenizer: a hub id, a save_pretrained directory, or "
                          "builtin (a byte-level BPE trained on the files' train documents, offline)")
@@ -303,7 +369,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
             from meqmuon.train.data import local_bpe
 
             tokenizer = local_bpe(args.data, vocab_size=args.vocab_size, val_fraction=args.val_fraction,
-                                  cache_dir=args.cache_dir)
+                                  cache_dir=args.cache_dir, announce=not args.quiet)
         m = prepare(args.data, tokenizer, out, val_fraction=args.val_fraction, val_tokens=args.val_tokens,
                     workers=args.workers, max_tokens=args.max_tokens, chunk_bytes=int(args.chunk_mb * 2**20),
                     progress=not args.quiet)
@@ -351,9 +417,10 @@ def _add_prepare_parser(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``meqmuon`` (diagnostics subcommands added when that package is present)."""
-    from meqmuon.optim.registry import DEMO_NAMES
+    """The argument parser of ``meqmuon`` (diagnostics subcommands added when that package is present).
 
+    Building it imports no torch (nor any other heavy package): ``--help`` and argparse's errors answer
+    in a fraction of a second; the commands import what they need when they run."""
     parser = _Parser(prog="meqmuon", description="MeqMuon pretraining harness")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -371,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "validation loss, its 95 % Student-t interval and the paired difference "
                                    "against meqmuon on the same seeds; the plot shows mean curves with a "
                                    "min-max band.")
-    p.add_argument("--optimizers", default=None, help=f"comma-separated (default {','.join(DEMO_NAMES)})")
+    p.add_argument("--optimizers", default=None, help=f"comma-separated (default {','.join(registry_names().demo)})")
     p.add_argument("--lr", dest="lr_overrides", action="append", metavar="NAME=VALUE", default=None,
                    help="per-optimizer lr override, e.g. --lr meqmuon=2e-2 (repeatable)")
     p.add_argument("--seeds", type=_seed_count, default=1, metavar="N",
@@ -419,13 +486,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``meqmuon``; returns the exit status (argparse errors raise ``SystemExit(2)``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(_join_negative_values(argv))
+    # after parsing: --help and argparse's errors end above, without torch (these modules import it)
     from meqmuon.train.checkpoint import CheckpointError
+    from meqmuon.train.config import check_out_dir
     from meqmuon.train.loop import TrainingDiverged
     from meqmuon.train.preempt import RunInterrupted
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(_join_negative_values(argv))
     try:
+        if args.command != "plot" and getattr(args, "out", None) is not None:
+            check_out_dir(args.out)  # every command's --out is a directory (plot's is the PNG file)
         return int(args.func(args) or 0)
     except RunInterrupted as e:
         if int(os.environ.get("RANK", "0")) == 0:  # one line for the job, not one per rank

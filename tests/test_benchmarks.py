@@ -14,12 +14,20 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import cli_startup  # noqa: E402
 import gpu  # noqa: E402
 import scaling  # noqa: E402
 import shapes  # noqa: E402
 import step_time  # noqa: E402
 
 RATIO = r"(\d+\.\d\d) \((\d+\.\d\d)-(\d+\.\d\d)\)"  # "median (low-high)"
+
+
+def test_cli_startup_times_every_row(capsys):
+    cli_startup.main(["--repeats", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| `")]
+    assert [r.split("`")[1] for r in rows] == [label for label, _ in cli_startup.ROWS]
+    assert all(re.search(r"\| \d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\) \|$", r) for r in rows), rows
 
 
 def test_model_shapes_route_every_tensor_of_the_tiny_llama():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,7 +87,7 @@ def test_unknown_compare_optimizer(capsys, tmp_path):
     assert main(["compare", "--optimizers", "adamw,lion", "--out", str(tmp_path / "c")]) == 1
     assert "unknown optimizer(s) ['lion']" in one_error_line(capsys)
     assert main(["compare", "--lr", "adamw=-1", "--out", str(tmp_path / "c")]) == 1
-    assert "positive VALUE" in one_error_line(capsys)
+    assert "positive, finite VALUE" in one_error_line(capsys)
 
 
 def test_stop_then_bare_resume_auto_and_protection_of_existing_runs(cache, tmp_path, capsys):
@@ -174,13 +175,108 @@ def test_resume_auto_skips_a_corrupt_newest_checkpoint(cache, tmp_path, capsys):
 
 
 def test_resume_auto_without_a_run_says_so_and_starts_one(cache, tmp_path, capsys):
-    """``--resume auto`` where there is no checkpoint (a first launch of a job script, or a mistyped
-    ``--out``) starts a new run, with one line saying that none was found there."""
+    """``--resume auto`` with the run's settings where there is no checkpoint (the first launch of a job script
+    that always passes it) starts a new run, with one line saying that none was found there."""
     run = tmp_path / "typo"
     assert main(small(cache, run, "--steps", "2", "--resume", "auto")) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"meqmuon: note: --resume auto found no checkpoint in {run}; starting a new run there"]
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
+
+
+def test_resume_auto_on_a_mistyped_out_names_the_nearest_run_and_starts_nothing(cache, tmp_path, capsys,
+                                                                                monkeypatch):
+    """``--resume auto --out DIR`` alone (the line a stopped run prints) where DIR holds no run: one line naming
+    the nearest run directory and how to start a new run there; nothing created, nothing trained. Also on the
+    directory of the runs, and on a directory whose parent does not exist. (Before: a new run of all defaults,
+    8,986 updates of llama-tiny, after a note line; here ``_train`` fails the test if it is reached.)"""
+    from meqmuon.train import loop as loop_mod
+
+    run = tmp_path / "exp1"
+    assert main(small(cache, run, "--stop-at-step", "2")) == 0
+
+    def started(*args, **kwargs):
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr(loop_mod, "_train", started)
+    capsys.readouterr()
+    typo, missing = tmp_path / "epx1", tmp_path / "nope" / "exp1"
+    for out, line in (
+        (typo, f"--resume auto: {typo} does not exist; nearest run directory: {run}; to start a new run there, give "
+               "its settings (--model, --optimizer, ... or --config)"),
+        (tmp_path, f"--resume auto: {tmp_path} is not a run but holds run directories ({run}); give one of them "
+                   "to --out"),
+        (missing, f"--resume auto: {missing} does not exist (nor does {missing.parent}); to start a new run there, "
+                  "give its settings (--model, --optimizer, ... or --config)"),
+    ):
+        assert main(["train", "--out", str(out), "--resume", "auto", "--quiet", "--threads", "1"]) == 1
+        assert one_error_line(capsys) == f"meqmuon: error: {line}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp1"]
+
+
+def test_resume_auto_restarts_a_run_that_stopped_before_its_first_checkpoint(cache, tmp_path, capsys):
+    """A run killed before it saved anything holds its ``config.json`` (and a log) but no checkpoint: a bare
+    ``--resume auto`` starts it again from step 0 with its own settings, and says so in one line."""
+    import shutil
+
+    run = tmp_path / "run"
+    assert main(small(cache, run, "--optimizer", "adamw", "--stop-at-step", "2")) == 0
+    shutil.rmtree(run / "checkpoints")  # as SIGKILL before the first save leaves it
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume", "auto", "--quiet"]) == 0
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"meqmuon: note: --resume auto found no checkpoint in {run} (the run stopped before its first one); "
+        "starting it again from step 0"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["optimizer"] == "adamw" and summary["steps"] == 4
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3, 4]
+
+
+def test_stop_at_a_step_the_run_has_passed_is_one_line(cache, tmp_path, capsys):
+    """``--resume auto --stop-at-step K`` where the checkpoint is at step K or later: one line, nothing touched
+    (before: it trained one more update and stopped there)."""
+    run = tmp_path / "run"
+    assert main(small(cache, run, "--save-every", "1", "--stop-at-step", "3")) == 0
+    before = snapshot(run)
+    capsys.readouterr()
+    for k in (2, 3):
+        assert main(["train", "--out", str(run), "--resume", "auto", "--stop-at-step", str(k), "--quiet"]) == 1
+        assert one_error_line(capsys) == (
+            f"meqmuon: error: --stop-at-step {k}: the run is already at step 3 (checkpoint "
+            f"{run / 'checkpoints' / 'step_0000003.pt'}); give a later step, or leave it out to train to the end")
+        assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--steps", "2"], ["compare", "--steps", "2"], ["sweep", "--optimizers", "adamw", "--lrs", "1e-3"],
+    ["prepare", "--data", "pysrc"], ["memory"], ["diagnose", "selection", "--run", "{run}"],
+    ["ablation", "--steps", "1"],
+], ids=lambda argv: argv[0])
+def test_out_that_is_a_file_is_one_line(captured, tmp_path, capsys, argv):
+    """``--out README.md`` (an existing file), or a directory below one: one line naming the file, nothing
+    written (before: ``[Errno 17] File exists: 'README.md'`` or ``[Errno 20] Not a directory``, after the run's
+    data was built)."""
+    readme = tmp_path / "README.md"
+    readme.write_text("keep me\n")
+    argv = [str(captured) if a == "{run}" else a for a in argv]
+    for out, what in ((readme, f"{readme} is a file"), (readme / "run", f"{readme} (in {readme / 'run'}) is a file")):
+        assert main([*argv, "--out", str(out)]) == 1
+        assert one_error_line(capsys) == f"meqmuon: error: --out {what}, not a directory; choose a directory for --out"
+    assert readme.read_text() == "keep me\n" and [p.name for p in tmp_path.iterdir()] == ["README.md"]
+
+
+def test_first_run_says_it_trains_the_bpe_and_its_first_line_names_the_layout(tmp_path, capsys):
+    """On a fresh data cache the built-in BPE is trained first (silently, before): one line says so and
+    roughly how long, then the run's first log line, which names the layout (``1 process``; "world 1"
+    before); with ``--quiet`` neither."""
+    argv = [a for a in small(str(tmp_path / "cache"), tmp_path / "run", "--steps", "1") if a != "--quiet"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(r"meqmuon: training the built-in BPE tokenizer \(512 ids\) on 1\.\d MB of text, once: roughly "
+                        r"a second \(~3 MB/s on 2 cores\); cached in .*", err[0]), err
+    assert err[1].startswith("[meqmuon] llama-tiny (") and " | 1 process, micro-batch 8, accum 1 | " in err[1], err
+    assert main(small(str(tmp_path / "cache2"), tmp_path / "run2", "--steps", "1")) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_checkpoint_of_another_model_is_rejected(cache, tmp_path, capsys):
@@ -311,16 +407,69 @@ def test_python_dash_m_and_argparse_errors(capsys):
         assert done.value.code == 0 and "%%" not in text and "95 %" in text, cmd
 
 
-def test_cli_and_its_parser_import_no_heavy_optional_package():
-    """``import meqmuon.cli`` and building its parser (what ``--help`` and every argparse error pay for)
-    import none of transformers, matplotlib, tensorboard, datasets, tokenizers or scipy: the commands
-    import them when they need them (a run's model, a plot, a tokenizer)."""
-    heavy = ("transformers", "matplotlib", "tensorboard", "datasets", "tokenizers", "scipy")
-    code = ("import sys, meqmuon.cli; meqmuon.cli.build_parser(); "
-            f"print([m for m in {heavy!r} if m in sys.modules])")
+#: What ``--help`` and argparse's errors must answer without: torch (~2 s to import; ``meqmuon --help`` took
+#: 2.6-10.9 s with it, issue 56) and the packages the commands import when they need them.
+HEAVY = ("torch", "transformers", "matplotlib", "tensorboard", "datasets", "tokenizers", "scipy")
+
+
+def test_help_and_argument_errors_import_no_torch():
+    """``meqmuon --help``, every command's ``--help`` and argparse's errors (exit status 0 or 2) leave torch
+    and every heavy optional package unimported, in a fresh interpreter, one command after the other."""
+    from meqmuon.cli import build_parser
+
+    commands = [name for a in build_parser()._actions if hasattr(a, "choices") and isinstance(a.choices, dict)
+                for name in a.choices]  # argparse has no public accessor for the subcommands
+    assert {"train", "compare", "sweep", "plot", "prepare", "memory", "diagnose", "ablation"} <= set(commands)
+    argvs = [["--help"], *([c, "--help"] for c in commands), ["diagnose", "imbalance", "--help"], [],
+             ["train", "--lr", "abc"], ["train", "--bogus"], ["compare", "--seeds", "0"], ["sweep", "--optimizers",
+             "muon"], ["memory", "--state-dtype", "fp8"], ["diagnose", "selection"], ["prepare", "--out", "x"]]
+    code = f"""
+import contextlib, io, json, sys
+from meqmuon.cli import main
+loaded = {{}}
+for argv in {argvs!r}:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            main(argv)
+            status = None
+        except SystemExit as e:
+            status = e.code
+    loaded[" ".join(argv)] = [status, [m for m in {HEAVY!r} if m in sys.modules]]
+print(json.dumps(loaded))
+"""
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    got = json.loads(out)
+    assert len(got) == len(argvs)
+    for argv, (status, loaded) in got.items():
+        assert status == (0 if argv.endswith("--help") else 2) and loaded == [], (argv, status, loaded)
+
+
+def test_registry_names_read_without_torch_are_the_registry(tmp_path):
+    """The help texts' optimizer lists come from :func:`meqmuon.registry_names.registry_names`, which reads the
+    registry's source: equal to the imported registry's lists; a spec added to the source is read, by keyword
+    or positionally; a table written in a form it cannot read is an error, not a wrong list."""
+    from meqmuon.optim.registry import ABLATION_NAMES, DEMO_NAMES, MEMORY_NAMES, REGISTRY
+    from meqmuon.registry_names import REGISTRY_SOURCE, registry_names
+
+    assert registry_names() == (tuple(REGISTRY), DEMO_NAMES, MEMORY_NAMES, ABLATION_NAMES)
+    source = REGISTRY_SOURCE.read_text()
+    assert source.count("_SPECS = (\n") == 1
+    changed = tmp_path / "registry.py"
+    changed.write_text(source.replace("_SPECS = (\n", '_SPECS = (\n    OptimizerSpec("new-a", Muon, 1e-3, 1e-2, "A", '
+                                      'True, 99),\n    OptimizerSpec(name="new-b", cls=Muon, default_lr=1e-3, '
+                                      'demo_lr=1e-2, ablation_row=-1),\n'))
+    names = registry_names(changed)
+    assert names.names == ("new-a", "new-b", *REGISTRY) and names.demo == ("new-a", *DEMO_NAMES)
+    assert names.memory == (*MEMORY_NAMES, "new-a") and names.ablation == ("new-b", *ABLATION_NAMES)
+    for i, (table, needle) in enumerate((
+        ("_SPECS = tuple(OptimizerSpec(n, None) for n in 'ab')", "no _SPECS = (OptimizerSpec"),
+        ("_SPECS = (OptimizerSpec(NAME, None),)", "name or table rows are not literals"),
+    )):
+        unread = tmp_path / f"unread{i}.py"  # a new path each time: registry_names caches per path
+        unread.write_text(f"class OptimizerSpec:\n    name: str\n    cls: type\n\n\n{table}\n")
+        with pytest.raises(RuntimeError, match=re.escape(needle)):
+            registry_names(unread)
 
 
 def test_every_flag_of_every_command_has_help():
@@ -357,6 +506,11 @@ ERROR_PATHS = [
     (["train", "--lr", "abc"], 2, "argument --lr: invalid float value: 'abc' (see `meqmuon train --help`)"),
     (["train", "--lr"], 2, "argument --lr: expected one argument"),
     (["train", "--steps", "2", "--capture-steps", "5"], 1, "--capture-steps 5 beyond the run's 2 steps"),
+    (["train", "--steps", "2", "--stop-at-step", "5"], 1, "--stop-at-step 5 is beyond the run's 2 steps"),
+    (["train", "--tokens", "8192", "--stop-at-step", "5"], 1, "--stop-at-step 5 is beyond the run's 2 steps"),
+    (["train", "--model", "llama-60m", "--seq-len", "4096"], 1,
+     "--seq-len 4096 is beyond the 2,048 positions of llama-60m (max_position_embeddings); use --seq-len 2048"),
+    (["train", "--lr", "inf"], 1, "lr must be a positive, finite number, got inf"),
     (["train", "--steps", "2", "--capture-steps", "1", "--capture-layers", "0,4,7"], 1,
      "--capture-layers 4,7 not in the model: llama-tiny has layers 0-3"),
     (["train", "--resume", "auto", "--steps", "2", "--bogus"], 2, "unrecognized arguments: --bogus"),
@@ -365,8 +519,10 @@ ERROR_PATHS = [
     (["compare", "--device", "cuda:99"], 1, "--device cuda:99: "),
     (["compare", "--optimizers", "lion"], 1, "unknown optimizer(s) ['lion']"),
     (["compare", "--steps", "0"], 1, "steps must be a positive number, got 0"),
+    (["compare", "--lr", "adamw=inf"], 1, "--lr expects NAME=VALUE with a positive, finite VALUE, got 'adamw=inf'"),
     (["compare", "--seeds", "0"], 2, "argument --seeds: expected a number of seeds >= 1"),
     (["sweep", "--optimizers", "muon", "--lrs", "-1e-3"], 1, "lr must be a positive number, got -0.001"),
+    (["sweep", "--optimizers", "muon", "--lrs", "inf"], 1, "lr must be a positive, finite number, got inf"),
     (["sweep", "--optimizers", "muon"], 2, "the following arguments are required: --lrs"),
     (["sweep", "--optimizers", "muon", "--lrs", "1e-3,abc"], 1,
      "--lrs: 'abc' is not a number (in '1e-3,abc'; comma-separated, e.g. 1e-3,2e-3)"),

@@ -12,8 +12,8 @@ and tested (issue 37). CPU; gloo (2 processes) where distributed.
   (``_init_optim_state``) and torchtitan (``init_optim_state``) run one step with all-zero gradients and
   ``lr=0`` to create the state: it changes no parameter, leaves every state tensor finite and every
   momentum / moment zero, for every optimizer and step form (compiled: two cases, ~10-30 s each) and under
-  FSDP2 on 2 ranks (microsoft/dion#24 was NorMuon's NaN there). docs/torchtitan.md's recipe function is
-  run from the file on a plain model.
+  FSDP2 on 2 ranks (microsoft/dion#24 was NorMuon's NaN there). ``meqmuon.integrations.torchtitan`` on
+  torchtitan's own classes: tests/test_torchtitan.py.
 - **accelerate** (``accelerate.utils.fsdp_utils.fsdp2_switch_optimizer_parameters``; the steps around it
   from ``Accelerator._prepare_fsdp2``): an optimizer built on the unsharded model, whose parameters are
   swapped for FSDP2's DTensors after construction, steps like one built on the sharded model (2 ranks,
@@ -29,8 +29,8 @@ and tested (issue 37). CPU; gloo (2 processes) where distributed.
 
 from __future__ import annotations
 
+import copy
 import io
-import re
 import warnings
 from pathlib import Path
 
@@ -41,7 +41,6 @@ from capabilities import CAPABILITIES, ENGINE, FORM_KWARGS, every_form
 from test_distributed import _spawn
 from tinynet import batches, loss_fn, make_model
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     _init_optim_state,
@@ -53,7 +52,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import meqmuon
 from meqmuon.optim.registry import REGISTRY
 
-REPO = Path(__file__).resolve().parents[1]
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 #: The compiled forms run here: a compiled case costs 10-30 s. NorMuon's batched step (its second moment
 #: of a zero gradient is the NaN dion#24 had) and MeqMuon's per-tensor step (its adaptive row/column choice).
@@ -220,38 +218,35 @@ def test_zero_gradient_step_with_a_tensor_lr(name):
     _check_zero_step(dict(model.state_dict()), before, opt)
 
 
-def test_docs_torchtitan_recipe_runs_on_a_plain_model():
-    """docs/torchtitan.md: section 1's function, run from the file, gives groups with torchtitan's keys
-    (names without the checkpoint wrapper), survives the zero-gradient ``lr=0`` step and the flat round
-    trip; section 2 (torchtitan's classes) compiles."""
-    text = (REPO / "docs" / "torchtitan.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) == 2
-    compile(blocks[1], "docs/torchtitan.md", "exec")
-    ns: dict = {}
-    exec(compile(blocks[0], "docs/torchtitan.md", "exec"), ns)
-    build = ns["build_meqmuon"]
-
+@pytest.mark.parametrize("name", ENGINE)
+def test_dtype_hyperparameters_pass_torchs_state_dict_utilities(name):
+    """A group's ``state_dtype`` (every engine optimizer) and ``ns_dtype`` (those with Newton-Schulz) are
+    dtypes, which torch's state-dict utilities refused (``get_optimizer_state_dict`` with
+    ``cpu_offload`` or ``full_state_dict``: "Unexpected value type <class 'torch.dtype'>"; every checkpoint of
+    Lightning's ``ModelParallelStrategy``): saved as their names, loaded as dtypes, the run continues bit for bit."""
+    kw = {**_kwargs(name), "state_dtype": torch.float32}  # _kwargs pins ns_dtype=torch.float32 where there is one
     model = make_model(torch.float32)
-    model.up = checkpoint_wrapper(model.up)  # as torchtitan's activation checkpointing wraps blocks
-    opt = build("meqmuon", model, "for-loop", lr=0.02, ns_dtype=torch.float32)
-    names = [n for g in opt.param_groups for n in g["param_names"]]
-    assert "up._checkpoint_wrapped_module.weight" in dict(model.named_parameters())
-    assert "up.weight" in names and not any("_checkpoint_wrapped_module" in n for n in names)
-    assert {g["foreach"] for g in opt.param_groups} == {False}
-    assert {g["foreach"] for g in build("muon", model, "fused").param_groups} == {None}
-    before = _snapshot(model)
-    _init_optim_state(opt)
-    _check_zero_step(dict(model.state_dict()), before, opt)
+    opt = meqmuon.build_optimizer(name, _titan_groups(model, False), **kw)
     for ids in batches(2):
         _grad_step(model, opt, ids)
-    flat = get_optimizer_state_dict(model, opt, options=FLAT)
-    # A flat dict loads into the state the zero-gradient step creates, which torch skips while gradients
-    # are set (then nothing loads, silently): a resumed run has none.
-    model.zero_grad(set_to_none=True)
-    opt2 = build("meqmuon", model, "for-loop", lr=0.02, ns_dtype=torch.float32)
-    set_optimizer_state_dict(model, opt2, flat, options=FLAT)
-    _assert_same_optimizer_state(opt, opt2)
+    for options in (StateDictOptions(cpu_offload=True), StateDictOptions(full_state_dict=True)):
+        buf = io.BytesIO()  # a checkpoint: the dict holds the live state tensors
+        torch.save(get_optimizer_state_dict(model, opt, options=options), buf)
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=True)
+    assert {g["state_dtype"] for g in saved["param_groups"]} == {"torch.float32"}
+    model2 = copy.deepcopy(model)
+    model2.zero_grad(set_to_none=True)  # else torch loads nothing into the state it does not create (see above)
+    other = {k: None for k in ("state_dtype", "ns_dtype") if k in kw}  # the saved groups bring the dtypes back
+    opt2 = meqmuon.build_optimizer(name, _titan_groups(model2, False), **{**kw, **other})
+    set_optimizer_state_dict(model2, opt2, saved)
+    assert all(g["state_dtype"] is torch.float32 for g in opt2.param_groups)
+    assert all(g.get("ns_dtype", torch.float32) is torch.float32 for g in opt2.param_groups)
+    for ids in batches(2, seed=3):
+        _grad_step(model, opt, ids)
+        _grad_step(model2, opt2, ids)
+    for (n, p), p2 in zip(model.named_parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, p2), n
 
 
 # ---- DeepSpeed ZeRO: flat 1-D partitions ------------------------------------------------------------

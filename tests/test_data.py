@@ -239,6 +239,27 @@ def test_local_files(tmp_path, cache):
     assert "local" in b.description and b.train.next_batch(4).shape == (4, 17)
 
 
+def test_first_training_of_the_bpe_is_announced_once(tmp_path, capsys):
+    """Training the built-in BPE prints nothing itself, for seconds: with ``announce`` one line says what it
+    trains on and roughly how long, once (the cached tokenizer is loaded silently); without it, nothing."""
+    (tmp_path / "data").mkdir()
+    docs = _write_fixtures(tmp_path / "data")
+    mb = sum(len(d.encode()) for d in corpus.split_documents(docs, 0.05)[0]) / 1e6
+    for cache in (tmp_path / "quiet", tmp_path / "told"):
+        for _ in range(2):
+            build_data(str(tmp_path / "data"), seq_len=16, cache_dir=cache, val_tokens=64, vocab_size=300,
+                       announce=cache.name == "told")
+    (bpe,) = (tmp_path / "told").glob("*/tokenizer-bpe300.json")
+    assert capsys.readouterr().err.splitlines() == [
+        f"meqmuon: training the built-in BPE tokenizer (300 ids) on {mb:.1f} MB of text, once: roughly a second "
+        f"(~3 MB/s on 2 cores); cached in {bpe.parent}"]
+
+
+def test_rough_duration():
+    assert [tok_mod.rough_duration(s) for s in (0.2, 1.4, 8.3, 89, 91, 600)] == [
+        "a second", "a second", "8 s", "89 s", "2 min", "10 min"]
+
+
 def test_bad_paths_raise(tmp_path):
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(ValueError, match="nope.jsonl"):

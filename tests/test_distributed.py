@@ -383,7 +383,7 @@ def _fsdp_worker(rank, names, mesh_shape=(WORLD,)):
             "compiled": sorted({k[0] for k in compiled._bucket_graphs}),
             "split": (type(split).__name__, dist.get_world_size(split.pg)),
             # the ranks this rank exchanges with as an owner (its replica group: HSDP's shard group)
-            "peers": sorted({r for i in range(len(getattr(split, "units", []))) for r in split._group(i)}),
+            "peers": sorted({r for u in getattr(split, "units", []) for r in u.group}),
         }
     if len(mesh_shape) == 1:  # a DTensor every rank holds whole steps as one process steps its tensor
         w, g = torch.randn(6, 4, generator=torch.Generator().manual_seed(5)), torch.randn(6, 4)

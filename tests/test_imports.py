@@ -22,6 +22,43 @@ def test_optim_has_no_import_cycle_and_no_upward_import():
     assert "optim.driver -> optim.newton_schulz" in r["edges"] and "optim.compiled -> optim.driver" in r["edges"]
 
 
+def test_train_has_no_import_cycle():
+    """``meqmuon/train/`` has no import cycle either, lazy imports counted (issue 55: ``config`` checked the
+    device with a function of ``run``, which imports ``config``; the device now lives in ``train/device.py``)."""
+    assert imports.report("train")["cycles"] == []
+
+
+def test_import_meqmuon_loads_its_names_on_first_use():
+    """``import meqmuon`` imports no torch (so the ``meqmuon`` command's ``--help`` need not); the public names,
+    ``from meqmuon import *`` and the submodules as attributes work as when ``__init__`` imported them."""
+    import os
+    import subprocess
+
+    code = """
+import sys, meqmuon
+assert "torch" not in sys.modules
+import meqmuon.optim as optim
+assert meqmuon.__all__ == ["functional", *optim.__all__]
+assert all(getattr(meqmuon, n) is getattr(optim, n) for n in optim.__all__)
+assert meqmuon.functional is sys.modules["meqmuon.functional"] and meqmuon.precision is sys.modules["meqmuon.precision"]
+assert set(meqmuon.__all__) <= set(dir(meqmuon))
+ns = {}
+exec("from meqmuon import *", ns)
+assert ns["MeqMuon"] is optim.MeqMuon and ns["build_optimizer"] is optim.build_optimizer
+try:
+    meqmuon.no_such_name
+except AttributeError as e:
+    assert "no attribute 'no_such_name'" in str(e)
+else:
+    raise AssertionError
+print("ok")
+"""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(root)},
+                          capture_output=True, text=True)
+    assert done.stdout == "ok\n", done.stderr[-2000:]
+
+
 def test_the_counter_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
     pkg = tmp_path / "meqmuon"
     (pkg / "optim").mkdir(parents=True)
@@ -32,16 +69,16 @@ def test_the_counter_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.setattr(imports, "ROOT", tmp_path)
     r = imports.report()
     assert r["cycles"] == [["optim.compiled", "optim.driver"]]
-    assert r["upward"] == ["optim.driver:1 imports optim.compiled (layer 6 -> 7)"]
+    assert r["upward"] == ["optim.driver:1 imports optim.compiled (layer 5 -> 6)"]
     assert r["lazy"] == ["optim.compiled:2 imports optim.driver (function)"]
 
 
 def test_the_form_is_chosen_in_two_places():
     """Issue 35: ``foreach`` is resolved once per param group (``RoleOptimizer._prepare``) and the function
-    that runs a call is picked by one chooser, ``RoleOptimizer._run``, a phase of ``step`` (its ``FORMS`` table
-    and a stepping rule's own ``step``/``step_foreach``); nothing else in ``optim/`` looks a form up. Counted on
-    the sources, as anyone
-    can with ``grep -n 'FORMS\\[\\|group.get("foreach")\\|step_foreach if' meqmuon/optim/*.py meqmuon/optim/*/*.py``."""
+    that runs a call is picked by one chooser, ``RoleOptimizer._run``, a phase of ``step`` (the ``forms`` table of
+    its path's executor, ``placement.EXECUTORS``, and a stepping rule's own ``step``/``step_foreach``); nothing else
+    in ``optim/`` looks a form up (issue 55: not the exchange either). Counted on the sources, as anyone can with
+    ``grep -n 'forms\\[\\|group.get("foreach")\\|step_foreach if' meqmuon/optim/*.py meqmuon/optim/*/*.py``."""
     import ast
     import re
 
@@ -53,7 +90,7 @@ def test_the_form_is_chosen_in_two_places():
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef):
                 body = ast.get_source_segment(text, node) or ""
-                if re.search(r'FORMS\[|group\.get\("foreach"\)|step_foreach if', body):
+                if re.search(r'forms\[|FORMS\[|group\.get\("foreach"\)|step_foreach if', body):
                     hits.append(f"{path.relative_to(root)}:{node.name}")
     # methods are FunctionDefs too, and nested functions are counted where they are defined
     assert sorted(set(hits)) == ["engine.py:_prepare", "engine.py:_run"], hits

@@ -1,23 +1,28 @@
-"""The owner path's way back in the Newton-Schulz dtype (issue 47; ``optim/exchange.py``'s ``returns_orth``).
+"""The exchange's way back in the Newton-Schulz dtype under tensor parallelism (``optim/exchange.py``,
+``transfer.py``; issues 47 and 55).
 
-Muon's direction is Newton-Schulz's output itself (no ``post``), so with bf16 Newton-Schulz the owner sends each
-rank its piece of ``D`` in bf16: widening bf16 to float32 is exact, and each rank adds it as one process adds its
-bf16 direction (``driver.apply_update``). On 2 gloo ranks, the tiny Llama under torchtitan's TP plan
-(``parallelize_module``: colwise q/k/v/gate/up, rowwise o/down, a vocabulary-parallel embedding and head):
+On 2 gloo ranks, the tiny Llama under torchtitan's TP plan (``parallelize_module``: colwise q/k/v/gate/up
+``Shard(0)``, rowwise o/down ``Shard(1)``, a vocabulary-parallel embedding and head), every hidden matrix, colwise
+and rowwise, goes through the one exchange: each rank's piece of ``X`` out to the matrix's owner, the piece of its
+direction back. The exchange is metered apart (``exchange.exchange_flat`` wrapped while the step runs, inside
+``benchmarks/step_accounting.py``'s ``StepMeter`` of the whole step), and its bytes are exactly what the pieces'
+shapes (read off the placements, ``owners.Pieces``) and the owners give:
 
-- the update equals one process's with the same bf16 Newton-Schulz, bit for bit, after several steps; and equals
-  the float32 way back's (the path before this change), bit for bit;
-- the owner path's exchanges (here the rowwise ``o_proj`` and ``down_proj``, ``Shard(1)``; the colwise ``Shard(0)``
-  weights take the row path, ``ShardedSplit``), metered by ``benchmarks/step_accounting.py``'s ``StepMeter``
-  (torch's own c10d ops), carry each rank exactly ``2 B x (local + owned)`` elements each way (the bf16 input
-  out, the bf16 direction back), and over both ranks exactly the floor ``2 x 2 B x local elements``; the negative
-  control, the float32 way back, moves 1.5x the floor and fails it; the rest of the step moves the same bytes.
-
-MeqMuon's direction is eq. 8's ``(U * row) * col``: on those plain matrices the owner sends each rank its piece of
-``U`` in bf16 with the row factors of its rows and the column factors of its columns (float32), from which the
-rank makes its ``D`` (``exchange.factors_pay``): the update equals one process's bit for bit, and equals the
-float32 ``D`` way back's (the control: the decision patched to no), whose bytes are more; each way's bytes are
-exactly what the pieces' shapes give; the per-matrix counter ``rows_chosen`` comes back as one process counts.
+- Muon's direction is Newton-Schulz's output itself (``transfer.IDENTITY``): with bf16 Newton-Schulz the owner
+  sends each rank its piece of ``U`` in bf16 (widening bf16 to float32 is exact). The update equals one
+  process's with the same bf16 Newton-Schulz bit for bit after several steps, and equals the float32 way
+  back's (the control: the rule's ``transfer_form`` set to ``transfer.DIRECTION``), bit for bit; each rank
+  moves ``2 B x (local + owned)`` elements each way, over both ranks exactly the floor ``2 x 2 B x local``; the
+  control moves 1.5x the floor. Nothing else of Muon's step moves a byte (AdamW's embedding and head, the
+  norms: in place). MuonEq's ``pre`` computes in float32, so its ``X`` goes out in float32, its ``U`` back in
+  bf16.
+- MeqMuon's direction is eq. 8's ``(U * row) * col``: the owner sends each rank its piece of ``U`` in bf16 with
+  the row factors of its rows and the column factors of its columns (float32), from which the rank makes its
+  ``D``, where those are fewer bytes than a float32 ``D`` (every piece here). Its hidden matrices equal one
+  process bit for bit, every parameter equals the float32 ``D`` way back's (the control), whose bytes are
+  more; the per-matrix counter ``rows_chosen`` comes back whole (int64) and counts as one process counts.
+  NorMuon's row divisors and restoring scale the same way, its per-row second moment out and back as its
+  piece where it is sharded with the rows (colwise), whole back where it is not (rowwise).
 """
 
 from __future__ import annotations
@@ -34,15 +39,18 @@ from test_distributed import _spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from step_accounting import StepMeter  # noqa: E402
+from step_accounting import StepMeter, floor_bytes  # noqa: E402
 
 import meqmuon  # noqa: E402
+from meqmuon.optim import transfer  # noqa: E402
 from meqmuon.optim.distributed import is_dtensor  # noqa: E402
 from meqmuon.train.parallel import tp_plan  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 
 STEPS = 3
+#: zoo.llama's hidden matrices: 2 layers of q, k, v, o, gate, up, down.
+HIDDEN = 14
 
 
 def _batch(step: int) -> dict:
@@ -50,10 +58,10 @@ def _batch(step: int) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def _run(mesh, name: str, float32_back: bool = False) -> dict:
+def _run(mesh, name: str, direction_back: bool = False) -> dict:
     """Optimizer ``name`` with bf16 Newton-Schulz under TP against one process fed the same gradients; the last
-    step metered. ``float32_back``: the control, ``returns_orth`` and ``factors_pay`` answering no (the way back
-    at the parameters' dtype). ``factored``: how many of the step's owner-path jobs took eq. 8's factors."""
+    step metered, and the exchange apart. ``direction_back``: the control, the optimizer's hidden rule sending
+    ``D`` at the parameters' dtype (``transfer.DIRECTION``) instead of ``U`` (with factors)."""
     from meqmuon.optim import exchange
 
     model, _ = zoo.llama()
@@ -61,76 +69,75 @@ def _run(mesh, name: str, float32_back: bool = False) -> dict:
     tp_plan(model, mesh)
     kw = dict(lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16)
     opt, ref_opt = meqmuon.build_optimizer(name, model, **kw), meqmuon.build_optimizer(name, ref, **kw)
-    meter, owner_meter, orth, pay = StepMeter(), StepMeter(), exchange.returns_orth, exchange.factors_pay
-    decisions: list[bool] = []
+    rule = opt._rules["hidden"]
+    meter, ex_meter, real = StepMeter(), StepMeter(), exchange.exchange_flat
 
-    def factors_pay(plan, job, d_dtype):
-        decisions.append(False if float32_back else pay(plan, job, d_dtype))
-        return decisions[-1]
+    def metered(*args, **kwargs):
+        with ex_meter:
+            return real(*args, **kwargs)
 
-    exchange.returns_orth = (lambda rule: False) if float32_back else orth
-    exchange.factors_pay = factors_pay
+    if direction_back:
+        rule.transfer_form = transfer.DIRECTION  # an instance attribute over the class's
     try:
         for step in range(STEPS):
             model(**_batch(step)).loss.backward()
             grads = {n: (p.grad.full_tensor() if is_dtensor(p.grad) else p.grad) for n, p in model.named_parameters()}
             for n, p in ref.named_parameters():
                 p.grad = grads[n].clone()
-            if step == STEPS - 1:  # the whole step metered, and apart the owner path's exchanges
-                plan = opt._owners
-                plan._exchange = _metered(plan._exchange, owner_meter)
+            if step == STEPS - 1:  # the whole step metered, and apart the exchange's collectives
+                exchange.exchange_flat = metered
                 with meter:
                     opt.step()
+                exchange.exchange_flat = real
             else:
                 opt.step()
             ref_opt.step()
             opt.zero_grad()
             ref_opt.zero_grad()
     finally:
-        exchange.returns_orth, exchange.factors_pay = orth, pay
+        exchange.exchange_flat = real
+        if direction_back:
+            del rule.transfer_form
     full = {n: (p.full_tensor() if is_dtensor(p) else p).detach().clone() for n, p in model.named_parameters()}
     unequal = [n for n, q in ref.named_parameters() if not torch.equal(full[n], q.detach())]
-    local = sum(o.param.to_local().numel() for o in plan.owned)
-    owned = sum(o.param.numel() for i, o in enumerate(plan.owned) if plan.mine(i))
-    return {"unequal": unequal, "params": full, "step": meter.summary(), "owner_path": owner_meter.summary(),
-            "local": local, "owned": owned, "on_owner_path": len(plan.owned),
-            "owner_names": [n for n, p in model.named_parameters() if any(o.param is p for o in plan.owned)],
-            "dtensors": sum(is_dtensor(p) for p in model.parameters()), "factored": sum(decisions[-len(plan.owned):]),
-            **({"back": {f: _back_bytes(plan, f) for f in (False, True)},
-                "counts": (opt.selection_counts(), ref_opt.selection_counts())} if name == "meqmuon" else {})}
+    ex = opt._exchange
+    names = {id(p): n for n, p in model.named_parameters()}
+    units = []
+    for _, entries, _ in opt._plan():
+        for e in entries:
+            for i in e.units:
+                u = ex.units[i]
+                assert u.pieces.local_shape(ex.rank) == tuple(e.param.to_local().shape)  # torch's split
+                units.append({"name": names[id(e.param)], "shape": tuple(u.pieces.shape), "owner": u.owner,
+                              "local": [u.pieces.local_shape(r) for r in range(ex.world)],
+                              "sharded": sorted(u.state_pieces)})
+    return {"unequal": unequal, "params": full, "step": meter.summary(), "exchange": ex_meter.summary(),
+            "units": units, "floor": floor_bytes(opt, 2), "dtensors": sum(is_dtensor(p) for p in model.parameters()),
+            "counts": (opt.selection_counts(), ref_opt.selection_counts()) if name == "meqmuon" else None}
 
 
-def _back_bytes(plan, factored: bool) -> int:
-    """What this rank, as owner, sends back for MeqMuon from the pieces' shapes (``Pieces.local_shape``): per
-    matrix it owns and rank ``r`` of its group with a piece of ``m x n``, float32 ``D`` (``4 m n``) or bf16 ``U``
-    with ``m`` row and ``n`` column float32 factors (``2 m n + 4 (m + n)``), and the matrix's counter
-    ``rows_chosen`` whole (int64, the only per-matrix state of MeqMuon's hidden rule)."""
-    total = 0
-    for i, o in enumerate(plan.owned):
-        if not plan.mine(i):
-            continue
-        counter = o.state["rows_chosen"]
-        counter = counter.to_local() if is_dtensor(counter) else counter
-        assert counter.dtype == torch.int64 and counter.numel() == 1
-        for r in plan.senders(i):
-            m, n = o.pieces.local_shape(r)
-            total += (2 * m * n + 4 * (m + n) if factored else 4 * m * n) + 8
-    return total
+def _bytes(r: dict, rank: int, out, back) -> tuple[int, int]:
+    """What ``rank`` sends and receives in the exchange: ``out(u, q)`` the bytes rank ``q`` sends of unit ``u`` to
+    its owner, ``back(u, q)`` those the owner sends rank ``q``; every rank sends every unit's piece (its own
+    owner's included: the all_to_all carries it) and each owner every rank its piece of the result."""
+    world = len(r["units"][0]["local"])
+    sent = sum(out(u, rank) for u in r["units"]) + \
+        sum(back(u, q) for u in r["units"] if u["owner"] == rank for q in range(world))
+    received = sum(back(u, rank) for u in r["units"]) + \
+        sum(out(u, q) for u in r["units"] if u["owner"] == rank for q in range(world))
+    return sent, received
 
 
-def _metered(exchange, meter: StepMeter):
-    """``OwnerPlan._exchange`` with ``meter`` on while it runs (a meter adds up over its entries)."""
-    def run(send, sizes):
-        with meter:
-            return exchange(send, sizes)
-    return run
+def _elements(u: dict, q: int) -> int:
+    m, n = u["local"][q]
+    return m * n
 
 
 def _worker(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    return {"bf16": _run(mesh, "muon"), "float32": _run(mesh, "muon", float32_back=True),
+    return {"bf16": _run(mesh, "muon"), "float32": _run(mesh, "muon", direction_back=True),
             "muoneq": _run(mesh, "muoneq-r")}
 
 
@@ -138,8 +145,8 @@ def _meq_worker(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    return {"factors": _run(mesh, "meqmuon"), "direction": _run(mesh, "meqmuon", float32_back=True),
-            "normuon": _run(mesh, "normuon"), "normuon_direction": _run(mesh, "normuon", float32_back=True)}
+    return {"factors": _run(mesh, "meqmuon"), "direction": _run(mesh, "meqmuon", direction_back=True),
+            "normuon": _run(mesh, "normuon"), "normuon_direction": _run(mesh, "normuon", direction_back=True)}
 
 
 def test_eq8_factors_give_the_direction_on_every_piece_of_rows_and_columns():
@@ -159,88 +166,88 @@ def test_eq8_factors_give_the_direction_on_every_piece_of_rows_and_columns():
             assert torch.equal(got, whole[k][rows][:, cols]), (k, rows, cols)
 
 
-def test_returns_orth_is_the_rules_whose_direction_is_newton_schulzs_output():
-    """Muon (Moonlight's), MuonEq and Aurora keep the identity ``post``; every rule with a ``post`` or a
-    ``post_all`` of its own (MeqMuon's eq. 8, NorMuon, Muon+, MeqShape, a user's variant) does not."""
-    from meqmuon.optim.exchange import returns_orth
-    from meqmuon.optim.rules import RULES
-
-    assert {n for n, r in RULES.items() if returns_orth(r)} == {"moonlight_hidden", "muoneq_hidden", "aurora_hidden"}
-
-    class PostAll(meqmuon.HiddenRule):
-        name = "post_all_only"
-
-        def post_all(self, Us, group, states):
-            return [U * 2 for U in Us]
-
-    class Pre(meqmuon.HiddenRule):
-        name = "pre_only"
-
-        def pre(self, X, group, state=None):
-            return X * 2
-
-    assert not returns_orth(PostAll()) and returns_orth(Pre())
-
-
 def test_tp_muon_bf16_directions_come_back_in_bf16_at_the_floor_and_equal_one_process(tmp_path):
     got = _spawn(_worker, tmp_path)
     for rank, r in enumerate(got):
         new, old = r["bf16"], r["float32"]
-        assert new["dtensors"] > 10 and new["on_owner_path"] == 4, (new["dtensors"], new["on_owner_path"])
+        assert new["dtensors"] > 10 and len(new["units"]) == HIDDEN, (new["dtensors"], len(new["units"]))
+        assert {u["name"].split(".")[-2] for u in new["units"]} == {
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}  # colwise and rowwise
         assert new["unequal"] == [] and old["unequal"] == [], (rank, new["unequal"], old["unequal"])
-        assert all(torch.equal(new["params"][n], p) for n, p in old["params"].items())  # today's bits
-        # this rank's bf16 X pieces out and its owned matrices' bf16 D back (and the reverse): 2 B per element
-        bound = 2 * (new["local"] + new["owned"])
-        assert new["owner_path"]["sent"] == new["owner_path"]["received"] == bound, (rank, new["owner_path"], bound)
-        assert set(new["owner_path"]["calls"]) == {"alltoall_base_"}, new["owner_path"]["calls"]
+        assert all(torch.equal(new["params"][n], p) for n, p in old["params"].items())  # the control's bits
+        # this rank's bf16 X pieces out and its owned matrices' bf16 U back (and the reverse): 2 B per element
+        local = sum(_elements(u, rank) for u in new["units"])
+        owned = sum(u["shape"][0] * u["shape"][1] for u in new["units"] if u["owner"] == rank)
+        assert new["floor"] == 2 * 2 * local
+        bound = 2 * (local + owned)
+        assert new["exchange"]["sent"] == new["exchange"]["received"] == bound, (rank, new["exchange"], bound)
+        assert set(new["exchange"]["calls"]) == {"alltoall_base_"}, new["exchange"]["calls"]
         # the float32 way back: 4 B per element of D
-        assert old["owner_path"]["sent"] == 2 * old["local"] + 4 * old["owned"], (rank, old["owner_path"])
-        # the rest of the step (the row path's exchange) is not touched
-        rest = [r["step"]["sent"] - r["owner_path"]["sent"] for r in (new, old)]
-        assert rest[0] == rest[1] > 0, rest
+        assert (old["exchange"]["sent"], old["exchange"]["received"]) == (2 * local + 4 * owned, 2 * owned + 4 * local)
+        # nothing else of Muon's step moves a byte: AdamW's embedding and head and the norms step in place
+        assert new["step"]["sent"] == new["exchange"]["sent"] and old["step"]["sent"] == old["exchange"]["sent"]
+        assert new["step"]["calls"] == new["exchange"]["calls"], new["step"]["calls"]
         # MuonEq: its pre computes in float32 (X goes out in float32), its direction is Newton-Schulz's (bf16 back)
         eq = r["muoneq"]
         assert eq["unequal"] == [], (rank, eq["unequal"])
-        assert eq["owner_path"]["sent"] == 4 * eq["local"] + 2 * eq["owned"], (rank, eq["owner_path"])
-    floor = sum(2 * 2 * r["bf16"]["local"] for r in got)  # the floor: 2 x itemsize(bf16) x local elements
-    assert sum(r["bf16"]["owner_path"]["sent"] for r in got) == floor
-    assert sum(r["bf16"]["owner_path"]["received"] for r in got) == floor
+        assert eq["exchange"]["sent"] == 4 * local + 2 * owned, (rank, eq["exchange"])
+    floor = sum(r["bf16"]["floor"] for r in got)  # the floor: 2 x itemsize(bf16) x local elements
+    assert sum(r["bf16"]["exchange"]["sent"] for r in got) == floor
+    assert sum(r["bf16"]["exchange"]["received"] for r in got) == floor
     # the negative control: 2 B out and 4 B back per element, 1.5x the floor
-    assert sum(r["float32"]["owner_path"]["sent"] for r in got) == 3 * floor // 2 > floor
+    assert sum(r["float32"]["exchange"]["sent"] for r in got) == 3 * floor // 2 > floor
+
+
+def _pays(m: int, n: int) -> bool:
+    """bf16 ``U`` of an ``m x n`` piece with its float32 row and column factors is fewer bytes than float32 ``D``."""
+    return 2 * m * n + 4 * (m + n) < 4 * m * n
+
+
+def _meq_ways(name: str, factored: bool):
+    """``(out, back)`` byte counts of one unit and rank for MeqMuon or NorMuon, bf16 Newton-Schulz: bf16 ``X``
+    out (NorMuon's second moment beside it where it is sharded with the rows); back bf16 ``U`` with the factors
+    of the piece's rows and columns where every piece of the unit's shape pays (``factored``), else float32
+    ``D``; then MeqMuon's counter whole (int64), NorMuon's second moment as its piece or whole (float32)."""
+    def out(u, q):
+        m = u["local"][q][0]
+        return 2 * _elements(u, q) + (4 * m if "second_moment" in u["sharded"] else 0)
+
+    def back(u, q):
+        m, n = u["local"][q]
+        direction = 2 * m * n + 4 * (m + n) if factored else 4 * m * n
+        if name == "meqmuon":
+            return direction + 8
+        return direction + 4 * (m if "second_moment" in u["sharded"] else u["shape"][0])
+
+    return out, back
 
 
 def test_tp_meqmuon_bf16_eq8_factors_come_back_with_u_and_equal_one_process(tmp_path):
-    """MeqMuon, bf16 Newton-Schulz, TP on 2 ranks: its 4 owner-path matrices (rowwise, ``Shard(1)``) come back
-    as bf16 ``U`` with eq. 8's factors of each piece, equal to one process bit for bit, and every parameter to
-    the float32 ``D`` way back's (the control), at exactly the bytes the pieces' shapes give; the control's
-    bytes are exactly ``D``'s, more. NorMuon's row divisors and restoring scale the same way."""
+    """MeqMuon, bf16 Newton-Schulz, TP on 2 ranks: its 14 hidden matrices, colwise and rowwise, come back as
+    bf16 ``U`` with eq. 8's factors of each piece, equal to one process bit for bit, and every parameter to the
+    float32 ``D`` way back's (the control), at exactly the bytes the pieces' shapes give; the control's bytes are
+    exactly ``D``'s, more. NorMuon's row divisors and restoring scale the same way."""
     got = _spawn(_meq_worker, tmp_path)
-    for rank, r in enumerate(got):
-        new, old = r["factors"], r["direction"]
-        assert new["on_owner_path"] == new["factored"] == 4 and old["factored"] == 0, (new["factored"], old["factored"])
-        owner_names = new["owner_names"]
-        assert len(owner_names) == 4 and all(n.endswith(("o_proj.weight", "down_proj.weight")) for n in owner_names)
-        # the owner path's matrices equal one process bit for bit (the rest of the step, the row path and the
-        # embeddings, is not this path's: with bf16 Newton-Schulz it is not bit for bit one process's)
-        assert not set(owner_names) & set(new["unequal"] + old["unequal"]), (rank, new["unequal"], old["unequal"])
-        assert all(torch.equal(new["params"][n], p) for n, p in old["params"].items())  # today's bits, everywhere
-        for way in (new, old):  # rows_chosen as one process counts it, on the owner path's matrices too
-            mine, ref = way["counts"]
-            assert mine == ref and set(owner_names) <= set(ref), (rank, mine, ref)
-        # bf16 X pieces out, then the way back: exactly the pieces' shapes' bytes (_back_bytes)
-        assert new["owner_path"]["sent"] == 2 * new["local"] + new["back"][True], (rank, new["owner_path"])
-        assert old["owner_path"]["sent"] == 2 * old["local"] + old["back"][False], (rank, old["owner_path"])
-        assert new["back"][True] < new["back"][False]
-        rest = [w["step"]["sent"] - w["owner_path"]["sent"] for w in (new, old)]
-        assert rest[0] == rest[1] > 0, rest  # the row path's bytes are not touched
-    for way in ("factors", "direction"):  # what the owners send is what the ranks receive
-        assert sum(r[way]["owner_path"]["sent"] for r in got) == sum(r[way]["owner_path"]["received"] for r in got)
-    assert sum(r["factors"]["owner_path"]["sent"] for r in got) < sum(r["direction"]["owner_path"]["sent"] for r in got)
-    # NorMuon likewise, with its row divisors and restoring scale (F.apply_factors' divide): its owner-path matrices
-    # one process's bits, every parameter the control's, fewer bytes
-    for rank, r in enumerate(got):
-        new, old = r["normuon"], r["normuon_direction"]
-        assert new["factored"] == 4 and old["factored"] == 0, (new["factored"], old["factored"])
-        assert not set(new["owner_names"]) & set(new["unequal"] + old["unequal"]), (rank, new["unequal"])
-        assert all(torch.equal(new["params"][n], p) for n, p in old["params"].items())
-        assert new["owner_path"]["sent"] < old["owner_path"]["sent"], (rank, new["owner_path"], old["owner_path"])
+    for name, new_key, old_key in (("meqmuon", "factors", "direction"), ("normuon", "normuon", "normuon_direction")):
+        for rank, r in enumerate(got):
+            new, old = r[new_key], r[old_key]
+            assert len(new["units"]) == HIDDEN
+            assert all(_pays(*s) for u in new["units"] for s in u["local"])  # every piece pays here
+            hidden = {u["name"] for u in new["units"]}
+            # the hidden matrices equal one process bit for bit (the embedding and head, summed over shards for
+            # eq. 9 or stepped by AdamW, and the rest: not this exchange's)
+            assert not hidden & set(new["unequal"] + old["unequal"]), (name, rank, new["unequal"], old["unequal"])
+            assert all(torch.equal(new["params"][n], p) for n, p in old["params"].items())  # the control's bits
+            for way, factored in ((new, True), (old, False)):
+                expected = _bytes(way, rank, *_meq_ways(name, factored))
+                assert (way["exchange"]["sent"], way["exchange"]["received"]) == expected, (name, rank, factored)
+                if name == "meqmuon":  # rows_chosen as one process counts it, on every hidden matrix
+                    mine, ref = way["counts"]
+                    assert mine == ref and hidden <= set(ref), (rank, mine, ref)
+            assert new["exchange"]["sent"] < old["exchange"]["sent"], (name, rank)
+            rest = [w["step"]["sent"] - w["exchange"]["sent"] for w in (new, old)]
+            assert rest[0] == rest[1], rest  # the rest of the step (eq. 9's sums) is not touched
+            if name == "meqmuon":
+                assert rest[0] > 0  # the vocabulary-parallel embedding and head: eq. 9's sums over shards
+        for key in (new_key, old_key):  # what the owners send is what the ranks receive
+            assert sum(r[key]["exchange"]["sent"] for r in got) == sum(r[key]["exchange"]["received"] for r in got)

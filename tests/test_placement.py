@@ -137,7 +137,7 @@ def test_row_shards_of_a_one_rank_shard_group_are_local_and_the_calls_carry_thei
             rule, layout = opt._rules["hidden"], engine.group_layout(opt.param_groups[0], 0, w.shape, "w")
             paths[dims] = path_of(w, rule, layout, 2)
             w.grad = torch.zeros_like(w)
-            calls = opt._calls(opt._plan(), opt.param_groups)
+            calls = opt._calls(opt._plan())
             assert [c[3].path for c in (*calls[0], *calls[1])] == [paths[dims]], dims
         assert paths == {(2, 1): Path.LOCAL, (1, 2): Path.OWNERS}, paths
     finally:

@@ -127,6 +127,24 @@ def test_prepare_splits_without_overlap_and_packs_in_order(tmp_path):
     assert again.dir == prepared.dir and (again.dir / "manifest.json").stat().st_mtime_ns == stamp
 
 
+def test_first_preparation_says_what_it_does_and_roughly_how_long(tmp_path, capsys):
+    """On first use (~45 s for the real corpus, silent before) one line before training the BPE and one before
+    tokenising, with their sizes and rough times; nothing once prepared, nothing without ``announce``."""
+    roots = many_files(tmp_path)
+    docs = pysrc.file_documents(pysrc.source_files(roots))
+    sample = pysrc.bpe_sample([d for d in docs if not corpus.is_validation(d, 0.2)])
+    for _ in range(2):
+        prepared, _ = pysrc.prepare_pysrc(None, cache=tmp_path / "cache", vocab_size=300, val_fraction=0.2,
+                                          announce=True, roots=roots)
+    pysrc.prepare_pysrc(None, cache=tmp_path / "other", vocab_size=300, val_fraction=0.2, roots=roots)
+    mb, sample_mb = (sum(len(d.encode()) for d in x) / 1e6 for x in (docs, sample))
+    assert capsys.readouterr().err.splitlines() == [
+        f"meqmuon: training the built-in BPE tokenizer (300 ids) on {sample_mb:.1f} MB of text, once: roughly a "
+        f"second (~3 MB/s on 2 cores); cached in {prepared.dir.parent}",
+        f"meqmuon: tokenising the pysrc corpus ({mb:.1f} MB) once into {prepared.dir}: roughly a second (~4 MB/s "
+        "on 2 cores)"]
+
+
 def test_data_and_prepare_command_name_the_corpus(tmp_path, monkeypatch, capsys):
     roots = many_files(tmp_path)
     monkeypatch.setattr(pysrc, "corpus_roots", lambda packages=pysrc.PACKAGES: roots)

@@ -1,6 +1,7 @@
 """The instruments of issue 47 measure what they say: ``benchmarks/step_accounting.py`` (bytes of collectives,
-the floor, tensors held, transient allocations, matmul FLOPs), ``benchmarks/comm_bytes.py`` (gloo) and
-``benchmarks/scale_sim.py`` (torch's fake process group).
+the floor, tensors held, transient allocations, matmul FLOPs, memory traffic), ``benchmarks/comm_bytes.py``
+(gloo) and ``benchmarks/scale_sim.py`` (torch's fake process group); and issue 59's time model
+(``benchmarks/time_model.py``) turns their counts into seconds as its docstring says.
 
 Every count is checked against a number worked out by hand from shapes, on code we did not write where we can
 (``torch.distributed`` collectives, ``torch.optim.AdamW``'s state, a DTensor's ``full_tensor()``).
@@ -19,6 +20,7 @@ from test_distributed import _spawn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import scale_sim  # noqa: E402
+import time_model  # noqa: E402
 from rank_model import RankModel, adamw_bytes, rank_model  # noqa: E402
 from step_accounting import StepMeter, floor_bytes, held_bytes  # noqa: E402
 
@@ -122,9 +124,10 @@ def _collectives(rank: int) -> dict:
 
 
 def _owner_bytes(rank: int, mesh) -> dict:
-    """Three 32 x 32 matrices on 2 ranks, rowwise ``Shard(1)`` as tensor parallelism's (the owner path) and
-    ``Shard(0)`` as FSDP2's (the row path): rank 0 owns two of them (equal costs, longest-first greedy), so it
-    receives 2 x 1024 elements of pieces and sends 2 x 1024 of directions against a floor of its 3 x 512."""
+    """Three 32 x 32 matrices on 2 ranks, rowwise ``Shard(1)`` as tensor parallelism's and ``Shard(0)`` as
+    FSDP2's, both through the one exchange: rank 0 owns two of them (equal costs, longest-first greedy over all
+    units), so it receives 2 x 1024 elements of pieces and sends 2 x 1024 of directions against a floor of its
+    3 x 512."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import meqmuon
@@ -169,10 +172,9 @@ def test_meter_counts_the_bytes_of_c10d_and_functional_collectives_on_gloo(tmp_p
         assert r["floor"] <= r["step"]["received"] <= 1.05 * r["floor"], r
         # AdamW's state as torch keeps it (two moments of the local shard, a float32 step per parameter)
         assert r["adamw"][0] == r["adamw"][1] == 4 * (2 * 4 * 16 * 32 + 4), r["adamw"]
-        # rank 0 owns matrices 0 and 2, rank 1 matrix 1 (whole 32 x 32 each), on the owner path (TP's Shard(1))
-        # and the row path (FSDP2's Shard(0)); the bound, itemsize x (local + owned), is exactly what the step
-        # moves each way, above the floor at rank 0 (4 x (1536 + 2048) B against 8 x 1536 B) and below it at
-        # rank 1 (4 x (1536 + 1024) B)
+        # rank 0 owns matrices 0 and 2, rank 1 matrix 1 (whole 32 x 32 each), under TP's Shard(1) and FSDP2's
+        # Shard(0) alike; the bound, itemsize x (local + owned), is exactly what the step moves each way, above
+        # the floor at rank 0 (4 x (1536 + 2048) B against 8 x 1536 B) and below it at rank 1 (4 x (1536 + 1024) B)
         for name, o in r["owners"].items():
             assert o["owned"] == [2048, 1024], (name, o["owned"])
             assert o["floor"] == o["model_floor"] == 2 * 4 * 3 * 32 * 16, name
@@ -213,7 +215,7 @@ def test_one_rank_counts_every_newton_schulz_flop_and_table_reports_unplannable_
     two_d = scale_sim.simulate("llama-tiny", "fsdp2xtp", "4x2", 0, layers=1, device="meta")
     summary = scale_sim.summarise({"rows": [two_d], "wall_s": 1.0, "rss": 2**30})
     line = scale_sim.table([summary]).splitlines()[-1]
-    # the owner path plans from placements alone (no collective), so FSDP2 x TP plans on the fake group;
+    # the exchange plans from placements alone (no collective), so FSDP2 x TP plans on the fake group;
     # a layout that cannot be planned would say so in one line instead
     assert ("not plannable on fake PG: " in line) == ("error" in two_d), line
     assert line.startswith("| llama-tiny | fsdp2xtp | 4x2 | 0 |")
@@ -230,13 +232,21 @@ def _every_rank(model: str, layout: str, ranks: str, optimizer: str = "meqmuon")
                                                 ("moe-tiny", "ep", "4")])
 def test_rank_model_read_on_one_rank_predicts_every_rank(model, layout, ranks):
     """Every rank simulated: the plan read on any rank is the same, and it gives every rank's floor and its
-    Newton-Schulz FLOPs exactly (the FSDP2 row path's owners by shape bucket, torchtitan's EP experts
+    Newton-Schulz FLOPs exactly (the exchange's owners, planned once for all units; torchtitan's EP experts
     orthogonalised where they lie, its FSDP2 rest at owners); no rank moves less than its bound; the model's
     busiest rank by FLOPs is the measured one."""
     rows = _every_rank(model, layout, ranks)
     assert all("error" not in r for r in rows), [r.get("error") for r in rows]
     m = rows[0]["ranks_model"]
     assert all(r["ranks_model"] == m for r in rows)
+    # the rounds (the time model's view of the same plan): one all-to-all out and one back per exchanged round,
+    # as measured; every rank's pieces and owned matrices split among them without remainder
+    exchanged = [rd for rd in m["rounds"] if rd["local"]]
+    assert 2 * len(exchanged) == rows[0]["calls"]["alltoall_base_"], (len(exchanged), rows[0]["calls"])
+    for r in range(len(rows)):
+        assert sum(rd["local"][r] for rd in exchanged) == m["local"][r], r
+        assert sum(k * sum(a * b for a, b in rd["matrices"]) for rd in exchanged for q, k in rd["owned"] if q == r) \
+            == m["owned"][r], r
     ranks_model = RankModel(len(rows), 4, m["local"], m["owned"], m["flops"])
     assert sum(m["owned"]) == sum(m["local"])  # every piece goes to exactly one owner
     for r, row in enumerate(rows):
@@ -275,129 +285,212 @@ def test_torchtitan_ep_keeps_whole_experts_on_every_rank_and_shards_the_rest():
     assert ep["ranks_model"]["local"][1] * 4 * 2 == ep["floor"] and experts > 0
 
 
-def _row_path_peak(keep: bool) -> tuple[int, int, int]:
-    """Rank 0 of 4 on the fake group, ``meta``: MeqMuon's batched step of four 64 x 48 ``Shard(0)`` matrices (one
-    shape bucket, one matrix owned per rank), metered at its second step. ``keep``: a negative control that
-    keeps references to the bucket's stack of local rows and to its send buffer while the step runs, as the
-    row path did before it handed them over. Returns the peak and the two buffers' bytes."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    import meqmuon
-    from meqmuon.optim import distributed, driver
-
-    kept: list[torch.Tensor] = []
-    orig_hidden, orig_at = driver.hidden_at_owners, distributed.ShardedSplit.at_owners
-
-    def hidden(rule, stack, *args):
-        kept.extend(stack)
-        return orig_hidden(rule, stack, *args)
-
-    def at_owners(self, stack, *args):
-        kept.extend(stack)
-        return orig_at(self, stack, *args)
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    mp = pytest.MonkeyPatch()
-    try:
-        if keep:
-            mp.setattr(driver, "hidden_at_owners", hidden)
-            mp.setattr(distributed.ShardedSplit, "at_owners", at_owners)
-        mesh = init_device_mesh("cpu", (4,))
-        params = [torch.nn.Parameter(DTensor.from_local(torch.empty(16, 48, device="meta"), mesh, [Shard(0)],
-                                                        run_check=False, shape=(64, 48), stride=(48, 1)))
-                  for _ in range(4)]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        groups = [{"params": params, "kind": "hidden", "names": [f"w{i}" for i in range(4)]}]
-        opt = meqmuon.build_optimizer("meqmuon", groups, ns_dtype=torch.float32, foreach=True)
-        opt.step()
-        kept.clear()
-        meter = StepMeter()
-        with meter:
-            opt.step()
-        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in kept}  # the stack twice
-        kept.clear()
-        return meter.peak, *(sorted(storages.values(), reverse=True) or [0, 0])
-    finally:
-        mp.undo()
-        dist.destroy_process_group()
-
-
-def test_row_path_lets_its_stack_and_send_buffer_go_before_the_owners_newton_schulz():
-    """FSDP2's row path at an owner: the stack of this rank's rows (4 x 16 x 48 float32, sent as it is) and the
-    columns of MeqMuon's per-matrix counter beside it (4 x 16 x 1) are not alive during Newton-Schulz, the
-    step's transient peak: keeping them alive (the control) raises the metered peak by exactly their bytes,
-    so the simulator's peak sees them go."""
-    released, _, _ = _row_path_peak(keep=False)
-    kept, stack, columns = _row_path_peak(keep=True)
-    assert (stack, columns) == (4 * 16 * 48 * 4, 4 * 16 * 1 * 4)
-    assert kept - released == stack + columns, (kept, released, stack, columns)
-
-
-def _owner_peak(placements: tuple, control: str | None, shape: tuple[int, int] = (64, 64)) -> int:
-    """Rank 0 of 4 on the fake group, ``meta``: MeqMuon's batched step (float32 Newton-Schulz) of one ``shape``
-    matrix placed by ``placements`` on a 1-D mesh of 4 or a 2 x 2 one (rank 0 its owner), metered at its second
-    step. ``control``: ``"copy"``, Newton-Schulz copying its input into a buffer of its own first (its ``inplace``
-    off, as before); ``"keep"``, a reference kept to every received matrix handed to ``driver.directions``, as
-    before it was handed over and let go once Newton-Schulz had run."""
+def _owner_peak(placements: tuple, shapes: list[tuple[int, int]], *, foreach: bool = True,
+                keep: str | None = None) -> tuple[int, int]:
+    """Rank 0 of 4 on the fake group, ``meta``: MeqMuon's step (float32 Newton-Schulz) of one matrix of each of
+    ``shapes``, placed by ``placements`` on a 1-D mesh of 4 (FSDP2's ``Shard(0)``) or a 2 x 2 one (FSDP2 over TP,
+    ``(Shard(0), Shard(1))``), both through the one exchange, metered at its second step. ``keep``: a negative
+    control that keeps references while the step runs: ``"pieces"``, to every piece this rank hands the exchange
+    (``Exchange.to_owners``' ``pieces``); ``"wholes"``, to every whole direction input the exchange puts together
+    at this owner (what ``to_owners`` returns). Returns the peak and the bytes of what the control kept."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import meqmuon
-    from meqmuon import orthogonalization
-    from meqmuon.optim import driver, exchange
+    from meqmuon.optim import exchange
 
-    kept: list = []
-    directions = driver.directions
+    kept: list[torch.Tensor] = []
 
-    def keeping(rule, stacks, *args, **kwargs):
-        kept.extend(x for x, _, _ in stacks)
-        return directions(rule, stacks, *args, **kwargs)
+    def keeping(self, indices, pieces, keys, into=None):
+        if keep == "pieces":
+            kept.extend(p for ps in pieces for p in ps)
+        wholes = to_owners(self, indices, pieces, keys, into)
+        if keep == "wholes":
+            kept.extend(ws[0] for ws in wholes if ws is not None)
+        return wholes
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     mp = pytest.MonkeyPatch()
     try:
-        if control == "copy":
-            iterate = orthogonalization._matrix_iteration
-            mp.setattr(orthogonalization, "_matrix_iteration", lambda *a, **k: iterate(*a, **{**k, "inplace": False}))
-        elif control == "keep":
-            mp.setattr(driver, "directions", keeping)
-            mp.setattr(exchange, "directions", keeping)
+        if keep is not None:
+            to_owners = exchange.Exchange.to_owners
+            mp.setattr(exchange.Exchange, "to_owners", keeping)
         mesh = init_device_mesh("cpu", (4,) if len(placements) == 1 else (2, 2))
-        m, n = shape
-        local = (m // 4, n) if len(placements) == 1 else (m // 2, n // 2)
-        w = torch.nn.Parameter(DTensor.from_local(torch.empty(local, device="meta"), mesh, placements,
-                                                  run_check=False, shape=shape, stride=(n, 1)))
-        w.grad = torch.zeros_like(w)
-        opt = meqmuon.build_optimizer("meqmuon", [{"params": [w], "kind": "hidden", "names": ["w"]}],
-                                      ns_dtype=torch.float32, foreach=True)
+        params = []
+        for m, n in shapes:
+            local = (m // 4, n) if len(placements) == 1 else (m // 2, n // 2)
+            params.append(torch.nn.Parameter(DTensor.from_local(torch.empty(local, device="meta"), mesh, placements,
+                                                                run_check=False, shape=(m, n), stride=(n, 1))))
+            params[-1].grad = torch.zeros_like(params[-1])
+        groups = [{"params": params, "kind": "hidden", "names": [f"w{i}" for i in range(len(params))]}]
+        opt = meqmuon.build_optimizer("meqmuon", groups, ns_dtype=torch.float32, foreach=foreach)
         opt.step()
         kept.clear()
         meter = StepMeter()
         with meter:
             opt.step()
-        assert (len(kept) == 1) == (control == "keep")
+        held = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in kept}.values())
         kept.clear()
-        return meter.peak
+        return meter.peak, held
     finally:
         mp.undo()
         dist.destroy_process_group()
 
 
-def test_owners_newton_schulz_iterates_in_the_received_matrices_and_lets_them_go():
-    """At an owner, FSDP2's row path (``Shard(0)``) and the owner path (``(Shard(0), Shard(1))``, FSDP2 over TP):
-    Newton-Schulz iterates in the received whole matrix (its first iterate, ``driver.directions``' ``consume``),
-    so that no copy of it is alive beside it: with one square 64 x 64 matrix (Newton-Schulz's two Gram buffers
-    make it the step's peak) the control that copies it first raises the metered peak by exactly that copy,
-    64 x 64 x 4 B. And it is let go once Newton-Schulz has run: with one wide 8 x 512 matrix (small Gram
-    buffers: ``post``, eq. 8, makes the peak) the control that keeps it alive raises the peak by exactly its
-    8 x 512 x 4 B."""
+def test_pieces_handed_to_the_exchange_go_before_the_step_peaks():
+    """At an owner (rank 0 of 4, one 64 x 48 matrix of four, MeqMuon batched), this rank's pieces of the
+    direction inputs it hands the exchange (four 16 x 48 float32 rows of FSDP2's ``Shard(0)``, four 32 x 24
+    pieces of ``(Shard(0), Shard(1))``) are let go once in the send buffer, and the send buffer once sent: neither
+    is alive at the step's transient peak (the owner's Newton-Schulz or its way back). A control that keeps the
+    pieces alive raises the metered peak by exactly their bytes, so the simulator's peak sees them go."""
     from torch.distributed.tensor import Shard
 
     for placements in ((Shard(0),), (Shard(0), Shard(1))):
-        assert _owner_peak(placements, "copy") - _owner_peak(placements, None) == 64 * 64 * 4, placements
-        wide = (8, 512)
-        assert _owner_peak(placements, "keep", wide) - _owner_peak(placements, None, wide) == 8 * 512 * 4, placements
+        released, _ = _owner_peak(placements, [(64, 48)] * 4)
+        kept, pieces = _owner_peak(placements, [(64, 48)] * 4, keep="pieces")
+        assert pieces == 4 * (64 * 48 // 4) * 4, (placements, pieces)
+        assert kept - released == pieces, (placements, kept, released, pieces)
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["batched", "per-tensor"])
+def test_an_owner_holds_its_whole_matrix_once_and_no_earlier_bucket(foreach):
+    """An owner's transient peak is Newton-Schulz of the whole matrices it owns, held once, and nothing of a
+    bucket it is done with. Rank 0 of 4 owns the 64 x 48 matrix (the first shape bucket; longest first, ties to
+    the lowest rank) and one of four 64 x 64 ones (the second), FSDP2's ``Shard(0)`` and FSDP2 over TP's
+    ``(Shard(0), Shard(1))``, both forms. The bound is what the row path and the owner path of 497228e met at
+    these shapes (68,664 B and 69,696 B, both forms): Newton-Schulz of the received 64 x 64 matrix iterated in
+    its own buffer (it, the result, two 64 x 64 Gram buffers: 4 x 16 KiB), beside it one rank's piece of such a
+    matrix (64 x 64 / 4 float32: a direction of the earlier bucket waiting for the update, or this rank's input
+    piece), and the per-matrix counters and norms (128 B). A second copy of the received matrix (a stack of it
+    beside it, or Newton-Schulz copying it), or the earlier bucket's whole matrix or stack kept to the step's end,
+    is 12-16 KiB more."""
+    from torch.distributed.tensor import Shard
+
+    m = n = 64
+    bound = 4 * (2 * m * n + 2 * n * n) + 4 * (m * n // 4) + 128
+    for placements in ((Shard(0),), (Shard(0), Shard(1))):
+        peak, _ = _owner_peak(placements, [(64, 48)] + [(m, n)] * 4, foreach=foreach)
+        assert peak <= bound, (placements, peak, bound)
+
+
+def test_an_owner_lets_its_received_matrix_go_before_post():
+    """At an owner, the whole direction input the exchange put together is spent once Newton-Schulz has read
+    it: it is let go before ``post`` (eq. 8) and the way back. With one wide 8 x 512 matrix (small Gram buffers:
+    ``post`` and the way back make the peak), FSDP2's ``Shard(0)`` and FSDP2 over TP's ``(Shard(0), Shard(1))``, the
+    control that keeps it alive raises the metered peak by exactly its 8 x 512 x 4 B."""
+    from torch.distributed.tensor import Shard
+
+    for placements in ((Shard(0),), (Shard(0), Shard(1))):
+        released, _ = _owner_peak(placements, [(8, 512)])
+        kept, whole = _owner_peak(placements, [(8, 512)], keep="wholes")
+        assert whole == 8 * 512 * 4, (placements, whole)
+        assert kept - released == whole, (placements, kept, released, whole)
+
+
+def test_meter_counts_the_ops_that_launch_and_the_bytes_memory_bound_ops_move():
+    """``StepMeter.ops`` and ``.traffic`` follow ``op_count.TrafficCounter``'s rule (``op_traffic``): a float32
+    ``add`` of 100 elements reads 800 B and writes 400 B, an in-place ``mul_`` reads its two operands and
+    writes its first, a matmul moves no counted bytes (its FLOPs are counted), a view launches nothing."""
+    import op_count
+
+    def work():
+        a, b = torch.ones(100), torch.ones(100)
+        c = a + b  # 1,200 B
+        c.mul_(b)  # 1,200 B
+        d = torch.ones(4, 5) @ torch.ones(5, 6)  # FLOPs only
+        return c.view(10, 10), d  # a view: no kernel
+
+    with StepMeter() as meter:
+        work()
+    with op_count.TrafficCounter() as counted:
+        work()
+    assert meter.traffic == counted.total_bytes == 2 * 1200 + 4 * 100 * 2 + 4 * (20 + 30)  # and the ones' writes
+    assert meter.ops == counted.total == 7  # 4 ones, add, mul_, mm
+    assert meter.flops == 2 * 4 * 5 * 6
+
+
+def _hardware(ranks_per_node: int, latency: float = 0.0) -> time_model.Hardware:
+    link = time_model.Link(100e9, latency)
+    return time_model.Hardware("test", hbm=1e12, peak={"bfloat16": 1e15, "float32": 1e14},
+                               nvlink=time_model.Link(400e9, latency), network=link,
+                               ranks_per_node=ranks_per_node, base_latency=latency, hbm_efficiency=1.0)
+
+
+def test_exchange_time_is_each_rounds_busiest_rank_over_the_bandwidth_of_the_link_it_crosses():
+    """Muon (float32 Newton-Schulz: it moves exactly the plan's bytes) on Llama-tiny under FSDP2 on 16 ranks,
+    two layers: four rounds (q/o 64 x 64, k/v 32 x 64, gate/up 128 x 64, down 64 x 128), each with owners of one
+    whole matrix, who move the most: 4 B x m x n each way, of which 1 / 16 is their own piece. One rank a node:
+    all 15 / 16 over the network; eight a node: 7 / 16 over NVLink and 8 / 16 over the network at once, the
+    slower sets the time; latencies add once per collective."""
+    row = scale_sim.simulate("llama-tiny", "fsdp2", "16", 0, layers=2, device="meta", optimizer="muon")
+    summary = scale_sim.summarise({"rows": [row], "wall_s": 1.0, "rss": 1}, 4)
+    cal = time_model.Calibration("test", rate_fraction=0.5)
+    largest = 4 * (64 * 64 + 32 * 64 + 128 * 64 + 64 * 128)  # bytes each round's owner moves, summed
+    alone = time_model.step_times(summary, _hardware(1), cal)
+    # Muon at its bound, measured (rank 0 sends 3 B more than its 51,200: the all-to-all's byte of each round)
+    assert alone.factor == pytest.approx(1.0, abs=1e-4)
+    f = alone.factor
+    assert alone.exchange == pytest.approx(2 * f * largest * 15 / 16 / 100e9, rel=1e-12)
+    nodes = time_model.step_times(summary, _hardware(8), cal)
+    assert nodes.exchange == pytest.approx(2 * f * largest * max(7 / 16 / 400e9, 8 / 16 / 100e9), rel=1e-12)
+    latent = time_model.step_times(summary, _hardware(8, latency=1e-6), cal)
+    assert latent.exchange == pytest.approx(nodes.exchange + 8 * 2e-6, rel=1e-12)  # 8 collectives
+    # twice the bytes, twice the time (bandwidth-bound)
+    assert time_model.exchange_seconds(2e6, 16, _hardware(8)) == 2 * time_model.exchange_seconds(1e6, 16, _hardware(8))
+    # Newton-Schulz: each round's owner at the calibrated time of its matrix, one after the other today
+    ns = [time_model.ns_flops(m, n) / (0.5 * 1e14) for m, n in ((64, 64), (32, 64), (128, 64), (64, 128))]
+    assert alone.ns_serial == pytest.approx(sum(ns), rel=1e-12)
+    assert alone.serial >= alone.exchange + alone.ns_serial >= alone.overlapped
+
+
+def test_overlap_never_exceeds_the_serial_step_and_is_the_compute_where_it_dominates():
+    """``time_model.pipeline``: the two-bucket pipeline is never slower than the serial rounds and never
+    faster than either side's sum; with nothing to exchange both are the compute; where every round's compute
+    is at least both its ways' exchange it hides all but the first way out and the last way back."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        rounds, ranks = rng.randint(1, 6), rng.randint(1, 5)
+        out = [rng.random() for _ in range(rounds)]
+        back = [rng.random() for _ in range(rounds)]
+        compute = [[rng.random() for _ in range(ranks)] for _ in range(rounds)]
+        serial = time_model.pipeline(out, compute, back, overlap=False)
+        overlapped = time_model.pipeline(out, compute, back, overlap=True)
+        busiest = max(sum(c[r] for c in compute) for r in range(ranks))
+        assert max(busiest, sum(out) + sum(back)) - 1e-12 <= overlapped <= serial + 1e-12
+    compute = [[3.0, 1.0]] * 4
+    assert time_model.pipeline([0.0] * 4, compute, [0.0] * 4, overlap=True) == \
+        time_model.pipeline([0.0] * 4, compute, [0.0] * 4, overlap=False) == 12.0
+    e = 1.5  # every round's 3.0 of compute >= 2e: the exchange hides behind it but the pipeline's ends
+    assert time_model.pipeline([e] * 4, compute, [e] * 4, overlap=True) == e + 12.0 + e
+    assert time_model.pipeline([e] * 4, compute, [e] * 4, overlap=False) == 4 * (2 * e + 3.0)
+
+
+def test_calibration_table_is_read_and_shapes_outside_it_are_extrapolated_and_said_so(tmp_path):
+    """A table written by ``benchmarks/ns_calibrate.py`` (CPU, two tiny shapes) is read back; a shape in it
+    gets its measured time, in either orientation; one outside it the rate of the entry nearest in FLOPs,
+    "extrapolated"; a dtype without entries the nearest entry's rate scaled by the peaks; a table with a
+    fraction of the peak for what it lacks, that."""
+    import ns_calibrate
+
+    path = tmp_path / "cal.json"
+    ns_calibrate.main(["--shapes", "8x16,32x32", "--dtypes", "float32", "--device", "cpu", "--repeats", "1",
+                       "--stack-flop", "1e6", "--out", str(path)])
+    cal = time_model.Calibration.load(path)
+    hw = _hardware(8)
+    assert {(e["m"], e["n"], e["dtype"]) for e in cal.entries} == {(8, 16, "float32"), (32, 32, "float32")}
+    small = next(e for e in cal.entries if e["m"] == 8)
+    assert cal.seconds(16, 8, "float32", hw) == (small["seconds"], "measured")
+    rate = time_model.ns_flops(32, 32) / next(e for e in cal.entries if e["m"] == 32)["seconds"]
+    seconds, how = cal.seconds(64, 64, "float32", hw)  # nearest in FLOPs: 32 x 32
+    assert how == "extrapolated" and seconds == pytest.approx(time_model.ns_flops(64, 64) / rate, rel=1e-12)
+    seconds, how = cal.seconds(64, 64, "bfloat16", hw)  # no bf16 entries: float32's rate, times 1e15 / 1e14
+    assert how == "extrapolated" and seconds == pytest.approx(time_model.ns_flops(64, 64) / (10 * rate), rel=1e-9)
+    cal.rate_fraction = 0.5
+    assert cal.seconds(64, 64, "bfloat16", hw)[0] == time_model.ns_flops(64, 64) / 0.5e15
+    assert cal.seconds(8, 16, "float32", hw) == (small["seconds"], "measured")  # the table still first
+    shipped = time_model.Calibration.load(time_model.DEFAULT_CALIBRATION)
+    assert shipped.seconds(1024, 2736, "bfloat16", time_model.H100)[1] == "derived"
+    assert shipped.seconds(16384, 53248, "bfloat16", time_model.H100)[1] == "extrapolated"

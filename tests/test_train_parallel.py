@@ -89,12 +89,20 @@ def _train(tmp: Path, out: str, ranks: int, *flags: str, cache: Path | None = No
     return _summary(_meqmuon(ranks, *argv))
 
 
+#: What the first log line of a run on these ranks and layout flags calls its layout (issue 56: it said "world 4").
+LAYOUT_WORDS = {(2, ()): "DDP over 2 ranks", (2, ("--fsdp",)): "FSDP2 over 2 ranks",
+                (4, ("--fsdp", "--tp", "2")): "FSDP2 2 x TP 2 (4 ranks)"}
+
+
 def _resume(tmp: Path, out: str, ranks: int, *flags: str) -> dict:
-    """``train --out DIR --resume auto`` and the layout flags, nothing else: the run's config.json says the rest."""
-    argv = ["train", "--out", str(tmp / out), "--resume", "auto", "--quiet", *flags]
+    """``train --out DIR --resume auto`` and the layout flags, nothing else: the run's config.json says the rest.
+    On several ranks without ``--quiet``: its first log line must name the layout."""
+    argv = ["train", "--out", str(tmp / out), "--resume", "auto", *flags]
     if ranks == 1:
-        return json.loads(_in_process(*argv)[0].strip().splitlines()[-1])
-    return _summary(_meqmuon(ranks, *argv))
+        return json.loads(_in_process(*argv, "--quiet")[0].strip().splitlines()[-1])
+    done = _meqmuon(ranks, *argv)
+    assert f" | {LAYOUT_WORDS[ranks, flags]}, micro-batch " in done.stderr, done.stderr[-3000:]
+    return _summary(done)
 
 
 def _from_update(src: Path, copy: Path, update: int = 2) -> None:
@@ -182,6 +190,16 @@ def test_one_process_run_resumes_on_two_ranks_ddp_and_fsdp(one, tmp_path):
     assert err.strip().splitlines() == [
         f"meqmuon: error: cannot read checkpoint {broken / 'checkpoints' / newest.name}: shard file(s) __1_0.distcp "
         "missing (1 of 2) (and the 1 older checkpoint(s) of the run)"], err
+
+
+def test_layout_in_words():
+    """The run's first log line names its layout and sizes (``Layout.describe``)."""
+    from meqmuon.train.parallel import Layout
+
+    assert [Layout(world, tp, fsdp, 0).describe() for world, tp, fsdp in (
+        (1, 1, False), (4, 1, False), (4, 1, True), (2, 2, False), (4, 2, True), (8, 4, True))] == [
+        "1 process", "DDP over 4 ranks", "FSDP2 over 4 ranks", "TP over 2 ranks", "FSDP2 2 x TP 2 (4 ranks)",
+        "FSDP2 2 x TP 4 (8 ranks)"]
 
 
 def test_bad_layouts_are_one_clear_line(tmp_path):

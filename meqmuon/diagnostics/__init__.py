@@ -10,35 +10,37 @@
 - :mod:`.cli`        ``meqmuon memory | diagnose {imbalance,ns-trajectory,selection} | ablation``.
 
 The analysis modules depend on torch (and lazily matplotlib for figures) only.
+
+The names below are loaded on first use (PEP 562), as ``meqmuon``'s are: the ``meqmuon`` command
+registers ``diagnose``, ``memory`` and ``ablation`` from :mod:`.cli` without importing torch.
 """
 
-from meqmuon.train.capture import CaptureRecorder
+from __future__ import annotations
 
-from .capture import captured_steps, layer_index, load_captures, module_type
-from .imbalance import hidden_cv_table, imbalance_records, matrix_stats, momentum_cv_table, normalization_table
-from .memory import memory_mib, memory_table, predicted_state_bytes
-from .selection import read_selection_counts, selection_shares, selection_table
-from .trajectory import exact_orthogonalize, ns_trajectory, plot_trajectories, trajectory_table
+import importlib
+from typing import Any
 
-__all__ = [
-    "CaptureRecorder",
-    "captured_steps",
-    "exact_orthogonalize",
-    "hidden_cv_table",
-    "imbalance_records",
-    "layer_index",
-    "load_captures",
-    "matrix_stats",
-    "memory_mib",
-    "memory_table",
-    "module_type",
-    "momentum_cv_table",
-    "normalization_table",
-    "ns_trajectory",
-    "plot_trajectories",
-    "predicted_state_bytes",
-    "read_selection_counts",
-    "selection_shares",
-    "selection_table",
-    "trajectory_table",
-]
+#: Public name -> the module that defines it.
+_HOME = {
+    "CaptureRecorder": "meqmuon.train.capture",
+    **dict.fromkeys(("captured_steps", "layer_index", "load_captures", "module_type"), ".capture"),
+    **dict.fromkeys(("hidden_cv_table", "imbalance_records", "matrix_stats", "momentum_cv_table",
+                     "normalization_table"), ".imbalance"),
+    **dict.fromkeys(("memory_mib", "memory_table", "predicted_state_bytes"), ".memory"),
+    **dict.fromkeys(("read_selection_counts", "selection_shares", "selection_table"), ".selection"),
+    **dict.fromkeys(("exact_orthogonalize", "ns_trajectory", "plot_trajectories", "trajectory_table"), ".trajectory"),
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOME[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

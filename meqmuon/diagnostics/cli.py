@@ -21,11 +21,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
+from meqmuon.registry_names import registry_names
 
 __all__ = ["register", "main"]
 
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+#: ``--state-dtype`` / ``--ns-dtype`` names (and a run's recorded ``ns_dtype``) -> torch's name of the dtype.
+_DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "float64": "float64"}
+
+
+def _dtype(name: str) -> Any:
+    """The torch dtype of a dtype name (torch is imported by the commands, not by :func:`register`: the
+    ``meqmuon`` command answers ``--help`` and argument errors without it)."""
+    import torch
+
+    return getattr(torch, _DTYPE_NAMES[name])
 
 
 def _ints(text: str) -> list[int]:
@@ -69,8 +79,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from .ablation import meta_param_groups, tiny_lm_factory
     from .memory import measure_state_bytes, measure_table, memory_mib, memory_table
 
-    dtype = _DTYPES[args.state_dtype]
-    nbytes = torch.empty((), dtype=dtype).element_size()
+    dtype = _dtype(args.state_dtype)
+    nbytes = dtype.itemsize
     optimizers = [spec(n).name for n in args.optimizers] if args.optimizers else list(MEMORY_NAMES)  # unknown: error
     groups = meta_param_groups(args.models or None)
     values = memory_mib(groups, optimizers, nbytes)
@@ -103,7 +113,7 @@ def _ns_dtype_name(args: argparse.Namespace) -> str:
     cfg = Path(args.run) / "config.json"
     if cfg.is_file():
         recorded = (json.loads(cfg.read_text()).get("optimizer_args") or {}).get("ns_dtype")
-        if recorded in _DTYPES:
+        if recorded in _DTYPE_NAMES:
             return recorded
     from meqmuon.precision import resolve_ns_dtype
 
@@ -123,7 +133,7 @@ def cmd_imbalance(args: argparse.Namespace) -> int:
         raise ValueError(f"no captured matrix matches --layers {','.join(map(str, missing))} in {args.run}; "
                          f"captured layers: {','.join(map(str, have)) or 'none'}")
     args.ns_dtype = _ns_dtype_name(args)
-    records = imbalance_records(caps, args.layers, ns_steps=args.ns_steps, ns_dtype=_DTYPES[args.ns_dtype])
+    records = imbalance_records(caps, args.layers, ns_steps=args.ns_steps, ns_dtype=_dtype(args.ns_dtype))
     if not records:
         raise ValueError(f"no hidden, embedding or head matrix captured in {args.run}")
     steps = sorted(caps)
@@ -167,7 +177,7 @@ def cmd_ns_trajectory(args: argparse.Namespace) -> int:
         raise ValueError(f"no hidden matrix of layer {layer} captured at step {step} in {args.run}; captured "
                          f"layers: {','.join(map(str, layers)) or 'none'}")
     args.ns_dtype = _ns_dtype_name(args)
-    results = trajectories(chosen, args.max_k, dtype=_DTYPES[args.ns_dtype])
+    results = trajectories(chosen, args.max_k, dtype=_dtype(args.ns_dtype))
     ks = sorted({k for k in (0, 5, args.max_k) if k <= args.max_k})
     out = _out_dir(args)
     stem = f"ns_trajectory_layer{layer}_step{step}"
@@ -255,11 +265,10 @@ def cmd_ablation(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add ``memory``, ``diagnose {imbalance,ns-trajectory,selection}`` and ``ablation`` to ``subparsers``."""
-    from ..optim.registry import ABLATION_NAMES, MEMORY_NAMES
-
+    names = registry_names()
     p = subparsers.add_parser("memory", help="optimizer-state memory per optimizer and model (Tables 5, 7)")
     p.add_argument("--models", type=_names, default=None, help="comma list (default: the six paper models)")
-    p.add_argument("--optimizers", type=_names, default=None, help=f"comma list (default: {','.join(MEMORY_NAMES)})")
+    p.add_argument("--optimizers", type=_names, default=None, help=f"comma list (default: {','.join(names.memory)})")
     p.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="dtype of the optimizer state (float32; bfloat16 halves all but NorMuon's row moments)")
     p.add_argument("--measure", action="store_true", help="also take one real step per optimizer on a small model")
@@ -303,8 +312,8 @@ def register(subparsers: Any) -> None:
     a.add_argument("--model", default="llama-tiny", help="registry model (default llama-tiny)")
     a.add_argument("--steps", type=int, default=150, help="optimizer updates per variant (150)")
     a.add_argument("--lr", type=float, default=None, help="one lr for every variant (default: each one's demo lr)")
-    a.add_argument("--optimizers", type=_names, default=list(ABLATION_NAMES),
-                   help=f"comma list (default {','.join(ABLATION_NAMES)})")
+    a.add_argument("--optimizers", type=_names, default=list(names.ablation),
+                   help=f"comma list (default {','.join(names.ablation)})")
     a.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (128)")
     a.add_argument("--batch", type=int, default=8, help="global batch in sequences (8)")
     a.add_argument("--seed", type=int, default=0, help="initial weights and data order (0)")

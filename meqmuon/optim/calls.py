@@ -35,7 +35,7 @@ class StepContext:
     Adam/SCALE rules with ``"gradient"`` and the raw gradient. ``None``: no call, no cost.
     """
 
-    __slots__ = ("capture", "kind", "split", "workspace", "call", "inputs", "path")
+    __slots__ = ("capture", "kind", "split", "workspace", "call", "path")
 
     def __init__(self, capture: Callable[[str, str, str, Tensor], None] | None = None, kind: str = "",
                  split: LocalSplit | None = None, workspace: dict | None = None,
@@ -49,8 +49,6 @@ class StepContext:
         self.workspace = workspace if workspace is not None else {}
         #: This call's position among the step's batched calls: its input stacks are its own.
         self.call = call
-        #: The batched step's direction inputs, by item id, until they are stacked (``driver.stack_inputs``).
-        self.inputs: dict[int, Tensor] = {}
         #: The path of this call's parameters (``placement.py``).
         self.path = path
 

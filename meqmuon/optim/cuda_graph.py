@@ -124,13 +124,17 @@ def check(opt: Any, closure: Callable | None) -> None:
             raise ValueError(f"{where}: rule {rule.name!r} ({kind}) has no graph form")
         if any(how == "step" for how in getattr(rule, "state_views", {}).values()):
             raise ValueError(f"{where}: rule {rule.name!r} ({kind}) reads per-step host counters")
+        if getattr(rule, "_own_inputs", False) or getattr(rule, "_own_step", False):
+            # Muon-VS's bias correction reads the step count, MuonH's projection the lr: host values a capture bakes in
+            raise ValueError(f"{where}: rule {rule.name!r} ({kind}) makes its own direction input or step from host "
+                             "values (the step count, lr) that a captured graph would freeze")
     for group in opt.param_groups:
         for p in group["params"]:
             if is_dtensor(p):
                 raise ValueError(f"{where}: DTensor parameters (FSDP2/TP) need host decisions and collectives")
             if p.device.type != "cuda":
                 raise ValueError(f"{where} needs CUDA parameters; one is on {p.device}")
-    if not all(batched for _, _, _, batched in opt._plan()):
+    if not all(batched for _, _, batched in opt._plan()):
         raise ValueError(f"{where} captures the batched step; a group has foreach=False (per-tensor form)")
 
 
@@ -217,7 +221,7 @@ class GraphedStep:
         if self.capture:
             check(opt, closure)
         plan = opt._plan()  # creates the state of new parameters
-        for _, entries, _, _ in plan:
+        for _, entries, _ in plan:
             for e in entries:
                 if e.param.grad is not None:
                     e.state["step"] += 1
@@ -264,7 +268,7 @@ class GraphedStep:
         (its chooser, ``RoleOptimizer._run``) with :func:`device_group`, AdamW in :func:`adamw_foreach`. Groups
         are not merged (the eager step merges equal ones into shared buckets): their values may part later."""
         calls = []
-        for index, (group, entries, _, _) in enumerate(plan):
+        for index, (group, entries, _) in enumerate(plan):
             by_rule: dict[Any, list[Item]] = {}
             for e in entries:
                 g = e.param.grad
@@ -284,7 +288,7 @@ class GraphedStep:
                                   self._context(len(calls), kind)))
         if calls:
             opt._run(([], calls))
-        for _, entries, _, _ in plan:
+        for _, entries, _ in plan:
             for e in entries:
                 if e.item is not None:
                     e.item.grad = None

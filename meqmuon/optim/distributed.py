@@ -9,7 +9,7 @@ by the call's path:
 ``RowSums``     ``placement.ROWS``: whole-row pieces of a rule whose only sums over shards are statistics (eq. 9
                 and 10, SCALE): ``psum`` is one all-reduce of partial sums per statistic; no piece travels.
 ``Exchange``    ``placement.OWNERS`` (``exchange.py``): direction inputs to owner ranks, whole matrices there,
-                directions back, by :func:`exchange_flat`, with owners by :func:`assign_owners`.
+                directions back, with owners by :func:`assign_owners`.
 
 All ranks must call ``step()`` with the same parameters having gradients (DDP guarantees this), otherwise the
 collectives do not match.
@@ -36,8 +36,8 @@ except ImportError:  # pragma: no cover - exercised only on such builds
     Replicate = None  # type: ignore[assignment,misc]
     Shard = None  # type: ignore[assignment,misc]
 
-__all__ = ["SHARDED_LAYOUTS", "LocalSplit", "RowSums", "as_bytes", "assign_owners", "exchange_bytes", "exchange_flat",
-           "from_bytes", "is_dtensor", "local", "resolve_process_group", "state_like"]
+__all__ = ["SHARDED_LAYOUTS", "LocalSplit", "RowSums", "assign_owners", "is_dtensor", "local", "resolve_process_group",
+           "state_like"]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -75,73 +75,39 @@ def resolve_process_group(process_group: Any) -> Any:
     return None
 
 
-def assign_owners(costs: Sequence[float], load: list[float]) -> list[int]:
-    """Owner rank of each item: longest-first greedy onto the least-loaded rank (ties: lower rank).
+def assign_owners(costs: Sequence[float], load: list[float], groups: Sequence[Any] | None = None) -> list[int]:
+    """Owner rank of each item: longest-first greedy onto the least-loaded rank (ties: lower rank; with
+    ``groups``, among the least-loaded ranks one that owns no item of the item's group yet, where there is one).
 
     ``load`` (one entry per rank) is updated in place, so calling this for several param groups
     in turn balances the whole step. Depends only on the arguments, hence identical on every rank.
     Longest-first greedy (LPT) keeps the busiest rank within 4/3 of the optimum (Graham 1969); where items
     are fewer than ranks, as hidden matrices of 70B on 512 ranks, each rank gets at most one of the largest.
+    ``groups`` (an exchange's shape buckets) changes no load, only which of equally loaded ranks: so that an
+    owner holds as few whole matrices of one bucket at once as the balance allows (Llama-3 405B on 256 ranks:
+    rank 0 held two of the 53,248 x 16,384 bucket's matrices, 6.5 GiB at once, where one rank each was free).
     A heap of ``(load, rank)``: ``O(items log ranks)``, the same choices as a scan for the minimum.
     """
     heap = [(x, r) for r, x in enumerate(load)]
     heapq.heapify(heap)
     owners = [0] * len(costs)
+    held: dict[Any, set[int]] = {}
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         x, r = heapq.heappop(heap)
+        if groups is not None and r in held.get(groups[i], ()):
+            tied = [(x, r)]  # the equally loaded ranks, lowest first, until one without this group's items
+            while heap and heap[0][0] == x and tied[-1][1] in held[groups[i]]:
+                tied.append(heapq.heappop(heap))
+            x, r = next((t for t in tied if t[1] not in held[groups[i]]), tied[0])
+            for t in tied:
+                if t[1] != r:
+                    heapq.heappush(heap, t)
         owners[i] = r
         load[r] = x + costs[i]
         heapq.heappush(heap, (load[r], r))
+        if groups is not None:
+            held.setdefault(groups[i], set()).add(r)
     return owners
-
-
-def exchange_flat(send: list[list[Tensor]], out_splits: Sequence[int], group: Any, device: torch.device) -> Tensor:
-    """One uneven ``all_to_all_single`` of bytes, the one exchange of every sharded layout (the row path,
-    :meth:`ShardedSplit.at_owners`, and the owner path, ``owners.OwnerPlan``): ``send[r]`` (uint8 tensors)
-    to rank ``r`` of ``group``, nothing padded; ``out_splits[r]`` the bytes rank ``r`` sends here. ``send``
-    is emptied (its pieces, copies at owners, let go before the exchange). Returns the received bytes, rank
-    ``0``'s first."""
-    send_sizes = [sum(p.numel() for p in s) for s in send]
-    pieces = [p for s in send for p in s]  # rank-major: one copy into the send buffer
-    flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
-    del pieces
-    for s in send:
-        s.clear()
-    out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
-    if not sum(send_sizes) and out.numel() and dist.get_backend(group) == "fake":
-        # torch's FakeProcessGroup (the simulator's, benchmarks/scale_sim.py) fills what a rank receives from
-        # what it sends and refuses an empty input (FakeProcessGroup.hpp, alltoall_base): there a rank that
-        # sends nothing sends itself one byte, which it does not read. Real backends never take this branch.
-        flat = torch.zeros(1, dtype=torch.uint8, device=device)
-        send_sizes[dist.get_rank(group)] = 1
-    dist.all_to_all_single(out, flat, list(out_splits), send_sizes, group=group)
-    return out
-
-
-def exchange_bytes(send: list[list[Tensor]], sizes: list[list[int]], group: Any,
-                   device: torch.device) -> list[list[Tensor]]:
-    """:func:`exchange_flat` with ``sizes[r]`` the byte sizes of the pieces rank ``r`` sends here. Returns the
-    received pieces per source rank (views of one buffer)."""
-    out = exchange_flat(send, [sum(s) for s in sizes], group, device)
-    recv, start = [], 0
-    for s in sizes:
-        got = []
-        for n in s:
-            got.append(out[start : start + n])
-            start += n
-        recv.append(got)
-    return recv
-
-
-def as_bytes(t: Tensor) -> Tensor:
-    """``t``'s elements as a flat uint8 tensor (a view where ``t`` is contiguous)."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def from_bytes(piece: Tensor, dtype: torch.dtype) -> Tensor:
-    """Received bytes as ``dtype`` (copied first where the bytes before them leave them unaligned)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return (piece if piece.storage_offset() % size == 0 else piece.clone()).view(dtype)
 
 
 class LocalSplit:

@@ -104,7 +104,7 @@ class HiddenRule(MomentumBase):
         cls._rewrites_input = cls.pre is not HiddenRule.pre
         cls._own_inputs = cls.inputs is not HiddenRule.inputs
         cls._own_step = cls.step_weights is not HiddenRule.step_weights
-        cls.transfer_form = transfer.DIRECTION if cls._own_step else transfer.form_of(cls)
+        cls.transfer_form = transfer.DIRECTION if cls._own_step else transfer.form_of(cls, HiddenRule)
         if cls.transposes and ("rows" in cls.state_views.values() or cls._own_step):
             raise TypeError(f"{cls.__name__}: per-row state or a step of its own needs transposes = False (rows "
                             "would change length; the weights keep their orientation)")
@@ -227,8 +227,8 @@ def init_state(rule: Rule, p: Tensor, state: dict[str, Any], group: dict, layout
             state[key] = state_like(p, layout.rows_shape, torch.promote_types(p.dtype, torch.float32),
                                     aligned=not layout.folded and (bool(layout.batch) or not layout.transposed))
         elif how == "counter":  # a whole matrix's counter is a plain tensor even under FSDP2
-            state[key] = state_like(p, layout.counter_shape, torch.int64, aligned=not layout.folded) \
-                if layout.batch else torch.zeros(layout.counter_shape, dtype=torch.int64, device=p.device)
+            state[key] = (state_like(p, layout.counter_shape, torch.int64, aligned=not layout.folded)
+                          if layout.batch else torch.zeros(layout.counter_shape, dtype=torch.int64, device=p.device))
 
 
 def cut_items(rule: Rule, layout: Layout, param: Tensor, grad: Tensor, state: dict[str, Any], name: str, kind: str,
@@ -361,9 +361,8 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
     contiguous matrix already in its dtype in place (``inplace``: the first iterate is ``X``'s own buffer), so
     that the received bytes are not alive beside Newton-Schulz's copy of them; the same ops on the same values.
     The caller hands them over (keeps no reference): each entry of ``stacks`` loses its ``X`` once Newton-Schulz
-    has run, so that the spent bytes are let go before ``post``. ``factored``: an owner's stacks (one side each)
-    of a rule whose directions travel as factors (``transfer.FACTORS``): per stack ``(U, row, col)`` instead of
-    ``D`` (``U`` in the Newton-Schulz dtype, ``row`` and ``col`` the rule's :meth:`~HiddenRule.post_factors`).
+    has run, so that the spent bytes are let go before ``post``. ``factored`` (directions that travel as factors,
+    ``transfer.FACTORS``): per side ``(U, row, col)``, ``U`` in its dtype with :meth:`~HiddenRule.post_factors`.
 
     Args:
         rule: the ``HiddenRule``.
@@ -426,8 +425,9 @@ Orth = Callable[..., tuple[Tensor, Tensor | None, Tensor | None]]
 
 
 def bucket_directions(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, ctx: StepContext, *, batched: bool,
-                      x_of: Callable[[Item], Tensor], dtype: torch.dtype | None = None, orth: Orth | None = None,
-                      factored: bool = False) -> list[list[Any]]:
+                      x_of: Callable[[Item], Tensor] | None = None, dtype: torch.dtype | None = None,
+                      orth: Orth | None = None, factored: bool = False, handed: list[Tensor] | None = None,
+                      workspace: dict | None = None) -> list[list[Any]]:
     """The one body of a hidden rule's step, wherever its matrices are whole: one process's, and an owner rank's
     (``exchange.py``: DDP's shared matrices, the whole matrices of FSDP2's and tensor parallelism's pieces).
 
@@ -438,9 +438,16 @@ def bucket_directions(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, 
     Newton-Schulz per stack), or ``orth`` stack by stack (the owners' compiled graphs); the new per-matrix state
     written back into the members' (one copy kernel per key). Returns per bucket, per member, its direction in
     its own orientation (cast to ``dtype`` where that is wider), or with ``factored`` ``(U, row, col)``: its
-    ``U``, its ``(m,)`` row and ``(n,)`` column factors."""
+    ``U``, its ``(m,)`` row and ``(n,)`` column factors.
+
+    At an owner (``exchange.py``) the stacks may be ``handed`` over, one per bucket, already made (the received
+    whole matrices, put together in place): then nothing is copied, Newton-Schulz iterates in them and lets them
+    go before ``post``, and its buffers are this call's (``directions``' ``consume`` and ``release``), so that an
+    owner holds each whole matrix once and nothing of a bucket it is done with; ``workspace``: where the stacks
+    are made otherwise (default the call's, kept to the step's end)."""
     members = [it for b in buckets for it in b.items]
     device = members[0].param.device
+    workspace = ctx.workspace if workspace is None else workspace
     scalars = {k: F.on_device([it.state[k] for it in members], device) if how == "step" else
                torch.stack([it.state[k] for it in members]) for k, how in rule.state_views.items()
                if how in ("counter", "step")}
@@ -451,10 +458,14 @@ def bucket_directions(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, 
         state = {key: torch.stack([it.state[key] for it in b.items]) for key, how in rule.state_views.items()
                  if how == "rows"}
         state.update({key: v[o : o + k] for key, v in scalars.items()})
-        stacks.append((stack_inputs(ctx, rule.name, b, [x_of(it) for it in b.items], dt), b.plain, state))
+        X = handed.pop(0) if handed else stack_inputs(workspace, (rule.name, ctx.call), b,
+                                                      [x_of(it) for it in b.items], dt)
+        stacks.append((X, b.plain, state))
+        del X
         o += k
     if orth is None:
-        found = directions(rule, stacks, group, ctx, batched=batched, dtype=dtype, factored=factored)
+        found = directions(rule, stacks, group, ctx, batched=batched, dtype=dtype, factored=factored,
+                           **({"scratch": {}, "release": True, "consume": True} if handed is not None else {}))
     else:  # one graph per stack; the stack handed over (the graph's scratch)
         found = []
         for i, (X, plain, state) in enumerate(stacks):
@@ -493,12 +504,13 @@ def direction_input(it: Item, group: dict, rows: slice = slice(None), out: Tenso
     return F.direction_input([g], [b], group["momentum"], group["nesterov"], None if out is None else [out])[0]
 
 
-def stack_inputs(ctx: StepContext, name: str, bucket: Bucket, xs: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
-    """The members' direction inputs ``xs`` stacked (cast to ``dtype``) in the call's persistent workspace, in the
-    bucket's orientation: one ``stack`` reads the transposed members as strided views."""
+def stack_inputs(workspace: dict, role: tuple, bucket: Bucket, xs: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+    """The members' direction inputs ``xs`` stacked (cast to ``dtype``) in a buffer of ``workspace`` (a call's:
+    ``role`` names it, with the bucket's key), in the bucket's orientation: one ``stack`` reads the transposed
+    members as strided views."""
     if len(bucket.shape) == 2:
         xs = [x.reshape(x.shape[0], -1) if x.ndim > 2 else x for x in xs]
-    out = buffer(ctx.workspace, (name, "inputs", ctx.call, bucket.key), (len(xs), *bucket.shape), dtype,
+    out = buffer(workspace, (*role, "inputs", bucket.key), (len(xs), *bucket.shape), dtype,
                  bucket.items[0].param.device)
     return torch.stack([*xs[: bucket.plain], *(x.mT for x in xs[bucket.plain :])], out=out)
 
@@ -555,8 +567,12 @@ def input_makers(calls: Sequence[Call], *, batched: bool) -> list[Inputs]:
                 makers.append(lambda it, out=None, rule=rule, group=group: rule.inputs([it], group)[0])
                 continue
             bufs = [it.state["momentum_buffer"] for it in items]
-            F.momentum_(bufs, grads_like(items, bufs), group["momentum"], fused=True)
-            makers.append(lambda it, out=None, group=group: direction_input(it, group, out=out))
+            F.momentum_(bufs, [it.grad.to(b.dtype) for it, b in zip(items, bufs, strict=True)], group["momentum"],
+                        fused=True)
+            mu, nesterov = group["momentum"], group["nesterov"]
+            makers.append(lambda it, out=None, mu=mu, nesterov=nesterov: F.direction_input(
+                [it.grad.to(it.state["momentum_buffer"].dtype)], [it.state["momentum_buffer"]], mu, nesterov,
+                None if out is None else [out])[0])
         return makers
     inputs: dict[int, Tensor] = {}
     by_mu: dict[tuple[float, bool], tuple[list[Item], list[Tensor], list[Tensor]]] = {}
@@ -600,7 +616,8 @@ def _hidden_eager(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: Ste
     for it in items:
         b, shape = it.state["momentum_buffer"], it.shape
         x = x_of(it, out=buffer(scratch, "nesterov", b.shape, b.dtype, b.device))
-        ctx.emit([it], [x], "momentum_input")
+        if ctx.capture is not None:
+            ctx.emit([it], [x], "momentum_input")
         X = x.reshape(x.shape[0], -1) if x.ndim > 2 else x
         state = {k: F.on_device([it.state[k]], b.device) if how == "step" else it.state[k][None]
                  for k, how in per_matrix}
@@ -614,8 +631,11 @@ def step_weights(rule: HiddenRule, params: Sequence[Tensor], D: Tensor, scale: f
     ``(K, m, n)`` in their orientation: ``W <- (1 - lr wd) W - lr s D`` (:func:`apply_update`), or the rule's own
     :meth:`HiddenRule.step_weights` on a stack of the weights, copied back."""
     if not rule._own_step:
-        apply_update([Item(p, None, {}, "") for p in params], list(D.unbind(0)), [scale] * len(params), group,
-                     scratch)
+        for p, d in zip(params, D.unbind(0), strict=True):
+            d = d.reshape(p.shape)
+            if scratch is not None and d.dtype != p.dtype and torch.promote_types(d.dtype, p.dtype) == p.dtype:
+                d = buffer(scratch, "direction", p.shape, p.dtype, p.device).copy_(d)  # as apply_update does
+            F.decay_and_update_([p], [d], group["lr"], group["weight_decay"], [scale])
         return
     W = torch.stack([p.reshape(D.shape[1:]) for p in params])
     rule.step_weights(W, D.to(W.dtype), scale, group)
@@ -651,7 +671,8 @@ def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext, x
     stacked), not applied: per shape bucket one stack. Returns ``(params, directions, scales)``, empty where the
     rule steps its weights itself (:func:`step_weights`, done here)."""
     xs = {id(it): x_of(it) for it in items}
-    ctx.emit(items, list(xs.values()), "momentum_input")
+    if ctx.capture is not None:
+        ctx.emit(items, list(xs.values()), "momentum_input")
     hidden = isinstance(rule, HiddenRule)
     buckets = make_buckets(items, matrix=hidden or needs_matrix(rule), transpose=hidden and rule.transposes)
     params, dirs, scales = [], [], []
@@ -659,14 +680,16 @@ def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext, x
         found = bucket_directions(rule, buckets, group, ctx, batched=True, x_of=lambda it: xs.pop(id(it)),
                                   dtype=items[0].param.dtype)
     else:
-        found = [unstack(b, rule.direction(stack_inputs(ctx, rule.name, b, [xs.pop(id(it)) for it in b.items],
+        found = [unstack(b, rule.direction(stack_inputs(ctx.workspace, (rule.name, ctx.call), b,
+                                                        [xs.pop(id(it)) for it in b.items],
                                                         F.stat_dtype(b.items[0].param)),
                                            group, ctx.split.psum, b.global_shape)) for b in buckets]
     for b, ds in zip(buckets, found, strict=True):
         # A hidden rule's step multiplier (:meth:`HiddenRule.lr_scale`); the elementwise rules fold theirs in.
         scale = rule.lr_scale(*b.global_shape, group) if hidden else 1.0
         if hidden and rule._own_step:
-            step_weights(rule, [it.param for it in b.items], torch.stack(ds), scale, group)
+            step_weights(rule, [it.param for it in b.items], torch.stack([d.reshape(b.shape) for d in ds]), scale,
+                         group)
             continue
         params += [it.param for it in b.items]
         dirs += ds

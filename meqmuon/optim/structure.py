@@ -48,13 +48,22 @@ def _is_experts(module: nn.Module) -> bool:
     return type(module).__name__.endswith("Experts")
 
 
+#: Experts modules whose fused gate/up tensor interleaves gate and up rows, under another name than
+#: ``gate_up_proj``: class -> its name. torchtitan's GPT-OSS (``models/gpt_oss/moe.py``): ``mlp1_weight_EGD``
+#: ``(E, 2F, D)``, used ``x @ w[e].T``, then ``swiglu``: ``x[..., ::2], x[..., 1::2]``.
+INTERLEAVED_GATE_UP = {"GptOssGroupedExperts": "mlp1_weight_EGD"}
+
+
 def _experts_count(module: nn.Module) -> int | None:
-    """The number of experts an experts module holds: the leading dim of its 3-D expert tensors."""
+    """The number of experts an experts module holds: the leading dim of its 3-D expert tensors
+    (transformers' ``gate_up_proj``, ``down_proj``, ``up_proj``; else any 3-D parameter of its own, as
+    torchtitan's ``w1_EFD`` or ``mlp1_weight_EGD``)."""
     for attr in ("gate_up_proj", "down_proj", "up_proj"):
         t = getattr(module, attr, None)
         if isinstance(t, torch.Tensor) and t.ndim == 3:
             return t.shape[0]
-    return None
+    sizes = {p.shape[0] for p in module.parameters(recurse=False) if p.ndim == 3}
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _experts_route(module: nn.Module, pname: str, p: torch.Tensor) -> Route:
@@ -71,10 +80,12 @@ def _experts_route(module: nn.Module, pname: str, p: torch.Tensor) -> Route:
     experts = _experts_count(module)
     if p.ndim == 2 and experts is not None and p.shape[0] == experts and "bias" in pname:
         note = ("each expert's gate and up biases in one vector (the vector rule's RMS spans both)"
-                if pname.startswith("gate_up") else "")
+                if pname.startswith(("gate_up", "mlp1")) else "")
         return Route("vectors", note=note, kind="vector")
     if p.ndim < 3:
         return Route()
+    if INTERLEAVED_GATE_UP.get(type(module).__name__) == pname and p.shape[-2] % 2 == 0:
+        return Route("stacked", (p.shape[-2] // 2,) * 2, interleaved=True)
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     transposed = getattr(module, "is_transposed", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.ndim == down.ndim == 3):
@@ -219,6 +230,14 @@ def _qwen3_next_ba(m: nn.Module) -> str:
             "fix_query_key_value_ordering): no row view gives a block, kept whole")
 
 
+def _torchtitan_wqkv(m: nn.Module) -> str:
+    r, hd = m.heads_per_kv, m.head_dim
+    n_kv = m.wqkv.weight.shape[0] // ((r + 2) * hd)
+    return (f"q, k, v interleaved per KV head ({n_kv} groups of {r * hd}, {hd}, {hd} rows; torchtitan's "
+            "FusedQKVLinear): no row view gives wq, wk, wv, kept whole (docs/torchtitan.md; fuse_qkv=False trains "
+            "as the unfused model)")
+
+
 def _gated_query(m: nn.Module) -> str:
     return (f"query and output gate interleaved per head ({m.config.num_attention_heads} heads of {m.head_dim}, "
             f"{m.head_dim} rows; view(..., -1, 2 * head_dim).chunk(2)): no row view gives a block, kept whole")
@@ -228,18 +247,23 @@ def _gated_query(m: nn.Module) -> str:
 #: strided view of the rows gives one block (``views.py`` cuts runs, or single rows in turn), so they
 #: stay whole and :func:`meqmuon.describe_groups` lists them with their layout. ``(parent class, module
 #: name) -> the note``. Qwen3-Next (transformers ``models/qwen3_next/modeling_qwen3_next.py``): the
-#: Gated-DeltaNet's ``in_proj_qkvz`` and ``in_proj_ba``, and the gated attention's ``q_proj``.
+#: Gated-DeltaNet's ``in_proj_qkvz`` and ``in_proj_ba``, and the gated attention's ``q_proj``. torchtitan's
+#: ``wqkv`` (``models/common/attention.py``, ``FusedQKVLinear``; ``AllGatherFusedQKVLinear`` its subclass in
+#: ``dist_gemm.py``): rows ``(n_kv, heads_per_kv + 2, head_dim)``, each KV group's q heads, then its k and v.
 INTERLEAVED_BLOCKS: dict[tuple[str, str], Callable[[nn.Module], str]] = {
     ("Qwen3NextGatedDeltaNet", "in_proj_qkvz"): _qwen3_next_qkvz,
     ("Qwen3NextGatedDeltaNet", "in_proj_ba"): _qwen3_next_ba,
     ("Qwen3NextAttention", "q_proj"): _gated_query,
+    ("FusedQKVLinear", "wqkv"): _torchtitan_wqkv,
+    ("AllGatherFusedQKVLinear", "wqkv"): _torchtitan_wqkv,
 }
 #: Names of projections known to be fused, for the modules whose layout is not in
 #: :data:`FUSED_LAYOUTS` (GPT-NeoX and Falcon interleave q, k, v per head; Baichuan's ``W_pack``,
-#: MLA, Mamba-style mixers and GLU inputs of other families): kept whole and listed.
+#: MLA, Mamba-style mixers and GLU inputs of other families; torchtitan's ``wqkv`` elsewhere and its MLA
+#: ``wkv_a``, ``split([kv_lora_rank, qk_rope_head_dim])`` in ``models/deepseek_v3/model.py``): kept whole and listed.
 FUSED_NAMES = re.compile(
-    r"(^|\.)(qkv_proj|query_key_value|c_attn|gate_up_proj|W_pack|Wqkv|qkv|in_proj|x_proj|kv_a_proj_with_mqa|Wi"
-    r"|input_linear|wi_gate_up)$")
+    r"(^|\.)(qkv_proj|query_key_value|c_attn|gate_up_proj|W_pack|Wqkv|wqkv|qkv|in_proj|x_proj|kv_a_proj_with_mqa"
+    r"|wkv_a|Wi|input_linear|wi_gate_up)$")
 
 
 def _fused_route(mname: str, parent: nn.Module | None, view: str, rows: int) -> Route:

@@ -23,15 +23,12 @@ and NorMuon move 1.01x the floor on 2-4 gloo ranks (docs/benchmarks.md).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from .. import functional as F
-
-if TYPE_CHECKING:  # the protocol lives in driver.py, which imports this module
-    from .driver import HiddenRule
 
 __all__ = ["DIRECTION", "FACTORS", "IDENTITY", "Factors", "apply", "form_of", "pays"]
 
@@ -52,16 +49,14 @@ def _defined_by(cls: type, name: str) -> type:
     return next(c for c in cls.__mro__ if name in vars(c))
 
 
-def form_of(cls: type[HiddenRule]) -> str:
-    """The form a rule class's directions travel in (see the module): derived from which of ``post``,
-    ``post_all`` and ``post_factors`` the class defines, so that a subclass that overrides ``post`` without
-    ``post_factors`` falls back to ``DIRECTION``, exact."""
-    from .driver import HiddenRule
-
+def form_of(cls: type, base: type) -> str:
+    """The form the directions of ``cls``, a subclass of the protocol ``base`` (``driver.HiddenRule``), travel in
+    (see the module): derived from which of ``post``, ``post_all`` and ``post_factors`` the class defines, so that a
+    subclass that overrides ``post`` without ``post_factors`` falls back to ``DIRECTION``, exact."""
     post, post_all, factors = (_defined_by(cls, name) for name in ("post", "post_all", "post_factors"))
-    if post is post_all is HiddenRule:
+    if post is post_all is base:
         return IDENTITY
-    if factors is not HiddenRule and issubclass(factors, post) and issubclass(factors, post_all):
+    if factors is not base and issubclass(factors, post) and issubclass(factors, post_all):
         return FACTORS
     return DIRECTION
 

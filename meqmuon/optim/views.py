@@ -168,8 +168,8 @@ def layout_of(shape: Sequence[int], view: str = "matrix", split: Sequence[int] |
         return Layout("matrix", (), 1, math.prod(shape), (1,), False)
     folded = folds is not None
     if folded:
-        if isinstance(folds, bool) or not isinstance(folds, int) or folds < 1 or len(shape) != 2 \
-                or shape[0] % folds or view not in ("stacked", "stacked-transposed"):
+        if (isinstance(folds, bool) or not isinstance(folds, int) or folds < 1 or len(shape) != 2
+                or shape[0] % folds or view not in ("stacked", "stacked-transposed")):
             raise ValueError(f"{name}: folds={folds!r} needs a 2-D (E * rows, cols) tensor whose rows E divides, "
                              f"viewed 'stacked' or 'stacked-transposed'; got shape {shape}, view {view!r}")
         shape = (folds, shape[0] // folds, shape[1])
@@ -193,8 +193,8 @@ def layout_of(shape: Sequence[int], view: str = "matrix", split: Sequence[int] |
             raise ValueError(f"{name}: interleaved=True needs a split into equal blocks")
         return Layout(view, batch, rows, cols, (rows,), False, folded)
     blocks = tuple(split)
-    if not blocks or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in blocks) \
-            or sum(blocks) != rows:
+    if (not blocks or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in blocks)
+            or sum(blocks) != rows):
         raise ValueError(f"{name}: split {blocks} must be positive integers adding up to the matrix's "
                          f"{rows} rows (view {view!r} of shape {shape})")
     if interleaved and len(set(blocks)) != 1:

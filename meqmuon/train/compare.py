@@ -32,7 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from meqmuon.optim.registry import spec
-from meqmuon.train.config import TrainConfig, fill_model_defaults, resolve_numerics, resume_requests, run_name
+from meqmuon.train.config import (
+    TrainConfig,
+    check_positive,
+    fill_model_defaults,
+    resolve_numerics,
+    resume_requests,
+    run_name,
+)
+from meqmuon.train.device import device_of
 from meqmuon.train.loop import train
 from meqmuon.train.metrics import write_json
 from meqmuon.train.plot import one_point_note, plot_runs, plot_seed_bands
@@ -141,10 +149,8 @@ def _finished_summary(run_dir: Path, cfg: TrainConfig) -> dict[str, Any] | None:
 def _resolved(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with the model defaults and this machine's numerics filled in, as the run would store it
     (so that a finished run is reused only if "auto" resolves the same way here)."""
-    from meqmuon.train.run import device_of
-
     c = fill_model_defaults(cfg)
-    return resolve_numerics(c, device_of(c, int(os.environ.get("LOCAL_RANK", "0"))))
+    return resolve_numerics(c, device_of(c.device, int(os.environ.get("LOCAL_RANK", "0"))))
 
 
 def _train_or_reuse(cfg: TrainConfig, reused: list[str]) -> dict[str, Any]:
@@ -272,8 +278,7 @@ def run_sweep(optimizers: list[str], lrs: list[float], seeds: list[int], base: T
     if not (optimizers and lrs and seeds):
         raise ValueError("sweep needs at least one optimizer, one lr and one seed")
     for lr in lrs:
-        if not lr > 0 or not math.isfinite(lr):
-            raise ValueError(f"lr must be a positive number, got {lr!r}")
+        check_positive("lr", lr)
     seeds = _check_seeds(seeds)
     _check_distinct("optimizers", optimizers)
     _check_distinct("lrs", lrs)

@@ -27,7 +27,7 @@ import dataclasses
 import importlib.util
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -37,6 +37,7 @@ import torch
 
 from meqmuon import precision as _precision
 from meqmuon.precision import PRECISIONS, resolve_ns_dtype, resolve_precision
+from meqmuon.train.device import check_device
 
 __all__ = [
     "TrainConfig",
@@ -59,6 +60,9 @@ __all__ = [
     "parse_optimizer_args",
     "parse_int_list",
     "validate_config",
+    "check_positive",
+    "check_out_dir",
+    "check_steps_within",
     "optimizer_kwargs",
     "resume_requests",
     "REQUESTED_KEYS",
@@ -225,11 +229,26 @@ def optimizer_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     return {"lr": cfg.lr, "weight_decay": cfg.weight_decay, **extra}
 
 
-def _positive(name: str, value: Any, allow_none: bool = True) -> None:
+def check_positive(name: str, value: Any, allow_none: bool = True) -> None:
+    """``ValueError`` unless ``value`` is a positive, finite number (or ``None`` where allowed)."""
     if value is None and allow_none:
         return
-    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0 or not math.isfinite(value):
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a positive, finite number, got {value!r}")
+
+
+def check_out_dir(path: str | Path, flag: str = "--out") -> None:
+    """``ValueError`` when ``path`` cannot be a directory because it, or a directory above it, is a file
+    (``--out README.md``: ``mkdir`` would fail with a bare ``[Errno 17] File exists``)."""
+    p = Path(path)
+    for above in (p, *p.parents):
+        if above.exists():
+            if above.is_dir():
+                return
+            what = f"{p} is a file" if above == p else f"{above} (in {p}) is a file"
+            raise ValueError(f"{flag} {what}, not a directory; choose a directory for {flag}")
 
 
 def validate_config(cfg: TrainConfig) -> None:
@@ -239,10 +258,10 @@ def validate_config(cfg: TrainConfig) -> None:
     from meqmuon.optim.registry import spec
     from meqmuon.train.data import data_source
     from meqmuon.train.models import MODELS
-    from meqmuon.train.run import check_device
 
     if cfg.model not in MODELS:
         raise ValueError(f"unknown model {cfg.model!r}; valid models: {', '.join(MODELS)}")
+    positions = MODELS[cfg.model].max_position_embeddings
     optimizer = spec(cfg.optimizer).name  # ValueError listing the valid names
     valid = valid_hyperparameters(optimizer)
     unknown = sorted(set(cfg.optimizer_args) - set(valid))
@@ -251,20 +270,23 @@ def validate_config(cfg: TrainConfig) -> None:
     for key in ("lr", "weight_decay"):
         if key in cfg.optimizer_args:
             raise ValueError(f"set {key} with --{key.replace('_', '-')}, not --optimizer-arg")
-    _positive("lr", cfg.lr)
+    check_positive("lr", cfg.lr)
     for name in ("tokens", "steps", "seq_len", "global_batch", "micro_batch", "eval_every", "save_every",
                  "val_tokens", "keep_checkpoints", "stop_at_step", "threads", "tp"):
         value = getattr(cfg, name)
-        _positive(name, value)
+        check_positive(name, value)
         if value is not None and not isinstance(value, int):
             raise ValueError(f"{name} must be an integer, got {value!r}")
+    if cfg.seq_len is not None and cfg.seq_len > positions:
+        raise ValueError(f"--seq-len {cfg.seq_len} is beyond the {positions:,} positions of {cfg.model} "
+                         f"(max_position_embeddings); use --seq-len {positions} or less")
     if cfg.weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {cfg.weight_decay}")
     if not 0 <= cfg.warmup_ratio < 1:
         raise ValueError(f"warmup_ratio must be in [0, 1), got {cfg.warmup_ratio}")
     if not 0 <= cfg.min_lr_ratio <= 1:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
-    _positive("clip", cfg.clip)
+    check_positive("clip", cfg.clip)
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
     if not isinstance(cfg.fsdp, bool):
@@ -273,6 +295,7 @@ def validate_config(cfg: TrainConfig) -> None:
         raise ValueError(f"tf32 must be true or false, got {cfg.tf32!r}")
     if cfg.resume is not None and cfg.resume != "auto" and not Path(cfg.resume).exists():
         raise ValueError(f"--resume path does not exist: {cfg.resume}")
+    check_out_dir(run_dir_of(cfg))
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("--tensorboard needs the tensorboard package, which is not installed: "
                          "pip install tensorboard (or leave out --tensorboard)")
@@ -283,6 +306,18 @@ def validate_config(cfg: TrainConfig) -> None:
     for s in cfg.capture_steps or []:
         if s <= 0:
             raise ValueError(f"capture steps are 1-based update indices, got {s}")
+    if cfg.steps is not None:  # else known once the model's size is (meqmuon.train.run checks it then)
+        check_steps_within(cfg.stop_at_step, cfg.capture_steps, cfg.steps)
+
+
+def check_steps_within(stop_at_step: int | None, capture_steps: Sequence[int] | None, steps: int) -> None:
+    """``--stop-at-step`` and ``--capture-steps`` within a run of ``steps`` updates, or a ``ValueError``: a
+    stop or a capture that can never happen would otherwise pass without a word."""
+    if stop_at_step is not None and stop_at_step > steps:
+        raise ValueError(f"--stop-at-step {stop_at_step} is beyond the run's {steps} steps")
+    late = [s for s in capture_steps or () if s > steps]
+    if late:
+        raise ValueError(f"--capture-steps {','.join(map(str, late))} beyond the run's {steps} steps")
 
 
 def _micro_batch(global_batch: int, micro_batch: int | None, world_size: int) -> int:

@@ -76,6 +76,7 @@ import hashlib
 import itertools
 import math
 import os
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -448,13 +449,15 @@ def build_data(
     val_tokens: int = 1_000_000,
     vocab_size: int = 4096,
     val_fraction: float = 0.05,
+    announce: bool = False,
 ) -> DataBundle:
     """Tokenizer, train stream and validation set for ``spec`` (see the module docstring).
 
     ``tokenizer_name``: hub id or local directory; ``None`` means a byte-level BPE of ``vocab_size``
     trained on the source's train split (not allowed for C4), or a prepared directory's own.
     ``val_tokens``: validation targets wanted (rounded down to whole rows). ``val_fraction``: share
-    of documents held out (built-in and local data).
+    of documents held out (built-in and local data). ``announce``: one line on stderr before a first
+    use's long silent work (training the built-in BPE; tokenising ``pysrc``), saying roughly how long.
     """
     root = cache_root(cache_dir)
     paths = _paths(spec)
@@ -478,7 +481,8 @@ def build_data(
         from meqmuon.train import pysrc
 
         prepared, what = pysrc.prepare_pysrc(None, cache=root, tokenizer_name=tokenizer_name, vocab_size=vocab_size,
-                                             val_fraction=val_fraction)
+                                             val_fraction=val_fraction, announce=announce,
+                                             progress=announce and sys.stderr.isatty())
         return _bundle(prepared, prepared.tokenizer(), what, source, **common)
     if source == "builtin":
         docs = _corpus.builtin_documents()
@@ -497,7 +501,8 @@ def build_data(
                          f"{len(val_docs)} validation from {what}")
     data_dir = root / key
     if tokenizer_name is None:
-        tokenizer = load_or_train_bpe(train_docs, vocab_size, data_dir / f"tokenizer-bpe{vocab_size}.json")
+        tokenizer = load_or_train_bpe(train_docs, vocab_size, data_dir / f"tokenizer-bpe{vocab_size}.json",
+                                      announce=announce)
     else:
         tokenizer = load_tokenizer(tokenizer_name)
     out = data_dir / f"prepared-{tokenizer.fingerprint}"
@@ -508,8 +513,6 @@ def build_data(
             _prepare.prepare_documents(out, tokenizer, train_docs, val_docs, kind="builtin",
                                       sources=[{"path": key, "documents": len(docs)}])
         else:
-            import sys
-
             _prepare.prepare(files, tokenizer, out, val_fraction=val_fraction, val_tokens=None,
                             progress=sys.stderr.isatty())
         prepared = _shards.PreparedData(out)
@@ -522,7 +525,7 @@ def _local_key(files: Sequence[Path], val_fraction: float) -> str:
 
 
 def local_bpe(paths: str | Path | Sequence[str | Path], *, vocab_size: int = 4096, val_fraction: float = 0.05,
-              cache_dir: str | Path | None = None) -> TextTokenizer:
+              cache_dir: str | Path | None = None, announce: bool = False) -> TextTokenizer:
     """The built-in BPE of local files, as ``train --data PATHS`` without ``--tokenizer`` uses it:
     trained on their train documents (the same hash split) and cached under the files' data key, so
     ``meqmuon prepare --tokenizer builtin`` and ``train`` train it once and share it. A cached BPE is
@@ -534,7 +537,7 @@ def local_bpe(paths: str | Path | Sequence[str | Path], *, vocab_size: int = 409
     train_docs, val_docs = _corpus.split_documents(_corpus.local_documents(files)[1], val_fraction)
     if not train_docs:
         raise ValueError(f"no train documents to train the built-in BPE on in {len(files)} local file(s)")
-    return load_or_train_bpe(train_docs, vocab_size, bpe_file)
+    return load_or_train_bpe(train_docs, vocab_size, bpe_file, announce=announce)
 
 
 def _bundle(prepared: _shards.PreparedData, tokenizer: TextTokenizer, what: str, source: str, *, seq_len: int,

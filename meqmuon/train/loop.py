@@ -55,11 +55,12 @@ from meqmuon.train.checkpoint import (
     save_sharded_checkpoint,
 )
 from meqmuon.train.config import ResolvedConfig, TrainConfig, run_dir_of, validate_config
+from meqmuon.train.device import device_of
 from meqmuon.train.evaluate import causal_lm_loss, evaluate
 from meqmuon.train.metrics import MetricsLogger, truncate_metrics, write_json
 from meqmuon.train.parallel import gathered_logits_view
 from meqmuon.train.preempt import SIGNALS, RunInterrupted, StopSignals
-from meqmuon.train.run import Run, WarmupCosine, build_run, device_of
+from meqmuon.train.run import Run, WarmupCosine, build_run
 
 __all__ = ["TrainingDiverged", "WarmupCosine", "train", "run_dir_of", "run_threads", "write_json"]
 
@@ -110,7 +111,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     rank, world, local_rank, own_pg = _init_distributed()
     matmul_precision = torch.get_float32_matmul_precision()  # process-global: restored on return
     threads = torch.get_num_threads()
-    device = device_of(cfg, local_rank)
+    device = device_of(cfg.device, local_rank)
     torch.set_num_threads(run_threads(cfg, device) or threads)
     try:
         with keep_freed_memory(device.type == "cpu"):  # glibc: no mmap/munmap per large tensor
@@ -355,8 +356,9 @@ def _open_log(run: Run) -> tuple[MetricsLogger, bool]:
     logger = MetricsLogger(run_dir, enabled=run.is_main, tensorboard=c.tensorboard)
     logger.log({"kind": "run", "step": run.step, "tokens": run.tokens, **_numerics_record(c)})
     quiet = c.quiet or not run.is_main
+    layout = run.layout.describe() if run.layout is not None else f"{run.world} process(es)"
     _log(f"[meqmuon] {c.model} ({run.n_params:,} params) | {c.optimizer} lr={c.lr:g} wd={c.weight_decay:g} | "
-         f"{c.steps} steps x {c.global_batch} x {c.seq_len} = {c.tokens:,} tokens | world {run.world}, "
+         f"{c.steps} steps x {c.global_batch} x {c.seq_len} = {c.tokens:,} tokens | {layout}, "
          f"micro-batch {c.micro_batch}, accum {c.accumulation(run.dp)} | {run.device} {c.precision} "
          f"(NS {c.optimizer_args.get('ns_dtype', '-')}, CPU {c.numerics['cpu_capability']}, "
          f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}) | {run_dir}"

@@ -48,6 +48,16 @@ class Layout:
         """Parameters are DTensors (checkpoints through ``torch.distributed.checkpoint``)."""
         return self.fsdp or self.tp > 1
 
+    def describe(self) -> str:
+        """The layout and its sizes in words (the run's first log line): ``1 process``, ``DDP over 4
+        ranks``, ``FSDP2 over 4 ranks``, ``TP over 2 ranks``, ``FSDP2 2 x TP 2 (4 ranks)``."""
+        if self.world == 1:
+            return "1 process"
+        if self.fsdp and self.tp > 1:
+            return f"FSDP2 {self.dp} x TP {self.tp} ({self.world} ranks)"
+        kind = "FSDP2" if self.fsdp else "TP" if self.tp > 1 else "DDP"
+        return f"{kind} over {self.world} ranks"
+
 
 def check_layout(world: int, tp: int, fsdp: bool, config: Any | None = None) -> None:
     """One clear ``ValueError`` line for a layout the run cannot have (before anything is built)."""

@@ -38,12 +38,14 @@ from meqmuon.train.config import (
     ResolvedConfig,
     TrainConfig,
     attention_of,
+    check_steps_within,
     optimizer_kwargs,
     resolve,
 )
+from meqmuon.train.device import device_of
 from meqmuon.train.parallel import Layout, check_layout, shard_model
 
-__all__ = ["Run", "WarmupCosine", "build_run", "check_device", "device_of", "seed_all"]
+__all__ = ["Run", "WarmupCosine", "build_run", "seed_all"]
 
 
 class WarmupCosine:
@@ -109,37 +111,6 @@ class Run:
         return contextlib.nullcontext()
 
 
-def device_of(cfg: TrainConfig, local_rank: int) -> torch.device:
-    """``cfg.device``, or for ``"auto"`` ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
-    if cfg.device != "auto":
-        return torch.device(cfg.device)
-    return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def check_device(spec: str) -> None:
-    """``ValueError`` (one line) for a ``--device`` this process cannot use: a malformed name, CUDA on a
-    torch build without it or a machine without a GPU, a CUDA index past the visible devices, MPS
-    where it is absent. Checked before anything is written (torch's own error is an assertion deep
-    in the first tensor moved there)."""
-    if spec == "auto":
-        return
-    try:
-        dev = torch.device(spec)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"--device {spec!r} is not a device name (auto, cpu, cuda, cuda:0, ...)") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            why = (f"this torch ({torch.__version__}) is built without CUDA" if torch.version.cuda is None
-                   else "no CUDA GPU is visible to this process")
-            raise ValueError(f"--device {spec}: {why}; use --device cpu (or auto, which picks the GPU when there "
-                             "is one)")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) are visible "
-                             f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
-    elif dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"--device {spec}: MPS is not available here; use --device cpu or auto")
-
-
 def seed_all(seed: int) -> None:
     """Seed Python's, NumPy's and torch's generators (the model's init and the data order follow)."""
     random.seed(seed)
@@ -152,7 +123,7 @@ def build_run(cfg: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
     from meqmuon import build_optimizer
     from meqmuon.train.models import build_model, count_unique_params
 
-    device = device_of(cfg, local_rank)
+    device = device_of(cfg.device, local_rank)
     check_layout(world, cfg.tp, cfg.fsdp)
     layout = Layout(world, cfg.tp, cfg.fsdp, rank)
     plan = resolve(cfg, device=device, world_size=layout.dp)
@@ -172,7 +143,7 @@ def build_run(cfg: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
     final = plan.for_model(unique_params=n_params, data_source=data.source, vocab_size=model.config.vocab_size)
     if ckpt is not None and final.resume:
         _check_resume_config(ckpt["config"], final, ckpt_path)
-    _check_capture(final, model)
+    _check_within_run(final, model)
     shard_model(model, layout, final.precision, device)
     opt = build_optimizer(final.optimizer, model, **optimizer_kwargs(final))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(final.steps, final.warmup_ratio, final.min_lr_ratio))
@@ -185,6 +156,9 @@ def build_run(cfg: TrainConfig, rank: int, world: int, local_rank: int) -> Run:
               torch.compile(train_model) if final.compile else train_model, opt, sched, n_params, 0, 0, layout)
     if ckpt is not None:
         _restore(run, ckpt, ckpt_path)
+        if final.stop_at_step is not None and final.stop_at_step <= run.step:
+            raise ValueError(f"--stop-at-step {final.stop_at_step}: the run is already at step {run.step} "
+                             f"(checkpoint {ckpt_path}); give a later step, or leave it out to train to the end")
     else:
         # Same weights and data order on every rank; per-rank training RNG (nothing random is drawn in
         # the loop today, but future dropout/sampling must differ across ranks).
@@ -224,7 +198,8 @@ def _build_data(cfg: ResolvedConfig, rank: int, world: int, layout: Layout) -> A
     data = build_data(None if cfg.data == "builtin" else cfg.data, tokenizer_name=_tokenizer_name(cfg),
                       seq_len=cfg.seq_len, seed=cfg.seed, rank=layout.dp_rank, world_size=layout.dp,
                       cache_dir=cfg.cache_dir,
-                      val_tokens=cfg.val_tokens, vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction)
+                      val_tokens=cfg.val_tokens, vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction,
+                      announce=rank == 0 and not cfg.quiet)
     if world > 1 and rank == 0:
         dist.barrier()
     return data
@@ -307,12 +282,12 @@ def _dcp_in_one_process(alone: bool) -> Iterator[None]:
         yield
 
 
-def _check_capture(cfg: ResolvedConfig, model: torch.nn.Module) -> None:
-    """``--capture-steps`` within the run and ``--capture-layers`` among the model's layers, or a
-    ``ValueError``: a capture that can never happen would otherwise be skipped without a word."""
-    late = [s for s in cfg.capture_steps or () if s > cfg.steps]
-    if late:
-        raise ValueError(f"--capture-steps {','.join(map(str, late))} beyond the run's {cfg.steps} steps")
+def _check_within_run(cfg: ResolvedConfig, model: torch.nn.Module) -> None:
+    """``--stop-at-step`` and ``--capture-steps`` within the run, ``--capture-layers`` among the model's
+    layers, or a ``ValueError``: a stop or a capture that can never happen would otherwise be skipped
+    without a word (the run's length is known here, once the model's size is; :func:`validate_config`
+    checks the steps earlier where ``--steps`` gives the length)."""
+    check_steps_within(cfg.stop_at_step, cfg.capture_steps, cfg.steps)
     if cfg.capture_layers is None:
         return
     layers = sorted({i for n, _ in model.named_parameters() if (i := layer_index(n)) is not None})

@@ -41,21 +41,19 @@ class MeqHidden(HiddenRule):
         return D
 
     def post_all(self, Us, group, states):
-        """The same for all of a step's stacks: their statistics in one pass (a fixed number of kernels)."""
+        """The same for all of a step's stacks: their statistics in one pass (a fixed number of kernels), and the
+        choices counted (one kernel)."""
         Ds, rows = F.adaptive_normalize_stacks(Us, rho=group["rho"])
-        self._count(rows, Us, states)
+        torch._foreach_add_([st["rows_chosen"] for st in states], list(rows.split([U.shape[0] for U in Us])))
         return Ds
 
     def post_factors(self, Us, group, states):
-        """Eq. 8's factors alone (:func:`F.adaptive_normalize_factors`): an owner rank sends ``U`` in the
-        Newton-Schulz dtype with them, and each rank scales its piece (``transfer.py``)."""
+        """Eq. 8's factors alone (:func:`F.adaptive_normalize_factors`), the choices counted as :meth:`post_all`
+        counts them: an owner rank sends ``U`` in the Newton-Schulz dtype with them, and each rank scales its piece
+        (``transfer.py``)."""
         factors, rows = F.adaptive_normalize_factors(Us, rho=group["rho"])
-        self._count(rows, Us, states)
-        return factors
-
-    @staticmethod
-    def _count(rows, Us, states) -> None:
         torch._foreach_add_([st["rows_chosen"] for st in states], list(rows.split([U.shape[0] for U in Us])))
+        return factors
 
 
 class Equilibrate(MomentumRule):

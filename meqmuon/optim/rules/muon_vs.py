@@ -57,8 +57,8 @@ class MuonVS(MoonlightHidden):
         torch._foreach_mul_(Ms, mu)
         torch._foreach_add_(Ms, Gs, alpha=1.0 - mu)
         corrections = [1.0 - mu ** it.state["step"] for it in items]
-        X = torch._foreach_div(Ms, [c * (1.0 - mu) / mu for c in corrections]) if mu > 0 else \
-            torch._foreach_mul(Ms, 0.0)
+        X = (torch._foreach_div(Ms, [c * (1.0 - mu) / mu for c in corrections]) if mu > 0 else
+             torch._foreach_mul(Ms, 0.0))
         torch._foreach_add_(X, Gs)
         den = torch._foreach_div(Vs, corrections)
         torch._foreach_sqrt_(den)

@@ -1,0 +1,501 @@
+"""The optimizer step's time at scale, modelled from what the simulator counts (issue 59, item 1).
+
+Usage::
+
+    python benchmarks/scale_sim.py --runs time --ns-dtype bfloat16 --optimizer meqmuon --save sim-meqmuon.json
+    python benchmarks/time_model.py sim-meqmuon.json sim-muon.json sim-adamw.json      # the time table
+    python benchmarks/time_model.py --validate           # against the single-GPU steps measured on H100 / H200
+    python benchmarks/time_model.py sim.json --calibration my-gpu.json --extrapolate-rate 0.7
+
+What it reads: ``scale_sim.summarise``'s ``time_inputs`` (the simulated ranks' bytes, memory traffic and ops
+as ``step_accounting.StepMeter`` counted them; the plan's exchange rounds with every rank's pieces and owned
+matrices, ``rank_model.RankModel.rounds``), a calibration table of Newton-Schulz time per matrix shape and
+dtype (:class:`Calibration`, ``benchmarks/calibration/h100.json``; ``benchmarks/ns_calibrate.py`` measures
+one on a GPU) and a :class:`Hardware`. Nothing here counts bytes or FLOPs itself: the counting is the
+simulator's, so that its instruments stay the one source of every byte.
+
+**The model.** The step exchanges shape bucket after shape bucket ("rounds": one ``all_to_all_single`` out,
+Newton-Schulz at the owners, one back; ``sharded.py`` and ``engine.py`` today), every collective blocking:
+
+- exchange: rank ``r`` moves ``max(sent, received)`` bytes each way of a round; of them ``(p - 1) / W`` cross
+  NVLink and ``(W - p) / W`` the network (``p = min(ranks_per_node, W)``: every matrix's pieces are spread
+  over all ``W`` ranks, under FSDP2 and FSDP2 x TP alike, so an owner receives ``1 / W`` of a matrix from
+  each rank; a sender's pieces go to owners spread over the ranks likewise), each link at its bandwidth
+  after its latency, the two links at once: ``t = base + max(lat_nvl + B_nvl / bw_nvl, lat_net + B_net /
+  bw_net)``. A collective ends when its slowest rank's does;
+- Newton-Schulz: each owner's matrices of the round at the calibrated time per matrix of their shape and
+  dtype (:meth:`Calibration.seconds`);
+- elementwise passes (momentum, the direction input, eq. 8, the update): the bytes the rank's non-matmul ops
+  move (``StepMeter.traffic``) at the memory's bandwidth (:attr:`Hardware.memory`), less Newton-Schulz's own
+  three passes over each matrix it orthogonalises (the norm's read, the scaling's read and write), which the
+  calibrated time already holds; the largest simulated rank's, spread over the rounds by their elements;
+- other collectives (MeqMuon's few ``all_reduce`` of a kilobyte): a tree's latency each, at the end.
+
+``serial``: the rounds one after the other, each ``out + max over ranks of compute + back`` (what the blocking
+step does: a round's way back waits for its slowest owner). ``overlapped``: a two-bucket pipeline, the
+network taking ``out_1, out_2, back_1, out_3, back_2, ...`` (at most two buckets' matrices alive, as issue 59
+item 3 bounds them) while every rank computes its rounds in order, each after its way out. It is what the
+lead's asynchronous exchange would give, modelled, not measured. Neither counts host time: the model predicts
+device time, which in a training loop is the step's (the host runs ahead; see :func:`validate`).
+
+**Critical path.** Newton-Schulz's lower bound is ``max(total / W, largest)`` in calibrated time (the total
+spread evenly; no matrix split); today's is the serial sum over rounds of the busiest owner's time, and the
+busiest rank's own total (what a perfect pipeline could reach without splitting matrices).
+
+**Inputs and their sources** (:data:`H100`, :data:`H200`, ``--help`` for the options):
+
+- HBM: H100 SXM 3.35 TB/s, H200 4.8 TB/s (NVIDIA's H100 and H200 datasheets), of which the elementwise
+  passes reach 80 % (:attr:`Hardware.hbm_efficiency`, measured on this step's passes);
+- dense bf16 matmul peak 989 TFLOP/s, float32 (no tensor cores) 67 TFLOP/s (H100 SXM datasheet, without
+  sparsity; the same GH100 compute on H200);
+- NVLink 4: 450 GB/s each way is the line rate (900 GB/s bidirectional, datasheet); NCCL reaches ~370 GB/s
+  (S. Jeaugey, NVIDIA/nccl-tests#212: "with the protocol overhead (~20%)"): the default;
+- network: one 400 Gb/s NDR ConnectX-7 per GPU, 46-49 GB/s measured per NIC by nccl-tests, and an all-to-all
+  does not aggregate several NICs (NVIDIA/nccl-tests#267, #290): 48 GB/s;
+- latencies: NCCL's own tuning model (``src/graph/tuning.cc``, Ring/Simple): 8.4 us per collective, 3.4 us
+  per NVLink step, 9.6 us per network step;
+- training: ``6 N`` FLOPs per token (``N`` without the input embedding, routed experts counted for the ones a
+  token visits, ``scale_sim.train_params``) at 40 % MFU (the Llama 3 paper, arXiv 2407.21783, Table 4: 38-43 %
+  BF16 MFU for 405B on 8,192-16,384 H100s), 16M tokens a step for Llama-3 (ibid. section 3.4.1, 405B's batch
+  after its ramp; the same for 8B and 70B, an assumption) and 15,360 x 4,096 for DeepSeek-V3 (the DeepSeek-V3
+  report, arXiv 2412.19437, section 4.2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+__all__ = ["H100", "H200", "Calibration", "Hardware", "Link", "StepTimes", "exchange_seconds", "ns_flops",
+           "pipeline", "rounds_of", "step_times", "train_seconds", "validate"]
+
+#: The calibration table this repository ships (measured on an H100; ``ns_calibrate.py`` writes others).
+DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "calibration" / "h100.json"
+#: Newton-Schulz's own elementwise passes over a matrix (its norm reads it, the scaling reads and writes it):
+#: in the calibrated time, so taken out of the step's traffic.
+NS_PASSES = 3
+#: Tokens per optimizer step (see the module docstring for the sources).
+TOKENS = {"llama3-8b": 16 * 2**20, "llama3-70b": 16 * 2**20, "llama3-405b": 16 * 2**20,
+          "deepseek-v3": 15360 * 4096}
+
+
+def ns_flops(m: int, n: int, steps: int = 5) -> int:
+    """Matmul FLOPs of ``steps`` quintic Newton-Schulz iterations of an ``m x n`` matrix (the GPU default's;
+    ``meqmuon.optim.newton_schulz.ns_flops``)."""
+    from meqmuon.optim.newton_schulz import ns_flops as count
+
+    return count(m, n, steps)
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: ``bandwidth`` in bytes/s each way per GPU, ``latency`` in seconds per step."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A GPU and its links (sources in the module docstring). ``peak``: dense matmul FLOP/s by dtype name."""
+
+    name: str
+    hbm: float
+    peak: dict[str, float]
+    nvlink: Link
+    network: Link
+    ranks_per_node: int = 8
+    base_latency: float = 8.4e-6
+    #: The share of ``hbm`` the step's elementwise passes reach: 80 %, measured on this step's own passes
+    #: (docs/benchmarks.md, Issue 49: the CUDA graph's body moves 5.88 GB more than the eager step at
+    #: Llama-350M shapes, and took 2.2 ms more on an H100: 2.67 TB/s).
+    hbm_efficiency: float = 0.8
+
+    @property
+    def memory(self) -> float:
+        """The bytes per second the elementwise passes move."""
+        return self.hbm * self.hbm_efficiency
+
+    def link_bytes(self, nbytes: float, world: int) -> tuple[float, float]:
+        """``nbytes`` a rank moves one way, spread evenly over ``world`` ranks: (over NVLink, over the network);
+        its own share stays."""
+        p = min(self.ranks_per_node, world)
+        return nbytes * (p - 1) / world, nbytes * (world - p) / world
+
+    def allreduce_seconds(self, nbytes: float, world: int) -> float:
+        """A small all-reduce over ``world`` ranks as a tree: up and down through a node's NVLink and
+        ``log2(nodes)`` network hops (NCCL's tuning model's shape, with the Simple protocol's latencies),
+        ``2 nbytes`` over the slowest link."""
+        if world <= 1:
+            return 0.0
+        p, nodes = min(self.ranks_per_node, world), math.ceil(world / self.ranks_per_node)
+        hops = (p - 1) * self.nvlink.latency + math.ceil(math.log2(nodes)) * self.network.latency
+        slowest = self.network if nodes > 1 else self.nvlink
+        return self.base_latency + 2 * hops + 2 * nbytes / slowest.bandwidth
+
+
+H100 = Hardware("NVIDIA H100 SXM 80GB", hbm=3.35e12, peak={"bfloat16": 989e12, "float32": 67e12},
+                nvlink=Link(370e9, 3.4e-6), network=Link(48e9, 9.6e-6))
+H200 = replace(H100, name="NVIDIA H200 SXM 141GB", hbm=4.8e12)
+HARDWARE = {"h100": H100, "h200": H200}
+
+
+def exchange_seconds(nbytes: float, world: int, hw: Hardware) -> float:
+    """One rank's part of an all-to-all that moves ``nbytes`` each way for it (the larger of what it sends and
+    receives): both links at once, each after its latency (the module docstring); 0 for nothing to move."""
+    if nbytes <= 0 or world <= 1:
+        return 0.0
+    nvl, net = hw.link_bytes(nbytes, world)
+    parts = [link.latency + b / link.bandwidth for link, b in ((hw.nvlink, nvl), (hw.network, net)) if b > 0]
+    return hw.base_latency + max(parts, default=0.0)
+
+
+@dataclass
+class Calibration:
+    """Newton-Schulz seconds per matrix by wide shape ``(min(m, n), max(m, n))`` and dtype, on ``gpu``.
+
+    ``entries``: ``{"m", "n", "dtype", "seconds", "stack", "kind", "source"}``, ``seconds`` per matrix of a
+    batched stack of ``stack`` of them (how an owner runs a bucket), ``kind`` ``"measured"`` (timed alone)
+    or ``"derived"`` (from measurements of several shapes together, the derivation in ``source``)."""
+
+    gpu: str
+    entries: list[dict] = field(default_factory=list)
+    source: str = ""
+    #: ``--extrapolate-rate``: a fraction of the dtype's peak for every shape not in the table, instead of the
+    #: nearest entry's rate (a sensitivity, e.g. the issue's "realistic 70 %").
+    rate_fraction: float | None = None
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        data = json.loads(Path(path).read_text())
+        return cls(data["gpu"], data["entries"], data.get("source", ""))
+
+    def _table(self) -> dict[tuple[int, int, str], dict]:
+        return {(min(e["m"], e["n"]), max(e["m"], e["n"]), e["dtype"]): e for e in self.entries}
+
+    def seconds(self, m: int, n: int, dtype: str, hw: Hardware) -> tuple[float, str]:
+        """Seconds of one ``m x n`` matrix's Newton-Schulz in ``dtype`` and how it was found: the table's
+        ``kind`` where it has the shape; else ``"extrapolated"``: the effective rate (Newton-Schulz FLOPs per
+        second) of the entry of that dtype nearest in FLOPs per matrix (log scale), held (larger matrices run
+        their matmuls at least as fast, so this errs long), or of the nearest entry of any dtype scaled by the
+        two dtypes' peaks; or ``rate_fraction`` of the dtype's peak where that is set."""
+        key = (min(m, n), max(m, n), dtype)
+        table = self._table()
+        if key in table:
+            return table[key]["seconds"], table[key]["kind"]
+        flops = ns_flops(m, n)
+        if self.rate_fraction is not None:
+            return flops / (self.rate_fraction * hw.peak[dtype]), "extrapolated"
+        same = [e for e in self.entries if e["dtype"] == dtype] or self.entries
+        if not same:
+            raise ValueError(f"calibration for {self.gpu} has no entries: nothing to extrapolate {m}x{n} from")
+        near = min(same, key=lambda e: abs(math.log(ns_flops(e["m"], e["n"]) / flops)))
+        rate = ns_flops(near["m"], near["n"]) / near["seconds"] * hw.peak[dtype] / hw.peak[near["dtype"]]
+        return flops / rate, "extrapolated"
+
+
+@dataclass
+class Round:
+    """One exchange round (a shape bucket) as every rank sees it: the bytes it moves each way out and back (the
+    larger of sent and received), its Newton-Schulz seconds; ``seconds``, its largest matrix's, and ``kind``,
+    how the round's times were found (:meth:`Calibration.seconds`; the least exact of them)."""
+
+    shape: tuple[int, int]
+    out: list[float]
+    back: list[float]
+    ns: list[float]
+    elements: list[int]  # of the matrices each rank orthogonalises
+    seconds: float
+    kind: str
+
+
+def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple[list[Round], float]:
+    """The rounds of a simulated configuration (``time_inputs``), every rank's bytes from the plan: out, a rank
+    sends its ``local`` pieces and an owner receives its whole matrices; back, the reverse; in the Newton-Schulz
+    dtype, scaled by ``factor``: what the most loaded simulated rank measured over what the plan gives it
+    (MeqMuon's float32 factors beside its bf16 directions, the few all-reduced bytes). Returns the rounds and
+    the factor (1 without an exchange)."""
+    itemsize, dtype = inputs["itemsize"], inputs["ns_dtype"]
+    plan = [itemsize * (loc + own) for loc, own in zip(inputs.get("local", []), inputs.get("owned", []),
+                                                       strict=True)]
+    factor = 1.0
+    if any(plan):
+        measured = {r["rank"]: max(r["sent"], r["received"]) for r in inputs["ranks"]}
+        top = max(measured, key=lambda r: (plan[r], -r))
+        factor = measured[top] / plan[top] if plan[top] else 1.0
+    rounds = []
+    for rd in inputs.get("rounds", []):
+        # an owner's unit of work: one matrix of the bucket's shape, or a parameter's matrices (the owner path)
+        matrices = rd.get("matrices", [rd["shape"]])
+        found = [cal.seconds(m, n, dtype, hw) for m, n in matrices]
+        seconds, size = sum(t for t, _ in found), sum(m * n for m, n in matrices)
+        kinds = {k for _, k in found}
+        kind = next(k for k in ("extrapolated", "derived", "measured") if k in kinds)
+        owned = [0] * world
+        for r, k in rd["owned"]:
+            owned[r] = k
+        moved = ([factor * itemsize * max(loc, k * size) for loc, k in zip(rd["local"], owned, strict=True)]
+                 if rd["local"] else [0.0] * world)
+        rounds.append(Round(tuple(rd["shape"]), moved, list(moved), [k * seconds for k in owned],
+                            [k * size for k in owned], max(t for t, _ in found), kind))
+    return rounds, factor
+
+
+def pipeline(out: list[float], compute: list[list[float]], back: list[float], overlap: bool) -> float:
+    """The step's time from its rounds: ``out[b]`` and ``back[b]`` the collectives' times (global: a
+    collective ends when its slowest rank's part does), ``compute[b][r]`` rank ``r``'s work of round ``b``.
+
+    ``overlap=False``: ``sum_b out[b] + max_r compute[b][r] + back[b]``. ``overlap=True``: the network runs
+    ``out_1, out_2, back_1, out_3, back_2, ..., back_B`` in that order (two buckets in flight), each rank its
+    rounds in order, round ``b``'s compute after ``out[b]`` and ``back[b]`` after every rank's compute of
+    ``b``: never above the serial time, and where one side is negligible the other's sum plus the first way
+    out and the last way back."""
+    rounds = len(out)
+    if not rounds:
+        return 0.0
+    if not overlap:
+        return sum(o + max(c, default=0.0) + b for o, c, b in zip(out, compute, back, strict=True))
+    order = [("out", 0)] + [x for b in range(1, rounds) for x in (("out", b), ("back", b - 1))] + \
+        [("back", rounds - 1)]
+    net = 0.0
+    free = [0.0] * max(len(c) for c in compute)  # each rank's compute stream
+    out_end = [0.0] * rounds
+    for what, b in order:
+        if what == "out":
+            net = out_end[b] = net + out[b]
+            continue
+        for r, c in enumerate(compute[b]):
+            free[r] = max(free[r], out_end[b]) + c
+        done = max([out_end[b], *free[:len(compute[b])]])  # every rank's compute of round b
+        net = max(net, done) + back[b]
+    return max([net, *free])
+
+
+@dataclass
+class StepTimes:
+    """One configuration's modelled step, in seconds (the module docstring): ``serial`` (today's blocking
+    rounds) and ``overlapped`` (a two-bucket pipeline), and that pipeline with nothing to exchange
+    (``overlapped_compute``: what is left of ``overlapped`` is the exchange it could not hide, :attr:`hidden`);
+    ``one_exchange``: every round's pieces out in one collective, every owner's Newton-Schulz, everything back in
+    one (blocking, not overlapped: the rounds' owners then work at once); their parts: the collectives of the
+    rounds both ways (``exchange``), Newton-Schulz along today's serial rounds (``ns_serial``), the busiest rank's own
+    (``ns_busiest``), the mean rank's and the largest matrix's (:attr:`ns_bound`, the larger), the elementwise
+    passes of the most loaded simulated rank, the other collectives; ``factor``: measured over planned bytes;
+    ``extrapolated``: some shape's Newton-Schulz time is not in the calibration table."""
+
+    serial: float
+    overlapped: float
+    overlapped_compute: float
+    one_exchange: float
+    exchange: float
+    ns_serial: float
+    ns_busiest: float
+    ns_mean: float
+    ns_largest: float
+    elementwise: float
+    other: float
+    factor: float
+    extrapolated: bool
+
+    @property
+    def ns_bound(self) -> float:
+        """Newton-Schulz's critical path at best without splitting a matrix: ``max(total / W, largest)``."""
+        return max(self.ns_mean, self.ns_largest)
+
+    @property
+    def hidden(self) -> float:
+        """The share of the exchange's time the two-bucket pipeline hides behind compute."""
+        return 1 - (self.overlapped - self.overlapped_compute) / self.exchange if self.exchange else 0.0
+
+
+def step_times(summary: dict, hw: Hardware, cal: Calibration, longest_first: bool = False) -> StepTimes:
+    """:class:`StepTimes` of one ``scale_sim.summarise`` row (its ``time_inputs``) on ``hw``; the rounds in the
+    plan's order, or with ``longest_first`` by their busiest owner's Newton-Schulz, longest first (what a
+    pipeline would want: the longest computes while the others' exchanges run)."""
+    inputs = summary["time_inputs"]
+    world = math.prod(int(x) for x in str(summary["ranks"]).split("x"))
+    rounds, factor = rounds_of(inputs, world, cal, hw)
+    if longest_first:
+        rounds.sort(key=lambda rd: -max(rd.ns, default=0.0))
+    orthogonalised = [sum(rd.elements[r] for rd in rounds) for r in range(world)]
+    traffic = max(r["traffic"] - NS_PASSES * inputs["itemsize"] * orthogonalised[r["rank"]] for r in inputs["ranks"])
+    elementwise = max(traffic, 0) / hw.memory
+    weights = [sum(rd.out) + sum(rd.ns) for rd in rounds]
+    total = sum(weights)
+    compute = [[ns + elementwise * w / total for ns in rd.ns] for rd, w in zip(rounds, weights, strict=True)] \
+        if total else [[elementwise]]
+    out = [max(exchange_seconds(b, world, hw) for b in rd.out) for rd in rounds] or [0.0]
+    back = [max(exchange_seconds(b, world, hw) for b in rd.back) for rd in rounds] or [0.0]
+    # the other collectives (all-reduces of a few floats): a tree's latency each, after the rounds
+    other = sum(count * hw.allreduce_seconds(inputs["bytes_by_name"].get(name, 0) / (2 * count), world)
+                for name, count in inputs["calls"].items() if name.startswith("allreduce"))
+    per_rank = [sum(rd.ns[r] for rd in rounds) for r in range(world)]
+    largest = max((rd.seconds for rd in rounds if any(rd.ns)), default=0.0)
+    return StepTimes(
+        serial=pipeline(out, compute, back, overlap=False) + other,
+        overlapped=pipeline(out, compute, back, overlap=True) + other,
+        overlapped_compute=pipeline([0.0] * len(out), compute, [0.0] * len(back), overlap=True) + other,
+        one_exchange=pipeline([max(exchange_seconds(sum(rd.out[r] for rd in rounds), world, hw) for r in range(world))],
+                              [[sum(c[r] for c in compute) for r in range(len(compute[0]))]],
+                              [max(exchange_seconds(sum(rd.back[r] for rd in rounds), world, hw)
+                                   for r in range(world))], overlap=False) + other if rounds else
+        elementwise + other,
+        exchange=sum(out) + sum(back), ns_serial=sum(max(rd.ns) for rd in rounds),
+        ns_busiest=max(per_rank, default=0.0), ns_mean=sum(per_rank) / world, ns_largest=largest,
+        elementwise=elementwise, other=other, factor=factor,
+        extrapolated=any(rd.kind == "extrapolated" for rd in rounds if any(rd.ns)))
+
+
+def train_seconds(params: int, tokens: int, world: int, hw: Hardware, mfu: float) -> float:
+    """Forward and backward of one step: ``6 params tokens`` FLOPs over ``world`` GPUs at ``mfu`` of the bf16
+    peak."""
+    return 6 * params * tokens / (world * hw.peak["bfloat16"] * mfu)
+
+
+HEADER = ("| model | layout | ranks | optimizer | exchange, both ways | Newton-Schulz: serial rounds / busiest rank / "
+          "mean rank / largest matrix | serial / bound | elementwise | step: serial | two-bucket pipeline | exchange "
+          "hidden by it | one exchange | fwd+bwd at MFU | share: serial | pipeline | one exchange |")
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:,.1f} ms" if x < 10 else f"{x:,.1f} s"
+
+
+def table(summaries: list[dict], hw: Hardware, cal: Calibration, mfu: float, tokens: dict[str, int],
+          longest_first: bool = False) -> str:
+    """The time table (``HEADER``) of ``scale_sim`` summaries; an extrapolated Newton-Schulz time is marked
+    ``*``."""
+    lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
+    for s in summaries:
+        head = f"| {s['model']} | {s['layout']} | {s['ranks']} | {s.get('optimizer')} |"
+        if "error" in s:
+            lines.append(f"{head} {s['error']} |" + " |" * (HEADER.count(" | ") - 5))
+            continue
+        t = step_times(s, hw, cal, longest_first)
+        world = math.prod(int(x) for x in str(s["ranks"]).split("x"))
+        fb = train_seconds(s["time_inputs"]["train_params"], tokens.get(s["model"], 16 * 2**20), world, hw, mfu)
+        star = "*" if t.extrapolated else ""
+        ns = (f"{_ms(t.ns_serial)} / {_ms(t.ns_busiest)} / {_ms(t.ns_mean)} / {_ms(t.ns_largest)}{star}"
+              if t.ns_bound else "-")
+        ratio = f"{t.ns_serial / t.ns_bound:.2f}x" if t.ns_bound else "-"
+        hidden = f"{t.hidden:.0%}" if t.exchange else "-"
+        share = " | ".join(f"{x / (fb + x):.2%}" for x in (t.serial, t.overlapped, t.one_exchange))
+        lines.append(f"{head} {_ms(t.exchange)} | {ns} | {ratio} | {_ms(t.elementwise)} | {_ms(t.serial)} | "
+                     f"{_ms(t.overlapped)} | {hidden} | {_ms(t.one_exchange)} | {_ms(fb)} | {share} |")
+    return "\n".join(lines)
+
+
+#: The single-GPU optimizer steps measured (docs/benchmarks.md, "GPU" and "Issue 49"), batched eager, bf16
+#: Newton-Schulz: (GPU, model, optimizer, milliseconds, how). "events in training": CUDA events around
+#: ``opt.step()`` in ``benchmarks/gpu.py``'s training loop, where the host has run ahead (device time);
+#: "step_time.py": wall time of one step between device syncs (host time included, rounded to whole ms on
+#: the H200); "kernels": the profile's GPU time of the step's kernels.
+MEASURED = [
+    ("h100", "llama-350m", "muon", 27.72, "step_time.py, calls 5 and 6 (27.67, 27.78)"),
+    ("h100", "llama-350m", "meqmuon", 29.78, "step_time.py, calls 5 and 6 (29.92, 29.64)"),
+    ("h100", "llama-60m", "muon", 3.44, "step_time.py, call 5"),
+    ("h100", "llama-60m", "meqmuon", 5.31, "step_time.py, call 5 (host-bound)"),
+    ("h100", "llama-60m", "meqmuon", 3.3, "kernels, call 1 (of a 5.33 ms step)"),
+    ("h100", "llama-60m", "meqmuon", 3.5, "events in training, call 6"),
+    ("h200", "llama-350m", "adamw", 8.2, "events in training, run 1"),
+    ("h200", "llama-350m", "muon", 23.6, "events in training, runs 1 and 2"),
+    ("h200", "llama-350m", "meqmuon", 26.45, "events in training, runs 1 and 2 (26.8, 26.1)"),
+    ("h200", "llama-350m", "muon", 24.0, "step_time.py, run 1"),
+    ("h200", "llama-350m", "meqmuon", 27.0, "step_time.py, run 1"),
+    ("h200", "llama-60m", "adamw", 1.4, "events in training, run 1"),
+    ("h200", "llama-60m", "meqmuon", 3.0, "events in training, run 2"),
+    ("h200", "llama-60m", "adamw", 2.0, "step_time.py (torch AdamW), run 1"),
+]
+
+
+def single_gpu(model: str, optimizer: str, hw: Hardware, cal: Calibration) -> tuple[float, float, float]:
+    """One GPU's step at a registry model's shapes (``benchmarks/shapes.py``): its matrices' Newton-Schulz at
+    the calibrated times, batched by shape, and the bytes its batched step's non-matmul ops move
+    (``op_count.TrafficCounter`` on ``meta``, bf16 Newton-Schulz) less Newton-Schulz's own passes, at the
+    memory's bandwidth. Returns (total, Newton-Schulz, elementwise) seconds."""
+    from collections import Counter
+
+    from op_count import TrafficCounter, count_step_ops
+    from shapes import model_shapes
+
+    shapes = model_shapes(model)
+    traffic = count_step_ops(optimizer, shapes, True, counter=TrafficCounter).total_bytes
+    ns = elements = 0.0
+    if optimizer != "adamw":
+        for (m, n), k in Counter(s[-2:] for s in shapes["hidden"]).items():
+            ns += k * cal.seconds(m, n, "bfloat16", hw)[0]
+            elements += k * m * n
+    elementwise = (traffic - NS_PASSES * 2 * elements) / hw.memory
+    return ns + elementwise, ns, elementwise
+
+
+def validate(cal: Calibration) -> str:
+    """The model against every measured single-GPU step of :data:`MEASURED` (same calibration on both GPUs:
+    an H200 is an H100's compute with faster memory)."""
+    lines = ["| GPU | model | optimizer | measured | how | modelled (Newton-Schulz + elementwise) | error | "
+             "at the datasheet's HBM bandwidth |", "|---|---|---|---|---|---|---|---|"]
+    cache: dict = {}
+    for gpu, model, optimizer, ms, how in MEASURED:
+        hw = HARDWARE[gpu]
+        key = (gpu, model, optimizer)
+        if key not in cache:
+            cache[key] = single_gpu(model, optimizer, hw, cal)
+        total, ns, elementwise = cache[key]
+        peak = ns + elementwise * hw.hbm_efficiency
+        lines.append(f"| {gpu.upper()} | {model} | {optimizer} | {ms:.2f} ms | {how} | {total * 1e3:.2f} ms "
+                     f"({ns * 1e3:.2f} + {elementwise * 1e3:.2f}) | {total * 1e3 / ms - 1:+.0%} | "
+                     f"{peak * 1e3:.2f} ms, {peak * 1e3 / ms - 1:+.0%} |")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("summaries", nargs="*", help="scale_sim.py --save files (their configurations in order)")
+    parser.add_argument("--gpu", default="h100", choices=sorted(HARDWARE))
+    parser.add_argument("--calibration", default=str(DEFAULT_CALIBRATION), help="Newton-Schulz times per shape")
+    parser.add_argument("--extrapolate-rate", type=float, default=None,
+                        help="a fraction of the dtype's peak for shapes not in the calibration table, instead of "
+                             "the nearest entry's rate")
+    parser.add_argument("--ranks-per-node", type=int, default=8)
+    parser.add_argument("--nvlink-gbs", type=float, default=None, help="NVLink GB/s each way (default 370)")
+    parser.add_argument("--network-gbs", type=float, default=None, help="network GB/s per GPU (default 48)")
+    parser.add_argument("--mfu", type=float, default=0.4)
+    parser.add_argument("--tokens", type=float, default=None, help="tokens per step for every model (default: "
+                        "16M for Llama-3, 15,360 x 4,096 for DeepSeek-V3)")
+    parser.add_argument("--longest-first", action="store_true",
+                        help="the rounds by their Newton-Schulz time, longest first, not in the plan's order")
+    parser.add_argument("--validate", action="store_true", help="the model against the single-GPU steps")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    hw = replace(HARDWARE[args.gpu], ranks_per_node=args.ranks_per_node)
+    if args.nvlink_gbs:
+        hw = replace(hw, nvlink=replace(hw.nvlink, bandwidth=args.nvlink_gbs * 1e9))
+    if args.network_gbs:
+        hw = replace(hw, network=replace(hw.network, bandwidth=args.network_gbs * 1e9))
+    cal = Calibration.load(args.calibration)
+    cal.rate_fraction = args.extrapolate_rate
+    if args.validate:
+        print(f"# the model against single-GPU steps, calibration {args.calibration} ({cal.gpu})\n")
+        print(validate(cal))
+    if args.summaries:
+        summaries = [s for path in args.summaries for s in json.loads(Path(path).read_text())]
+        tokens = {k: int(args.tokens) for k in TOKENS} if args.tokens else TOKENS
+        print(f"# {hw.name}, {hw.ranks_per_node} ranks a node, NVLink {hw.nvlink.bandwidth / 1e9:.0f} GB/s, network "
+              f"{hw.network.bandwidth / 1e9:.0f} GB/s, HBM {hw.hbm / 1e12:.2f} TB/s; calibration {cal.gpu}"
+              + (f", extrapolated at {cal.rate_fraction:.0%} of peak" if cal.rate_fraction else "")
+              + f"; MFU {args.mfu:.0%}" + ("; rounds longest first" if args.longest_first else "") + "\n")
+        print(table(summaries, hw, cal, args.mfu, tokens, args.longest_first))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

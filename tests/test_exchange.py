@@ -1,0 +1,526 @@
+"""The one exchange (``optim/exchange.py``, issue 55) at the floor, on every layout, DDP included.
+
+- The owners of every ``placement.OWNERS`` unit of an optimizer are planned at once, longest first by
+  ``driver.cost`` onto the least-loaded rank (``distributed.assign_owners``), as ``engine._prepare`` plans
+  them: for Llama-3 70B's hidden matrices on 512 ranks the busiest rank is within 1.1x of
+  ``max(total / ranks, largest unit)``; planned bucket by bucket from no load it would be over 2x. On the
+  fake process group of 512 ranks the engine's own plan (``opt._exchange.load``) meets the same bound.
+- FSDP2 on 2 gloo ranks: every rank's rows go once to their owner and the owners' directions come back once
+  (``benchmarks/step_accounting.py``'s meter, which reads only torch's collectives), one pair of
+  ``all_to_all_single`` per shape bucket, nothing padded, one ``Exchange`` for every param group, and the step
+  equals one process. With bf16 Newton-Schulz every byte is what the pieces' shapes give: bf16 ``X`` out with
+  NorMuon's per-row second moment as its sharded piece; back bf16 ``U`` (Muon), ``U`` with eq. 8's or NorMuon's
+  factors where fewer bytes than a float32 ``D`` (else ``D``), NorMuon's second moment as its piece, and
+  MeqMuon's per-matrix counter whole (one int64, 8 B per matrix per receiving rank).
+- DDP on 2 gloo ranks (issue 55 item 1): the rules without Newton-Schulz run in place on every rank (0 bytes),
+  each hidden direction goes once from its owner to the other rank; on a model whose embedding and head
+  are larger than its hidden matrices every rank sends at most 1.05x the floor (``floor_bytes``: each
+  direction once to every other rank), exactly the owned directions' bytes, the ranks end bit-identical with
+  equal ``state_dict()`` and equal to one process bit for bit. The negative control, a rank that skips the
+  embedding's in-place update, fails the identity check. A plain and a sharded matrix of one shape in one
+  batched call (two param groups with the same hyperparameters) step as one process in either order.
+- What travels back per rule class (``transfer.form_of``, ``HiddenRule.transfer_form``) and when the factors
+  pay (``transfer.pays``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_distributed import _spawn
+
+import meqmuon
+from meqmuon.optim import driver, transfer
+from meqmuon.optim.distributed import assign_owners
+from meqmuon.optim.newton_schulz import method_flops
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from step_accounting import StepMeter, floor_bytes  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+
+#: Llama-3 70B's hidden matrices of one decoder layer (q, o; k, v; gate, up; down).
+LLAMA3_70B_LAYER = [(8192, 8192)] * 2 + [(1024, 8192)] * 2 + [(28672, 8192)] * 2 + [(8192, 28672)]
+
+
+def _hidden_rule_and_group(name: str = "meqmuon") -> tuple:
+    w = torch.nn.Parameter(torch.zeros(8, 8))
+    opt = meqmuon.build_optimizer(name, [{"params": [w], "kind": "hidden"}])
+    return opt._rules["hidden"], opt.param_groups[0]
+
+
+def _busiest_over_bound(costs: list[float], owners: list[int], world: int) -> float:
+    load = [0.0] * world
+    for c, r in zip(costs, owners, strict=True):
+        assert 0 <= r < world
+        load[r] += c
+    return max(load) / max(sum(costs) / world, max(costs))
+
+
+def test_llama3_70b_owners_on_512_ranks_are_within_1_1x_of_the_bound():
+    """Longest first over all units at once, as the engine plans: within 1.1x of the bound; bucket by bucket
+    from no load (each shape's matrices on ranks 0, 1, ... again), over 2x."""
+    rule, group = _hidden_rule_and_group()
+    world, layers = 512, 80
+    shapes = LLAMA3_70B_LAYER * layers
+    cost = {s: driver.cost(rule, s, group) for s in LLAMA3_70B_LAYER}
+    costs = [cost[s] for s in shapes]
+    owners = assign_owners(costs, [0.0] * world)
+    assert owners == assign_owners(costs, [0.0] * world)  # deterministic: every rank plans the same
+    assert _busiest_over_bound(costs, owners, world) <= 1.1
+    per_bucket = [0] * len(shapes)
+    for s in dict.fromkeys(shapes):
+        at = [i for i, t in enumerate(shapes) if t == s]
+        for i, r in zip(at, assign_owners([costs[i] for i in at], [0.0] * world), strict=True):
+            per_bucket[i] = r
+    assert _busiest_over_bound(costs, per_bucket, world) > 2.0
+
+
+def test_the_engines_plan_of_llama3_70b_on_512_fake_ranks_is_within_1_1x_of_the_bound():
+    """The engine's own plan (``engine._prepare``: one ``Exchange`` over every unit), rank 0 of torch's fake
+    process group of 512 ranks, 70B's hidden matrices replicated on ``meta`` (DDP's units): its owners' load is
+    the plan above, within 1.1x of the bound."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    rule, group = _hidden_rule_and_group()
+    world, layers = 512, 80
+    shapes = LLAMA3_70B_LAYER * layers
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        params = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in shapes]
+        opt = meqmuon.build_optimizer("meqmuon", [{"params": params, "kind": "hidden"}])
+        opt._plan()
+        ex = opt._exchange
+        load = list(ex.load)
+        owners = [u.owner for u in ex.units]
+    finally:
+        dist.destroy_process_group()
+    cost = {s: driver.cost(rule, s, group) for s in LLAMA3_70B_LAYER}
+    costs = [cost[s] for s in shapes]
+    assert len(owners) == len(shapes) and owners == assign_owners(costs, [0.0] * world)
+    assert max(load) / max(sum(costs) / world, max(costs)) <= 1.1, max(load)
+
+
+def test_assign_owners_carry_the_load_across_calls():
+    load = [0.0, 0.0]
+    assert assign_owners([5.0, 2.0, 2.0], load) == [0, 1, 1] and load == [5.0, 4.0]
+    assert assign_owners([3.0], load) == [1] and load == [5.0, 7.0]
+
+
+# ---- FSDP2 on 2 gloo ranks ---------------------------------------------------------------------------------
+
+#: The gloo model: a bucket of one 48 x 32 matrix, one of two 32 x 32, one of a 3 x 32 (rows 2 and 1 on two
+#: ranks: the uneven split), so every bucket but one has fewer matrices than ranks; two param groups (the
+#: first two matrices, the last two) with the same hyperparameters, which share one exchange.
+SHAPES = [(48, 32), (32, 32), (32, 32), (3, 32)]
+SPLIT = 2
+
+
+def _grads(step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def _groups(params: list) -> list[dict]:
+    return [{"params": params[:SPLIT], "kind": "hidden", "names": [f"{i}.weight" for i in range(SPLIT)]},
+            {"params": params[SPLIT:], "kind": "hidden",
+             "names": [f"{i}.weight" for i in range(SPLIT, len(params))]}]
+
+
+def _fsdp2_step(rank: int, name: str, ns: str = "float32") -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList(torch.nn.Linear(n, m, bias=False) for m, n in SHAPES)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    params = [layer.weight for layer in model]
+    opt = meqmuon.build_optimizer(name, _groups(params), ns_dtype=getattr(torch, ns), foreach=True)
+    out = {}
+    for step in range(3):
+        for p, g in zip(params, _grads(step), strict=True):
+            p.grad = distribute_tensor(g, mesh, p.placements)
+        if step < 2:
+            opt.step()  # the first plans (its DTensor ops are not the exchange's); the third is metered
+            continue
+        meter = StepMeter()
+        with meter:
+            opt.step()
+        out = meter.summary()
+    ex = opt._exchange
+    out["exchanges"] = {id(e.split) for _, entries, _ in opt._plan() for e in entries} == {id(ex)}
+    out["owners"], out["load"] = [u.owner for u in ex.units], list(ex.load)
+    out["floor"] = floor_bytes(opt, getattr(torch, ns).itemsize)
+    out["local"] = [tuple(p.to_local().shape) for p in params]
+    out["params"] = [p.full_tensor() for p in params]
+    out["reference"] = _one_process(name, ns)  # in the worker: the same threads as the sharded step
+    return out
+
+
+def _one_process(name: str, ns: str = "float32") -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList(torch.nn.Linear(n, m, bias=False) for m, n in SHAPES)
+    params = [layer.weight for layer in model]
+    opt = meqmuon.build_optimizer(name, _groups(params), ns_dtype=getattr(torch, ns), foreach=True)
+    for step in range(3):
+        for p, g in zip(params, _grads(step), strict=True):
+            p.grad = g
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def _f32_steps(rank: int) -> dict:
+    return {name: _fsdp2_step(rank, name) for name in ("muon", "meqmuon")}
+
+
+def test_fsdp2_exchange_sends_each_piece_once_with_no_padding_and_equals_one_process(tmp_path):
+    """Muon, float32 Newton-Schulz: each rank sends its rows once and the whole directions of the matrices it
+    owns (each owned once), receives the same, one pair of exchanges per shape bucket; the owners are the one
+    plan over both param groups (longest first by ``driver.cost``), whose busiest rank does the least
+    Newton-Schulz work any assignment gives. MeqMuon's counter adds 8 B per matrix per rank, nothing else."""
+    got = _spawn(_f32_steps, tmp_path)
+    rule, group = _hidden_rule_and_group("muon")
+    costs = [driver.cost(rule, s, group) for s in SHAPES]
+    plan, load = assign_owners(costs, [0.0, 0.0]), [0.0, 0.0]
+    assign_owners(costs, load)
+    # planned group by group from no load, the owners would differ: the test tells the two apart
+    assert plan != assign_owners(costs[:SPLIT], [0.0, 0.0]) + assign_owners(costs[SPLIT:], [0.0, 0.0])
+    whole = [4 * m * n for m, n in SHAPES]  # bytes of each matrix in float32
+    for name, counter in (("muon", 0), ("meqmuon", 8)):
+        for rank, r in enumerate(got):
+            r = r[name]
+            assert r["exchanges"] and r["owners"] == plan and r["load"] == load, (name, rank, r["owners"])
+            local = sum(4 * a * b for a, b in r["local"])
+            assert r["floor"] == 2 * local, (rank, r["floor"])
+            # out: this rank's rows of every matrix to their owners; back: each owner's whole directions, each
+            # rank its rows (and MeqMuon's counter, whole to each rank). So sent = local + the whole matrices
+            # it owns, and received the same, nothing padded.
+            owned = sum(w + 2 * counter for w, o in zip(whole, plan, strict=True) if o == rank)
+            assert r["sent"] == local + owned, (name, rank, r["sent"], local, owned)
+            received = local + sum(w for w, o in zip(whole, plan, strict=True) if o == rank) + counter * len(SHAPES)
+            assert r["received"] == received, (name, rank, r["received"], received)
+            assert r["calls"] == {"alltoall_base_": 6}, r["calls"]  # one pair per shape bucket
+        _equal_one_process([r[name] for r in got])
+    group = _hidden_rule_and_group()[1] | {"ns_method": "quintic", "ns_steps": 5}
+    flops = [method_flops(group, m, n) for m, n in SHAPES]
+    best = min(max(sum(c for c, o in zip(flops, a, strict=True) if o == r) for r in (0, 1))
+               for a in itertools.product((0, 1), repeat=len(flops)))
+    for rank, r in enumerate(got):
+        assert r["muon"]["flops"] == sum(c for c, o in zip(flops, plan, strict=True) if o == rank), rank
+    assert max(r["muon"]["flops"] for r in got) == best, ([r["muon"]["flops"] for r in got], best)
+
+
+def _bf16_steps(rank: int) -> dict:
+    return {name: _fsdp2_step(rank, name, "bfloat16") for name in ("muon", "meqmuon", "normuon")}
+
+
+def _factored(m: int, rows: list[int], n: int) -> bool:
+    """Whether an ``m x n`` bucket's directions come back as bf16 ``U`` with float32 factors: fewer bytes than a
+    float32 ``D`` for every rank's piece of ``r`` rows (its ``r`` row factors and ``n`` column factors against
+    2 B more for each of its ``r x n`` elements)."""
+    return all(2 * r * n + 4 * (r + n) < 4 * r * n for r in rows if r)
+
+
+def test_bf16_newton_schulz_fsdp2_pieces_travel_in_bf16_at_exactly_their_shapes_bytes(tmp_path):
+    """With bf16 Newton-Schulz (the CUDA default) every rank's rows go out in bf16 (NorMuon's per-row second
+    moment beside them as its float32 piece); the directions come back as Muon's bf16 ``U``, or MeqMuon's and
+    NorMuon's bf16 ``U`` with the factors of the rank's rows and of the ``n`` columns where those are fewer
+    bytes than a float32 ``D`` (not for the 3 x 32 matrix, 2 rows a rank: its ``D``), with NorMuon's second
+    moment as its piece and MeqMuon's counter whole (int64). Counted exactly per rank from the shapes and the
+    owners; the same bits as one process with bf16 Newton-Schulz."""
+    got = _spawn(_bf16_steps, tmp_path)
+    world = len(got)
+    rows = [[c.numel() for c in torch.arange(m).chunk(world)] for m, _ in SHAPES]  # FSDP2's rows per rank
+    rows = [c + [0] * (world - len(c)) for c in rows]
+
+    def way_back(name: str, i: int, r: int) -> int:  # bytes rank r receives of matrix i from its owner
+        (m, n), q = SHAPES[i], rows[i][r]
+        direction = 2 * q * n + 4 * (q + n) if name != "muon" and _factored(m, rows[i], n) else \
+            (2 if name == "muon" else 4) * q * n
+        return direction + {"muon": 0, "meqmuon": 8, "normuon": 4 * q}[name]
+
+    def way_out(name: str, i: int, r: int) -> int:  # bytes rank r sends of matrix i to its owner
+        q, n = rows[i][r], SHAPES[i][1]
+        return 2 * q * n + (4 * q if name == "normuon" else 0)
+
+    assert [_factored(m, rows[i], n) for i, (m, n) in enumerate(SHAPES)] == [True, True, True, False]
+    for name in ("muon", "meqmuon", "normuon"):
+        for q, r in enumerate(got):
+            r = r[name]
+            plan = r["owners"]
+            mine = [i for i, o in enumerate(plan) if o == q]
+            sent = sum(way_out(name, i, q) for i in range(len(SHAPES))) + \
+                sum(way_back(name, i, s) for i in mine for s in range(world))
+            received = sum(way_back(name, i, q) for i in range(len(SHAPES))) + \
+                sum(way_out(name, i, s) for i in mine for s in range(world))
+            assert (r["sent"], r["received"]) == (sent, received), (name, q, r["sent"], r["received"], sent, received)
+            assert r["calls"] == {"alltoall_base_": 6}, (name, r["calls"])  # one pair per shape bucket
+            assert r["floor"] == 2 * 2 * sum(a * b for a, b in r["local"]), (q, r["floor"])
+        _equal_one_process([r[name] for r in got])
+
+
+def _equal_one_process(got: list[dict]) -> None:
+    """Within tests/test_layouts.py's bound (1e-6) of one process; the matrices with even shards bit for bit
+    (the 3 x 32 one differs by an ulp of one process's, before this exchange as after)."""
+    for r in got:
+        for i, (p, q) in enumerate(zip(r["params"], r["reference"], strict=True)):
+            torch.testing.assert_close(p, q, rtol=0, atol=0 if SHAPES[i][0] % 2 == 0 else 1e-6)
+
+
+# ---- DDP on 2 gloo ranks: at the floor (issue 55 item 1) ----------------------------------------------------
+
+#: A replicated Llama with Llama-60M's proportions at a quarter of the width, one decoder layer, and a
+#: vocabulary whose embedding and head (2 x 1024 x 128) outweigh the hidden matrices (4 x 128^2 + 3 x 128 x 352):
+#: were they to travel, a rank would send more than the floor.
+DDP_LLAMA = dict(vocab_size=1024, hidden_size=128, intermediate_size=352, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=4, max_position_embeddings=64, attn_implementation="eager",
+                 tie_word_embeddings=False)
+DDP_OPTIMIZERS = ("meqmuon", "muon", "normuon")
+DDP_STEPS = 3
+
+
+def _ddp_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**DDP_LLAMA)).float()
+
+
+def _ddp_batch(step: int) -> dict:
+    ids = torch.randint(0, DDP_LLAMA["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(100 + step))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _ddp_run(name: str, ns: str, skip_embedding: bool = False) -> dict:
+    """``name`` on the replicated model, the same batch on every rank (every rank's gradients are those DDP's
+    all-reduce leaves), the last step metered. ``skip_embedding``: the negative control, rank 1 leaves out the
+    embedding's update in the last step (a rule run in place on only one rank)."""
+    model = _ddp_llama()
+    opt = meqmuon.build_optimizer(name, model, lr=0.02, weight_decay=0.1, ns_dtype=getattr(torch, ns), foreach=True)
+    meter = StepMeter()
+    for step in range(DDP_STEPS):
+        model(**_ddp_batch(step)).loss.backward()
+        if skip_embedding and dist.get_rank() == 1 and step == DDP_STEPS - 1:
+            model.model.embed_tokens.weight.grad = None
+        if step == DDP_STEPS - 1:
+            with meter:
+                opt.step()
+        else:
+            opt.step()
+        opt.zero_grad()
+    ex = opt._exchange
+    return {**meter.summary(), "floor": floor_bytes(opt, getattr(torch, ns).itemsize),
+            "units": [(tuple(u.pieces.shape), u.owner) for u in ex.units],
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}, "state": opt.state_dict(),
+            "counts": opt.selection_counts() if name == "meqmuon" else None}
+
+
+def _ddp_worker(rank: int) -> dict:
+    out = {(name, ns): _ddp_run(name, ns) for name in DDP_OPTIMIZERS for ns in ("float32", "bfloat16")}
+    out["control"] = _ddp_run("muon", "float32", skip_embedding=True)
+    return out
+
+
+def _ddp_one_process(name: str, ns: str) -> tuple[dict, dict, dict | None]:
+    model = _ddp_llama()
+    opt = meqmuon.build_optimizer(name, model, lr=0.02, weight_decay=0.1, ns_dtype=getattr(torch, ns), foreach=True)
+    for step in range(DDP_STEPS):
+        model(**_ddp_batch(step)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return ({n: p.detach() for n, p in model.named_parameters()}, opt.state_dict(),
+            opt.selection_counts() if name == "meqmuon" else None)
+
+
+def _identical(a: dict, b: dict) -> None:
+    """Two ranks' (or a rank's and one process's) parameters and ``state_dict()`` bit for bit."""
+    assert a["params"].keys() == b["params"].keys()
+    for n, p in a["params"].items():
+        assert torch.equal(p, b["params"][n]), n
+    _state_equal(a["state"], b["state"])
+
+
+def _state_equal(a: dict, b: dict) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for k, st in a["state"].items():
+        assert st.keys() == b["state"][k].keys(), k
+        for key, v in st.items():
+            w = b["state"][k][key]
+            assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, (k, key)
+
+
+def _ddp_back_bytes(name: str, ns: str, shape: tuple[int, int]) -> int:
+    """What an owner sends each other rank of one hidden ``m x n`` matrix under DDP: float32 Newton-Schulz, ``D``
+    in float32; bf16, Muon's ``U`` in bf16, MeqMuon's and NorMuon's bf16 ``U`` with float32 factors of its ``m``
+    rows and ``n`` columns (fewer bytes than ``D`` at these widths); then the per-matrix state whole (MeqMuon's
+    int64 counter, NorMuon's ``m`` float32 second moments)."""
+    m, n = shape
+    if ns == "float32":
+        direction = 4 * m * n
+    else:
+        direction = 2 * m * n + (4 * (m + n) if name != "muon" else 0)
+    return direction + {"muon": 0, "meqmuon": 8, "normuon": 4 * m}[name]
+
+
+def test_ddp_sends_each_hidden_direction_once_at_the_floor_and_equals_one_process(tmp_path):
+    """MeqMuon, Muon and NorMuon under DDP, float32 and bf16 Newton-Schulz: the embedding, head and norms step in
+    place on every rank (no bytes: only the hidden directions' ``all_to_all_single``, one per shape bucket, as
+    a DDP unit's input never travels); each rank sends exactly the directions it owns, once to the other rank,
+    and receives the rest, at most 1.05x the floor; the ranks end bit-identical, ``state_dict()`` included, and
+    equal to one process bit for bit (float32 and bf16 Newton-Schulz alike)."""
+    got = _spawn(_ddp_worker, tmp_path)
+    world = len(got)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers' threads: the same bits
+    try:
+        reference = {key: _ddp_one_process(*key) for key in got[0] if key != "control"}
+    finally:
+        torch.set_num_threads(threads)
+    hidden = 4 * 128 * 128 + 3 * 128 * 352
+    embedding = 2 * 1024 * 128
+    assert embedding > hidden  # were the embedding and head to travel, they would dominate
+    for (name, ns), ref in reference.items():
+        runs = [r[(name, ns)] for r in got]
+        itemsize = getattr(torch, ns).itemsize
+        for rank, r in enumerate(runs):
+            assert r["floor"] == itemsize * hidden, (name, ns, r["floor"])
+            assert sorted(s for s, _ in r["units"]) == sorted([(128, 128)] * 4 + [(352, 128)] * 2 + [(128, 352)])
+            owned = sum(_ddp_back_bytes(name, ns, s) for s, o in r["units"] if o == rank)
+            others = sum(_ddp_back_bytes(name, ns, s) for s, o in r["units"] if o != rank)
+            assert (r["sent"], r["received"]) == ((world - 1) * owned, others), (name, ns, rank, r["sent"], owned)
+            assert r["sent"] <= 1.05 * r["floor"] and r["received"] <= 1.05 * r["floor"], (name, ns, rank, r)
+            buckets = 3 if name == "normuon" else 2  # NorMuon's per-row state keeps (128, 352) apart
+            assert r["calls"] == {"alltoall_base_": buckets}, (name, ns, r["calls"])
+            assert 0 < owned, (name, ns, rank)  # the work is shared
+        _identical(runs[0], runs[1])
+        params, state, counts = ref
+        _identical(runs[1], {"params": params, "state": state})
+        assert runs[0]["counts"] == runs[1]["counts"] == counts
+    # the negative control: rank 1 skips the embedding's in-place update; the identity check must see it
+    with pytest.raises(AssertionError):
+        _identical(got[0]["control"], got[1]["control"])
+    with pytest.raises(AssertionError):
+        _state_equal(got[0]["control"]["state"], got[1]["control"]["state"])
+    # and nothing else differs: the hidden matrices still come from their owners
+    c0, c1 = got[0]["control"]["params"], got[1]["control"]["params"]
+    assert [n for n in c0 if not torch.equal(c0[n], c1[n])] == ["model.embed_tokens.weight"]
+
+
+def _mixed_worker(rank: int) -> dict:
+    """A plain (DDP) and a ``Shard(0)`` 32 x 32 hidden matrix in two param groups with the same hyperparameters,
+    which the batched step merges into one call and one shape bucket of the exchange, in both orders; against
+    one process (the same optimizer over a process group of this rank alone)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    solo = [dist.new_group([0]), dist.new_group([1])][rank]  # every rank makes every group
+    g = torch.Generator().manual_seed(0)
+    w, grad = [torch.randn(32, 32, generator=g) for _ in range(2)], [torch.randn(32, 32, generator=g) for _ in range(2)]
+    one = [torch.nn.Parameter(t.clone()) for t in w]
+    opt = meqmuon.build_optimizer("muon", [{"params": [p], "kind": "hidden"} for p in one], foreach=True,
+                                  ns_dtype=torch.float32, process_group=solo)
+    for p, t in zip(one, grad, strict=True):
+        p.grad = t.clone()
+    opt.step()
+    out = {}
+    for plain_first in (True, False):
+        plain = torch.nn.Parameter(w[0].clone())
+        sharded = torch.nn.Parameter(distribute_tensor(w[1].clone(), mesh, [Shard(0)]))
+        plain.grad, sharded.grad = grad[0].clone(), distribute_tensor(grad[1].clone(), mesh, [Shard(0)])
+        groups = [{"params": [plain], "kind": "hidden"}, {"params": [sharded], "kind": "hidden"}]
+        opt = meqmuon.build_optimizer("muon", groups if plain_first else groups[::-1], foreach=True,
+                                      ns_dtype=torch.float32)
+        opt.step()
+        out[plain_first] = [torch.equal(plain.detach(), one[0].detach()),
+                            torch.equal(sharded.full_tensor(), one[1].detach())]
+    return out
+
+
+def test_plain_and_sharded_matrices_of_one_shape_in_one_call_step_as_one_process(tmp_path):
+    """A plain hidden matrix (its Newton-Schulz shared as under DDP) and a sharded one of the same shape, in two
+    param groups with the same hyperparameters (one batched call, one shape bucket): both equal one process, in
+    either order of the groups."""
+    for r in _spawn(_mixed_worker, tmp_path):
+        assert r == {True: [True, True], False: [True, True]}, r
+
+
+# ---- what travels back ------------------------------------------------------------------------------------
+
+
+def test_what_an_owner_sends_back_follows_the_rules_post():
+    """``transfer.form_of``, derived per class and kept as ``HiddenRule.transfer_form``: ``U`` alone where
+    ``post`` is the identity (a ``pre`` or ``inputs`` of its own does not matter), ``U`` and factors where the
+    class that defines ``post_factors`` also defines (or inherits below) ``post`` and ``post_all``, else ``D``
+    (a rule with a step of its own too): a user's subclass of MeqMuon's rule that changes ``post`` must not
+    travel as eq. 8's factors."""
+    from meqmuon.optim.rules import RULES
+    from meqmuon.optim.rules.meqmuon import MeqHidden
+    from meqmuon.optim.rules.muon import MoonlightHidden
+    from meqmuon.optim.rules.normuon import NorMuonHidden
+
+    class OnlyPre(meqmuon.HiddenRule):
+        name = "only_pre"
+
+        def pre(self, X, group, state=None):
+            return X * 2
+
+    class OwnPost(MeqHidden):
+        name = "own_post"
+
+        def post(self, U, group, state):
+            return U * 2
+
+    class OwnPostAll(MeqHidden):
+        name = "own_post_all"
+
+        def post_all(self, Us, group, states):
+            return [U * 2 for U in Us]
+
+    class OwnStep(MoonlightHidden):
+        name = "own_step"
+        transposes = False
+
+        def step_weights(self, W, D, scale, group):
+            W.sub_(D)
+
+    classes = (MoonlightHidden, OnlyPre, MeqHidden, NorMuonHidden, OwnPost, OwnPostAll)
+    forms = {c: transfer.form_of(c, meqmuon.HiddenRule) for c in classes}
+    assert forms == {MoonlightHidden: transfer.IDENTITY, OnlyPre: transfer.IDENTITY, MeqHidden: transfer.FACTORS,
+                     NorMuonHidden: transfer.FACTORS, OwnPost: transfer.DIRECTION,
+                     OwnPostAll: transfer.DIRECTION}, forms
+    assert all(c.transfer_form == forms[c] for c in classes)
+    assert OwnStep.transfer_form == transfer.DIRECTION  # its weights come back stepped
+    hidden = {n: r.transfer_form for n, r in RULES.items() if isinstance(r, meqmuon.HiddenRule)}
+    assert {n for n, f in hidden.items() if f == transfer.IDENTITY} == {
+        "moonlight_hidden", "muoneq_hidden", "aurora_hidden", "muon_vs"}, hidden
+    assert {n for n, f in hidden.items() if f == transfer.FACTORS} == {"meq_hidden", "normuon_hidden"}, hidden
+
+
+def test_factors_travel_only_where_fewer_bytes_and_in_the_directions_dtype():
+    """``transfer.pays``, the one rule of every layout: bf16 ``U`` with float32 factors for a piece of 16 x 4096
+    (fewer bytes than a float32 ``D``), not for 2 rows (as many), not with float32 ``U``, not for a rule without
+    factors, and not for a float64 ``D``: factors widened to float64 round eq. 8's products otherwise than one
+    process, whose ``D`` is float32 (checked here)."""
+    from meqmuon import functional as F
+
+    pays, f, bf16, f32, f64 = transfer.pays, transfer.FACTORS, torch.bfloat16, torch.float32, torch.float64
+    assert pays(f, 16, 4096, bf16, f32) and pays(f, 3, 4096, bf16, f32)
+    assert not pays(f, 2, 4096, bf16, f32) and not pays(f, 16, 4096, f32, f32)
+    assert not pays(transfer.IDENTITY, 16, 4096, bf16, f32) and not pays(transfer.DIRECTION, 16, 4096, bf16, f32)
+    assert not pays(f, 16, 4096, bf16, f64)
+    u = (torch.randn(1, 64, 48, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 3, 48)).to(bf16)
+    (d,), _ = F.adaptive_normalize_stacks([u])
+    ((row, col),), _ = F.adaptive_normalize_factors([u])
+    assert torch.equal(transfer.apply(u, row, col, False), d)
+    assert not torch.equal(transfer.apply(u, row.double(), col.double(), False), d.double())
