@@ -3,6 +3,7 @@
 * ``choice``: item 3. ``meqmuon-shape`` minus ``meqmuon`` at pysrc-600 (1e-2, seeds 0-4; ``meqmuon``'s kept records,
   ``../pysrc-600/results.json``, and its re-runs here where they exist) and at horizon-micro's 4x (2e-2, the 1x-chosen
   lr of both; ``meqmuon``'s kept 4x records, ``../horizon-micro/runs-4x.json``, and its re-run here), paired by seed,
+  with, for scale, each against ``muoneq-r``'s kept pysrc-600 records,
   95 % Student-t intervals (``meqmuon.train.stats.paired_difference``); the side lrs where they ran.
 * ``recipes``: item 2. Each recipe's 1x lr grid (chosen on seeds 0 and 1, as horizon-micro), then at the chosen lr
   its pairs against ``meqmuon`` and ``muoneq-r`` (horizon-micro's kept 1x runs, 2e-2, seeds 0-4) and against its
@@ -69,6 +70,13 @@ def choice() -> None:
     print(pair_line("against meqmuon's kept records, seeds 2-4", shape, meq_kept, (2, 3, 4)))
     if len(meq_here) >= 2:
         print(pair_line("against meqmuon re-run here", shape, meq_here))
+    # context: what the shape rule alone gains over MuonEq-R (rows always), whose kept records are those of the
+    # same AVX2 machine as meqmuon's (reproduced here to 1e-5, far below these differences)
+    print("\nFor scale, against MuonEq-R (rows always; its kept pysrc-600 records, 1e-2). Δ = the first minus "
+          "muoneq-r:\n")
+    print(HEADER)
+    print(pair_line("meqmuon-shape minus muoneq-r's kept records", shape, old[("muoneq-r", 0.01)]))
+    print(pair_line("meqmuon (re-run here) minus muoneq-r's kept records", meq_here, old[("muoneq-r", 0.01)]))
     print("\nmeqmuon re-run here minus its kept record: " + ", ".join(
         f"seed {s} {meq_here[s] - meq_kept[s]:+.1e}" for s in sorted(meq_here)))
     grid = {lr: c for (o, lr), c in p600.items() if o == "meqmuon-shape"}
@@ -84,6 +92,9 @@ def choice() -> None:
           "meqmuon:\n")
     print(HEADER)
     print(pair_line("against meqmuon's kept 4x records (AVX512+AMX)", shape4, meq4_kept))
+    if meq4_here:
+        print(pair_line("against meqmuon's re-runs here where they exist, else its kept records", shape4,
+                        meq4_kept | meq4_here))
     print("\nmeqmuon 4x re-run here minus its kept record: " + ", ".join(
         f"seed {s} {meq4_here[s] - meq4_kept[s]:+.1e}" for s in sorted(meq4_here)))
 
