@@ -9,8 +9,8 @@
   its pairs against ``meqmuon`` and ``muoneq-r`` (horizon-micro's kept 1x runs, 2e-2, seeds 0-4) and against its
   issue-48 preset (``../horizon-micro/runs48-1x.json``, named there without "-shared"), on seeds 0-4 and 2-4.
 * ``width``: item 4. Per optimizer and width, the mean final loss at each lr over seeds 0 and 1 and the best lr
-  (over the lrs with both seeds; where none has two yet, over seed 0, marked "seed 0 only");
-  ``--figure PATH`` draws loss against lr, one panel per optimizer, one line per width.
+  (over the lrs with both seeds; where none has two yet, over seed 0, marked "seed 0 only"); ``--figure PATH``
+  draws each width's loss less its lowest against lr, one panel per optimizer, one line per width.
 
 Usage: ``python docs/results/field-2026/pairs.py {choice,recipes,width} [--figure PATH]``.
 """
@@ -160,25 +160,33 @@ def width(figure: Path | None) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, len(WIDTH_OPTIMIZERS), figsize=(4 * len(WIDTH_OPTIMIZERS), 3.4), sharey=True)
+        # each width's curve less its lowest mean: the widths' losses are 0.3-0.6 apart, which would flatten the
+        # curves on one axis, and the question is where each minimum lies, not how low it is
+        fig, axes = plt.subplots(1, len(WIDTH_OPTIMIZERS), figsize=(4 * len(WIDTH_OPTIMIZERS), 3.4), sharex=True,
+                                 sharey=True)
         colours = {24: "tab:blue", 48: "tab:orange", 96: "tab:green"}
+        grid = sorted({lr for o in table for w in table[o] for lr in table[o][w]})
         for ax, o in zip(axes, WIDTH_OPTIMIZERS, strict=True):
             for w in sorted(table[o]):
                 pts = sorted(table[o][w].items())
-                lrs = [lr for lr, _ in pts]
-                ax.plot(lrs, [statistics.fmean(v.values()) for _, v in pts], "o-", color=colours[w],
-                        label=f"width {w}")
+                low = min(statistics.fmean(v.values()) for _, v in pts)
+                ax.plot([lr for lr, _ in pts], [statistics.fmean(v.values()) - low for _, v in pts], "o-",
+                        color=colours[w], label=f"width {w}")
                 for lr, v in pts:
-                    ax.plot([lr] * len(v), list(v.values()), ".", color=colours[w], alpha=0.4)
+                    ax.plot([lr] * len(v), [x - low for x in v.values()], ".", color=colours[w], alpha=0.4)
                 if w in best[o]:
                     ax.axvline(best[o][w], color=colours[w], ls=":", lw=1)
+            if not table[o]:
+                ax.text(0.5, 0.5, "not run", transform=ax.transAxes, ha="center", va="center", color="grey")
             ax.set_xscale("log", base=2)
+            ax.set_xticks(grid, [f"{lr:g}" for lr in grid])
+            ax.minorticks_off()
             ax.set_title(o)
             ax.set_xlabel("learning rate")
             ax.grid(alpha=0.3)
-        axes[0].set_ylabel("final validation loss (nats/token)")
+        axes[0].set_ylabel("final val loss minus the width's lowest")
         axes[0].legend(fontsize=8)
-        fig.suptitle("llama-micro widths 24 / 48 / 96, 572 updates, --data pysrc (mean of the seeds run, "
+        fig.suptitle("llama-micro widths 24 / 48 / 96, 572 updates, pysrc 1,280-id BPE (mean of the seeds run, "
                      "0 and 1 where both; dots: seeds; dotted: best lr)", fontsize=9)
         fig.tight_layout()
         fig.savefig(figure, dpi=120)
