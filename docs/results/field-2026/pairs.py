@@ -9,7 +9,7 @@
   its pairs against ``meqmuon`` and ``muoneq-r`` (horizon-micro's kept 1x runs, 2e-2, seeds 0-4) and against its
   issue-48 preset (``../horizon-micro/runs48-1x.json``, named there without "-shared"), on seeds 0-4 and 2-4.
 * ``width``: item 4. Per optimizer and width, the mean final loss at each lr over seeds 0 and 1 and the best lr
-  (over the lrs with both seeds; where none has two yet, over seed 0, marked "seed 0 only"); ``--figure PATH``
+  (by the mean of seeds 0 and 1 once every lr has both; until then by seed 0, marked "seed 0 only"); ``--figure PATH``
   draws each width's loss less its lowest against lr, one panel per optimizer, one line per width.
 
 Usage: ``python docs/results/field-2026/pairs.py {choice,recipes,width} [--figure PATH]``.
@@ -143,14 +143,14 @@ def width(figure: Path | None) -> None:
     for o in WIDTH_OPTIMIZERS:
         for w in sorted(table[o]):
             means = sorted((lr, statistics.fmean(v.values()), len(v)) for lr, v in table[o][w].items())
-            # the best over the lrs with both seeds; where no lr has two yet, over seed 0 alone, and said so
-            full = [(lr, m) for lr, m, n in means if n >= 2] or [(lr, m) for lr, m, n in means]
+            # the best by the mean of seeds 0 and 1 once every lr has both; until then by seed 0 alone, and said so
+            one = any(n < 2 for _, _, n in means)
+            full = [(lr, table[o][w][lr][0] if one else m) for lr, m, n in means if not one or 0 in table[o][w][lr]]
             if len(full) < 2:
                 continue
             lr = min(full, key=lambda t: t[1])[0]
             best[o][w] = lr
             interior = full[0][0] < lr < full[-1][0]
-            one = all(n < 2 for _, _, n in means)
             print(f"| {o} | {w} | " + ", ".join(f"{g:g}: {m:.4f}" + ("" if n >= 2 else f" ({n} seed)")
                                                 for g, m, n in means) +
                   f" | {lr:g}{' (seed 0 only)' if one else ''} | {'yes' if interior else 'no: at an edge'} |")
