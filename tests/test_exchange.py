@@ -530,9 +530,10 @@ def test_factors_travel_only_where_fewer_bytes_and_in_the_directions_dtype():
 
 
 def _overlap_run(layout: str, foreach: bool, overlap: bool) -> dict:
-    """MeqMuon (float32 Newton-Schulz) on :data:`SHAPES` in reverse (three shape buckets), FSDP2 or DDP (replicated, the same
-    gradients on every rank), 3 steps; the last one's order of events recorded: ``"post"`` an exchange posted,
-    ``"wait"`` a wait on one, ``"ns"`` an owner's bucket (``exchange._at_owners``)."""
+    """MeqMuon (float32 Newton-Schulz) on :data:`SHAPES` in reverse (three shape buckets), FSDP2 or DDP
+    (replicated, the same gradients on every rank), 3 steps; the last one's order of events recorded: ``"post"`` an
+    exchange posted, ``"wait"`` a wait on one, ``"ns"`` an owner's bucket (``exchange._at_owners``), and the
+    buckets' shapes in the order owners ran them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
