@@ -117,10 +117,11 @@ class _Recipe:
         if norm is None:
             return
         groups = self.param_groups  # type: ignore[attr-defined]
-        if scope == "all":
-            params = [p for g in groups for p in g["params"] if p.grad is not None]
-            if params:
-                torch.nn.utils.clip_grad_norm_(params, norm)
+        if scope == "all":  # torch.nn.utils.clip_grad_norm_'s rule: max_norm / (total + 1e-6), at most 1
+            grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
+            if grads:
+                total, by = _total_norm(grads)
+                _scale_(by, torch.clamp(norm / (total + 1e-6), max=1.0))
             return
         sets: dict[str, list[torch.Tensor]] = {}
         for g in groups:
@@ -128,14 +129,9 @@ class _Recipe:
                 if p.grad is not None:
                     rule = self._rule_for(g.get("kind") or ("hidden" if p.ndim >= 2 else "vector"))  # type: ignore
                     sets.setdefault(rule.name, []).append(p.grad)
-        for grads in sets.values():
-            total = torch.nn.utils.get_total_norm(grads, 2.0)
-            scale = torch.where(total < norm, torch.ones_like(total), norm / total)
-            by: dict[tuple, list[torch.Tensor]] = {}
-            for t in grads:
-                by.setdefault((t.device, t.dtype), []).append(t)
-            for (device, dtype), ts in by.items():
-                torch._foreach_mul_(ts, scale.to(device, dtype))
+        for grads in sets.values():  # optax's clip_by_global_norm: norm / total where total exceeds it
+            total, by = _total_norm(grads)
+            _scale_(by, torch.where(total < norm, torch.ones_like(total), norm / total))
 
     def step(self, closure: Any = None) -> Any:
         """The closure (if any), :meth:`clip_gradients`, then the preset's step."""
@@ -261,3 +257,24 @@ class MeqMuonShape(MeqMuon):
 
     RULES = {"hidden": "meq_shape_hidden", "embedding": "equilibrate", "head": "equilibrate",
              "vector": "rms_normalize"}
+
+
+def _total_norm(grads: list[torch.Tensor]) -> tuple[torch.Tensor, dict[tuple, list[torch.Tensor]]]:
+    """The 2-norm of all of ``grads`` together, as ``torch.nn.utils.get_total_norm`` computes it (per device and
+    dtype, each tensor's norm, then the norm of those), with one ``_foreach_norm`` per device and dtype, so that
+    the number of kernels does not grow with the model's depth (``get_total_norm`` takes that path only on CUDA
+    and loops over the tensors elsewhere; ``_foreach_norm`` on CPU is that loop, the same bits). Returns it and
+    the gradients by device and dtype."""
+    by: dict[tuple, list[torch.Tensor]] = {}
+    for t in grads:
+        by.setdefault((t.device, t.dtype), []).append(t)
+    first = grads[0].device
+    norms = [n.to(first) for ts in by.values() for n in torch._foreach_norm(ts, 2.0)]
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0), by
+
+
+def _scale_(by: dict[tuple, list[torch.Tensor]], scale: torch.Tensor) -> None:
+    """Multiply every gradient of ``by`` (:func:`_total_norm`'s) by the 0-D ``scale``: one kernel per device and
+    dtype, with no host sync."""
+    for (device, dtype), ts in by.items():
+        torch._foreach_mul_(ts, scale.to(device, dtype))
