@@ -15,6 +15,7 @@ from ..calls import state_dtype
 from ..driver import buffer, grads_like, make_buckets
 from ..inputs import number
 from ..rule import SteppingRule
+from .muonh import MuonH
 
 # AdamW for the embeddings, heads and vectors of Muon and NorMuon: betas (0.9, 0.95) as the paper's runs
 # (section 4) and Moonlight's toy_train.py, eps 1e-8 as torch.optim.AdamW.
@@ -163,8 +164,6 @@ class AdamH(SteppingRule):
 
     def step(self, items, group, ctx):
         """Per tensor: the moments in place, the direction, then :meth:`MuonH.project` of the one matrix."""
-        from .muonh import MuonH
-
         self._whole(items)
         ctx.emit(items, [it.grad for it in items], "gradient")
         beta1, beta2 = group["betas"]
@@ -179,8 +178,6 @@ class AdamH(SteppingRule):
 
     def step_foreach(self, items, group, ctx):
         """The moments and directions in ``torch._foreach_*`` kernels, then each matrix's projection."""
-        from .muonh import MuonH
-
         self._whole(items)
         ctx.emit(items, [it.grad for it in items], "gradient")
         beta1, beta2 = group["betas"]
