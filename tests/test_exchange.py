@@ -532,9 +532,10 @@ def test_factors_travel_only_where_fewer_bytes_and_in_the_directions_dtype():
 
 
 def _overlap_run(layout: str, foreach: bool, overlap: bool) -> dict:
-    """MeqMuon (float32 Newton-Schulz) on :data:`SHAPES` (three shape buckets), FSDP2 or DDP (replicated, the same
-    gradients on every rank), 3 steps; the last one's order of events recorded: ``"post"`` an exchange posted,
-    ``"wait"`` a wait on one, ``"ns"`` an owner's bucket (``exchange._at_owners``)."""
+    """MeqMuon (float32 Newton-Schulz) on :data:`SHAPES` in reverse (three shape buckets), FSDP2 or DDP
+    (replicated, the same gradients on every rank), 3 steps; the last one's order of events recorded: ``"post"`` an
+    exchange posted, ``"wait"`` a wait on one, ``"ns"`` an owner's bucket (``exchange._at_owners``), and the
+    buckets' shapes in the order owners ran them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
@@ -542,7 +543,8 @@ def _overlap_run(layout: str, foreach: bool, overlap: bool) -> dict:
     from meqmuon.optim import exchange
 
     torch.manual_seed(0)
-    model = torch.nn.ModuleList(torch.nn.Linear(n, m, bias=False) for m, n in SHAPES)
+    # the smallest first, so that the plan's order of buckets is not the longest first
+    model = torch.nn.ModuleList(torch.nn.Linear(n, m, bias=False) for m, n in reversed(SHAPES))
     mesh = init_device_mesh("cpu", (2,)) if layout == "fsdp2" else None
     for layer in model if mesh is not None else ():
         fully_shard(layer, mesh=mesh)
@@ -550,15 +552,17 @@ def _overlap_run(layout: str, foreach: bool, overlap: bool) -> dict:
     opt = meqmuon.build_optimizer("meqmuon", [{"params": params, "kind": "hidden"}], ns_dtype=torch.float32,
                                   foreach=foreach, overlap=overlap)  # one group: one pipeline of buckets
     events: list[str] = []
+    shapes: list[tuple[int, ...]] = []
     flat, at_owners, wait = exchange.exchange_flat, exchange._at_owners, exchange.InFlight.wait
 
     def posted(*args, **kwargs):
         events.append("post")
         return flat(*args, **kwargs)
 
-    def owners(*args, **kwargs):
+    def owners(c, *args, **kwargs):
         events.append("ns")
-        return at_owners(*args, **kwargs)
+        shapes.append(tuple(c.bucket.global_shape))
+        return at_owners(c, *args, **kwargs)
 
     def waited(self):
         if self._work is not None:
@@ -566,7 +570,7 @@ def _overlap_run(layout: str, foreach: bool, overlap: bool) -> dict:
         return wait(self)
 
     for step in range(3):
-        for p, g in zip(params, _grads(step), strict=True):
+        for p, g in zip(params, reversed(_grads(step)), strict=True):
             p.grad = distribute_tensor(g, mesh, p.placements) if mesh is not None else g
         if step == 2:
             exchange.exchange_flat, exchange._at_owners, exchange.InFlight.wait = posted, owners, waited
@@ -577,7 +581,7 @@ def _overlap_run(layout: str, foreach: bool, overlap: bool) -> dict:
     whole = (lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t)  # noqa: E731
     state = opt.state_dict()
     state["state"] = {k: {key: whole(v) for key, v in st.items()} for k, st in state["state"].items()}
-    return {"events": events, "overlap": opt._exchange.overlap,
+    return {"events": events, "shapes": shapes, "overlap": opt._exchange.overlap,
             "params": {i: whole(p).detach().clone() for i, p in enumerate(params)}, "state": state}
 
 
@@ -602,8 +606,8 @@ def _pipeline(buckets: int, out: bool, overlap: bool) -> list[str]:
 def test_overlap_pipelines_the_buckets_with_the_same_bits(tmp_path):
     """``overlap=True`` on 2 gloo ranks, FSDP2 and DDP, batched and per tensor: every rank posts bucket ``k + 1``'s
     inputs before bucket ``k``'s Newton-Schulz and waits for bucket ``k - 1``'s directions only after it (the
-    recorded order is the pipeline's, not the blocking one's, which ``overlap=False`` still gives), and the
-    parameters and ``state_dict()`` are those of ``overlap=False`` bit for bit. The default on CPU is off."""
+    recorded order is the pipeline's, not the blocking one's, which ``overlap=False`` still gives), the buckets
+    longest first, and the parameters and ``state_dict()`` are those of ``overlap=False`` bit for bit."""
     got = _spawn(_overlap_worker, tmp_path)
     assert _pipeline(2, True, True) == ["post", "post", "wait", "ns", "post", "wait", "ns", "wait", "post", "wait"]
     for r in got:
@@ -614,6 +618,9 @@ def test_overlap_pipelines_the_buckets_with_the_same_bits(tmp_path):
             assert run["events"] == _pipeline(buckets, layout == "fsdp2", overlap), (layout, foreach, overlap, run)
             other = r[(layout, foreach, not overlap)]
             _identical(run, other)
+            if overlap:  # the longest Newton-Schulz first (one matrix a bucket per owner here: the largest first)
+                assert run["shapes"] == sorted(other["shapes"], key=lambda s: -s[0] * s[1] * min(s)), run["shapes"]
+                assert run["shapes"] != other["shapes"], run["shapes"]  # the plan's order is not it
     for key in got[0]:
         _identical(got[0][key], got[1][key])
 

@@ -141,6 +141,32 @@ def test_llama_micro_keeps_the_paper_models_embedding_share_at_20_tokens_per_par
     assert abs(emb / n - paper_emb) < 0.05, (emb / n, paper_emb)
     assert get_spec("llama-micro").token_budget() == 20 * n
 
+
+def test_llama_micro_widths_change_the_width_alone():
+    """The width ladder of issue 58 (``llama-micro-w24``, ``llama-micro``, ``llama-micro-w96``): same depth,
+    vocabulary, head width and MLP ratio, so every hidden matrix keeps its aspect ratio; the CPU run defaults
+    (1,280 ids, 32 x 128-token batches) follow ``llama-micro``'s."""
+    from meqmuon.train.config import TrainConfig, fill_model_defaults
+    from meqmuon.train.models import MICRO_WIDTHS
+
+    base = get_spec("llama-micro")
+    counts = {}
+    for w in MICRO_WIDTHS:
+        name = "llama-micro" if w == 48 else f"llama-micro-w{w}"
+        spec, model = get_spec(name), build_model(name, device="meta")
+        assert (spec.num_layers, spec.head_dim, spec.vocab_size, spec.tied) == (4, 12, 1280, False)
+        assert spec.hidden_size == w and spec.num_heads * spec.head_dim == w
+        assert spec.intermediate_size * base.hidden_size == w * base.intermediate_size  # 8/3 of the width
+        shapes = {k.split(".", 3)[-1]: tuple(p.shape) for k, p in model.named_parameters() if ".layers.0." in k}
+        f = spec.intermediate_size
+        assert shapes["self_attn.q_proj.weight"] == shapes["self_attn.o_proj.weight"] == (w, w)
+        assert shapes["mlp.gate_proj.weight"] == (f, w) and shapes["mlp.down_proj.weight"] == (w, f)
+        counts[w] = count_unique_params(model)
+        assert counts[w] == spec.num_params()
+        cfg = fill_model_defaults(TrainConfig(model=name))
+        assert (cfg.vocab_size, cfg.global_batch, cfg.seq_len) == (1280, 32, 128)
+    assert counts == {24: 89_304, 48: 233_904, 96: 688_992}
+
 def test_attention_in_float32_is_sdpa_in_float32():
     """``attention="sdpa-float32"`` (the harness's choice for bf16 autocast on a CPU): in fp32 it is SDPA
     itself, bit for bit; under bf16 autocast it returns bf16 like SDPA, within bf16's precision of the fp32

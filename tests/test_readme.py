@@ -180,8 +180,10 @@ def test_results_readmes_commands_build_their_recorded_setting():
             if argv[0] == "prepare" and argv[argv.index("--data") + 1] == "pysrc":
                 args = parser.parse_args(argv)
                 prepared[args.out] = args.vocab_size
-        for fingerprint in set(re.findall(r"bpe-[0-9a-f]{16}", text)):
-            assert set(prepared.values()) == {PYSRC_BPE[fingerprint]}, (readme, fingerprint, prepared)
+        fingerprints = set(re.findall(r"bpe-[0-9a-f]{16}", text))
+        # a README of one setting prepares its one tokenizer; one over several settings (field-2026) each of them
+        assert set(prepared.values()) == {PYSRC_BPE[f] for f in fingerprints} or not fingerprints, (
+            readme, fingerprints, prepared)
         for argv in commands:
             if argv[0] in ("train", "sweep", "compare") and "--data" in argv:
                 data = argv[argv.index("--data") + 1]
@@ -190,7 +192,7 @@ def test_results_readmes_commands_build_their_recorded_setting():
                     assert model_run_defaults(model)["vocab_size"] == prepared[data], (readme, model, data)
                     checked += 1
         for ids in re.findall(r"BPE with \**([\d,]+) ids", text):
-            assert set(prepared.values()) == {int(ids.replace(",", ""))}, (readme, ids, prepared)
+            assert int(ids.replace(",", "")) in set(prepared.values()), (readme, ids, prepared)
     assert checked >= 3  # pysrc-600, ns-methods-600 and horizon-micro each have one run command at least
 
 

@@ -16,12 +16,15 @@ method up in the table of ``newton_schulz.py``; an elementwise momentum rule's d
 
 - :func:`per_tensor` (``foreach=False``): each matrix a stack of one, made just before its Newton-Schulz
   and applied just after, so no model-sized temporary exists (on CPU fresh temporaries cost page
-  faults); under DDP each parameter has one owner rank, which computes it and broadcasts it;
+  faults);
 - :func:`batched` (``foreach=True``): momentum in a few ``torch._foreach_*`` kernels for all calls, one
   stack per shape bucket, one batched Newton-Schulz per bucket, ``post`` once for all stacks, one update
-  for all calls; under DDP a slice of each bucket per rank, gathered (one collective per bucket); under
-  FSDP2 a hidden rule's row shards meet as whole matrices at owner ranks, a bucket at a time
-  (``sharded.py``); the elementwise rules sum their statistics over shards.
+  for all calls.
+
+Under ``torch.distributed`` the path of each parameter (``placement.path_of``) says which runs it: these forms
+where the whole matrix is here and no other rank shares its work (and, for rules without Newton-Schulz on row
+shards, with their statistics summed over the shards), and ``exchange.py`` (one owner per matrix, pieces out and
+directions back) for hidden matrices under DDP, FSDP2, HSDP and TP alike.
 
 ``compile=True`` has the same two forms with graphs inside (``compiled.py``). The engine's ``step``
 picks the form of each call (the one chooser; ``_prepare`` resolves ``foreach``) and runs the rules that

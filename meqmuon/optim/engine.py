@@ -136,11 +136,11 @@ class RoleOptimizer(Optimizer):
     heads cannot be recognised from shape. A tensor given twice is an error (torch.optim only warns), and
     float hyperparameters take any real number or a 0-D CPU tensor, as torch.optim does (:mod:`.inputs`).
 
-    Distributed (see ``distributed.py``): with plain-tensor parameters and ``torch.distributed``
-    initialised, the updates of the momentum rules' parameters are split over ``process_group``
-    (default: the default group; DDP, gradients already all-reduced): each parameter's owner rank
-    computes its update and broadcasts it; with DTensor parameters (FSDP2) the work follows their
-    mesh. The process group is an attribute, not a param-group entry, so
+    Distributed (see ``placement.py`` and ``exchange.py``): with ``torch.distributed`` initialised, rules
+    without Newton-Schulz run in place on every rank's copy or shard, and each hidden matrix's Newton-Schulz
+    runs once, at one owner rank of ``process_group`` (default: the default group; under DDP the gradients
+    already all-reduced), which sends its direction back; with DTensor parameters (FSDP2, TP) the pieces
+    follow their mesh. The process group is an attribute, not a param-group entry, so
     ``state_dict()`` is the same as single-process and loads into any world size.
 
     ``cuda_graph=True`` (every optimizer takes it): the batched step, eager or ``compile=True``, captured in a

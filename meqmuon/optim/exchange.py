@@ -47,6 +47,7 @@ from .driver import (
     Inputs,
     apply_pending,
     bucket_directions,
+    cost,
     cut_items,
     make_buckets,
     naming,
@@ -409,13 +410,18 @@ class _Call:
 
 def _pipelined(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, ctx: StepContext, *, batched: bool,
                x_of: Inputs, orth: Callable | None) -> list:
-    """A hidden rule's shape buckets pipelined two deep (the optimizer's ``overlap``, ``Exchange.overlap``): bucket
+    """A hidden rule's shape buckets, longest first, pipelined two deep (the optimizer's ``overlap``,
+    ``Exchange.overlap``): bucket
     ``k + 1``'s inputs are posted before bucket ``k``'s Newton-Schulz at the owners and bucket ``k - 1``'s directions
     awaited only after it, so that the exchange runs while owners compute: a bucket costs about the larger of its
     exchange and its compute, not their sum. Every rank posts the collectives in the same order (out ``k + 1``, then
     back ``k``), so they pair up as the blocking ones do; the transient memory is two buckets' whole matrices (the
     way back of a third in flight) instead of one. Returns ``(param, D, scale)`` of this rank's
     pieces."""
+    # the longest first, by the Newton-Schulz of a bucket's busiest owner: the longest computes while the others'
+    # exchanges travel (the time model's --longest-first; every rank sorts alike, ties in the plan's order)
+    world = ctx.split.world
+    buckets = sorted(buckets, key=lambda b: -math.ceil(len(b.items) / world) * cost(rule, b.global_shape, group))
     pending: list = []
     ahead = _Call(rule, buckets[0], group, ctx, batched, orth, x_of, wait=False) if buckets else None
     back: tuple[_Call, InFlight] | None = None

@@ -367,8 +367,8 @@ def default_eval_every(steps: int, val_tokens: int, tokens_per_step: int) -> int
 def model_run_defaults(model: str) -> dict[str, int]:
     """Default ``global_batch``, ``seq_len``, ``val_tokens`` and ``vocab_size`` of ``model``: the paper's for
     the paper models (and any other name), :data:`CPU_PRESET_DEFAULTS` for the CPU presets (``*-tiny``),
-    :data:`MICRO_DEFAULTS` for ``llama-micro``."""
-    if model == "llama-micro":
+    :data:`MICRO_DEFAULTS` for ``llama-micro`` and its widths (``llama-micro-w24``, ``llama-micro-w96``)."""
+    if model == "llama-micro" or model.startswith("llama-micro-w"):
         return dict(MICRO_DEFAULTS)
     return dict(CPU_PRESET_DEFAULTS if model.endswith("-tiny") or "-tiny-" in model else PAPER_RUN_DEFAULTS)
 

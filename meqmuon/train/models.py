@@ -175,6 +175,8 @@ def _qwen2(name: str, layers: int, hidden: int, ffn: int, heads: int, kv_heads: 
 # by default); their vocab is normally overridden by the tokenizer's anyway.
 _TINY_VOCAB = 4096
 _MICRO_VOCAB = 1280
+#: ``llama-micro``'s widths: 48 is ``llama-micro`` itself, the others ``llama-micro-w<width>``.
+MICRO_WIDTHS: tuple[int, ...] = (24, 48, 96)
 
 MODELS: dict[str, ModelSpec] = {
     s.name: s
@@ -192,6 +194,10 @@ MODELS: dict[str, ModelSpec] = {
         _llama("llama-tiny-tied", 4, 128, 344, 4, None, vocab=_TINY_VOCAB, tied=True, tokenizer=None),
         # The horizon comparison's model (issue 39): 20 tokens per parameter on one CPU thread.
         _llama("llama-micro", 4, 48, 128, 4, None, vocab=_MICRO_VOCAB, tokenizer=None),
+        # Its width ladder (issue 58: learning-rate transfer across width): same depth, vocabulary and head
+        # width (12), MLP 8/3 of the width as llama-micro's 128/48, heads = width / 12.
+        *(_llama(f"llama-micro-w{w}", 4, w, w * 8 // 3, w // 12, None, vocab=_MICRO_VOCAB, tokenizer=None)
+          for w in MICRO_WIDTHS if w != 48),
         _smollm2("smollm2-tiny", 4, 128, 344, 4, 2, None, init=1 / math.sqrt(128), vocab=_TINY_VOCAB),
         _qwen2("qwen2-tiny", 4, 128, 344, 4, 2, None, vocab=_TINY_VOCAB, tokenizer=None, eos=0),
     ]
