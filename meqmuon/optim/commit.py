@@ -28,8 +28,8 @@ from torch import Tensor
 from .. import functional as F
 from .calls import Item
 
-__all__ = ["CHUNKS", "Commit", "Gate", "copy_", "decay_", "flat_copy", "lerp_", "momentum_", "name_error",
-           "shadow_items", "stepping_", "update_", "write_back"]
+__all__ = ["CHUNKS", "Commit", "Gate", "constant", "copy_", "decay_", "flat_copy", "lerp_", "momentum_", "name_error",
+           "sanitized", "select_", "shadow_items", "stepping_", "update_", "write_back"]
 
 #: A gated write goes through flat copies of at most ``1 / CHUNKS`` of its tensors' bytes (or one tensor, where
 #: that is larger) at a time, so that the copies of one write stay within the step's transient bound; a constant, so
@@ -37,14 +37,32 @@ __all__ = ["CHUNKS", "Commit", "Gate", "copy_", "decay_", "flat_copy", "lerp_", 
 CHUNKS = 2
 
 
+def constant(store: dict, c: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``c`` as a 0-D ``dtype`` tensor on ``device``, made once and kept in ``store`` (the optimizer's, across steps;
+    at most 64: a schedule's decay factors change every step)."""
+    key = (c, dtype, device)
+    t = store.get(key)
+    if t is None:
+        if len(store) >= 64:
+            store.clear()
+        t = store[key] = torch.full((), c, dtype=dtype, device=device)
+    return t
+
+
 class Gate:
     """The step's skip flag on the device (``flag``, 0-D float32: 1 where the step is skipped, else 0), and the
     forms the writes read it in, each made once per step and device: a 0-D bool (``where``), a 0/1 tensor of any dtype
     (exact in every dtype) and a decay factor ``where(skip, 1, c)``. Nothing here reads it on the host."""
 
-    def __init__(self, flag: Tensor) -> None:
+    def __init__(self, flag: Tensor, constants: dict | None = None) -> None:
         self.flag = flag
         self._made: dict[tuple, Tensor] = {}
+        #: 0-D constants kept across steps (the optimizer's: ``mu``, ``beta2``, 0 and 1 made once, not per step).
+        self._constants = {} if constants is None else constants
+
+    def constant(self, c: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """``c`` as a kept 0-D tensor (:func:`constant`)."""
+        return constant(self._constants, c, dtype, device)
 
     def skip(self, device: torch.device) -> Tensor:
         """The flag as a 0-D bool tensor on ``device``."""
@@ -60,14 +78,23 @@ class Gate:
             self._made[key] = self.skip(device).to(dtype)
         return self._made[key]
 
+    def weight(self, c: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """``0`` on a skipped step, else ``c``: a 0-D ``dtype`` tensor (a ``lerp`` weight; float32 and float64, in
+        which a kernel given the Python number ``c`` multiplies by the same value)."""
+        key = ("weight", c, dtype, device)
+        if key not in self._made:
+            self._made[key] = torch.where(self.skip(device), self.constant(0.0, dtype, device),
+                                          self.constant(c, dtype, device))
+        return self._made[key]
+
     def factor(self, c: float | Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
         """``1`` on a skipped step, else ``c``: a 0-D ``dtype`` tensor (a decay factor ``1 - lr wd``). ``c`` in
         ``dtype`` is what a kernel given the Python number ``c`` multiplies by (float32 or float64 parameters; a
         narrower one is multiplied per tensor, :func:`decay_`)."""
         key = ("factor", c if not isinstance(c, Tensor) else id(c), dtype, device)
         if key not in self._made:
-            value = c.to(dtype) if isinstance(c, Tensor) else torch.full((), c, dtype=dtype, device=device)
-            self._made[key] = torch.where(self.skip(device), torch.ones((), dtype=dtype, device=device), value)
+            value = c.to(dtype) if isinstance(c, Tensor) else self.constant(c, dtype, device)
+            self._made[key] = torch.where(self.skip(device), self.constant(1.0, dtype, device), value)
         return self._made[key]
 
 
@@ -156,6 +183,28 @@ def flat_copy(tensors: Sequence[Tensor], dtype: torch.dtype | None = None) -> tu
     return flat, views
 
 
+def sanitized(tensors: Sequence[Tensor], gate: Gate, dtype: torch.dtype) -> tuple[Tensor, list[Tensor]]:
+    """``tensors`` (gradients) in one flat buffer of ``dtype`` and its views, every entry ``-0.0`` on a skipped step
+    (one ``_foreach_copy_``, one ``masked_fill_``): what a gated write reads in place of the gradient. ``x + -0.0`` is
+    ``x`` bit for bit (``+0.0`` too), so that a write ``B <- f B + G'`` with ``f`` 1 on a skipped step
+    (:meth:`Gate.factor`) leaves ``B`` as it was, in the kernels of the ungated write."""
+    flat, views = flat_copy(tensors, dtype)
+    flat.masked_fill_(gate.skip(flat.device), -0.0)
+    return flat, views
+
+
+def select_(flat: Tensor, views: Sequence[Tensor], olds: Sequence[Tensor], gate: Gate) -> None:
+    """``views`` (of ``flat``) become ``olds`` on a skipped step, through flat copies of ``olds`` in chunks of at most
+    half of ``flat``'s bytes (the step's transient stays within one and a half of it): a copy and a ``where`` each."""
+    skip = gate.skip(flat.device)
+    for idx in chunks(olds):
+        old, _ = flat_copy([olds[i] for i in idx], flat.dtype)
+        start = views[idx[0]].data_ptr() - flat.data_ptr()
+        part = flat[start // flat.element_size():][: old.numel()]
+        torch.where(skip, old, part, out=part)
+        del old
+
+
 def write_back(targets: Sequence[Tensor], flat: Tensor, views: Sequence[Tensor], gate: Gate) -> None:
     """``targets <- views`` (the new values, held in ``flat``), unless the step is skipped: ``flat`` becomes
     ``where(skip, targets, flat)`` first (a flat copy of the targets' values, one ``where``), then one copy back."""
@@ -189,8 +238,10 @@ def chunks(tensors: Sequence[Tensor], parts: int = CHUNKS) -> list[list[int]]:
 # ---- the writes ----------------------------------------------------------------------------------------------------
 
 
-def copy_(targets: Sequence[Tensor], news: Sequence[Tensor], *, gate: Gate | None) -> None:
-    """``targets <- news`` (per-matrix state, stepped weights; ``news`` cast to the targets' dtypes)."""
+def copy_(targets: Sequence[Tensor], news: Sequence[Tensor], *, gate: Gate | None, parts: int = CHUNKS) -> None:
+    """``targets <- news`` (per-matrix state, stepped weights; ``news`` cast to the targets' dtypes). Gated, through
+    flat copies of about ``1 / parts`` of the bytes at a time (:func:`chunks`; ``parts=1`` for per-row and
+    per-matrix state, a vector per matrix: one flat copy per dtype, four kernels)."""
     if not targets:
         return
     if gate is None:
@@ -200,7 +251,7 @@ def copy_(targets: Sequence[Tensor], news: Sequence[Tensor], *, gate: Gate | Non
         t, n = targets[0], news[0]
         torch.where(gate.skip(t.device), t, n.to(t.dtype), out=t)
         return
-    for idx in chunks(targets):
+    for idx in chunks(targets, parts):
         ts = [targets[i] for i in idx]
         flat, views = flat_copy([news[i] for i in idx], ts[0].dtype)
         write_back(ts, flat, views, gate)
@@ -221,6 +272,15 @@ def momentum_(bufs: Sequence[Tensor], grads: Sequence[Tensor], mu: float | Tenso
             for rows in _blocks(b):
                 bb, gg = (b, g) if rows is None else (b[rows], g[rows])
                 torch.where(gate.skip(b.device), bb, torch.add(gg, bb, alpha=mu), out=bb)
+        return
+    if not isinstance(mu, Tensor) and all(b.dtype in (torch.float32, torch.float64) for b in bufs):
+        # The gradients sanitised (-0.0 on a skipped step) and mu gated (1): F.momentum_'s two kernels, its bits.
+        for idx in chunks(bufs, parts=1):
+            bs = [bufs[i] for i in idx]
+            flat, views = sanitized([grads[i] for i in idx], gate, bs[0].dtype)
+            torch._foreach_mul_(bs, gate.factor(mu, bs[0].dtype, bs[0].device))
+            torch._foreach_add_(bs, views)
+            del flat, views
         return
     for idx in chunks(bufs):
         bs = [bufs[i] for i in idx]

@@ -165,7 +165,7 @@ def hidden_step(rule, members, plain: int, shape: tuple[int, int], key: tuple, g
     D, new = bucket_step(rule.name, _hidden_stack, graph, X, stacks, steps, rule=rule, plain=plain,
                          group=static_group(rule, group, ns_dtype))
     for v, stack in zip(states.values(), new, strict=True):
-        step.later(commit.copy_, v, list(stack.unbind(0)))
+        step.later(commit.copy_, v, list(stack.unbind(0)), parts=1)
     rows = [r for d in D for r in d.unbind(0)]
     n = len(members)
     params = [it.param.detach() for it in members]
@@ -219,7 +219,7 @@ def _hidden_compiled(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: 
                                       inputs=lambda its: [x_of.one(i) for i in its], orth=owner_directions,
                                       factored=factored)
             for targets, news in found.writes:
-                ctx.commit.later(commit.copy_, targets, news)
+                ctx.commit.later(commit.copy_, targets, news, parts=1)
             d = found.directions[0][0]
             kept.append((it.param, d if factored else d.reshape(1, *shape), rule.lr_scale(*shape, group)))
     keep_directions(rule, kept, group, ctx)

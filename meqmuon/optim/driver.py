@@ -847,7 +847,7 @@ def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext,
             found = bucket_directions(rule, buckets, group, ctx, batched=True, inputs=x_of,
                                       dtype=items[0].param.dtype)
             for targets, news in found.writes:
-                ctx.commit.later(commit.copy_, targets, news)
+                ctx.commit.later(commit.copy_, targets, news, parts=1)
             per_bucket, bases = found.directions, found.bases
         else:
             per_bucket = []

@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 
 from . import driver
 from .calls import Item, StepContext
-from .commit import SKIPPED, Commit, Gate, name_error
+from .commit import SKIPPED, Commit, Gate, constant, name_error
 from .cuda_graph import GraphedStep
 from .distributed import LocalSplit, RowSums, is_dtensor, local, resolve_process_group
 from .driver import HiddenRule
@@ -174,6 +174,7 @@ class RoleOptimizer(Optimizer):
             raise ValueError(f"Invalid nonfinite: {nonfinite!r} (expected one of {', '.join(map(repr, NONFINITE))})")
         #: What a step does with a non-finite gradient (:data:`NONFINITE`, docs/algorithm.md).
         self._nonfinite = nonfinite
+        self._gate_constants: dict = {}  # the skip flag's 0-D constants, kept across steps (commit.constant)
         if overlap is not None and not isinstance(overlap, bool):
             raise ValueError(f"Invalid overlap: {overlap!r} (expected True, False or None)")
         self._compile = compile
@@ -561,8 +562,10 @@ class RoleOptimizer(Optimizer):
             inverse = None if grad_scale is None else grad_scale.double().reciprocal().float()
             flags: dict[torch.device, torch.Tensor] = {device: found}
             for (dev, _), gs in by.items():
-                flag = flags.setdefault(dev, torch.zeros((), dtype=torch.float32, device=dev))
-                inv = (torch.ones((), dtype=torch.float32, device=dev) if inverse is None else
+                flag = flags.get(dev)
+                if flag is None:
+                    flag = flags[dev] = torch.zeros((), dtype=torch.float32, device=dev)
+                inv = (constant(self._gate_constants, 1.0, torch.float32, dev) if inverse is None else
                        inverse.to(dev, non_blocking=True))
                 torch._amp_foreach_non_finite_check_and_unscale_(gs, flag, inv)
             for dev, flag in flags.items():
@@ -574,7 +577,7 @@ class RoleOptimizer(Optimizer):
             self._raise_nonfinite(found, grads, world)
             if world == 1:
                 return None
-        return Gate(found)
+        return Gate(found, self._gate_constants)
 
     def _raise_nonfinite(self, found: torch.Tensor, grads: list[tuple[str, torch.Tensor]], world: int) -> None:
         """``nonfinite="raise"``: read the flag (a host sync, by choice); where set, a ``RuntimeError`` naming the

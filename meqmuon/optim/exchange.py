@@ -591,7 +591,7 @@ def _received(c: _Call, got: list[list[Tensor]]) -> list:
                                                  rule.factors_divide), 1.0 if c.fold else s[0]))
         else:
             out.append((it.param, parts[0], 1.0 if c.fold else s[0]))
-    c.ctx.commit.later(commit.copy_, state_targets, state_news)
+    c.ctx.commit.later(commit.copy_, state_targets, state_news, parts=1)
     c.ctx.commit.later(commit.copy_, weights, stepped)
     return out
 

@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ... import functional as F
+from .. import commit
 from ..calls import state_dtype
 from ..driver import buffer, grads_like, make_buckets
 from ..inputs import number
@@ -36,6 +36,8 @@ class AdamW(SteppingRule):
     elementwise = True
     #: Moonlight/SCALE form: eps added to the uncorrected sqrt(v).
     eps_before_correction: ClassVar[bool] = False
+    #: Its writes read the step's skip flag (:meth:`_gated`): no copies of its state.
+    gates_itself = True
 
     def validate(self, group):
         """``betas`` a pair in [0, 1), ``eps`` >= 0."""
@@ -59,20 +61,45 @@ class AdamW(SteppingRule):
         ``W *= 1 - lr wd``; ``m = lerp(m, g, 1 - beta1)``; ``v = beta2 v + (1 - beta2) g^2``;
         ``W -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)`` as one ``addcdiv_``. The denominator goes
         into one buffer per shape, reused across the group's parameters: no parameter-sized
-        temporaries (docs/benchmarks.md)."""
+        temporaries (docs/benchmarks.md). Gated (:meth:`_gated`) where the step may be skipped."""
         ctx.emit(items, [it.grad for it in items], "gradient")
+        self._by_state_dtype(items, group, ctx.gate, self._step_single, foreach=False)
+
+    def _by_state_dtype(self, items, group, gate, run, *, foreach: bool) -> None:
+        """``run(items, group, gate)``: gated in its own kernels (:meth:`_gated`) for float32 and float64 state; a
+        narrower state (bf16 ``state_dtype``, whose 0-D factors would round) ungated on copies written back unless
+        the step is skipped (``commit.stepping_``)."""
+        wide = [it for it in items if it.state["exp_avg"].dtype in (torch.float32, torch.float64)]
+        narrow = [it for it in items if it.state["exp_avg"].dtype not in (torch.float32, torch.float64)]
+        if wide or gate is None:
+            run(wide if gate is not None else items, group, gate)
+        if narrow and gate is not None:
+            commit.stepping_(lambda its: run(its, group, None), narrow, foreach=foreach, elementwise=True, gate=gate)
+
+    def _step_single(self, items, group, gate) -> None:
+        """:meth:`step`'s loop (``gate``: the step's skip flag, or ``None``)."""
+        if not items:
+            return
         beta1, beta2 = group["betas"]
         eps, lr, wd = group["eps"], group["lr"], group["weight_decay"]
         denominators: dict[tuple, Tensor] = {}
         for it in items:
             st = it.state
             t = st["step"]
-            if wd != 0:
-                F.decay_([it.param], 1.0 - lr * wd)
             m, v = st["exp_avg"], st["exp_avg_sq"]
             g = it.grad.to(m.dtype)
-            m.lerp_(g, 1.0 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+            b2, keep = self._gated(gate, beta2, m)
+            if wd != 0:
+                commit.decay_([it.param], 1.0 - lr * wd, gate)
+            if gate is None:
+                m.lerp_(g, 1.0 - beta1)
+                v.mul_(b2).addcmul_(g, g, value=1.0 - beta2)
+            else:  # the gradient sanitised: -0.0 for v, then m itself for m's lerp, on a skipped step
+                skip = gate.skip(g.device)
+                g = torch.where(skip, -0.0, g)
+                v.mul_(b2).addcmul_(g, g, value=1.0 - beta2)
+                m.lerp_(torch.where(skip, m, g, out=g), 1.0 - beta1)
+            del g
             bc1 = 1.0 - beta1**t
             bc2 = 1.0 - beta2**t
             denom = torch.sqrt(v, out=buffer(denominators, "denominator", v.shape, v.dtype, v.device))
@@ -81,35 +108,69 @@ class AdamW(SteppingRule):
             else:
                 denom.div_(math.sqrt(bc2))
                 step_size = lr / bc1
-            it.param.addcdiv_(m, denom.add_(eps), value=-step_size)
+            denom.add_(eps)
+            if keep is not None:
+                denom.div_(keep)
+            it.param.addcdiv_(m, denom, value=-step_size)
+
+    @staticmethod
+    def _gated(gate: commit.Gate | None, beta2: float, like: Tensor) -> tuple:
+        """``(beta2, keep)``: the step's factors where it may be skipped (``gate``, ``commit.Gate``). On a skipped
+        step the gradient ``v`` reads is ``-0.0`` and ``beta2`` is 1, so that ``v`` keeps its bits; the gradient ``m``'s
+        lerp reads is ``m`` itself (``lerp(m, m, w) = m``); the denominator is divided by ``keep`` = 0, so that the
+        step adds ``m / inf = 0``. The kernels of the ungated step (``lerp`` by its Python weight: a tensor weight
+        would be read on the host), no copy of the state; float32 and float64 state take 0-D factors at the bits of
+        the Python numbers. ``(beta2, None)`` where nothing can skip the step."""
+        if gate is None:
+            return beta2, None
+        return gate.factor(beta2, like.dtype, like.device), gate.weight(1.0, like.dtype, like.device)
 
     def step_foreach(self, items, group, ctx):
         """The same update as :meth:`step` in ``torch._foreach_*`` kernels, as ``torch.optim.AdamW``'s
-        multi-tensor form: a fixed number of kernels per dtype and device, whatever the count."""
+        multi-tensor form: a fixed number of kernels per dtype and device, whatever the count. Gated where the step
+        may be skipped (:meth:`_gated`): the gradients one sanitised flat copy, let go before the denominators."""
         ctx.emit(items, [it.grad for it in items], "gradient")
+        for b in make_buckets(items, matrix=False, transpose=False, by_shape=False):
+            self._by_state_dtype(b.items, group, ctx.gate, self._step_bucket, foreach=True)
+
+    def _step_bucket(self, items, group, gate) -> None:
+        """:meth:`step_foreach` of one dtype and device's ``items`` (``gate``: the step's skip flag, or ``None``)."""
+        if not items:
+            return
         beta1, beta2 = group["betas"]
         eps, lr = group["eps"], group["lr"]
-        for b in make_buckets(items, matrix=False, transpose=False, by_shape=False):
-            params = [it.param for it in b.items]
-            ms = [it.state["exp_avg"] for it in b.items]
-            vs = [it.state["exp_avg_sq"] for it in b.items]
-            grads = grads_like(b.items, ms)
-            if group["weight_decay"] != 0:
-                F.decay_(params, 1.0 - lr * group["weight_decay"])
+        params = [it.param for it in items]
+        ms = [it.state["exp_avg"] for it in items]
+        vs = [it.state["exp_avg_sq"] for it in items]
+        b2, keep = self._gated(gate, beta2, ms[0])
+        if group["weight_decay"] != 0:
+            commit.decay_(params, 1.0 - lr * group["weight_decay"], gate)
+        if gate is None:
+            grads = grads_like(items, ms)
             torch._foreach_lerp_(ms, grads, 1.0 - beta1)
-            torch._foreach_mul_(vs, beta2)
+            torch._foreach_mul_(vs, b2)
             torch._foreach_addcmul_(vs, grads, grads, value=1.0 - beta2)
-            steps = [it.state["step"] for it in b.items]
-            bc1 = [1.0 - beta1**t for t in steps]
-            bc2 = [1.0 - beta2**t for t in steps]
-            denom = torch._foreach_sqrt(vs)
-            if self.eps_before_correction:
-                step_sizes = [-lr * math.sqrt(c2) / c1 for c1, c2 in zip(bc1, bc2, strict=True)]
-            else:
-                torch._foreach_div_(denom, [math.sqrt(c2) for c2 in bc2])
-                step_sizes = [-lr / c1 for c1 in bc1]
-            torch._foreach_add_(denom, eps)
-            torch._foreach_addcdiv_(params, ms, denom, step_sizes)
+            del grads
+        else:  # one sanitised flat copy of the gradients, -0.0 for v, then m itself for m's lerp (skipped step)
+            flat, grads = commit.sanitized([it.grad for it in items], gate, ms[0].dtype)
+            torch._foreach_mul_(vs, b2)
+            torch._foreach_addcmul_(vs, grads, grads, value=1.0 - beta2)
+            commit.select_(flat, grads, ms, gate)
+            torch._foreach_lerp_(ms, grads, 1.0 - beta1)
+            del flat, grads
+        steps = [it.state["step"] for it in items]
+        bc1 = [1.0 - beta1**t for t in steps]
+        bc2 = [1.0 - beta2**t for t in steps]
+        denom = torch._foreach_sqrt(vs)
+        if self.eps_before_correction:
+            step_sizes = [-lr * math.sqrt(c2) / c1 for c1, c2 in zip(bc1, bc2, strict=True)]
+        else:
+            torch._foreach_div_(denom, [math.sqrt(c2) for c2 in bc2])
+            step_sizes = [-lr / c1 for c1 in bc1]
+        torch._foreach_add_(denom, eps)
+        if keep is not None:
+            torch._foreach_div_(denom, keep)
+        torch._foreach_addcdiv_(params, ms, denom, step_sizes)
 
 
 class AdamScale(AdamW):
