@@ -174,7 +174,6 @@ class RoleOptimizer(Optimizer):
             raise ValueError(f"Invalid nonfinite: {nonfinite!r} (expected one of {', '.join(map(repr, NONFINITE))})")
         #: What a step does with a non-finite gradient (:data:`NONFINITE`, docs/algorithm.md).
         self._nonfinite = nonfinite
-        self._gate_constants: dict = {}  # the skip flag's 0-D constants, kept across steps (commit.constant)
         if overlap is not None and not isinstance(overlap, bool):
             raise ValueError(f"Invalid overlap: {overlap!r} (expected True, False or None)")
         self._compile = compile
@@ -250,6 +249,7 @@ class RoleOptimizer(Optimizer):
         and the single process's splitter; none of it is state."""
         self._plan_key: tuple | None = None
         self._plan_cache: list = []
+        self._gate_constants: dict = {}  # the skip flag's 0-D constants, kept across steps (commit.constant)
         #: The plan's splitters: the exchange of ``OWNERS`` (``None`` without one), the ``RowSums`` of ``ROWS`` by
         #: mesh and placements, and ``LOCAL``'s.
         self._exchange: Exchange | None = None
