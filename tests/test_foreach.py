@@ -77,7 +77,7 @@ def test_batched_equals_per_tensor(name):
 def test_same_rule_calls_with_different_hyperparameters_keep_their_own_stacks(name):
     """The embedding and the head (same shape, same rule) with different learning rates and the
     vectors split over two groups are separate batched calls whose updates are applied together
-    (driver.batched): each must step with its own directions, as in the per-tensor step."""
+    (forms.batched): each must step with its own directions, as in the per-tensor step."""
     results = []
     for foreach in (False, True):
         model = make_model(dtype=torch.float32)

@@ -399,14 +399,16 @@ def test_an_owner_lets_its_received_matrix_go_before_post():
     """At an owner, the whole direction input the exchange put together is spent once Newton-Schulz has read
     it: it is let go before ``post`` (eq. 8) and the way back. With one wide 8 x 512 matrix (small Gram buffers:
     ``post`` and the way back make the peak), FSDP2's ``Shard(0)`` and FSDP2 over TP's ``(Shard(0), Shard(1))``, the
-    control that keeps it alive raises the metered peak by exactly its 8 x 512 x 4 B."""
+    control that keeps it alive raises the metered peak by more than half of its 8 x 512 x 4 B and at most all of it
+    (not all: since the step writes last, its peak without the control is at Newton-Schulz, where the matrix is
+    still read, a few KB above the peak after it)."""
     from torch.distributed.tensor import Shard
 
     for placements in ((Shard(0),), (Shard(0), Shard(1))):
         released, _ = _owner_peak(placements, [(8, 512)])
         kept, whole = _owner_peak(placements, [(8, 512)], keep="wholes")
         assert whole == 8 * 512 * 4, (placements, whole)
-        assert kept - released == whole, (placements, kept, released, whole)
+        assert whole // 2 < kept - released <= whole, (placements, kept, released, whole)
 
 
 def test_meter_counts_the_ops_that_launch_and_the_bytes_memory_bound_ops_move():

@@ -28,8 +28,8 @@ from torch import Tensor
 from .. import functional as F
 from .calls import Item
 
-__all__ = ["CHUNKS", "Commit", "Gate", "constant", "copy_", "decay_", "flat_copy", "lerp_", "momentum_", "name_error",
-           "sanitized", "select_", "shadow_items", "stepping_", "update_", "write_back"]
+__all__ = ["CHUNKS", "Commit", "Gate", "constant", "copy_", "decay_", "flat_copy", "guarded", "lerp_", "momentum_",
+           "name_error", "sanitized", "select_", "shadow_items", "stepping_", "update_", "write_back"]
 
 #: A gated write goes through flat copies of at most ``1 / CHUNKS`` of its tensors' bytes (or one tensor, where
 #: that is larger) at a time, so that the copies of one write stay within the step's transient bound; a constant, so
@@ -165,6 +165,18 @@ def name_error(error: BaseException, rule: Any, names: Sequence[str]) -> BaseExc
         error.add_note(f"(raised by {what}; the step changed no parameter and no state)")
     error._meqmuon_named = True  # type: ignore[attr-defined]
     return error
+
+
+def guarded(step: Commit, rule: Any, items: list[Item], run: Callable, *args: Any) -> None:
+    """``run(*args)``, an error in it naming ``rule`` and ``items``' parameters where a form has not named them;
+    kept on ``step`` where it is tolerant (``engine.RoleOptimizer._run``)."""
+    try:
+        run(*args)
+    except Exception as e:
+        e = name_error(e, rule, list(dict.fromkeys(it.name for it in items)))
+        if not step.tolerant:
+            raise e from None
+        step.fail(e)
 
 
 # ---- flat copies ------------------------------------------------------------------------------------------------

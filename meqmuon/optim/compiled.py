@@ -1,7 +1,7 @@
 """``compile=True``: the driver's two forms with a bucket's directions compiled once.
 
 The forms (:func:`compiled_per_tensor`, :func:`compiled_batched`, named by ``placement.EXECUTORS`` beside the eager
-``driver.per_tensor`` and ``driver.batched``) call the graphs: :func:`hidden_step` (a hidden rule's bucket: the
+``forms.per_tensor`` and ``forms.batched``) call the graphs: :func:`hidden_step` (a hidden rule's bucket: the
 seam's own body, :func:`meqmuon.optim.driver.directions`; per-tensor with the update inside, batched on the bucket's
 stack with momentum, the stack and the update eagerly around it), :func:`elementwise_step` (an elementwise rule's
 ``direction`` of a stack) and :func:`owner_directions` (the owners of ``exchange.py``). A batched graph takes the
@@ -29,20 +29,14 @@ from .calls import Item, StepContext
 from .driver import (
     Call,
     HiddenRule,
-    Inputs,
     bucket_directions,
     directions,
-    held_factored,
-    keep_directions,
     make_buckets,
     matrix_shape,
-    naming,
     needs_matrix,
-    per_tensor,
     resolve_dtype,
-    stepped_weights,
-    write_inputs,
 )
+from .forms import Inputs, held_factored, keep_directions, naming, per_tensor, stepped_weights, write_inputs
 
 __all__ = ["BACKEND", "bucket_step", "compiled_batched", "compiled_per_tensor", "elementwise_step", "hidden_step",
            "owner_directions", "scalar"]
@@ -129,7 +123,7 @@ def _elementwise_stack(X, rho, *, rule, shape, group):
 
 def _stacked_inputs(members, rule, group, plain: int | None = None, shape=None) -> Tensor:
     """The batched compiled form's eager prologue: the direction inputs of ``members`` from the unchanged momentum
-    (:class:`driver.Inputs`: ``B' = mu B + G`` into a transient and ``G + mu B'``, or a hidden rule's own
+    (:class:`forms.Inputs`: ``B' = mu B + G`` into a transient and ``G + mu B'``, or a hidden rule's own
     :meth:`HiddenRule.inputs` on copies of its state), stacked: matrix views with ``members[plain:]`` transposed, or
     each reshaped to ``shape``."""
     inputs = Inputs(rule, group)(members)
@@ -207,7 +201,7 @@ def owner_directions(rule, handed: list[Tensor], state: dict[str, Tensor], group
 
 def _hidden_compiled(rule: HiddenRule, items: Sequence[Item], group: dict, ctx: StepContext, x_of: Inputs) -> None:
     """A hidden rule's per-tensor directions: each matrix's one graph (:func:`owner_directions`, which same-shape
-    matrices share), kept for the step's writes (``driver.keep_directions``): the body and the graph an owner rank
+    matrices share), kept for the step's writes (``forms.keep_directions``): the body and the graph an owner rank
     runs on a matrix of the per-tensor form (``exchange.py``), so that DDP's shared step gives one process's bits."""
     kept = []
     for it in items:
@@ -235,7 +229,7 @@ def compiled_per_tensor(calls: Sequence[Call]) -> None:
 def compiled_batched(calls: Sequence[Call]) -> None:
     """The batched form with ``compile=True``: one graph per shape bucket (:func:`hidden_step`); an elementwise
     rule's buckets one graph each (:func:`elementwise_step`); then the momentum of every call queued after the
-    updates (``driver.write_inputs``). Under ``placement.OWNERS`` the exchange's forms run instead, each owner's
+    updates (``forms.write_inputs``). Under ``placement.OWNERS`` the exchange's forms run instead, each owner's
     directions one graph (:func:`owner_directions`)."""
     if not calls:
         return

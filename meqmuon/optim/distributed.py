@@ -9,7 +9,8 @@ by the call's path:
 ``RowSums``     ``placement.ROWS``: whole-row pieces of a rule whose only sums over shards are statistics (eq. 9
                 and 10, SCALE): ``psum`` is one all-reduce of partial sums per statistic; no piece travels.
 ``Exchange``    ``placement.OWNERS`` (``exchange.py``): direction inputs to owner ranks, whole matrices there,
-                directions back, with owners by :func:`assign_owners`.
+                directions back, with owners by :func:`assign_owners`, in one collective of bytes each way
+                (:func:`exchange_flat`).
 
 All ranks must call ``step()`` with the same parameters having gradients (DDP guarantees this), otherwise the
 collectives do not match.
@@ -19,11 +20,16 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+
+try:
+    import torch.distributed as dist
+except ImportError:  # pragma: no cover - torch builds without distributed support
+    dist = None  # type: ignore[assignment]
 
 from .. import functional as F
 
@@ -36,8 +42,8 @@ except ImportError:  # pragma: no cover - exercised only on such builds
     Replicate = None  # type: ignore[assignment,misc]
     Shard = None  # type: ignore[assignment,misc]
 
-__all__ = ["SHARDED_LAYOUTS", "LocalSplit", "RowSums", "assign_owners", "is_dtensor", "local", "resolve_process_group",
-           "state_like"]
+__all__ = ["SHARDED_LAYOUTS", "InFlight", "LocalSplit", "RowSums", "assign_owners", "exchange_flat", "is_dtensor",
+           "local", "resolve_process_group", "state_like"]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -154,3 +160,50 @@ class RowSums(LocalSplit):
 
 #: DTensor placements of row-sharded parameters: FSDP2 (1-D mesh) and HSDP (replicate x shard).
 SHARDED_LAYOUTS = frozenset({(Shard(0),), (Replicate(), Shard(0))}) if Shard is not None else frozenset()
+
+
+# ---- the exchange's one collective ----------------------------------------------------------------------
+
+
+class InFlight:
+    """A result whose collective may still be in flight: :meth:`wait` completes it, once (the collective's ``wait``,
+    then ``finish``, which reads what was received), and returns what ``finish`` made."""
+
+    __slots__ = ("_work", "_finish", "_value")
+
+    def __init__(self, work: Any, finish: Callable[[], Any]) -> None:
+        self._work, self._finish, self._value = work, finish, None
+
+    def wait(self) -> Any:
+        if self._finish is not None:
+            if self._work is not None:
+                self._work.wait()
+            self._value, self._work, self._finish = self._finish(), None, None
+        return self._value
+
+
+def exchange_flat(send: list[list[Tensor]], out_splits: Sequence[int], group: Any, device: torch.device, *,
+                  wait: bool = True) -> Tensor | InFlight:
+    """One uneven ``all_to_all_single`` of bytes, the one collective of the exchange: the bytes of ``send[r]``
+    (tensors of any dtype) to rank ``r`` of ``group``, nothing padded; ``out_splits[r]`` the bytes rank ``r`` sends
+    here. ``send`` is emptied (its pieces, copies at owners, let go before the exchange). Returns the received
+    bytes, rank ``0``'s first; ``wait=False``: posted asynchronously, an :class:`InFlight` of them (the send buffer
+    kept alive by the collective until it completes)."""
+    send_sizes = [sum(p.numel() * p.element_size() for p in s) for s in send]
+    # rank-major, as bytes (a view where a piece is contiguous): one copy into the send buffer
+    pieces = [p.contiguous().reshape(-1).view(torch.uint8) for s in send for p in s]
+    flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
+    del pieces
+    for s in send:
+        s.clear()
+    out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
+    if not sum(send_sizes) and out.numel() and dist.get_backend(group) == "fake":
+        # torch's FakeProcessGroup (the simulator's, benchmarks/scale_sim.py) fills what a rank receives from
+        # what it sends and refuses an empty input (FakeProcessGroup.hpp, alltoall_base): there a rank that
+        # sends nothing sends itself one byte, which it does not read. Real backends never take this branch.
+        flat = torch.zeros(1, dtype=torch.uint8, device=device)
+        send_sizes[dist.get_rank(group)] = 1
+    work = dist.all_to_all_single(out, flat, list(out_splits), send_sizes, group=group, async_op=not wait)
+    if wait:
+        return out
+    return InFlight(work, lambda: (flat, out)[1])  # ``flat`` referenced until the collective completes

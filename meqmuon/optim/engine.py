@@ -17,10 +17,11 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
-from . import driver
+from . import commit, decision, driver
 from .calls import Item, StepContext
-from .commit import SKIPPED, Commit, Gate, constant, name_error
+from .commit import SKIPPED, Commit
 from .cuda_graph import GraphedStep
+from .decision import NONFINITE
 from .distributed import LocalSplit, RowSums, is_dtensor, local, resolve_process_group
 from .driver import HiddenRule
 from .exchange import Exchange, Unit
@@ -38,12 +39,6 @@ try:
 except ImportError:  # pragma: no cover - torch builds without distributed support
     dist = None  # type: ignore[assignment]
 
-#: What a step does with a non-finite gradient (``nonfinite=``, every optimizer's keyword; docs/algorithm.md,
-#: "Non-finite gradients"): ``"skip"`` (the default) the whole step, for every parameter, decided on the device with
-#: no host sync and counted in each parameter's state (``"skipped_steps"``); ``"raise"`` a ``RuntimeError`` naming
-#: the first parameter whose gradient is non-finite, before anything is written (one host sync per step, by choice);
-#: ``"propagate"`` steps anyway, as torch's optimizers do (one NaN then spreads over its matrix and its momentum).
-NONFINITE = ("skip", "raise", "propagate")
 
 
 def _held(p: torch.Tensor) -> slice:
@@ -517,12 +512,12 @@ class RoleOptimizer(Optimizer):
             step.between = self._release
         try:
             try:
-                step.gate = self._gate(grads, grad_scale, found_inf, world)
+                step.gate = decision.gate(self, grads, grad_scale, found_inf, world)
                 if stepping is not None:
                     stepping(step)
                 self._run(calls, step)
                 if world > 1:
-                    self._agree(step)
+                    decision.agree(step, self._process_group)
             except BaseException:
                 for state in counted:
                     state["step"] -= 1
@@ -533,86 +528,9 @@ class RoleOptimizer(Optimizer):
                 for it in call[1]:
                     it.grad = None  # a kept item must not keep its gradient alive past zero_grad()
         if step.gate is not None:
-            self._count_skipped(step.gate, counted)
+            decision.count_skipped(step.gate, counted)
         if step.error is not None:  # this rank's error, after the step was skipped on every rank
             raise step.error
-
-    def _gate(self, grads: list[tuple[str, torch.Tensor]], grad_scale: torch.Tensor | None,
-              found_inf: torch.Tensor | None, world: int) -> Gate | None:
-        """The step's skip flag (``commit.Gate``), or ``None`` where nothing can skip it (``nonfinite="propagate"``
-        or ``"raise"`` on one process, without a scaler).
-
-        The check: ``torch._amp_foreach_non_finite_check_and_unscale_`` over every gradient the rules read (local
-        pieces under FSDP2 / TP, after a ``Partial()`` one is reduced), one call per device and dtype, flat in the
-        model's depth; it unscales by ``1 / grad_scale`` in the same kernel where a ``GradScaler`` gives one. A
-        scaler's ``found_inf`` adds to the flag. ``"raise"``: the flag read on the host (the one sync this mode
-        makes, by choice) and, where set, the first non-finite parameter named, before anything is written. Under
-        ``torch.distributed`` the flag exists in every mode: it also carries an error of any rank (:meth:`_agree`)."""
-        scaler = grad_scale is not None or found_inf is not None
-        check = self._nonfinite != "propagate" or grad_scale is not None
-        if not (check or scaler or world > 1):
-            return None
-        device = grads[0][1].device if grads else next(
-            (local(p).device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
-        found = torch.zeros((), dtype=torch.float32, device=device)
-        if check and grads:
-            by: dict[tuple, list[torch.Tensor]] = {}
-            for _, g in grads:
-                by.setdefault((g.device, g.dtype), []).append(g)
-            inverse = None if grad_scale is None else grad_scale.double().reciprocal().float()
-            flags: dict[torch.device, torch.Tensor] = {device: found}
-            for (dev, _), gs in by.items():
-                flag = flags.get(dev)
-                if flag is None:
-                    flag = flags[dev] = torch.zeros((), dtype=torch.float32, device=dev)
-                inv = (constant(self._gate_constants, 1.0, torch.float32, dev) if inverse is None else
-                       inverse.to(dev, non_blocking=True))
-                torch._amp_foreach_non_finite_check_and_unscale_(gs, flag, inv)
-            for dev, flag in flags.items():
-                if dev != device:
-                    found.add_(flag.to(device, non_blocking=True))
-        if found_inf is not None:
-            found.add_(found_inf.to(device=device, dtype=torch.float32, non_blocking=True))
-        if self._nonfinite == "raise" and not scaler:
-            self._raise_nonfinite(found, grads, world)
-            if world == 1:
-                return None
-        return Gate(found, self._gate_constants)
-
-    def _raise_nonfinite(self, found: torch.Tensor, grads: list[tuple[str, torch.Tensor]], world: int) -> None:
-        """``nonfinite="raise"``: read the flag (a host sync, by choice); where set, a ``RuntimeError`` naming the
-        first parameter whose gradient holds a NaN or an infinity (the same on every rank: the flags are
-        all-reduced first)."""
-        pg = self._process_group
-        if world > 1:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=pg)
-        if not found.item():
-            return
-        bad = torch.stack([~torch.isfinite(g).all() for _, g in grads]).to(torch.float32)
-        if world > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=pg)
-        name = grads[int(bad.nonzero()[0, 0])][0]
-        raise RuntimeError(f"{type(self).__name__}: the gradient of parameter {name!r} holds a NaN or an infinity; "
-                           "nothing was written (nonfinite='raise'; nonfinite='skip' skips such a step instead)")
-
-    def _agree(self, step: Commit) -> None:
-        """Under ``torch.distributed``: the ranks' one decision, an all-reduce (``MAX``) of the 0-D skip flag over the
-        optimizer's process group, which carries a non-finite gradient of any rank's piece and an error of any rank
-        (set here on the device: no host sync), so that no rank writes while another skips or raised."""
-        flag = step.gate.flag
-        if step.error is not None:
-            flag.fill_(1.0)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._process_group)
-
-    def _count_skipped(self, gate: Gate, counted: list[dict[str, Any]]) -> None:
-        """Add the skip flag (0 or 1) to the ``"skipped_steps"`` of every parameter that had a gradient: one kernel
-        per device."""
-        by: dict[torch.device, list[torch.Tensor]] = {}
-        for state in counted:
-            t = state[SKIPPED]
-            by.setdefault(t.device, []).append(t)
-        for dev, ts in by.items():  # the List overload: the 0-D Tensor one reads the flag on the host (.item())
-            torch._foreach_add_(ts, [gate.value(torch.int64, dev)] * len(ts))
 
     def skipped_steps(self) -> int:
         """The steps skipped so far (``nonfinite="skip"``, a ``GradScaler``'s overflows, an error on another rank): the
@@ -691,25 +609,13 @@ class RoleOptimizer(Optimizer):
                 call[3].commit = step
                 executor = EXECUTORS[call[3].path]
                 if isinstance(call[0], SteppingRule):
-                    self._guarded(step, call[0], call[1], executor.stepping,
+                    commit.guarded(step, call[0], call[1], executor.stepping,
                                   call[0].step_foreach if foreach else call[0].step, *call[1:])
                 else:
                     form = executor.forms[foreach, self._compile]
                     by_form.setdefault(id(form), (form, []))[1].append(call)
             for form, form_calls in by_form.values():
-                self._guarded(step, form_calls[0][0], [it for c in form_calls for it in c[1]], form, form_calls)
-
-    @staticmethod
-    def _guarded(step: Commit, rule: Rule, items: list[Item], run: Callable, *args: Any) -> None:
-        """``run(*args)``, an error in it naming ``rule`` and ``items``' parameters where a form has not named them;
-        kept on ``step`` where it is tolerant (:meth:`_run`)."""
-        try:
-            run(*args)
-        except Exception as e:
-            e = name_error(e, rule, list(dict.fromkeys(it.name for it in items)))
-            if not step.tolerant:
-                raise e from None
-            step.fail(e)
+                commit.guarded(step, form_calls[0][0], [it for c in form_calls for it in c[1]], form, form_calls)
 
     # torch._disable_dynamo (torch.optim's own tool) imports dynamo at the first traced call only:
     # torch.compiler.disable as a decorator would add its ~1 s import to `import meqmuon`.

@@ -7,7 +7,7 @@ as every other rank does and shares its Newton-Schulz with them, steps here, by 
    planned once (longest first by predicted cost onto the least-loaded rank, :func:`.distributed.assign_owners`,
    identical on every rank, no collective);
 2. every rank makes the direction input ``X`` of its piece where it lies, from the unchanged momentum (as one
-   process's, ``driver.Inputs``; the momentum is written with the step's other writes, ``commit.py``), and sends
+   process's, ``forms.Inputs``; the momentum is written with the step's other writes, ``commit.py``), and sends
    it to the owner, with the per-matrix state the rule reads where that is sharded: one ``all_to_all_single`` of
    bytes per shape bucket (:func:`exchange_flat`, nothing padded); under DDP the owner holds ``X`` whole and
    nothing goes out;
@@ -39,23 +39,20 @@ from torch import Tensor
 
 from . import commit, transfer
 from .calls import Item, StepContext
-from .distributed import LocalSplit, assign_owners
+from .distributed import InFlight, LocalSplit, assign_owners, exchange_flat
 from .driver import (
     Bucket,
     Call,
     HiddenRule,
-    Inputs,
     apply_pending,
     bucket_directions,
     cost,
     cut_items,
     make_buckets,
-    naming,
     needs_matrix,
     resolve_dtype,
-    step_weights,
-    write_inputs,
 )
+from .forms import Inputs, naming, step_weights, write_inputs
 from .newton_schulz import batched_ns
 from .owners import AXES, Replicas
 from .rule import SteppingRule
@@ -67,50 +64,6 @@ except ImportError:  # pragma: no cover - torch builds without distributed suppo
     dist = None  # type: ignore[assignment]
 
 __all__ = ["Exchange", "Unit", "exchange_flat", "step", "whole_step"]
-
-
-class InFlight:
-    """A result whose collective may still be in flight: :meth:`wait` completes it, once (the collective's ``wait``,
-    then ``finish``, which reads what was received), and returns what ``finish`` made."""
-
-    __slots__ = ("_work", "_finish", "_value")
-
-    def __init__(self, work: Any, finish: Callable[[], Any]) -> None:
-        self._work, self._finish, self._value = work, finish, None
-
-    def wait(self) -> Any:
-        if self._finish is not None:
-            if self._work is not None:
-                self._work.wait()
-            self._value, self._work, self._finish = self._finish(), None, None
-        return self._value
-
-
-def exchange_flat(send: list[list[Tensor]], out_splits: Sequence[int], group: Any, device: torch.device, *,
-                  wait: bool = True) -> Tensor | InFlight:
-    """One uneven ``all_to_all_single`` of bytes, the one collective of the exchange: the bytes of ``send[r]``
-    (tensors of any dtype) to rank ``r`` of ``group``, nothing padded; ``out_splits[r]`` the bytes rank ``r`` sends
-    here. ``send`` is emptied (its pieces, copies at owners, let go before the exchange). Returns the received
-    bytes, rank ``0``'s first; ``wait=False``: posted asynchronously, an :class:`InFlight` of them (the send buffer
-    kept alive by the collective until it completes)."""
-    send_sizes = [sum(p.numel() * p.element_size() for p in s) for s in send]
-    # rank-major, as bytes (a view where a piece is contiguous): one copy into the send buffer
-    pieces = [p.contiguous().reshape(-1).view(torch.uint8) for s in send for p in s]
-    flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
-    del pieces
-    for s in send:
-        s.clear()
-    out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
-    if not sum(send_sizes) and out.numel() and dist.get_backend(group) == "fake":
-        # torch's FakeProcessGroup (the simulator's, benchmarks/scale_sim.py) fills what a rank receives from
-        # what it sends and refuses an empty input (FakeProcessGroup.hpp, alltoall_base): there a rank that
-        # sends nothing sends itself one byte, which it does not read. Real backends never take this branch.
-        flat = torch.zeros(1, dtype=torch.uint8, device=device)
-        send_sizes[dist.get_rank(group)] = 1
-    work = dist.all_to_all_single(out, flat, list(out_splits), send_sizes, group=group, async_op=not wait)
-    if wait:
-        return out
-    return InFlight(work, lambda: (flat, out)[1])  # ``flat`` referenced until the collective completes
 
 
 def _as(piece: Tensor, dtype: torch.dtype, shape: Sequence[int]) -> Tensor:
@@ -377,7 +330,7 @@ class _Call:
                           *(k for k in rule._owner_state if k in u.state_pieces)] for u in units]
         # out: under DDP nothing goes out (the owner holds every piece, and makes X for its own matrices only, or
         # for every matrix where a capture hook reads them)
-        # the inputs from the unchanged momentum (driver.Inputs): nothing is written here; under torch.distributed
+        # the inputs from the unchanged momentum (forms.Inputs): nothing is written here; under torch.distributed
         # an error is kept (_guard) and zeros go out, so that the owners still receive what they wait for
         need = [j for j, u in enumerate(units) if u.mine or not self.replicas or ctx.capture is not None]
         try:
@@ -639,9 +592,9 @@ def _elementwise_bucket(rule: Any, members: list[Item], group: dict, ctx: StepCo
 def step(calls: Sequence[Call], *, batched: bool, orth: Callable | None = None) -> None:
     """The exchange's form of a step's calls (``foreach=False``: ``batched`` False, as one process's per-tensor form,
     each matrix alone at the owners; ``foreach=True``: one stack per shape at the owners): direction inputs from the
-    unchanged momentum where the pieces lie (``driver.Inputs``), then per shape bucket the exchange; the step's writes
+    unchanged momentum where the pieces lie (``forms.Inputs``), then per shape bucket the exchange; the step's writes
     queued on its commit: each call's updates of this rank's pieces as one process's, then the momentum of every
-    call where it lies (``driver.write_inputs``). A bucket is DDP's matrices as one process's batched form buckets
+    call where it lies (``forms.write_inputs``). A bucket is DDP's matrices as one process's batched form buckets
     them (an ``(n, m)`` matrix in the ``(m, n)`` bucket, which saves an exchange) or a DTensor's units by their global
     shape; one bucket's exchange out and back at a time, so that a step holds one bucket's whole matrices, or with
     ``overlap`` two buckets pipelined (:func:`_pipelined`)."""

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import commit, compiled, driver, exchange
+from . import commit, compiled, driver, exchange, forms
 from .calls import Item, Path, StepContext
 from .distributed import SHARDED_LAYOUTS, LocalSplit, RowSums, is_dtensor
 from .driver import HiddenRule
@@ -48,7 +48,7 @@ def _own_step(form: Callable[..., None], items: list[Item], group: dict, ctx: St
     def run(its: list[Item], gate: commit.Gate | None = None) -> None:
         ctx.gate = gate
         try:
-            with driver.naming(rule, its):
+            with forms.naming(rule, its):
                 form(its, group, ctx)
         finally:
             ctx.gate = None
@@ -74,8 +74,8 @@ class Executor(NamedTuple):
 
 #: The forms where the tensors are whole here (or whole rows): the driver's eager two and ``compiled.py``'s two.
 _HERE: dict[tuple[bool, bool], Form] = {
-    (False, False): driver.per_tensor,
-    (True, False): driver.batched,
+    (False, False): forms.per_tensor,
+    (True, False): forms.batched,
     (False, True): compiled.compiled_per_tensor,
     (True, True): compiled.compiled_batched,
 }
