@@ -69,7 +69,7 @@ def test_the_counter_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.setattr(imports, "ROOT", tmp_path)
     r = imports.report()
     assert r["cycles"] == [["optim.compiled", "optim.driver"]]
-    assert r["upward"] == ["optim.driver:1 imports optim.compiled (layer 5 -> 6)"]
+    assert r["upward"] == ["optim.driver:1 imports optim.compiled (layer 5 -> 7)"]
     assert r["lazy"] == ["optim.compiled:2 imports optim.driver (function)"]
 
 

@@ -154,12 +154,12 @@ def test_hidden_rule_shows_only_what_a_variant_overrides_or_declares():
     assert shown == {"pre", "post", "post_all", "post_factors", "lr_scale", "validate", "inputs", "step_weights",
                      "defaults", "state_views", "transposes", "hyperparameters", "factors_divide",
                      "transfer_form"}, shown
-    from meqmuon.optim import compiled, driver, exchange
+    from meqmuon.optim import compiled, exchange, forms
     from meqmuon.optim.placement import EXECUTORS, Path
 
-    # The driver is functions: per path the four forms in one table (the eager two beside HiddenRule, the
-    # compiled two beside their graphs; the exchange's on OWNERS), picked by one chooser, the engine's _run.
-    for path, modules in ((Path.LOCAL, [driver.__name__] * 2 + [compiled.__name__] * 2),
+    # The driver is functions: per path the four forms in one table (the eager two in forms.py, the compiled two
+    # beside their graphs; the exchange's on OWNERS), picked by one chooser, the engine's _run.
+    for path, modules in ((Path.LOCAL, [forms.__name__] * 2 + [compiled.__name__] * 2),
                           (Path.OWNERS, [exchange.__name__] * 4)):
         forms = EXECUTORS[path].forms
         assert set(forms) == {(False, False), (True, False), (False, True), (True, True)}
