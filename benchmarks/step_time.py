@@ -130,6 +130,8 @@ def build(name, params, ns_dtype=torch.bfloat16, **hparams):
         return torch.optim.AdamW(all_params, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
     base, flags = split_name(name)
     kw = {k: True for k, flag in (("compile", "compile"), ("cuda_graph", "cuda graph")) if flag in flags}
+    if "unguarded" in flags:  # the step without its non-finite guard (issue 56): nonfinite="propagate"
+        kw["nonfinite"] = "propagate"
     opt = meqmuon.build_optimizer(base, groups_of(params), lr=1e-3, ns_dtype=ns_dtype, **kw, **hparams)
     switches = [SWITCHES[f] for f in flags if f in SWITCHES]
     return Switched(opt, switches) if switches else opt
@@ -243,6 +245,9 @@ def main(argv=None):
     ap.add_argument("--cuda-graph", action="store_true",
                     help="also time each of meqmuon, muon, normuon chosen with cuda_graph=True (and the compile=True "
                     "rows with it, with --compile)")
+    ap.add_argument("--unguarded", action="store_true",
+                    help="also time meqmuon, muon and normuon with nonfinite='propagate' (the step without its "
+                    "non-finite guard), an A/B in the same rounds")
     ap.add_argument("--switches", nargs="+", default=[], choices=sorted(SWITCHES),
                     help="also time meqmuon and muon with each of these settings on (an A/B in the same rounds)")
     ap.add_argument("--ns-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
@@ -275,6 +280,8 @@ def main(argv=None):
         names += [f"{n} (cuda graph)" for n in ("meqmuon", "muon", "normuon") if n in names]
         names += [f"{n} (compile, cuda graph)" for n in compiled]
     names += [f"{n} ({s})" for s in args.switches for n in ("meqmuon", "muon") if n in names]
+    if args.unguarded:
+        names += [f"{n} (unguarded)" for n in ("meqmuon", "muon", "normuon") if n in names]
     variants = dict(parse_variant(v) for v in args.ns_variants)
     names += [n for n in variants if n not in names]
     opts = {}

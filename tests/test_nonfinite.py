@@ -323,3 +323,32 @@ def test_a_rule_that_raises_leaves_every_tensor_as_it_was(name, form):
         _backward(reference, ids)
         opt_ref.step()
     _same(_snapshot(reference, opt_ref), _snapshot(model, opt))
+
+
+@pytest.mark.parametrize("form", ["per-tensor", "batched"])
+@pytest.mark.parametrize("name", ["muon", "meqmuon"])
+def test_bf16_state_skips_too(name, form):
+    """bf16 parameters keep bf16 state, whose 0-D gate factors would round (0.95 is not a bf16 number): their writes
+    go through flat copies and a ``where`` instead (``commit.stepping_``, ``commit.momentum_``); a skipped step
+    still changes nothing, and a finite step writes the bits of ``nonfinite="propagate"``."""
+    runs = []
+    for nonfinite in ("skip", "propagate"):
+        model = make_model(dtype=torch.bfloat16)
+        opt = _build(name, model, form, nonfinite=nonfinite)
+        for ids in batches(2):
+            _backward(model, ids)
+            opt.step()
+        runs.append(_snapshot(model, opt))
+    _same(*runs)
+    opt = _build(name, model, form)
+    _backward(model, batches(3)[2])
+    opt.step()
+    before = _snapshot(model, opt)
+    _backward(model, batches(4)[3])
+    model.up.weight.grad.view(-1)[1] = float("nan")
+    opt.step()
+    params, state = _snapshot(model, opt)
+    for st in state:
+        st["step"] -= 1
+    _same(before, (params, state))
+    assert opt.skipped_steps() == 1
