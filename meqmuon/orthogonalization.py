@@ -145,6 +145,7 @@ def orthogonalize(
     out: Tensor | None = None,
     batched: bool = False,
     inplace: bool = False,
+    eps_added: bool = False,
 ) -> Tensor:
     r"""Approximate ``Orth(x) = P Q^T`` (for ``x = P S Q^T``) with quintic Newton-Schulz (paper eq. 3).
 
@@ -180,6 +181,11 @@ def orthogonalize(
             and overwritten by later iterates, :func:`_matrix_iteration`) instead of copied into a buffer, so
             that it is not alive beside a copy of itself (an owner's received whole matrices). The same ops
             on the same values either way: the same bits.
+        eps_added: normalise by ``||X||_F + eps`` instead of ``max(||X||_F, eps)``: the official codes' form
+            (Keller Jordan's ``zeropower_via_newtonschulz5`` and the 2026 field's copies of it, eps 1e-7;
+            levanter's, its ``muon_epsilon`` 1e-8), the ``ns_method`` ``"quintic+1e-7"`` and ``"quintic+1e-8"``
+            (:data:`meqmuon.optim.newton_schulz.NS_METHODS`). The two differ by ``eps / ||X||_F`` relative, 5e-6 for
+            a 24 x 16 gradient of entries 1e-3.
 
     Returns:
         The approximate orthogonalisation, same shape as ``x``, in ``dtype``.
@@ -189,8 +195,9 @@ def orthogonalize(
     schedule = None if x.ndim > 2 and batched else _schedule(coefficients, steps)
     return _orthogonalization_frame(
         "orthogonalize", x, dtype, out, batched, inplace,
-        lambda X: orthogonalize_stack(X, steps, coefficients, eps, inplace=True),
-        lambda X, d, o: _matrix_iteration(X, schedule, d, eps, workspace, o, ns_step, grams=2, inplace=inplace))
+        lambda X: orthogonalize_stack(X, steps, coefficients, eps, inplace=True, eps_added=eps_added),
+        lambda X, d, o: _matrix_iteration(X, schedule, d, eps, workspace, o, ns_step, grams=2, inplace=inplace,
+                                          eps_added=eps_added))
 
 
 def _orthogonalization_frame(name: str, x: Tensor, dtype: torch.dtype | None, out: Tensor | None, batched: bool,
@@ -238,13 +245,15 @@ def _matrix_iteration(
     grams: int,
     tag: tuple[str, ...] = (),
     inplace: bool = False,
+    eps_added: bool = False,
 ) -> Tensor:
     """One 2-D matrix's iteration into ``result`` (contiguous), or a new tensor: ``X_0 = X / max(scale
-    ||X||_F, eps)``, then ``step(X_k, coefficients_k, out=, scratch=)`` per entry of ``schedule = (coefficients,
-    scale)`` (:func:`ns_step`, the quintic, or :func:`_cubic_step`), ping-ponging between the input's buffer and
-    ``result`` (an odd number of steps, the default 5: the last step reads the input's buffer and writes
-    ``result``), or for an even number between the input's buffer and one more, the last step writing
-    ``result``: with the Gram buffers, Newton-Schulz's whole transient memory.
+    ||X||_F, eps)`` (``eps_added``: ``X / (scale ||X||_F + eps)``), then ``step(X_k, coefficients_k, out=,
+    scratch=)`` per entry of ``schedule = (coefficients, scale)`` (:func:`ns_step`, the quintic, or
+    :func:`_cubic_step`), ping-ponging between the input's buffer and ``result`` (an odd number of steps, the
+    default 5: the last step reads the input's buffer and writes ``result``), or for an even number between the
+    input's buffer and one more, the last step writing ``result``: with the Gram buffers, Newton-Schulz's whole
+    transient memory.
 
     Tall matrices are not transposed: the steps use the right Gram matrix for them (strided transposing
     copies cost time; docs/benchmarks.md). With a ``workspace`` dict the intermediates (the input, for an even
@@ -272,7 +281,8 @@ def _matrix_iteration(
     first = X
     coefficients, scale = schedule
     norm = torch.linalg.vector_norm(X)
-    X.div_((norm if scale == 1.0 else norm * scale).clamp(min=eps))
+    norm = norm if scale == 1.0 else norm * scale
+    X.div_(norm + eps if eps_added else norm.clamp(min=eps))
     if result is None:
         result = torch.empty((m, n), dtype=dtype, device=x.device)
     steps = len(coefficients)
@@ -300,20 +310,22 @@ def orthogonalize_stack(
     coefficients: Coefficients = NS_COEFFICIENTS,
     eps: float = NS_EPS,
     inplace: bool = False,
+    eps_added: bool = False,
 ) -> Tensor:
     r"""Quintic Newton-Schulz (paper eq. 3) of a stack ``(K, m, n)`` in ``x.dtype``: each iteration is
     three batched matmuls over all ``K`` matrices, with the smaller Gram matrix as in :func:`ns_step`.
 
     The batched step's form (``foreach=True``): 3 kernels per iteration for a whole shape bucket,
     where the per-matrix loop launches 3 per matrix. ``inplace``: ``x`` is a scratch stack (the
-    bucket's workspace) and is normalised in place instead of copied.
+    bucket's workspace) and is normalised in place instead of copied. ``eps_added``: as :func:`orthogonalize`'s.
     """
     if x.ndim != 3 or steps < 1:
         raise ValueError(f"orthogonalize_stack needs a (K, m, n) stack and steps >= 1, got {tuple(x.shape)}, {steps}")
     X = x if inplace else x.clone()
     coefficients, scale = _schedule(coefficients, steps)
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
-    X.div_((norm if scale == 1.0 else norm.mul_(scale)).clamp_(min=eps))
+    norm = norm if scale == 1.0 else norm.mul_(scale)
+    X.div_(norm.add_(eps) if eps_added else norm.clamp_(min=eps))
     tall = X.shape[-2] > X.shape[-1]
     symmetric = SYMMETRIC_STACK_MIN is not None and min(X.shape[-2:]) >= SYMMETRIC_STACK_MIN
     for a, b, c in coefficients:

@@ -9,7 +9,8 @@ registered optimizer has no row, so a new optimizer cannot be left out of the pa
 :func:`every_form` lists every (optimizer, step form) pair, which test_param_shapes.py steps on
 parameters of every rank (0-D to 4-D). :func:`reference_cases` is the parametrisation of each rule
 family's float64 reference test (test_meqmuon.py, test_muon.py, test_normuon.py, test_scale.py,
-test_adamw.py); test_capabilities.py checks that together they hold every pair of :func:`every_form`.
+test_adamw.py, test_presets_2026.py, test_recipes_2026.py); test_capabilities.py checks that together they hold
+every pair of :func:`every_form`.
 """
 
 from __future__ import annotations
@@ -116,10 +117,16 @@ STATED: dict[str, Stated] = {
     "muoneq-c": Stated(checks=frozenset({"views"})),
     "muoneq-rc": Stated(checks=frozenset({"views"})),
     # the 2026 field (issue 48; tests/test_presets_2026.py also runs each under DDP and FSDP2 itself)
+    # (issue 58: the names are the upstream recipes, tests/test_recipes_2026.py; "-shared" and "muonh-2026-01" are
+    # issue 48's presets)
     "muon-plus": Stated(checks=frozenset({"views"})),
+    "muon-plus-shared": Stated(checks=frozenset({"views"})),
     "muon-vs": Stated(checks=frozenset({"views", "op-count"})),
+    "muon-vs-shared": Stated(checks=frozenset({"views", "op-count"})),
     "muonh": Stated(checks=frozenset({"views", "op-count"})),
+    "muonh-2026-01": Stated(checks=frozenset({"views", "op-count"})),
     "aurora": Stated(checks=frozenset({"views"})),
+    "aurora-shared": Stated(checks=frozenset({"views"})),
     "meqmuon-shape": Stated(transposes=True, checks=frozenset({"views"})),
 }
 

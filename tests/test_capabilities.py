@@ -76,7 +76,8 @@ def test_stated_columns_use_known_words_and_agree_with_each_other():
 
 
 #: The rule families' test files, each holding its optimizers' float64 reference test (``CASES``).
-FAMILIES = ("test_meqmuon", "test_muon", "test_normuon", "test_scale", "test_adamw", "test_presets_2026")
+FAMILIES = ("test_meqmuon", "test_muon", "test_normuon", "test_scale", "test_adamw", "test_presets_2026",
+            "test_recipes_2026")
 
 
 def test_the_rule_families_run_every_optimizer_in_every_form():

@@ -323,8 +323,11 @@ def test_optimizer_state_bytes_matches_rule_counts():
         **{name: (n_h + 2 * n_a) * 4 for name in MUONEQ_MODE},  # Muon's state
         # the 2026 field (issue 48): Muon's state, Muon-VS with one variance per hidden element besides
         # the momentum; meqmuon-shape has MeqMuon's (its side is fixed by shape: no selection counts)
-        **{name: (n_h + 2 * n_a) * 4 for name in ("muon-plus", "muonh", "aurora")},
-        "muon-vs": (2 * n_h + 2 * n_a) * 4,
+        **{name: (n_h + 2 * n_a) * 4 for name in ("muon-plus", "muon-plus-shared", "muonh", "muonh-2026-01",
+                                                  "aurora-shared")},
+        **{name: (2 * n_h + 2 * n_a) * 4 for name in ("muon-vs", "muon-vs-shared")},
+        # Aurora's recipe (issue 58): its rule, one momentum buffer, for the head too
+        "aurora": (n_h + sizes["head"] + 2 * (n_a - sizes["head"])) * 4,
         "meqmuon-shape": n * 4,
     }
     for name in ALL:

@@ -143,7 +143,10 @@ def test_a_refused_add_param_group_leaves_the_optimizer_as_it_was():
 def test_real_numbers_and_cpu_tensors_are_accepted(name, lr):
     opt = meqmuon.build_optimizer(name, tiny(), lr=lr, weight_decay=np.float32(0.1))
     for g in opt.param_groups:
-        if isinstance(lr, torch.Tensor):
+        own = getattr(opt, "kind_defaults", lambda kind: {})(g.get("kind"))  # a recipe's lr of its own for a kind
+        if "lr" in own:  # (MuonH's Adam on embeddings and vectors, adam_lr): not the lr given
+            assert type(g["lr"]) is float and g["lr"] == own["lr"], (g.get("kind"), g["lr"])
+        elif isinstance(lr, torch.Tensor):
             assert g["lr"] is lr  # kept, so that a scheduler's fill_ reaches the step
         else:
             assert type(g["lr"]) is float and g["lr"] == float(lr)  # stored as a Python float

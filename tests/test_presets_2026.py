@@ -38,7 +38,8 @@ from meqmuon.optim.registry import REGISTRY
 from meqmuon.optim.rules import RULES
 from meqmuon.optim.rules.muonplus import MUONPLUS_MODES
 
-NAMES = ["muon-plus", "muon-vs", "muonh", "aurora", "meqmuon-shape"]
+#: Issue 48's presets: each hidden rule with the shared AdamW (the upstream recipes, issue 58: test_recipes_2026.py).
+NAMES = ["muon-plus-shared", "muon-vs-shared", "muonh-2026-01", "aurora-shared", "meqmuon-shape"]
 LR, WD, MU, RHO, STEPS = 0.02, 0.1, 0.95, 0.2, 3
 MATRICES = [(24, 16), (16, 24), (16, 16)]
 
@@ -54,7 +55,7 @@ class _Reference:
     """One preset's official update, matrix by matrix, in place on float64 views ``W``."""
 
     def __init__(self, name: str, mats: list[torch.Tensor], wd: float, nesterov: bool = True, **kw) -> None:
-        self.name, self.wd, self.nesterov, self.kw = name, wd, nesterov, kw
+        self.name, self.wd, self.nesterov, self.kw = _method(name), wd, nesterov, kw
         self.bufs = [torch.zeros_like(W) for W in mats]
         self.states = [{} for _ in mats]
 
@@ -77,8 +78,13 @@ class _Reference:
                 W.mul_(1 - LR * self.wd).sub_(LR * _shape_dir(ns(G + MU * b if self.nesterov else b)))
 
 
+def _method(name: str) -> str:
+    """The method of a preset: its registry name without "-shared" or "-2026-01"."""
+    return name.removesuffix("-shared").removesuffix("-2026-01")
+
+
 def _wd(name: str) -> float:
-    return 0.0 if name == "muonh" else WD  # levanter's MuonH has no weight decay
+    return 0.0 if _method(name) == "muonh" else WD  # levanter's MuonH has no weight decay
 
 
 @pytest.mark.parametrize("foreach", [False, True])
@@ -107,7 +113,7 @@ def test_muon_plus_every_norm_mode_equals_upstream(mode):
     g = torch.Generator().manual_seed(1)
     params = [nn.Parameter(torch.randn(s, generator=g, dtype=torch.float64) * 0.1) for s in MATRICES]
     mats = [p.detach().clone() for p in params]
-    opt = meqmuon.build_optimizer("muon-plus", [{"params": params, "kind": "hidden"}], lr=LR, weight_decay=WD,
+    opt = meqmuon.build_optimizer("muon-plus-shared", [{"params": params, "kind": "hidden"}], lr=LR, weight_decay=WD,
                                   norm_mode=mode, ns_dtype=torch.float64)
     ref = _Reference("muon-plus", mats, WD, norm_mode=mode)
     for _ in range(STEPS):
@@ -134,7 +140,7 @@ def test_matches_float64_reference(name, nesterov, form, monkeypatch):
     params = _tensors()
     build = functools.partial(meqmuon.build_optimizer, name, _groups(params), lr=LR, weight_decay=_wd(name),
                               momentum=MU, nesterov=nesterov, ns_dtype=torch.float32, **FORM_KWARGS[form])
-    if name == "muon-vs" and not nesterov:  # upstream has no other input: refused, not ignored
+    if _method(name) == "muon-vs" and not nesterov:  # upstream has no other input: refused, not ignored
         with pytest.raises(ValueError, match="nesterov"):
             build()
         return

@@ -88,9 +88,12 @@ def test_the_other_tables_are_read_from_the_registry(monkeypatch, tmp_path):
     assert {n: s.demo_lr for n, s in REGISTRY.items()} == {
         "adamw": 3e-3, "muon": 1e-2, "normuon": 3e-2, "scale": 1e-2, "meqmuon": 3e-2, "meqmuon-only-hidden": 1e-2,
         "meqmuon-only-embedding": 1e-2, "meqmuon-only-vector": 1e-2, "muoneq-r": 2e-2, "muoneq-c": 1e-2,
-        "muoneq-rc": 1e-2, "muon-plus": 4e-2, "muon-vs": 1e-2, "muonh": 2e-2, "aurora": 2e-2, "meqmuon-shape": 3e-2}
-    # the 2026 presets (issue 48) take their own code's lrs where their step has another scale than Muon's
-    own = {"muon-plus": 4e-2, "muonh": 2e-2, "aurora": 2e-2}
+        "muoneq-rc": 1e-2, "muon-plus": 4e-2, "muon-plus-shared": 4e-2, "muon-vs": 1e-2, "muon-vs-shared": 1e-2,
+        "muonh": 2e-2, "muonh-2026-01": 2e-2, "aurora": 2e-2, "aurora-shared": 2e-2, "meqmuon-shape": 3e-2}
+    # the 2026 presets (issue 48) take their own code's lrs where their step has another scale than Muon's, and
+    # the recipes (issue 58) their configs' (Muon-VS's NanoGPT config: 6e-4)
+    own = {"muon-plus": 4e-2, "muon-plus-shared": 4e-2, "muonh": 2e-2, "muonh-2026-01": 2e-2, "aurora": 2e-2,
+           "aurora-shared": 2e-2, "muon-vs": 6e-4}
     assert {n: s.default_lr for n, s in REGISTRY.items()} == {
         n: own.get(n, 1e-3 if n == "adamw" else 2e-3) for n in REGISTRY}
     # defaults of the functions and commands

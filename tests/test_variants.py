@@ -311,7 +311,9 @@ def test_every_muon_family_optimizer_takes_ns_method_and_refuses_an_unknown_one(
     opt = meqmuon.build_optimizer(name, _groups(params), ns_method="quintic")
     assert opt.param_groups[0]["ns_method"] == "quintic"
     assert meqmuon.build_optimizer(name, _groups(params)).param_groups[0]["ns_method"] == "quintic"
-    with pytest.raises(ValueError, match=r"Invalid ns_method: 'newton' \(known methods: quintic, gram, aol, cubic\)"):
+    # quintic, its upstream-normalised forms (X / (||X|| + eps), issue 58's recipes), gram, aol, cubic
+    known = r"quintic, quintic\+1e-7, quintic\+1e-8, gram, aol, cubic"
+    with pytest.raises(ValueError, match=rf"Invalid ns_method: 'newton' \(known methods: {known}\)"):
         meqmuon.build_optimizer(name, _groups(params), ns_method="newton")
     with pytest.raises(ValueError, match=r"Invalid ns_method: 'quartic'"):
         meqmuon.build_optimizer(name, [{**_groups(params)[0], "ns_method": "quartic"}])

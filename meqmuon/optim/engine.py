@@ -491,6 +491,7 @@ class RoleOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._prepare_gradients(grad_scale)
         calls, grads, counted = self._calls(self._plan())
         self._released = False
         try:
@@ -498,6 +499,9 @@ class RoleOptimizer(Optimizer):
         finally:
             self._release(measure=not self._released)
         return loss
+
+    def _prepare_gradients(self, grad_scale: torch.Tensor | None) -> None:
+        """A preset's work on the gradients before the step reads them, in place, no host sync: nothing here."""
 
     def _transact(self, calls: tuple[list[driver.Call], list[driver.Call]], grads: list[tuple[str, torch.Tensor]],
                   counted: list[dict[str, Any]], grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None,

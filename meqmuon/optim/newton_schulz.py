@@ -12,6 +12,7 @@ the devices where a shape bucket runs as one batched call (:data:`BATCHED_NS_DEV
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -95,8 +96,14 @@ class NSMethod:
 #: ``"gram"``: the same iteration on the Gram matrix with a restart (:func:`meqmuon.functional.gram_orthogonalize`).
 #: ``"aol"``: AOL-preconditioned, ``ns_steps - 1`` iterations (:func:`meqmuon.functional.aol_orthogonalize`).
 #: ``"cubic"``: cubic5, ``aX + b(XX^T)X``, 5 fixed steps (:func:`meqmuon.functional.cubic_orthogonalize`).
+#: ``"quintic+1e-7"``, ``"quintic+1e-8"``: the quintic with the official codes' normalisation ``X / (||X||_F + eps)``
+#: (``eps_added``; ours: ``X / max(||X||_F, 1e-7)``): Keller Jordan's ``zeropower_via_newtonschulz5`` and its
+#: copies in Muon+, Muon-VS and Aurora (1e-7), levanter's (its ``muon_epsilon``, 1e-8). The 2026 field's presets
+#: take them, so that they equal their official codes also where ``||X||_F`` is small (issue 58).
 NS_METHODS: dict[str, NSMethod] = {
     "quintic": NSMethod(F.orthogonalize),
+    "quintic+1e-7": NSMethod(functools.partial(F.orthogonalize, eps=1e-7, eps_added=True)),
+    "quintic+1e-8": NSMethod(functools.partial(F.orthogonalize, eps=1e-8, eps_added=True)),
     "gram": NSMethod(F.gram_orthogonalize, flops=gram_flops),
     "aol": NSMethod(F.aol_orthogonalize, flops=aol_flops),
     "cubic": NSMethod(F.cubic_orthogonalize, schedule=F.cubic_schedule, flops=cubic_flops),

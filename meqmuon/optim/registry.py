@@ -28,7 +28,17 @@ from .presets import (
     NorMuon,
     Scale,
 )
-from .presets_2026 import Aurora, MeqMuonShape, MuonH, MuonPlus, MuonVS
+from .presets_2026 import (
+    Aurora,
+    AuroraShared,
+    MeqMuonShape,
+    MuonH,
+    MuonH202601,
+    MuonPlus,
+    MuonPlusShared,
+    MuonVS,
+    MuonVSShared,
+)
 
 __all__ = ["OptimizerSpec", "REGISTRY", "ABLATION_NAMES", "DEMO_NAMES", "MEMORY_NAMES", "spec"]
 
@@ -86,19 +96,26 @@ _SPECS = (
     OptimizerSpec("muoneq-r", MuonEqR, 2e-3, 2e-2, "MuonEq (R, C, RC)", memory_row=8),
     OptimizerSpec("muoneq-c", MuonEqC, 2e-3, 1e-2),
     OptimizerSpec("muoneq-rc", MuonEqRC, 2e-3, 1e-2),
-    # The 2026 field (issue 48). default_lr from each method's own code at its nearest setting to ours; none
-    # was pre-checked at the demo setting, so demo_lr is default_lr, except where the step shares Muon's scale.
+    # The 2026 field (issue 48), each under its name with its upstream recipe for every kind and, as "-shared"
+    # (muonh: "-2026-01"), issue 48's preset with the shared protocol's AdamW (issue 58; presets_2026.py).
+    # default_lr from each method's own code at its nearest setting to ours; none was pre-checked at the demo
+    # setting, so demo_lr is default_lr, except where the step shares Muon's scale.
     # muon-plus: upstream's Llama-60M config (configs/llama60M_row-col.yaml: lr 0.04; its sqrt(m/n) scale).
     OptimizerSpec("muon-plus", MuonPlus, 4e-2, 4e-2, "Muon+"),
-    # muon-vs: Moonlight's scale as Muon's; upstream's NanoGPT configs give Muon-VS Muon's lr, so Muon's.
-    OptimizerSpec("muon-vs", MuonVS, 2e-3, 1e-2, "Muon-VS"),
+    OptimizerSpec("muon-plus-shared", MuonPlusShared, 4e-2, 4e-2, "Muon+ (shared)"),
+    # muon-vs: Moonlight's scale as Muon's; upstream's NanoGPT config (config/small_muon_vs.py) 6e-4 for Muon-VS
+    # and its AdamW; issue 48's preset Muon's.
+    OptimizerSpec("muon-vs", MuonVS, 6e-4, 1e-2, "Muon-VS"),
+    OptimizerSpec("muon-vs-shared", MuonVSShared, 2e-3, 1e-2, "Muon-VS (shared)"),
     # muonh: lr is the relative step ||dW||/||W||; 2e-2 is what Muon at its 2e-3 (step RMS 0.2 lr) does to a
     # weight of RMS 0.02, the initialisation of our Llamas (levanter's rule sqrt(lr wd) needs a Muon lr and wd
-    # of levanter's own scale, which we do not have).
+    # of levanter's own scale, which we do not have). The recipe's Adam lr is its own (adam_lr, 6e-4).
     OptimizerSpec("muonh", MuonH, 2e-2, 2e-2, "MuonH"),
+    OptimizerSpec("muonh-2026-01", MuonH202601, 2e-2, 2e-2, "MuonH (2026-01, shared)"),
     # aurora: sqrt(max(1, m/n)) scale, Keller Jordan's Muon convention, whose LLM lr is 0.02
     # (KellerJordan/Muon README); upstream's own default eta 0.05 is for a CIFAR-10 MLP.
     OptimizerSpec("aurora", Aurora, 2e-2, 2e-2, "Aurora"),
+    OptimizerSpec("aurora-shared", AuroraShared, 2e-2, 2e-2, "Aurora (shared)"),
     # meqmuon-shape: MeqMuon's lrs (same step RMS rho lr).
     OptimizerSpec("meqmuon-shape", MeqMuonShape, 2e-3, 3e-2, "MeqMuon (shape)"),
 )

@@ -8,7 +8,8 @@ field's ``muonplus.py`` (Muon+), ``aurora.py`` (Aurora), ``meq_shape.py`` (MeqMu
 ``muon_vs.py`` (Muon-VS, its own direction input) and ``muonh.py`` (MuonH, its own step). MeqMuon's
 embedding/head and vector rules (eq. 9 and 10, ``meqmuon.py``) are :class:`~meqmuon.optim.rule.MomentumRule` s:
 a direction of a stack and a per-tensor update. The Adam-type and SCALE rules write their own per-tensor
-and batched forms (:class:`~meqmuon.optim.rule.SteppingRule`: ``adam.py``, ``scale.py``). What a rule is:
+and batched forms (:class:`~meqmuon.optim.rule.SteppingRule`: ``adam.py``, with AdamW's eps-before-correction form
+and AdamH for the 2026 field's recipes, and ``scale.py``). What a rule is:
 ``../rule.py``; how a step runs, in every form: ``../driver.py``.
 
 Every rule applies decoupled weight decay and its step the same way,
@@ -22,7 +23,7 @@ where ``D`` is the rule's direction and ``scale`` its multiplier (``rho`` for Me
 from __future__ import annotations
 
 from ..rule import Rule
-from .adam import AdamScale, AdamW
+from .adam import AdamH, AdamScale, AdamW, AdamWEpsBefore
 from .aurora import AuroraHidden
 from .meq_shape import MeqShapeHidden
 from .meqmuon import Equilibrate, MeqHidden, RmsNormalize
@@ -33,9 +34,9 @@ from .muonplus import MuonPlusHidden
 from .normuon import NorMuonHidden
 from .scale import ScaleCol, ScaleHead, ScaleRow
 
-__all__ = ["RULES", "AdamScale", "AdamW", "AuroraHidden", "Equilibrate", "MeqHidden", "MeqShapeHidden",
-           "MoonlightHidden", "MuonEqHidden", "MuonH", "MuonPlusHidden", "MuonVS", "NorMuonHidden", "RmsNormalize",
-           "ScaleCol", "ScaleHead", "ScaleRow"]
+__all__ = ["RULES", "AdamH", "AdamScale", "AdamW", "AdamWEpsBefore", "AuroraHidden", "Equilibrate", "MeqHidden",
+           "MeqShapeHidden", "MoonlightHidden", "MuonEqHidden", "MuonH", "MuonPlusHidden", "MuonVS", "NorMuonHidden",
+           "RmsNormalize", "ScaleCol", "ScaleHead", "ScaleRow"]
 
 #: The rules by name, as the presets' tables (kind -> rule name) and the engine look them up.
 RULES: dict[str, Rule] = {
@@ -58,5 +59,8 @@ RULES: dict[str, Rule] = {
         MuonH(),
         AuroraHidden(),
         MeqShapeHidden(),
+        # the 2026 field's upstream recipes (issue 58)
+        AdamWEpsBefore(),
+        AdamH(),
     )
 }

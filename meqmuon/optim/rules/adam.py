@@ -1,5 +1,6 @@
-"""Adam-type rules: AdamW exactly as ``torch.optim.AdamW`` and SCALE's internal Adam, per-tensor
-(``step``) and batched (``step_foreach``, torch's multi-tensor form) side by side."""
+"""Adam-type rules, per-tensor (``step``) and batched (``step_foreach``, torch's multi-tensor form) side by side:
+AdamW exactly as ``torch.optim.AdamW``, its form with eps before the bias correction (Moonlight's, Muon+'s),
+SCALE's internal Adam, and AdamH (levanter's Adam on the hyperball, MuonH's rule for the LM head)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ..calls import state_dtype
 from ..driver import buffer, grads_like, make_buckets
 from ..inputs import number
 from ..rule import SteppingRule
+from .muonh import MuonH
 
 # AdamW for the embeddings, heads and vectors of Muon and NorMuon: betas (0.9, 0.95) as the paper's runs
 # (section 4) and Moonlight's toy_train.py, eps 1e-8 as torch.optim.AdamW.
@@ -171,6 +173,81 @@ class AdamW(SteppingRule):
         if keep is not None:
             torch._foreach_div_(denom, keep)
         torch._foreach_addcdiv_(params, ms, denom, step_sizes)
+
+
+class AdamWEpsBefore(AdamW):
+    """AdamW with eps added to the uncorrected ``sqrt(v)``: ``W -= lr sqrt(1 - beta2^t) / (1 - beta1^t) m / (sqrt(v) +
+    eps)``, Moonlight's ``toy_train.py`` form and Muon+'s (K1seki221/MuonPlus 8a9ace1, ``utils/optim/muon_plus.py``,
+    ``MuonPlus.step``'s AdamW branch: ``g = m / (eps + sqrt(v))``, ``p -= lr / (bc1 / sqrt(bc2)) g``). Its effective
+    eps is ``1 / sqrt(1 - beta2^t)`` times :class:`AdamW`'s: with beta2 0.95, 4.47x at step 1, within 3 % from step
+    56; at unit gradients the two differ by ~5e-5 of the update in the first steps, at gradient scale 1e-3 by ~5e-2
+    (issue 58). Otherwise :class:`AdamW`."""
+
+    name = "adamw_eps_before"
+    eps_before_correction = True
+
+
+class AdamH(SteppingRule):
+    r"""AdamH (levanter's ``scale_by_adamh``; marin-community/marin, ``lib/levanter/src/levanter/optim/adamh.py``,
+    MuonH's rule for the LM head, ``MuonHConfig.create_mask``): Adam's direction moved on the hyperball, per matrix::
+
+        m <- beta1 m + (1 - beta1) G;  v <- beta2 v + (1 - beta2) G^2            (optax's moments)
+        U = (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps)                (eps after the correction)
+        W' = W - lr U ||W||_F / max(||U||_F, 1e-10);  W <- W' ||W||_F / ||W'||_F
+
+    as :class:`~meqmuon.optim.rules.muonh.MuonH`'s projection (:meth:`MuonH.project`, the same code): every matrix
+    keeps its Frobenius norm and ``lr`` is a relative step, MuonH's ``lr``. Upstream has no weight decay; with
+    ``weight_decay > 0`` the decay comes first and the projection restores the norm, as in MuonH. The projection
+    reads each whole matrix's norms: on row pieces (FSDP2, tensor parallelism's vocabulary rows: ``placement.ROWS``)
+    their sums of squares are summed over the pieces (``ctx.split.psum``), elsewhere the exchange hands it whole
+    matrices (``exchange.whole_step``)."""
+
+    name = "adamh"
+    defaults = {"betas": ADAMW_BETAS, "eps": ADAMW_EPS}
+    needs_matrix = True
+    state_views: ClassVar[dict[str, str]] = {"exp_avg": "param", "exp_avg_sq": "param"}
+
+    def validate(self, group):
+        """As :class:`AdamW`'s: ``betas`` a pair in [0, 1), ``eps`` >= 0."""
+        AdamW.validate(self, group)
+
+    def state_elements(self, layout):
+        return 2 * math.prod(layout.batch) * layout.rows * layout.cols
+
+    def init_state(self, p, state, group, layout):
+        AdamW.init_state(self, p, state, group, layout)
+
+    def step(self, items, group, ctx):
+        """Per tensor: the moments in place, the direction, then :meth:`MuonH.project` of the one matrix."""
+        ctx.emit(items, [it.grad for it in items], "gradient")
+        beta1, beta2 = group["betas"]
+        for it in items:
+            st, t = it.state, it.state["step"]
+            m, v = st["exp_avg"], st["exp_avg_sq"]
+            g = it.grad.to(m.dtype)
+            m.lerp_(g, 1.0 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+            U = (m / (1.0 - beta1**t)).div_(v.div(1.0 - beta2**t).sqrt_().add_(group["eps"]))
+            MuonH.project(it.param[None], U.to(it.param.dtype)[None], group, ctx.split.psum)
+
+    def step_foreach(self, items, group, ctx):
+        """The moments and directions in ``torch._foreach_*`` kernels, then each matrix's projection."""
+        ctx.emit(items, [it.grad for it in items], "gradient")
+        beta1, beta2 = group["betas"]
+        ms = [it.state["exp_avg"] for it in items]
+        vs = [it.state["exp_avg_sq"] for it in items]
+        grads = grads_like(items, ms)
+        torch._foreach_lerp_(ms, grads, 1.0 - beta1)
+        torch._foreach_mul_(vs, beta2)
+        torch._foreach_addcmul_(vs, grads, grads, value=1.0 - beta2)
+        steps = [it.state["step"] for it in items]
+        Us = torch._foreach_div(ms, [1.0 - beta1**t for t in steps])
+        den = torch._foreach_div(vs, [1.0 - beta2**t for t in steps])
+        torch._foreach_sqrt_(den)
+        torch._foreach_add_(den, group["eps"])
+        torch._foreach_div_(Us, den)
+        for it, U in zip(items, Us, strict=True):
+            MuonH.project(it.param[None], U.to(it.param.dtype)[None], group, ctx.split.psum)
 
 
 class AdamScale(AdamW):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ... import functional as F
 from ..driver import HiddenRule
 
 #: MuonH's lower bound on the update's Frobenius norm (levanter ``scale_invariant_update``: ``max(||u||, 1e-10)``).
@@ -38,17 +39,24 @@ class MuonH(HiddenRule):
         self.project(W, D, group)
 
     @staticmethod
-    def project(W: Tensor, U: Tensor, group: dict) -> None:
+    def project(W: Tensor, U: Tensor, group: dict, psum: F.PSum = None) -> None:
         """For every matrix of a stack ``W`` ``(K, ...)``, in place, with its direction ``U`` (same shape and
         dtype): ``R = ||W||`` (before the decay), the decay, the step ``lr R U / ||U||`` and the projection back
         to ``R``; the norms per matrix as ``(K, 1, ...)`` tensors on the device (no host sync), each line one
-        kernel for the whole stack."""
+        kernel for the whole stack. ``psum``: ``W`` and ``U`` are row pieces of their matrices (FSDP2's or tensor
+        parallelism's rows, ``placement.ROWS``), and each norm's sum of squares is summed over the pieces."""
         dims = tuple(range(1, W.ndim))
-        radii = torch.linalg.vector_norm(W, dim=dims, keepdim=True)
+
+        def norm(t: Tensor) -> Tensor:
+            if psum is None:
+                return torch.linalg.vector_norm(t, dim=dims, keepdim=True)
+            return psum(t.float().square().sum(dim=dims, keepdim=True)).sqrt().to(t.dtype)
+
+        radii = norm(W)
         if group["weight_decay"] != 0:
             W.mul_(1.0 - group["lr"] * group["weight_decay"])  # the factor in float, as F.decay_ for bf16
-        norms = torch.linalg.vector_norm(U, dim=dims, keepdim=True).clamp_min_(MUONH_EPS)
+        norms = norm(U).clamp_min_(MUONH_EPS)
         W.add_(U * (radii / norms), alpha=-group["lr"])
-        new = torch.linalg.vector_norm(W, dim=dims, keepdim=True)
+        new = norm(W)
         new.clamp_min_(MUONH_EPS)  # a zero matrix (R = 0) stays zero, where levanter gives NaN
         W.mul_(radii / new)
