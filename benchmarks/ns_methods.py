@@ -39,7 +39,8 @@ def method_flops(method: str, m: int, n: int, steps: int) -> int:
     """Matmul FLOPs of one ``m x n`` matrix (wide orientation ``a <= b``) for ``method``."""
     a, b = min(m, n), max(m, n)
     gram_side, gram_square = 2 * a * a * b, 2 * a**3
-    if method == "quintic" or (method == "gram" and m == n):  # Gram falls back to the quintic on squares
+    if method.startswith("quintic") or (method == "gram" and m == n):  # Gram falls back to the quintic on squares
+        # (the "quintic+eps" forms differ only in how X is normalised first)
         return steps * (2 * gram_side + gram_square)
     if method == "cubic":  # A = X X^T and A X an iteration (c = 0: no A^2)
         return steps * 2 * gram_side

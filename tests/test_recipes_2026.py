@@ -245,3 +245,31 @@ def test_every_form_equals_the_official_training(name, nesterov, form, monkeypat
         return
     worst = _worst(*_run(name, 1.0, FORM_KWARGS[form]["foreach"], torch.float32, nesterov, **kwargs))
     assert worst < 1e-4, (name, form, nesterov, worst)
+
+
+@pytest.mark.parametrize("name", ["muon-plus", "muonh"])
+def test_clipping_under_a_grad_scaler_clips_the_unscaled_gradients(name):
+    """``torch.amp.GradScaler`` hands the step scaled gradients (``grad_scale``, the protocol of optimizers that
+    unscale themselves): the recipe's clipping measures their norm divided by the scale, so the step equals the one
+    on unscaled gradients (to rounding); a negative control that ignores the scale would clip 1024x too hard."""
+    torch.manual_seed(0)
+    shapes = {"hidden": (8, 6), "embedding": (10, 6), "head": (10, 6), "vector": (6,)}
+    runs = []
+    for scale in (None, 1024.0):
+        torch.manual_seed(0)
+        params = {k: nn.Parameter(torch.randn(s, dtype=torch.float64)) for k, s in shapes.items()}
+        opt = meqmuon.build_optimizer(name, [{"params": [p], "kind": k} for k, p in params.items()], lr=0.02,
+                                      ns_dtype=torch.float64)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            for p in params.values():
+                p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64) * 3.0  # norms above 1: clipped
+                if scale is not None:
+                    p.grad.mul_(scale)
+            if scale is None:
+                opt.step()
+            else:
+                opt.step(grad_scale=torch.tensor(scale, dtype=torch.float32), found_inf=torch.zeros(()))
+        runs.append({k: p.detach().clone() for k, p in params.items()})
+    for k in shapes:
+        assert torch.allclose(runs[0][k], runs[1][k], rtol=1e-9, atol=1e-12), k
