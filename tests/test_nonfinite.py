@@ -71,6 +71,19 @@ def _same(a, b):
             assert (torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k]), k
 
 
+def _skip_and_propagate(name, form, dtype, steps):
+    """The same finite steps under ``nonfinite="skip"`` and ``"propagate"``: both snapshots, and the last model."""
+    runs = []
+    for nonfinite in ("skip", "propagate"):
+        model = make_model(dtype=dtype)
+        opt = _build(name, model, form, nonfinite=nonfinite)
+        for ids in batches(steps):
+            _backward(model, ids)
+            opt.step()
+        runs.append(_snapshot(model, opt))
+    return runs, model
+
+
 def _counts(state):
     return [st["step"] for st in state]
 
@@ -122,14 +135,7 @@ def test_propagate_poisons_as_torch_does(name, form):
 @pytest.mark.parametrize("form", ["per-tensor", "batched"])
 @pytest.mark.parametrize("name", [n for n in CAPABILITIES if CAPABILITIES[n].engine])
 def test_skip_and_propagate_are_the_same_bits_with_finite_gradients(name, form):
-    runs = []
-    for nonfinite in ("skip", "propagate"):
-        model = make_model(dtype=torch.float32)
-        opt = _build(name, model, form, nonfinite=nonfinite)
-        for ids in batches(3):
-            _backward(model, ids)
-            opt.step()
-        runs.append(_snapshot(model, opt))
+    runs, _ = _skip_and_propagate(name, form, torch.float32, 3)
     _same(*runs)
 
 
@@ -331,14 +337,7 @@ def test_bf16_state_skips_too(name, form):
     """bf16 parameters keep bf16 state, whose 0-D gate factors would round (0.95 is not a bf16 number): their writes
     go through flat copies and a ``where`` instead (``commit.stepping_``, ``commit.momentum_``); a skipped step
     still changes nothing, and a finite step writes the bits of ``nonfinite="propagate"``."""
-    runs = []
-    for nonfinite in ("skip", "propagate"):
-        model = make_model(dtype=torch.bfloat16)
-        opt = _build(name, model, form, nonfinite=nonfinite)
-        for ids in batches(2):
-            _backward(model, ids)
-            opt.step()
-        runs.append(_snapshot(model, opt))
+    runs, model = _skip_and_propagate(name, form, torch.bfloat16, 2)
     _same(*runs)
     opt = _build(name, model, form)
     _backward(model, batches(3)[2])
