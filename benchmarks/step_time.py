@@ -359,6 +359,11 @@ def main(argv=None):
         twin = "muon" + (f" ({', '.join(flags)})" if flags else "")
         if base == "meqmuon" and twin in times and n not in variants:
             lines.append(f"- {n} / {twin}, per round: {paired(n, times[twin])}")
+    # The guard's cost (issue 56's target: unchanged within noise): each default step over its unguarded twin's
+    # step of the same round.
+    for n in names:
+        if f"{n} (unguarded)" in times:
+            lines.append(f"- {n} / {n} (unguarded), per round: {paired(n, times[f'{n} (unguarded)'])}")
     print("\n".join(lines))
 
 

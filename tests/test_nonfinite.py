@@ -21,6 +21,11 @@ What is proven (one process; the distributed layouts are test_distributed.py's a
   matrices' weights, were already written).
 - No host sync in the default step with a NaN gradient (``aten._local_scalar_dense``, which ``.item()`` and
   ``bool(tensor)`` dispatch, counted on CPU); ``"raise"`` makes one, by choice.
+
+Every test here but the last two runs the writes with the flag folded in, as on a GPU (``decision.ON_HOST`` empty,
+:func:`_folded`). On a CPU the step reads the flag instead (``decision.settle``), which costs nothing there: the last
+two prove that a taken step then makes the kernels of ``"propagate"`` and one read, and that the bits of every
+step, a skipped one among them, are the folded writes' bits.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import meqmuon
 from meqmuon.optim import compiled as C
+from meqmuon.optim import decision
 from meqmuon.optim.commit import SKIPPED
 
 ENGINE_FORMS = [(n, f) for n, f in every_form() if CAPABILITIES[n].engine]
@@ -86,6 +92,14 @@ def _skip_and_propagate(name, form, dtype, steps):
 
 def _counts(state):
     return [st["step"] for st in state]
+
+
+@pytest.fixture(autouse=True)
+def _folded(request, monkeypatch):
+    """The skip flag folded into the writes, never read (a GPU's step), on this CPU too; not for the tests of
+    the CPU's own step (``test_on_a_cpu_*``)."""
+    if not request.node.name.startswith("test_on_a_cpu"):
+        monkeypatch.setattr(decision, "ON_HOST", ())
 
 
 @pytest.fixture
@@ -351,3 +365,67 @@ def test_bf16_state_skips_too(name, form):
         st["step"] -= 1
     _same(before, (params, state))
     assert opt.skipped_steps() == 1
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops a step dispatches, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("form", ["per-tensor", "batched"])
+@pytest.mark.parametrize("name", ["meqmuon", "muon", "scale"])
+def test_on_a_cpu_a_taken_step_makes_propagates_kernels_and_one_read(name, form):
+    """The CPU's step (``decision.ON_HOST``): the check, one read of the flag, then exactly the ops of
+    ``nonfinite="propagate"`` (none of the folded writes' selects and copies)."""
+    assert "cpu" in decision.ON_HOST
+    ops = {}
+    for nonfinite in ("skip", "propagate"):
+        model = make_model(dtype=torch.float32)
+        opt = _build(name, model, form, nonfinite=nonfinite)
+        _backward(model, batches(1)[0])
+        opt.step()
+        _backward(model, batches(2)[1])
+        with _Ops() as counted:
+            opt.step()
+        ops[nonfinite] = counted.ops
+    extra = {k: ops["skip"].get(k, 0) - ops["propagate"].get(k, 0) for k in ops["skip"].keys() | ops["propagate"]}
+    extra = {k: v for k, v in extra.items() if v}
+    assert extra.pop("_amp_foreach_non_finite_check_and_unscale_") == 1
+    assert extra.pop("_local_scalar_dense") == 1
+    extra.pop("zeros", None)  # the flag itself
+    extra.pop("full", None)  # the check's kept 1.0
+    assert extra == {}
+
+
+@pytest.mark.parametrize("form", ["per-tensor", "batched"])
+@pytest.mark.parametrize("name", ["meqmuon", "muon", "normuon", "scale", "muon-vs"])
+def test_on_a_cpu_every_step_has_the_folded_writes_bits(name, form, monkeypatch):
+    """Four steps, the third with a NaN gradient, with the flag read on the host and folded into the writes: the
+    same parameters, state and skipped count, bit for bit; the skipped step changed nothing."""
+    runs = []
+    for on_host in (("cpu",), ()):
+        monkeypatch.setattr(decision, "ON_HOST", on_host)
+        model = make_model(dtype=torch.float32)
+        opt = _build(name, model, form)
+        for t, ids in enumerate(batches(4)):
+            _backward(model, ids)
+            if t == 2:
+                model.up.weight.grad[0, 1] = float("nan")
+                before = _snapshot(model, opt)
+            opt.step()
+            if t == 2:
+                params, state = _snapshot(model, opt)
+                for st in state:
+                    st["step"] -= 1
+                _same(before, (params, state))
+        assert opt.skipped_steps() == 1
+        runs.append(_snapshot(model, opt))
+    _same(*runs)

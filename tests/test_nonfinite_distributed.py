@@ -10,6 +10,9 @@ On 2 gloo ranks, under DDP's layout (plain tensors, the process group initialise
 - a rule that raises on one rank only (a user ``HiddenRule`` whose ``post`` raises at rank 0's owned matrices)
   raises there, naming the rule, while the other rank, which computed its own matrices without error, commits
   nothing either: every tensor on both ranks as before the step.
+
+Each both with the flag read on the host once the ranks agree (a CPU's step, ``decision.ON_HOST``) and folded into
+the writes (a GPU's).
 """
 
 from __future__ import annotations
@@ -81,6 +84,17 @@ def _same(a, b) -> bool:
 
 
 def _worker(rank: int, layout: str, foreach: bool) -> dict:
+    """Both ways of deciding: the flag read on the host (a CPU's step) and folded into the writes (a GPU's)."""
+    from meqmuon.optim import decision
+
+    out = {}
+    for on_host in (("cpu",), ()):
+        decision.ON_HOST = on_host
+        out[bool(on_host)] = _decide(rank, layout, foreach)
+    return out
+
+
+def _decide(rank: int, layout: str, foreach: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,))
@@ -124,7 +138,11 @@ def _worker(rank: int, layout: str, foreach: bool) -> dict:
 @pytest.mark.parametrize("foreach", [False, True], ids=["per-tensor", "batched"])
 @pytest.mark.parametrize("layout", ["ddp", "fsdp2", "tp"])
 def test_every_rank_skips_and_no_rank_commits_while_another_raised(layout, foreach, tmp_path):
-    got = _spawn(_worker, tmp_path, layout, foreach)
+    for got in zip(*(g.values() for g in _spawn(_worker, tmp_path, layout, foreach)), strict=True):
+        _check(layout, got)
+
+
+def _check(layout: str, got: tuple[dict, ...]) -> None:
     for rank, r in enumerate(got):
         assert r["skip"] == {"unchanged": True, "skipped": 1}, (layout, rank, r["skip"])
         assert r["error_unchanged"] and r["after_fix_changed"], (layout, rank, r)

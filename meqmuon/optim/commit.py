@@ -111,6 +111,8 @@ class Commit:
         self.gate = gate
         self.tolerant = tolerant
         self.error: BaseException | None = None
+        #: Known on the host to be skipped (``decision.settle``): :meth:`run` makes no write.
+        self.skipped = False
         self._writes: list[tuple[Callable[..., None], tuple, dict]] = []
         self._last: list[tuple[Callable[..., None], tuple, dict]] = []
         #: Called once the momentum rules' writes are made, before the stepping rules' (the engine lets go of the
@@ -132,8 +134,11 @@ class Commit:
             self.error = error
 
     def run(self) -> None:
-        """Make the queued writes, in order, each let go once made (its transients with it)."""
+        """Make the queued writes, in order, each let go once made (its transients with it); none where the step is
+        known to be skipped (:attr:`skipped`)."""
         for writes in self._take(), self._take(last=True):
+            if self.skipped:
+                writes.clear()
             while writes:
                 write, args, kwargs = writes.pop()
                 write(*args, **kwargs, gate=self.gate)

@@ -2,10 +2,12 @@
 
 A step is skipped where any gradient it reads holds a NaN or an infinity (``nonfinite="skip"``, the default), where a
 ``GradScaler`` says so (``found_inf``), or, under ``torch.distributed``, where any rank raised before its writes. The
-decision is one 0-D float32 flag on the device (:func:`gate`), never read on the host under ``"skip"``: the step's
-writes fold it in (``commit.Gate``). Under ``torch.distributed`` the ranks agree on it in one 4-byte all-reduce
-(:func:`agree`), and each stepped parameter counts it in its ``"skipped_steps"`` (:func:`count_skipped`). Functions of
-the optimizer (``engine.RoleOptimizer``): its ``nonfinite`` mode, its kept constants and its process group.
+decision is one 0-D float32 flag on the device (:func:`gate`). On a GPU it is never read on the host under ``"skip"``:
+the step's writes fold it in (``commit.Gate``). On a CPU, where reading it waits for nothing, it is read once the
+directions exist (:func:`settle`), and the writes are the ungated ones or none. Under ``torch.distributed`` the ranks
+agree on it in one 4-byte all-reduce (:func:`agree`) first. Each stepped parameter counts it in its
+``"skipped_steps"`` (:func:`count_skipped`). Functions of the optimizer (``engine.RoleOptimizer``): its
+``nonfinite`` mode, its kept constants and its process group.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from .commit import SKIPPED, Commit, Gate, constant
 from .distributed import local
 
-__all__ = ["NONFINITE", "agree", "count_skipped", "gate", "raise_nonfinite"]
+__all__ = ["NONFINITE", "ON_HOST", "agree", "count_skipped", "gate", "decide", "raise_nonfinite", "settle"]
 
 #: What a step does with a non-finite gradient (``nonfinite=``, every optimizer's keyword; docs/algorithm.md,
 #: "Non-finite gradients"): ``"skip"`` (the default) the whole step, for every parameter, decided on the device with
@@ -26,6 +28,15 @@ __all__ = ["NONFINITE", "agree", "count_skipped", "gate", "raise_nonfinite"]
 #: the first parameter whose gradient is non-finite, before anything is written (one host sync per step, by choice);
 #: ``"propagate"`` steps anyway, as torch's optimizers do (one NaN then spreads over its matrix and its momentum).
 NONFINITE = ("skip", "raise", "propagate")
+
+#: The device types whose skip flag the step reads on the host (:func:`settle`). A CPU has computed the flag by the
+#: time the step reads it: there is no device to wait for, so reading it costs nothing, and a taken step then makes
+#: the writes of ``nonfinite="propagate"``, in their kernels and bits, and a skipped one none. Folding the flag into
+#: every write instead (``commit.Gate``: selects and sanitised copies, which torch's CPU kernels run at 2-3x an
+#: ``add_``'s time) made the CPU step 1-7 % slower (docs/benchmarks.md, "The all-or-nothing step's cost"). On a GPU
+#: reading it would stall the host until the device caught up: there the writes fold it in. Tests set it to ``()``
+#: to run the folded writes on a CPU.
+ON_HOST: tuple[str, ...] = ("cpu",)
 
 
 def gate(opt: Any, grads: list[tuple[str, torch.Tensor]], grad_scale: torch.Tensor | None,
@@ -107,3 +118,25 @@ def count_skipped(gate: Gate, counted: list[dict[str, Any]]) -> None:
         by.setdefault(t.device, []).append(t)
     for dev, ts in by.items():  # the List overload: the 0-D Tensor one reads the flag on the host (.item())
         torch._foreach_add_(ts, [gate.value(torch.int64, dev)] * len(ts))
+
+
+def settle(step: Commit) -> None:
+    """Where the step's flag lives on a device of :data:`ON_HOST`: read it (waiting for nothing there) and decide
+    the writes now. Skipped: none is made (``step.skipped``; the gate is kept, :func:`count_skipped` counts it).
+    Taken: the writes run ungated (``step.gate`` let go), the kernels of ``nonfinite="propagate"``. Elsewhere the
+    flag stays on the device, folded into the writes."""
+    gate = step.gate
+    if gate is None or gate.flag.device.type not in ON_HOST:
+        return
+    if gate.flag.item():
+        step.skipped = True
+    else:
+        step.gate = None
+
+
+def decide(step: Commit, process_group: Any) -> None:
+    """The step's decision once its directions exist: under ``torch.distributed`` (``process_group``) the ranks'
+    agreement (:func:`agree`), then, on a CPU, the flag read (:func:`settle`)."""
+    if process_group is not None:
+        agree(step, process_group)
+    settle(step)

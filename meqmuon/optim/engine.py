@@ -507,9 +507,9 @@ class RoleOptimizer(Optimizer):
                   counted: list[dict[str, Any]], grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None,
                   stepping: Callable[[Commit], None] | None = None) -> None:
         """The two phases of a step (:meth:`step`): the gate (the non-finite check and the scaler's protocol,
-        :meth:`_gate`), every call's directions (:meth:`_run`; ``stepping`` queues more writes: ``cuda_graph``'s
-        AdamW), under ``torch.distributed`` the ranks' agreement (:meth:`_agree`), then the writes. A step that
-        raises before its writes is not counted (``counted``: the states whose ``"step"`` :meth:`_calls` advanced)."""
+        ``decision.gate``), every call's directions (:meth:`_run`; ``stepping`` queues more writes: ``cuda_graph``'s
+        AdamW), the decision (``decision.decide``: the ranks' agreement, on a CPU the flag read), then the writes. A
+        step that raises before its writes is not counted (``counted``: the states whose ``"step"`` advanced)."""
         world = 1 if self._process_group is None else dist.get_world_size(self._process_group)
         step = Commit(tolerant=world > 1)
         if stepping is None:  # the momentum rules' stacks, before the stepping rules copy their tensors
@@ -520,8 +520,7 @@ class RoleOptimizer(Optimizer):
                 if stepping is not None:
                     stepping(step)
                 self._run(calls, step)
-                if world > 1:
-                    decision.agree(step, self._process_group)
+                decision.decide(step, self._process_group if world > 1 else None)
             except BaseException:
                 for state in counted:
                     state["step"] -= 1
