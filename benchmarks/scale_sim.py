@@ -198,9 +198,13 @@ def simulate(model_name: str, layout: str, ranks: str, rank: int, *, layers: int
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import meqmuon
+    from meqmuon.optim import decision
 
     world = world_of(ranks)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    # the simulated ranks are GPUs: the skip flag folded into the writes (never read), whatever device the tensors
+    # are on here (a CPU's step reads it instead, decision.ON_HOST)
+    on_host, decision.ON_HOST = decision.ON_HOST, ()
     try:
         t0 = time.perf_counter()
         model = build_model(model_name, layers)
@@ -251,6 +255,7 @@ def simulate(model_name: str, layout: str, ranks: str, rank: int, *, layers: int
             row["model_error"] = str(exc)
         return row
     finally:
+        decision.ON_HOST = on_host
         dist.destroy_process_group()
 
 
