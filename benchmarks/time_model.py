@@ -34,9 +34,11 @@ Newton-Schulz at the owners, one back; ``sharded.py`` and ``engine.py`` today), 
 ``serial``: the rounds one after the other, each ``out + max over ranks of compute + back`` (what the blocking
 step does: a round's way back waits for its slowest owner). ``overlapped``: a two-bucket pipeline, the
 network taking ``out_1, out_2, back_1, out_3, back_2, ...`` (at most two buckets' matrices alive, as issue 59
-item 3 bounds them) while every rank computes its rounds in order, each after its way out. It is what the
-lead's asynchronous exchange would give, modelled, not measured. Neither counts host time: the model predicts
-device time, which in a training loop is the step's (the host runs ahead; see :func:`validate`).
+item 3 bounds them) while every rank computes its rounds in order, each after its way out: ``overlap=True``'s
+posts (``exchange._pipelined``). ``in_flight``: the same with every round in flight, ``out_1 .. out_B`` first
+(``overlap="all"``: every matrix a rank owns alive at once), so that no owner waits for another's round. Modelled,
+not measured on GPUs. None counts host time: the model predicts device time, which in a training loop is the
+step's (the host runs ahead; see :func:`validate`).
 
 **Critical path.** Newton-Schulz's lower bound is ``max(total / W, largest)`` in calibrated time (the total
 spread evenly; no matrix split); today's is the serial sum over rounds of the busiest owner's time, and the
@@ -247,22 +249,24 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
     return rounds, factor
 
 
-def pipeline(out: list[float], compute: list[list[float]], back: list[float], overlap: bool) -> float:
+def pipeline(out: list[float], compute: list[list[float]], back: list[float], overlap: bool | int) -> float:
     """The step's time from its rounds: ``out[b]`` and ``back[b]`` the collectives' times (global: a
     collective ends when its slowest rank's part does), ``compute[b][r]`` rank ``r``'s work of round ``b``.
 
-    ``overlap=False``: ``sum_b out[b] + max_r compute[b][r] + back[b]``. ``overlap=True``: the network runs
-    ``out_1, out_2, back_1, out_3, back_2, ..., back_B`` in that order (two buckets in flight), each rank its
-    rounds in order, round ``b``'s compute after ``out[b]`` and ``back[b]`` after every rank's compute of
-    ``b``: never above the serial time, and where one side is negligible the other's sum plus the first way
-    out and the last way back."""
+    ``overlap=False``: ``sum_b out[b] + max_r compute[b][r] + back[b]``. Else ``d`` rounds in flight (``True``: 2,
+    ``overlap=True``'s pipeline; an integer: that many; the number of rounds: ``overlap="all"``): the network runs
+    ``out_1 .. out_d, back_1, out_{d+1}, back_2, out_{d+2}, ..., back_B`` in that order (``exchange._pipelined``'s
+    posts), each rank its rounds in order, round ``b``'s compute after ``out[b]`` and ``back[b]`` after every rank's
+    compute of ``b``: never above the serial time, and where one side is negligible the other's sum plus the first
+    way out and the last way back."""
     rounds = len(out)
     if not rounds:
         return 0.0
-    if not overlap:
+    if overlap is False:
         return sum(o + max(c, default=0.0) + b for o, c, b in zip(out, compute, back, strict=True))
-    order = [("out", 0)] + [x for b in range(1, rounds) for x in (("out", b), ("back", b - 1))] + \
-        [("back", rounds - 1)]
+    depth = 2 if overlap is True else max(1, int(overlap))
+    order = [("out", b) for b in range(min(depth, rounds))] + [
+        x for b in range(rounds) for x in (("back", b), *((("out", b + depth),) if b + depth < rounds else ()))]
     net = 0.0
     free = [0.0] * max(len(c) for c in compute)  # each rank's compute stream
     out_end = [0.0] * rounds
@@ -283,7 +287,9 @@ class StepTimes:
     rounds) and ``overlapped`` (a two-bucket pipeline), and that pipeline with nothing to exchange
     (``overlapped_compute``: what is left of ``overlapped`` is the exchange it could not hide, :attr:`hidden`);
     ``one_exchange``: every round's pieces out in one collective, every owner's Newton-Schulz, everything back in
-    one (blocking, not overlapped: the rounds' owners then work at once); their parts: the collectives of the
+    one (blocking, not overlapped: the rounds' owners then work at once); ``in_flight``: every round in flight
+    (``overlap="all"``), and it with nothing to exchange (``in_flight_compute``, :attr:`hidden_in_flight`); their
+    parts: the collectives of the
     rounds both ways (``exchange``), Newton-Schulz along today's serial rounds (``ns_serial``), the busiest rank's own
     (``ns_busiest``), the mean rank's and the largest matrix's (:attr:`ns_bound`, the larger), the elementwise
     passes of the most loaded simulated rank, the other collectives; ``factor``: measured over planned bytes;
@@ -293,6 +299,8 @@ class StepTimes:
     overlapped: float
     overlapped_compute: float
     one_exchange: float
+    in_flight: float
+    in_flight_compute: float
     exchange: float
     ns_serial: float
     ns_busiest: float
@@ -312,6 +320,11 @@ class StepTimes:
     def hidden(self) -> float:
         """The share of the exchange's time the two-bucket pipeline hides behind compute."""
         return 1 - (self.overlapped - self.overlapped_compute) / self.exchange if self.exchange else 0.0
+
+    @property
+    def hidden_in_flight(self) -> float:
+        """The share of the exchange's time hidden behind compute with every round in flight."""
+        return 1 - (self.in_flight - self.in_flight_compute) / self.exchange if self.exchange else 0.0
 
 
 def step_times(summary: dict, hw: Hardware, cal: Calibration, longest_first: bool = False) -> StepTimes:
@@ -346,6 +359,8 @@ def step_times(summary: dict, hw: Hardware, cal: Calibration, longest_first: boo
                               [max(exchange_seconds(sum(rd.back[r] for rd in rounds), world, hw)
                                    for r in range(world))], overlap=False) + other if rounds else
         elementwise + other,
+        in_flight=pipeline(out, compute, back, overlap=len(out)) + other,
+        in_flight_compute=pipeline([0.0] * len(out), compute, [0.0] * len(back), overlap=len(out)) + other,
         exchange=sum(out) + sum(back), ns_serial=sum(max(rd.ns) for rd in rounds),
         ns_busiest=max(per_rank, default=0.0), ns_mean=sum(per_rank) / world, ns_largest=largest,
         elementwise=elementwise, other=other, factor=factor,
@@ -360,7 +375,8 @@ def train_seconds(params: int, tokens: int, world: int, hw: Hardware, mfu: float
 
 HEADER = ("| model | layout | ranks | optimizer | exchange, both ways | Newton-Schulz: serial rounds / busiest rank / "
           "mean rank / largest matrix | serial / bound | elementwise | step: serial | two-bucket pipeline | exchange "
-          "hidden by it | one exchange | fwd+bwd at MFU | share: serial | pipeline | one exchange |")
+          "hidden by it | every bucket in flight | exchange hidden by it | one exchange | fwd+bwd at MFU "
+          "| share: serial | pipeline | in flight | one exchange |")
 
 
 def _ms(x: float) -> str:
@@ -385,9 +401,11 @@ def table(summaries: list[dict], hw: Hardware, cal: Calibration, mfu: float, tok
               if t.ns_bound else "-")
         ratio = f"{t.ns_serial / t.ns_bound:.2f}x" if t.ns_bound else "-"
         hidden = f"{t.hidden:.0%}" if t.exchange else "-"
-        share = " | ".join(f"{x / (fb + x):.2%}" for x in (t.serial, t.overlapped, t.one_exchange))
+        hidden_all = f"{t.hidden_in_flight:.0%}" if t.exchange else "-"
+        share = " | ".join(f"{x / (fb + x):.2%}" for x in (t.serial, t.overlapped, t.in_flight, t.one_exchange))
         lines.append(f"{head} {_ms(t.exchange)} | {ns} | {ratio} | {_ms(t.elementwise)} | {_ms(t.serial)} | "
-                     f"{_ms(t.overlapped)} | {hidden} | {_ms(t.one_exchange)} | {_ms(fb)} | {share} |")
+                     f"{_ms(t.overlapped)} | {hidden} | {_ms(t.in_flight)} | {hidden_all} | {_ms(t.one_exchange)} | "
+                     f"{_ms(fb)} | {share} |")
     return "\n".join(lines)
 
 

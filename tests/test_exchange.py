@@ -581,22 +581,28 @@ def _overlap_run(layout: str, foreach: bool, overlap: bool) -> dict:
     whole = (lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t)  # noqa: E731
     state = opt.state_dict()
     state["state"] = {k: {key: whole(v) for key, v in st.items()} for k, st in state["state"].items()}
-    return {"events": events, "shapes": shapes, "overlap": opt._exchange.overlap,
+    return {"events": events, "shapes": shapes, "depth": opt._exchange.depth,
             "params": {i: whole(p).detach().clone() for i, p in enumerate(params)}, "state": state}
+
+
+OVERLAPS = (True, False, "all")
 
 
 def _overlap_worker(rank: int) -> dict:
     return {(layout, foreach, overlap): _overlap_run(layout, foreach, overlap)
-            for layout in ("fsdp2", "ddp") for foreach in (True, False) for overlap in (True, False)}
+            for layout in ("fsdp2", "ddp") for foreach in (True, False) for overlap in OVERLAPS}
 
 
-def _pipeline(buckets: int, out: bool, overlap: bool) -> list[str]:
+def _pipeline(buckets: int, out: bool, overlap: bool | str) -> list[str]:
     """The order a rank posts, waits and computes ``buckets`` shape buckets (``out``: the inputs travel, as under
-    FSDP2; under DDP only the directions do): one at a time, each collective blocking (no wait of its own), or
-    bucket ``k + 1``'s inputs posted and bucket ``k - 1``'s directions awaited around bucket ``k``'s Newton-Schulz."""
+    FSDP2; under DDP only the directions do): one at a time, each collective blocking (no wait of its own);
+    ``True``: bucket ``k + 1``'s inputs posted and bucket ``k - 1``'s directions awaited around bucket ``k``'s
+    Newton-Schulz; ``"all"``: every bucket's inputs posted first, every way back awaited last."""
     o = ["post", "wait"] if out else []
     if not overlap:
         return [e for _ in range(buckets) for e in (*o[:1], "ns", "post")]
+    if overlap == "all":
+        return [*o[:1] * buckets, *[e for _ in range(buckets) for e in (*o[1:], "ns", "post")], *["wait"] * buckets]
     events = o[:1]
     for k in range(buckets):
         events += [*(o[:1] if k + 1 < buckets else []), *o[1:], "ns", *(["wait"] if k else []), "post"]
@@ -606,18 +612,22 @@ def _pipeline(buckets: int, out: bool, overlap: bool) -> list[str]:
 def test_overlap_pipelines_the_buckets_with_the_same_bits(tmp_path):
     """``overlap=True`` on 2 gloo ranks, FSDP2 and DDP, batched and per tensor: every rank posts bucket ``k + 1``'s
     inputs before bucket ``k``'s Newton-Schulz and waits for bucket ``k - 1``'s directions only after it (the
-    recorded order is the pipeline's, not the blocking one's, which ``overlap=False`` still gives), the buckets
-    longest first, and the parameters and ``state_dict()`` are those of ``overlap=False`` bit for bit."""
+    recorded order is the pipeline's, not the blocking one's, which ``overlap=False`` still gives); with
+    ``overlap="all"`` every bucket's inputs are posted before the first Newton-Schulz and every way back awaited
+    after the last; the buckets longest first, and the parameters and ``state_dict()`` are those of
+    ``overlap=False`` bit for bit."""
     got = _spawn(_overlap_worker, tmp_path)
     assert _pipeline(2, True, True) == ["post", "post", "wait", "ns", "post", "wait", "ns", "wait", "post", "wait"]
+    assert _pipeline(2, True, "all") == ["post", "post", "wait", "ns", "post", "wait", "ns", "post", "wait", "wait"]
     for r in got:
         for (layout, foreach, overlap), run in r.items():
-            assert run["overlap"] is overlap
+            assert run["depth"] == {False: 1, True: 2, "all": sys.maxsize}[overlap]
             buckets = run["events"].count("ns")
             assert buckets == 3, (layout, foreach, run["events"])  # every rank runs every bucket, owned or not
             assert run["events"] == _pipeline(buckets, layout == "fsdp2", overlap), (layout, foreach, overlap, run)
-            other = r[(layout, foreach, not overlap)]
-            _identical(run, other)
+            other = r[(layout, foreach, False)]
+            if overlap:
+                _identical(run, other)
             if overlap:  # the longest Newton-Schulz first (one matrix a bucket per owner here: the largest first)
                 assert run["shapes"] == sorted(other["shapes"], key=lambda s: -s[0] * s[1] * min(s)), run["shapes"]
                 assert run["shapes"] != other["shapes"], run["shapes"]  # the plan's order is not it
@@ -627,6 +637,9 @@ def test_overlap_pipelines_the_buckets_with_the_same_bits(tmp_path):
 
 def test_overlap_defaults_to_where_the_step_runs_and_is_checked():
     w = torch.nn.Parameter(torch.zeros(8, 8))
+    for bad in (1, "al"):
+        with pytest.raises(ValueError, match=f"Invalid overlap: {bad!r}"):
+            meqmuon.build_optimizer("meqmuon", [{"params": [w], "kind": "hidden"}], overlap=bad)
     with pytest.raises(ValueError, match="Invalid overlap: 1"):
         meqmuon.build_optimizer("meqmuon", [{"params": [w], "kind": "hidden"}], overlap=1)
     assert meqmuon.build_optimizer("muon", [{"params": [w], "kind": "hidden"}], overlap=True)._overlap is True

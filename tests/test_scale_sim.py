@@ -393,6 +393,8 @@ def test_overlap_holds_at_most_two_buckets(foreach):
         serial, _ = _owner_peak(placements, shapes, foreach=foreach)
         piped, _ = _owner_peak(placements, shapes, foreach=foreach, overlap=True)
         assert serial < piped <= serial + 4 * (2 * m * n + m * n // 4) and piped <= 2 * bound, (serial, piped, bound)
+        # overlap="all" holds every bucket: here the two, as overlap=True does
+        assert _owner_peak(placements, shapes, foreach=foreach, overlap="all")[0] == piped
 
 
 def test_an_owner_lets_its_received_matrix_go_before_post():
@@ -469,9 +471,10 @@ def test_exchange_time_is_each_rounds_busiest_rank_over_the_bandwidth_of_the_lin
 
 
 def test_overlap_never_exceeds_the_serial_step_and_is_the_compute_where_it_dominates():
-    """``time_model.pipeline``: the two-bucket pipeline is never slower than the serial rounds and never
-    faster than either side's sum; with nothing to exchange both are the compute; where every round's compute
-    is at least both its ways' exchange it hides all but the first way out and the last way back."""
+    """``time_model.pipeline``: the two-bucket pipeline and every round in flight (``overlap="all"``) are never
+    slower than the serial rounds and never faster than either side's sum (one in flight: the serial rounds); with
+    nothing to exchange both are the compute; where every round's compute is at least both its ways' exchange it
+    hides all but the first way out and the last way back."""
     import random
 
     rng = random.Random(0)
@@ -484,6 +487,16 @@ def test_overlap_never_exceeds_the_serial_step_and_is_the_compute_where_it_domin
         overlapped = time_model.pipeline(out, compute, back, overlap=True)
         busiest = max(sum(c[r] for c in compute) for r in range(ranks))
         assert max(busiest, sum(out) + sum(back)) - 1e-12 <= overlapped <= serial + 1e-12
+        in_flight = time_model.pipeline(out, compute, back, overlap=rounds)  # overlap="all"
+        assert max(busiest, sum(out) + sum(back)) - 1e-12 <= in_flight <= serial + 1e-12
+        assert time_model.pipeline(out, compute, back, overlap=2) == overlapped
+        assert abs(time_model.pipeline(out, compute, back, overlap=1) - serial) < 1e-12
+    # rounds owned by different ranks in turn: two in flight make rank 1 wait for round 0's way back before its
+    # own round 1's inputs can follow; with every round in flight each rank runs its own rounds back to back
+    turns = [[4.0, 0.0], [0.0, 4.0], [4.0, 0.0], [0.0, 4.0]]
+    assert time_model.pipeline([1.0] * 4, turns, [1.0] * 4, overlap=False) == 24.0
+    assert time_model.pipeline([1.0] * 4, turns, [1.0] * 4, overlap=True) == 14.0
+    assert time_model.pipeline([1.0] * 4, turns, [1.0] * 4, overlap=4) == 11.0
     compute = [[3.0, 1.0]] * 4
     assert time_model.pipeline([0.0] * 4, compute, [0.0] * 4, overlap=True) == \
         time_model.pipeline([0.0] * 4, compute, [0.0] * 4, overlap=False) == 12.0

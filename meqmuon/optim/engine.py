@@ -24,7 +24,7 @@ from .cuda_graph import GraphedStep
 from .decision import NONFINITE
 from .distributed import LocalSplit, RowSums, is_dtensor, local, resolve_process_group
 from .driver import HiddenRule
-from .exchange import Exchange, Unit
+from .exchange import DEPTHS, Exchange, Unit
 from .groups import KINDS, infer_kind
 from .inputs import FLOAT_KEYS, check_unique_params, listed_params, validate_group, with_floats, wrong_params
 from .owners import check_mesh, descriptor, is_replicated
@@ -145,8 +145,10 @@ class RoleOptimizer(Optimizer):
 
     ``overlap`` (every optimizer takes it): under ``torch.distributed``, the exchange's shape buckets pipelined two
     deep, the next bucket's inputs and the previous bucket's directions travelling while owners run this bucket's
-    Newton-Schulz (asynchronous collectives; transient memory two buckets' whole matrices instead of one). The
-    same bits either way. ``None`` (default): on where the parameters are on CUDA, off elsewhere.
+    Newton-Schulz (asynchronous collectives; transient memory two buckets' whole matrices instead of one);
+    ``"all"``: every bucket's inputs posted at once, so that every owner works as soon as its own arrive (transient
+    memory: every matrix a rank owns, whole). The same bits every way. ``None`` (default): ``True`` where the
+    parameters are on CUDA, ``False`` elsewhere.
     """
 
     RULES: ClassVar[dict[str, str]] = {}
@@ -169,11 +171,10 @@ class RoleOptimizer(Optimizer):
             raise ValueError(f"Invalid nonfinite: {nonfinite!r} (expected one of {', '.join(map(repr, NONFINITE))})")
         #: What a step does with a non-finite gradient (:data:`NONFINITE`, docs/algorithm.md).
         self._nonfinite = nonfinite
-        if overlap is not None and not isinstance(overlap, bool):
-            raise ValueError(f"Invalid overlap: {overlap!r} (expected True, False or None)")
+        if overlap is not None and not isinstance(overlap, bool) and overlap != "all":
+            raise ValueError(f"Invalid overlap: {overlap!r} (expected True, False, 'all' or None)")
         self._compile = compile
-        #: ``overlap``: the exchange's buckets pipelined (``exchange._pipelined``); ``None``: where the step runs
-        #: on CUDA (docs/algorithm.md says which measurement chose it).
+        #: ``overlap``: the exchange's buckets in flight (``exchange.DEPTHS``); ``None``: on CUDA (docs/algorithm.md).
         self._overlap = overlap
         #: ``cuda_graph=True``: the step captured in a CUDA graph and replayed (``cuda_graph.py``).
         self._graphed = GraphedStep() if cuda_graph else None
@@ -439,7 +440,7 @@ class RoleOptimizer(Optimizer):
             plan.append((group, entries, batched))
         overlap = self._overlap if self._overlap is not None else all(
             p.device.type == "cuda" for group in self.param_groups for p in group["params"])
-        self._exchange = Exchange(units, costs, pg, overlap=overlap) if units else None
+        self._exchange = Exchange(units, costs, pg, depth=DEPTHS[overlap]) if units else None
         self._rows = {}
         for _, entries, _ in plan:
             for e in entries:

@@ -31,6 +31,8 @@ compiled.
 from __future__ import annotations
 
 import math
+import sys
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -63,7 +65,12 @@ try:
 except ImportError:  # pragma: no cover - torch builds without distributed support
     dist = None  # type: ignore[assignment]
 
-__all__ = ["Exchange", "Unit", "exchange_flat", "step", "whole_step"]
+__all__ = ["DEPTHS", "Exchange", "Unit", "exchange_flat", "step", "whole_step"]
+
+#: The optimizer's ``overlap`` as the number of a hidden rule's shape buckets in flight at once (:func:`_pipelined`):
+#: one (blocking), two, or every bucket (its inputs all posted first, so that each owner starts as soon as its own
+#: arrive: the time model's fastest schedule, benchmarks/time_model.py).
+DEPTHS = {False: 1, True: 2, "all": sys.maxsize}
 
 
 def _as(piece: Tensor, dtype: torch.dtype, shape: Sequence[int]) -> Tensor:
@@ -103,12 +110,12 @@ class Exchange(LocalSplit):
     Every rank plans the same units in the same order (every rank steps the same parameters, the DDP contract),
     over the optimizer's process group (the default one unless it was given another)."""
 
-    def __init__(self, units: Sequence[Unit], costs: Sequence[float], group: Any = None, *,
-                 overlap: bool = False) -> None:
+    def __init__(self, units: Sequence[Unit], costs: Sequence[float], group: Any = None, *, depth: int = 1) -> None:
         super().__init__()
         self.pg = group
-        #: Whether a hidden rule's buckets are pipelined (:func:`_pipelined`; the optimizer's ``overlap``).
-        self.overlap = overlap
+        #: How many of a hidden rule's buckets are in flight at once (:func:`_pipelined`; :data:`DEPTHS` of the
+        #: optimizer's ``overlap``): 1, one at a time, blocking.
+        self.depth = depth
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         #: The predicted work each rank owns (``driver.cost``): the owners' balance.
         self.load = [0.0] * self.world
@@ -363,32 +370,33 @@ class _Call:
 
 def _pipelined(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, ctx: StepContext, *, batched: bool,
                x_of: Inputs, orth: Callable | None) -> list:
-    """A hidden rule's shape buckets, longest first, pipelined two deep (the optimizer's ``overlap``,
-    ``Exchange.overlap``): bucket
-    ``k + 1``'s inputs are posted before bucket ``k``'s Newton-Schulz at the owners and bucket ``k - 1``'s directions
-    awaited only after it, so that the exchange runs while owners compute: a bucket costs about the larger of its
-    exchange and its compute, not their sum. Every rank posts the collectives in the same order (out ``k + 1``, then
-    back ``k``), so they pair up as the blocking ones do; the transient memory is two buckets' whole matrices (the
-    way back of a third in flight) instead of one. Returns ``(param, D, scale)`` of this rank's
-    pieces."""
+    """A hidden rule's shape buckets, longest first, ``d`` of them in flight (``Exchange.depth``, :data:`DEPTHS` of
+    the optimizer's ``overlap``: 2, or every bucket): buckets ``k + 1 .. k + d - 1``'s inputs are posted before bucket
+    ``k``'s Newton-Schulz at the owners and bucket ``k - d + 1``'s directions awaited only after it, so that the
+    exchange runs while owners compute: a bucket costs about the larger of its exchange and its compute, not their
+    sum. Every rank posts the collectives in the same order (the first ``d`` buckets out, then back ``k`` and out
+    ``k + d``), so they pair up as the blocking ones do; the transient memory is ``d`` buckets' whole matrices (the
+    way back of ``d - 1`` more in flight) instead of one. Returns ``(param, D, scale)`` of this rank's pieces."""
     # the longest first, by the Newton-Schulz of a bucket's busiest owner: the longest computes while the others'
     # exchanges travel (the time model's --longest-first; every rank sorts alike, ties in the plan's order)
-    world = ctx.split.world
+    world, depth = ctx.split.world, ctx.split.depth
     buckets = sorted(buckets, key=lambda b: -math.ceil(len(b.items) / world) * cost(rule, b.global_shape, group))
     pending: list = []
-    ahead = _Call(rule, buckets[0], group, ctx, batched, orth, x_of, wait=False) if buckets else None
-    back: tuple[_Call, InFlight] | None = None
+    ahead: deque[_Call] = deque()
+    backs: deque[tuple[_Call, InFlight]] = deque()
     for k in range(len(buckets)):
-        c = ahead
-        if k + 1 < len(buckets):
-            ahead = _Call(rule, buckets[k + 1], group, ctx, batched, orth, x_of, wait=False)
+        while len(ahead) < depth and k + len(ahead) < len(buckets):  # buckets k .. k + d - 1 out
+            ahead.append(_Call(rule, buckets[k + len(ahead)], group, ctx, batched, orth, x_of, wait=False))
+        c = ahead.popleft()
         results = _at_owners(c, c.wholes.wait(), c.stack)
         c.wholes = None
-        if back is not None:
-            pending += _received(back[0], back[1].wait())
-        back = (c, _back(c, results, wait=False))
-    if back is not None:
-        pending += _received(back[0], back[1].wait())
+        if len(backs) == depth - 1:
+            b, got = backs.popleft()
+            pending += _received(b, got.wait())
+        backs.append((c, _back(c, results, wait=False)))
+    while backs:
+        b, got = backs.popleft()
+        pending += _received(b, got.wait())
     return pending
 
 
@@ -597,7 +605,7 @@ def step(calls: Sequence[Call], *, batched: bool, orth: Callable | None = None) 
     call where it lies (``forms.write_inputs``). A bucket is DDP's matrices as one process's batched form buckets
     them (an ``(n, m)`` matrix in the ``(m, n)`` bucket, which saves an exchange) or a DTensor's units by their global
     shape; one bucket's exchange out and back at a time, so that a step holds one bucket's whole matrices, or with
-    ``overlap`` two buckets pipelined (:func:`_pipelined`)."""
+    ``overlap`` two buckets or all of them in flight (:func:`_pipelined`)."""
     for rule, items, group, ctx in calls:
         x_of = Inputs(rule, group, ctx)
         pending = []
@@ -608,7 +616,7 @@ def step(calls: Sequence[Call], *, batched: bool, orth: Callable | None = None) 
             if not isinstance(rule, HiddenRule):
                 for b in buckets:
                     pending += _elementwise_bucket(rule, b.items, group, ctx, x_of, batched)
-            elif ctx.split.overlap:
+            elif ctx.split.depth > 1:
                 pending += _pipelined(rule, buckets, group, ctx, batched=batched, x_of=x_of, orth=orth)
             else:  # one bucket at a time: out, whole matrices at owners, back
                 for b in buckets:
