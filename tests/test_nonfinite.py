@@ -212,17 +212,22 @@ def test_a_state_saved_before_the_counter_loads_with_zero():
     assert fresh.skipped_steps() == 0 and all(SKIPPED in st for st in fresh.state.values())
 
 
-class _Syncs(TorchDispatchMode):
-    """Counts ``aten._local_scalar_dense``: a tensor's value read on the host (``.item()``, ``bool(t)``)."""
+class _Ops(TorchDispatchMode):
+    """The aten ops a step dispatches, by name; ``syncs``: how many read a tensor's value on the host
+    (``aten._local_scalar_dense``, which ``.item()`` and ``bool(tensor)`` dispatch)."""
 
     def __init__(self):
         super().__init__()
-        self.syncs = 0
+        self.ops: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ == "_local_scalar_dense":
-            self.syncs += 1
+        name = func.overloadpacket.__name__
+        self.ops[name] = self.ops.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
+
+    @property
+    def syncs(self) -> int:
+        return self.ops.get("_local_scalar_dense", 0)
 
 
 @pytest.mark.parametrize("form", ["per-tensor", "batched"])
@@ -234,12 +239,12 @@ def test_the_default_step_makes_no_host_sync(name, form):
     opt.step()
     _backward(model, batches(2)[1])
     model.q.weight.grad[0, 0] = float("nan")
-    with _Syncs() as counted:
+    with _Ops() as counted:
         opt.step()
     assert counted.syncs == 0
     raising = _build(name, model, form, nonfinite="raise")
     _backward(model, batches(3)[2])
-    with _Syncs() as counted:
+    with _Ops() as counted:
         raising.step()
     assert counted.syncs == 1  # by choice: the flag read once
 
@@ -257,7 +262,7 @@ def _scaled_run(name, form, overflow_at=None, steps=4):
         scaler.scale(loss_fn(model, ids)).backward()
         if t == overflow_at:
             model.k.weight.grad[0, 0] = float("inf")
-        with _Syncs() as counted:
+        with _Ops() as counted:
             scaler.step(opt)
         syncs += counted.syncs
         scaler.update()
@@ -365,19 +370,6 @@ def test_bf16_state_skips_too(name, form):
         st["step"] -= 1
     _same(before, (params, state))
     assert opt.skipped_steps() == 1
-
-
-class _Ops(TorchDispatchMode):
-    """The aten ops a step dispatches, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.ops[name] = self.ops.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("form", ["per-tensor", "batched"])
