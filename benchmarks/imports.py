@@ -37,8 +37,11 @@ LAYERS: list[list[str]] = [
     ["optim.rule"],  # what a rule is: the elementwise and stepping protocols
     ["optim.newton_schulz"],  # the table of Newton-Schulz methods, their cost
     ["optim.driver"],  # HiddenRule, stacks, the seam (pre -> NS -> post)
-    ["optim.forms"],  # the eager forms (per tensor, batched): inputs from the unchanged momentum, writes last
-    ["optim.compiled", "optim.exchange", "optim.placement"],  # compiled forms; the exchange; paths and who runs them
+    ["optim.forms", "optim.shared_ns"],  # the eager forms (per tensor, batched): inputs from the unchanged momentum,
+    # writes last; one unit's Newton-Schulz shared by a block of ranks (ns_group)
+    ["optim.compiled", "optim.exchange"],  # compiled forms; the exchange
+    ["optim.whole_step", "optim.placement"],  # a stepping rule's whole tensors through the exchange; paths and who
+    # runs them
     ["optim.rules.adam", "optim.rules.scale", "optim.rules.muon", "optim.rules.meqmuon", "optim.rules.normuon",
      "optim.rules.muonplus", "optim.rules.aurora", "optim.rules.meq_shape", "optim.rules.muon_vs", "optim.rules.muonh"],
     ["optim.rules"],

@@ -57,6 +57,14 @@ class StepContext:
         #: rule's per-tensor ``update`` read it (``driver.apply_update(..., gate=ctx.gate)``).
         self.gate: Any = None
 
+    def keep(self, error: Exception) -> None:
+        """An error inside this rank's part of a step's first phase under ``torch.distributed``: kept on the step's
+        commit (which skips the step on every rank and raises it afterwards), so that this rank still takes part in
+        every collective of the step, with placeholder results; raised at once where the step is not tolerant."""
+        if not self.commit.tolerant:
+            raise error
+        self.commit.fail(error)
+
     def emit(self, items: Sequence[Item], tensors: Sequence[Tensor], what: str) -> None:
         if self.capture is not None:
             for it, x in zip(items, tensors, strict=True):

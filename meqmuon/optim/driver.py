@@ -334,7 +334,7 @@ Stack = tuple[Tensor, int, dict[str, Tensor]]
 def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, batched: bool,
                scratch: dict | None = None, dtype: torch.dtype | None = None, ns_dtype: torch.dtype | None = None,
                release: bool = False, consume: bool = False, factored: bool = False,
-               fresh: bool = False) -> list[list[Any]]:
+               fresh: bool = False, ns: Callable[..., Tensor] | None = None) -> list[list[Any]]:
     """``pre -> Newton-Schulz -> post`` of stacks of direction inputs: the body of every form (``rule``, and ``ctx``).
 
     Per stack ``X`` ``(K, m, n)``: ``Y = rule.pre(X)`` (skipped where the rule keeps the identity), ``U =
@@ -358,7 +358,7 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
     has run, so that the spent bytes are let go before ``post``. ``fresh``: the result in tensors of its own, not
     in ``scratch``'s buffers (the per-tensor form keeps every matrix's direction until the step's writes).
     ``factored`` (directions that travel as factors, ``transfer.FACTORS``): per side ``(U, row, col)``, ``U`` in its
-    dtype with :meth:`~HiddenRule.post_factors`.
+    dtype with :meth:`~HiddenRule.post_factors`. ``ns``: in the method's place (a block's, ``shared_ns.SharedNS``).
 
     Args:
         rule: the ``HiddenRule``.
@@ -384,7 +384,7 @@ def directions(rule: HiddenRule, stacks: list[Stack], group: dict, ctx: Any, *, 
             ys = [y.mT if flip else y for y, (_, flip) in zip(ys, sides, strict=True)]
             X = torch.cat(ys) if len(ys) > 1 else ys[0]
         dt = ns_dtype or resolve_dtype(group, X, ctx)
-        orthogonalize = NS_METHODS[group["ns_method"]].function  # the one look-up of the method
+        orthogonalize = ns or NS_METHODS[group["ns_method"]].function  # the one look-up of the method
         if batched:
             U = orthogonalize(X, group["ns_steps"], group["ns_coefficients"], dt, batched=True, inplace=True)
         else:
@@ -434,7 +434,7 @@ class Found(NamedTuple):
 def bucket_directions(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, ctx: StepContext, *, batched: bool,
                       inputs: Callable[[Sequence[Item]], list[Tensor]], dtype: torch.dtype | None = None,
                       orth: Orth | None = None, factored: bool = False, handed: list[Tensor] | None = None,
-                      workspace: dict | None = None) -> Found:
+                      workspace: dict | None = None, ns: Callable[..., Tensor] | None = None) -> Found:
     """The one body of a hidden rule's step, wherever its matrices are whole: one process's, and an owner rank's
     (``exchange.py``: DDP's shared matrices, the whole matrices of FSDP2's and tensor parallelism's pieces).
 
@@ -451,7 +451,7 @@ def bucket_directions(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, 
     whole matrices, put together in place): then nothing is copied, Newton-Schulz iterates in them and lets them
     go before ``post``, and its buffers are this call's (``directions``' ``consume`` and ``release``), so that an
     owner holds each whole matrix once and nothing of a bucket it is done with; ``workspace``: where the stacks
-    are made otherwise (default the call's, kept to the step's end)."""
+    are made otherwise (default the call's, kept to the step's end); ``ns``: :func:`directions`'."""
     members = [it for b in buckets for it in b.items]
     device = members[0].param.device
     workspace = ctx.workspace if workspace is None else workspace
@@ -475,7 +475,7 @@ def bucket_directions(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, 
         del X
         o += k
     if orth is None:
-        found = directions(rule, stacks, group, ctx, batched=batched, dtype=dtype, factored=factored,
+        found = directions(rule, stacks, group, ctx, batched=batched, dtype=dtype, factored=factored, ns=ns,
                            **({"scratch": {}, "release": True, "consume": True} if handed is not None else {}))
     else:  # one graph per stack; the stack handed over (the graph's scratch)
         found = []

@@ -32,6 +32,7 @@ from .placement import EXECUTORS, Path, cuts, path_of, splitter
 from .rule import MomentumRule, Rule, SteppingRule, rule_defaults, validate_rule
 from .rules import RULES
 from .saved_state import dtypes_named, keeping_saved_dtypes
+from .shared_ns import share, unit_shapes
 from .views import Layout, group_layout, normalise_group_views
 
 try:
@@ -149,6 +150,10 @@ class RoleOptimizer(Optimizer):
     ``"all"``: every bucket's inputs posted at once, so that every owner works as soon as its own arrive (transient
     memory: every matrix a rank owns, whole). The same bits every way. ``None`` (default): ``True`` where the
     parameters are on CUDA, ``False`` elsewhere.
+
+    ``ns_group`` (every optimizer takes it; default 1, off): under ``torch.distributed``, blocks of this many
+    consecutive ranks (a node's GPUs) may share one unit's Newton-Schulz, where the plan predicts it shortens the
+    busiest rank's work (``shared_ns.py``: a stack by matrices, one large matrix by columns, exact to rounding).
     """
 
     RULES: ClassVar[dict[str, str]] = {}
@@ -158,7 +163,7 @@ class RoleOptimizer(Optimizer):
 
     def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any = None, compile: bool = False,
                  rules: dict[str, Rule] | None = None, cuda_graph: bool = False, overlap: bool | None = None,
-                 nonfinite: str = "skip", **hyperparameters: Any) -> None:
+                 nonfinite: str = "skip", ns_group: int = 1, **hyperparameters: Any) -> None:
         if (what := wrong_params(params)) is not None:
             cls = type(self).__name__
             raise TypeError(f"{cls}(params=...) takes parameters or param groups, e.g. "
@@ -173,7 +178,10 @@ class RoleOptimizer(Optimizer):
         self._nonfinite = nonfinite
         if overlap is not None and not isinstance(overlap, bool) and overlap != "all":
             raise ValueError(f"Invalid overlap: {overlap!r} (expected True, False, 'all' or None)")
-        self._compile = compile
+        if isinstance(ns_group, bool) or not isinstance(ns_group, int) or ns_group < 1 or (ns_group > 1 and compile):
+            raise ValueError(f"Invalid ns_group: {ns_group!r} (expected an integer >= 1; a shared Newton-Schulz is not "
+                             "built for compile=True)")
+        self._compile, self._ns_group = compile, ns_group
         #: ``overlap``: the exchange's buckets in flight (``exchange.DEPTHS``); ``None``: on CUDA (docs/algorithm.md).
         self._overlap = overlap
         #: ``cuda_graph=True``: the step captured in a CUDA graph and replayed (``cuda_graph.py``).
@@ -209,22 +217,18 @@ class RoleOptimizer(Optimizer):
     # ---- pickling and deepcopy -------------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        """torch's state (defaults, state, param groups) plus this engine's settings.
-
-        ``torch.optim.Optimizer.__getstate__`` keeps only its own three entries, so without this a
-        ``copy.deepcopy``-ed or unpickled optimizer lost ``compile`` and failed at its first
-        ``step()``. The process group is not carried (process groups cannot be pickled): the copy
-        uses the default group again, and an optimizer built with an explicit ``process_group``
-        refuses to be copied rather than silently stepping on another group. The capture hook is
-        dropped, like torch's optimizer hooks.
-        """
+        """torch's state (defaults, state, param groups) plus this engine's settings (torch's keeps only its own
+        three entries: a ``copy.deepcopy``-ed or unpickled optimizer lost ``compile`` and failed at its first step).
+        The process group is not carried (it cannot be pickled): the copy uses the default group, and an optimizer
+        built with an explicit ``process_group`` refuses to be copied rather than silently step on another group.
+        The capture hook is dropped, like torch's optimizer hooks."""
         if self._process_group is not None and self._process_group is not resolve_process_group(None):
             raise RuntimeError(
                 f"{type(self).__name__} was built with an explicit process_group, which cannot be pickled or "
                 "copied; build a new optimizer with that group and load_state_dict() this one's state_dict()"
             )
         return {**super().__getstate__(), "_compile": self._compile, "_overlap": self._overlap,
-                "_warned_inferred": self._warned_inferred,
+                "_ns_group": self._ns_group, "_warned_inferred": self._warned_inferred,
                 "_rules": self._rules, "_graphed": None if self._graphed is None else GraphedStep(),
                 "_nonfinite": self._nonfinite}
 
@@ -234,7 +238,7 @@ class RoleOptimizer(Optimizer):
         super().__setstate__(state)
         for key, value in (("_compile", False), ("_overlap", None), ("_warned_inferred", False),
                            ("_warned_traced", False), ("_capture_hook", None), ("_workspace", {}), ("_graphed", None),
-                           ("_nonfinite", "skip")):
+                           ("_nonfinite", "skip"), ("_ns_group", 1)):
             self.__dict__.setdefault(key, value)
         self.__dict__.setdefault("_rules", self._rule_table(None))
         self.__dict__.setdefault("_process_group", resolve_process_group(None))
@@ -305,8 +309,7 @@ class RoleOptimizer(Optimizer):
         (``add_param_group``) or live elsewhere (torchtitan builds one optimizer per pipeline stage, and a
         last stage may hold only the final norm and the head).
         """
-        ns = sorted(k for k, r in self._rules.items()
-                    if isinstance(r, HiddenRule))
+        ns = sorted(k for k, r in self._rules.items() if isinstance(r, HiddenRule))
         if not ns:
             return  # no Newton-Schulz to miss (SCALE)
         seen: dict[str, list[tuple[int, ...]]] = {}
@@ -403,7 +406,7 @@ class RoleOptimizer(Optimizer):
         """
         pg = self._process_group
         world = 1 if pg is None else dist.get_world_size(pg)
-        plan, units, costs, cache = [], [], [], {}
+        plan, units, costs, shares, cache = [], [], [], [], {}
         for group in self.param_groups:
             kind, names = group.get("kind"), group.get("names")
             cuda = all(p.device.type == "cuda" for p in group["params"])
@@ -425,7 +428,8 @@ class RoleOptimizer(Optimizer):
                     for t in e.tensors():
                         e.units.append(len(units))
                         units.append(e.unit(t, cache))
-                        costs.append(driver.cost(rule, t.shape, group))
+                        costs.append(sum(driver.cost(rule, s, group) for s in unit_shapes(units[-1])))
+                        shares.append(share(rule, unit_shapes(units[-1]), group, self._ns_group))
                 if not e.cut:
                     e.item = Item(p, None, state, name, p.shape, pkind, *e.units)
                 entries.append(e)
@@ -440,7 +444,8 @@ class RoleOptimizer(Optimizer):
             plan.append((group, entries, batched))
         overlap = self._overlap if self._overlap is not None else all(
             p.device.type == "cuda" for group in self.param_groups for p in group["params"])
-        self._exchange = Exchange(units, costs, pg, depth=DEPTHS[overlap]) if units else None
+        self._exchange = (Exchange(units, costs, pg, depth=DEPTHS[overlap], shares=shares, ns_group=self._ns_group)
+                          if units else None)
         self._rows = {}
         for _, entries, _ in plan:
             for e in entries:
@@ -627,15 +632,10 @@ class RoleOptimizer(Optimizer):
     def _untraced_step(self, closure):
         if not self._warned_traced:
             self._warned_traced = True
-            kernels = "its compile=True kernels still run compiled" if self._compile else (
-                "for compiled update kernels build the optimizer with compile=True"
-            )
-            warnings.warn(
-                f"{type(self).__name__}.step() is called inside torch.compile: it runs eagerly (dynamo would "
-                f"recompile it at every step); {kernels}",
-                UserWarning,
-                stacklevel=2,
-            )
+            kernels = ("its compile=True kernels still run compiled" if self._compile else
+                       "for compiled update kernels build the optimizer with compile=True")
+            warnings.warn(f"{type(self).__name__}.step() is called inside torch.compile: it runs eagerly (dynamo "
+                          f"would recompile it at every step); {kernels}", UserWarning, stacklevel=2)
         return self.step(closure)  # dynamo is off here: is_compiling() is False
 
     def _release(self, measure: bool = True) -> None:

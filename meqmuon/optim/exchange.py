@@ -49,7 +49,6 @@ from .driver import (
     apply_pending,
     bucket_directions,
     cost,
-    cut_items,
     make_buckets,
     needs_matrix,
     resolve_dtype,
@@ -57,7 +56,7 @@ from .driver import (
 from .forms import Inputs, naming, step_weights, write_inputs
 from .newton_schulz import batched_ns
 from .owners import AXES, Replicas
-from .rule import SteppingRule
+from .shared_ns import Blocks, SharedNS, assign, unit_shapes
 from .views import Layout
 
 try:
@@ -65,7 +64,7 @@ try:
 except ImportError:  # pragma: no cover - torch builds without distributed support
     dist = None  # type: ignore[assignment]
 
-__all__ = ["DEPTHS", "Exchange", "Unit", "exchange_flat", "step", "whole_step"]
+__all__ = ["DEPTHS", "Exchange", "Unit", "exchange_flat", "step"]
 
 #: The optimizer's ``overlap`` as the number of a hidden rule's shape buckets in flight at once (:func:`_pipelined`):
 #: one (blocking), two, or every bucket (its inputs all posted first, so that each owner starts as soon as its own
@@ -87,12 +86,14 @@ class Unit:
     lies (``where``)."""
 
     __slots__ = ("pieces", "state_pieces", "layout", "assigned", "owner", "mine", "group", "replicas", "where",
-                 "items")
+                 "items", "shared")
 
     def __init__(self, pieces: Any, state_pieces: dict[str, Any], layout: Layout | None) -> None:
         self.pieces, self.state_pieces, self.layout = pieces, state_pieces, layout
         self.replicas = isinstance(pieces, Replicas)
         self.assigned, self.owner, self.mine, self.group = 0, 0, False, []
+        #: How the owner's block shares its Newton-Schulz (``shared_ns``: ``"matrices"`` or ``"columns"``), or None.
+        self.shared: str | None = None
         #: key -> {rank of ``group``: (boxes, local shape)}: the pieces of ``"param"``, of a vector along one of its
         #: dimensions (:data:`AXES`) or of a sharded state tensor, read off the descriptor at first use.
         self.where: dict[str, dict[int, tuple[list, tuple[int, ...]]]] = {}
@@ -110,7 +111,8 @@ class Exchange(LocalSplit):
     Every rank plans the same units in the same order (every rank steps the same parameters, the DDP contract),
     over the optimizer's process group (the default one unless it was given another)."""
 
-    def __init__(self, units: Sequence[Unit], costs: Sequence[float], group: Any = None, *, depth: int = 1) -> None:
+    def __init__(self, units: Sequence[Unit], costs: Sequence[float], group: Any = None, *, depth: int = 1,
+                 shares: Sequence[tuple[str, float] | None] | None = None, ns_group: int = 1) -> None:
         super().__init__()
         self.pg = group
         #: How many of a hidden rule's buckets are in flight at once (:func:`_pipelined`; :data:`DEPTHS` of the
@@ -121,8 +123,17 @@ class Exchange(LocalSplit):
         self.load = [0.0] * self.world
         # the shape bucket a unit travels in (``step``): an owner holds one bucket's whole matrices at a time
         buckets = [(u.replicas, tuple(u.pieces.shape)) for u in units]
-        for u, o in zip(units, assign_owners(list(costs), self.load, buckets), strict=True):
-            u.assigned = o
+        #: The blocks of ``ns_group`` ranks that may share a unit's Newton-Schulz (``shared_ns``), or None.
+        self.blocks = Blocks(group, ns_group) if ns_group > 1 else None
+        if self.blocks is None:
+            owners, shared = assign_owners(list(costs), self.load, buckets), [False] * len(units)
+        elif hsdp := next((u for u in units if not u.replicas and u.pieces.replicated_dims), None):
+            raise NotImplementedError(f"ns_group={ns_group} is not built for a mesh dimension that replicates (HSDP; "
+                                      f"a tensor of shape {tuple(hsdp.pieces.shape)}): use ns_group=1")
+        else:
+            owners, shared = assign(costs, shares, self.load, ns_group)
+        for u, o, s, how in zip(units, owners, shared, shares or [None] * len(units), strict=True):
+            u.assigned, u.shared = o, how[0] if s else None
             u.owner = self.owner_of(u)
             u.mine = u.owner == self.rank
             if u.mine:
@@ -275,15 +286,6 @@ def _owner_items(rule: HiddenRule, u: Unit, X: Tensor, state: dict[str, Tensor],
     return u.items
 
 
-def _guard(ctx: StepContext, error: Exception) -> None:
-    """An error inside a rank's part of a step's first phase under ``torch.distributed``: kept on the step's commit
-    (which skips the step on every rank and raises it here afterwards), so that this rank still takes part in every
-    collective of the step, with placeholder results; raised at once where the step is not tolerant."""
-    if not ctx.commit.tolerant:
-        raise error
-    ctx.commit.fail(error)
-
-
 def _inputs(x_of: Inputs, items: Sequence[Item], batched: bool) -> list[Tensor]:
     """The direction inputs of ``items``: batched in ``_foreach`` kernels, else one by one."""
     return x_of(items) if batched else [x_of.one(it) for it in items]
@@ -338,13 +340,13 @@ class _Call:
         # out: under DDP nothing goes out (the owner holds every piece, and makes X for its own matrices only, or
         # for every matrix where a capture hook reads them)
         # the inputs from the unchanged momentum (forms.Inputs): nothing is written here; under torch.distributed
-        # an error is kept (_guard) and zeros go out, so that the owners still receive what they wait for
+        # an error is kept (StepContext.keep) and zeros go out, so that the owners still receive what they wait for
         need = [j for j, u in enumerate(units) if u.mine or not self.replicas or ctx.capture is not None]
         try:
             with naming(rule, [members[j] for j in need]):
                 made = _inputs(x_of, [members[j] for j in need], batched)
         except Exception as e:
-            _guard(ctx, e)
+            ctx.keep(e)
             made = [torch.zeros(members[j].param.shape, dtype=self.x_dtype, device=self.device) for j in need]
         xs: list[Tensor | None] = [None] * len(members)
         for j, x in zip(need, made, strict=True):
@@ -360,7 +362,7 @@ class _Call:
         del xs
         # a DTensor's plain matrices are received straight into their owner's stack, which Newton-Schulz then
         # iterates in and lets go (the one body's handed stacks): an owner holds each whole matrix once
-        mine = [j for j, u in enumerate(units) if u.mine]
+        mine = [j for j, u in enumerate(units) if u.mine and u.shared is None]
         plain = bool(mine) and not self.replicas and not self.own and all(units[j].layout is None for j in mine)
         self.stack = ([torch.empty((len(mine), *bucket.global_shape), dtype=self.x_dtype, device=self.device)]
                       if plain else [])
@@ -404,18 +406,39 @@ def _at_owners(c: _Call, wholes: list[list[Tensor] | None], stack: list[Tensor])
     """At an owner, every owned unit's whole matrices through one body (``driver.bucket_directions``): per owned
     member, its whole direction (or ``U`` with its factors, or the stepped weight) and the per-matrix state the rule
     changed, computed on copies (nothing real is written here). ``stack``: the owned plain matrices received in one
-    stack, handed over (emptied). Under ``torch.distributed`` an error here is kept (``_guard``) and placeholders
-    go back, so that the owner's ranks still receive what they wait for and the step is skipped on every rank."""
+    stack, handed over (emptied). First the units a block of ranks shares (``shared_ns``), in the bucket's order on
+    every member of the block, each member taking part in its block's (:meth:`.SharedNS.help`); then the rest."""
+    ex: Exchange = c.ctx.split  # type: ignore[assignment]
+    results: dict[int, tuple[Any, dict]] = {}
+    for j, u in enumerate(c.units):
+        if u.shared is None or u.owner // ex.blocks.size != ex.rank // ex.blocks.size:
+            continue
+        shapes = unit_shapes(u)
+        ns = SharedNS(ex.blocks, u.owner, u.shared, (len(shapes), *shapes[0]), c.group, c.ns,
+                      c.batched and (c.replicas or batched_ns(c.device)), c.device, c.ctx)
+        if u.mine:
+            results.update(_owned(c, wholes, [], [j], ns))
+            ns.finish()  # where the owner's computation raised before its collectives
+        else:
+            ns.help()
+    owned = [j for j, w in enumerate(wholes) if w is not None and c.units[j].shared is None]
+    return {**results, **_owned(c, wholes, stack, owned)}
+
+
+def _owned(c: _Call, wholes: list[list[Tensor] | None], stack: list[Tensor], owned: list[int],
+           ns: SharedNS | None = None) -> dict[int, tuple[Any, dict]]:
+    """:func:`_at_owners` of the ``owned`` members (``ns``: one shared unit's). Under ``torch.distributed`` an error
+    here is kept (``StepContext.keep``) and placeholders go back, so that the owner's ranks still receive what they
+    wait for and the step is skipped on every rank."""
     rule, members, replicas = c.rule, c.members, c.replicas
-    owned = [j for j, w in enumerate(wholes) if w is not None]
     if not owned:
         return {}
     items: list[Item] = []
     try:
         with naming(rule, [members[j] for j in owned]):
-            return _owner_results(c, wholes, stack, owned, items)
+            return _owner_results(c, wholes, stack, owned, items, ns)
     except Exception as e:
-        _guard(c.ctx, e)
+        c.ctx.keep(e)
         return {j: _placeholder(c, j, wholes[j]) for j in owned}
     finally:
         stack.clear()
@@ -425,7 +448,7 @@ def _at_owners(c: _Call, wholes: list[list[Tensor] | None], stack: list[Tensor])
 
 
 def _owner_results(c: _Call, wholes: list[list[Tensor] | None], stack: list[Tensor], owned: list[int],
-                   items: list[Item]) -> dict[int, tuple[Any, dict]]:
+                   items: list[Item], ns: SharedNS | None = None) -> dict[int, tuple[Any, dict]]:
     """:func:`_at_owners`' body: the one body on the owned units' whole matrices, with copies of the per-matrix state
     the owner holds (the real state is written in the step's commit, from what comes back); ``items`` receives the
     owner's items (the caller lets go of their whole matrices)."""
@@ -455,7 +478,9 @@ def _owner_results(c: _Call, wholes: list[list[Tensor] | None], stack: list[Tens
     handed = ([[stack[0][n : n + 1]] for n in range(len(items))] if plain and not batched else
               [[stack[0]]] if plain else None)
     stack.clear()
-    if not batched:
+    if ns is not None:  # a shared unit: its matrices in one stack, which its block shares
+        groups = [make_buckets(items, matrix=True, transpose=False)]
+    elif not batched:
         groups = [[Bucket([it], 1, *[(it.shape[0], math.prod(it.shape[1:]))] * 2, ())] for it in items]
     elif replicas and c.orth is None:  # DDP: in the orientations one process's batched form stacks them
         flipped = [j >= b.plain for j in owned]
@@ -473,7 +498,7 @@ def _owner_results(c: _Call, wholes: list[list[Tensor] | None], stack: list[Tens
         found = bucket_directions(rule, buckets, c.group, c.ctx, batched=batched_ns_here,
                                   inputs=(lambda its: [xs[id(i)] for i in its]) if replicas else
                                   (lambda its: [i.param for i in its]), orth=c.orth, factored=c.factored,
-                                  handed=handed.pop(0) if plain else None, workspace={})
+                                  handed=handed.pop(0) if plain else None, workspace={}, ns=ns)
         for targets, news in found.writes:  # the owner's copies: what goes back
             torch._foreach_copy_(targets, news)
         by_item.update((id(it), d) for bk, ds in zip(buckets, found.directions, strict=True)
@@ -570,7 +595,7 @@ def _elementwise_bucket(rule: Any, members: list[Item], group: dict, ctx: StepCo
         with naming(rule, members):
             xs = [x.to(x_dtype) for x in _inputs(x_of, members, batched)]
     except Exception as e:
-        _guard(ctx, e)
+        ctx.keep(e)
         xs = [torch.zeros(it.param.shape, dtype=x_dtype, device=p0.device) for it in members]
     wholes = ex.to_owners(indices, [[x] for x in xs], [["param"]] * len(members))
     del xs
@@ -590,7 +615,7 @@ def _elementwise_bucket(rule: Any, members: list[Item], group: dict, ctx: StepCo
                     d.copy_(rule.direction(x.contiguous().to(x_dtype)[None], group, None,
                                            tuple(x.shape))[0].reshape(d.shape))
         except Exception as e:
-            _guard(ctx, e)
+            ctx.keep(e)
         out_wholes.append([D])
     got = ex.from_owners(indices, out_wholes, [["param"]] * len(members),
                          [lambda it=it: [(it.param.shape, d_dtype)] for it in members], p0.device)
@@ -625,56 +650,3 @@ def step(calls: Sequence[Call], *, batched: bool, orth: Callable | None = None) 
         ctx.commit.later(apply_pending, pending, group)
     if calls:
         calls[0][3].commit.later(write_inputs, list(calls), batched=batched)
-
-
-def whole_step(form: Callable[..., None], items: Sequence[Item], group: dict, ctx: StepContext) -> None:
-    """A stepping rule whose statistics need whole tensors (SCALE's column and row rules on pieces that are not
-    whole rows): parameter, gradient and sharded state to the owner, the rule's form (its ``step`` or
-    ``step_foreach``) there on whole tensors made for this step (copies of what the owner holds), the new parameter
-    and state pieces back, written in the step's commit."""
-    ex: Exchange = ctx.split  # type: ignore[assignment]
-    rule: SteppingRule = form.__self__  # type: ignore[attr-defined]
-    indices = [it.index for it in items]
-    keys, pieces = [], []
-    for it, i in zip(items, indices, strict=True):
-        sharded = list(ex.units[i].state_pieces)
-        keys.append(["param", "param", *sharded])
-        pieces.append([it.param, it.grad, *(it.state[k] for k in sharded)])
-    wholes = ex.to_owners(indices, pieces, keys)
-    at_owner, states = [], []
-    for it, ws, ks in zip(items, wholes, keys, strict=True):
-        if ws is None:
-            states.append(None)
-            continue
-        if ex.units[it.index].replicas:  # the pieces themselves: the owner steps a copy
-            ws[0] = ws[0].clone()
-        state = {k: (ws[ks.index(k)] if k in ks[2:] else v.clone() if isinstance(v, Tensor) else v)
-                 for k, v in it.state.items()}
-        layout = ex.units[it.index].layout
-        at_owner += ([Item(ws[0], ws[1], state, it.name, it.shape, it.kind)] if layout is None else
-                     cut_items(rule, layout, ws[0], ws[1], state, it.name, it.kind, layout.labels()))
-        states.append(state)
-    if at_owner:
-        try:
-            with naming(rule, at_owner):
-                form(at_owner, group, ctx)
-        except Exception as e:
-            _guard(ctx, e)
-    names = [[k for k in sorted(it.state) if isinstance(it.state[k], Tensor) and k != commit.SKIPPED]
-             for it in items]
-    out_wholes = [None if st is None else [ws[0], *(st[k] for k in ns)]
-                  for ws, st, ns in zip(wholes, states, names, strict=True)]
-    back_keys = [["param", *(k if k in ex.units[i].state_pieces else None for k in ns)]
-                 for i, ns in zip(indices, names, strict=True)]
-    got = ex.from_owners(indices, out_wholes, back_keys,
-                         [lambda it=it, ns=ns: [(it.param.shape, it.param.dtype),
-                                                *((it.state[k].shape, it.state[k].dtype) for k in ns)]
-                          for it, ns in zip(items, names, strict=True)], items[0].param.device)
-    targets, news = [], []
-    for it, ns, parts in zip(items, names, got, strict=True):
-        targets.append(it.param)
-        news.append(parts[0])
-        for k, t in zip(ns, parts[1:], strict=True):
-            targets.append(it.state[k])
-            news.append(t)
-    ctx.commit.later(commit.copy_, targets, news)

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import commit, compiled, driver, exchange, forms
+from . import commit, compiled, driver, exchange, forms, whole_step
 from .calls import Item, Path, StepContext
 from .distributed import SHARDED_LAYOUTS, LocalSplit, RowSums, is_dtensor
 from .driver import HiddenRule
@@ -89,7 +89,7 @@ EXECUTORS: dict[Path, Executor] = {
         (True, False): partial(exchange.step, batched=True),
         (False, True): partial(exchange.step, batched=False, orth=compiled.owner_directions),
         (True, True): partial(exchange.step, batched=True, orth=compiled.owner_directions),
-    }, exchange.whole_step),
+    }, whole_step.whole_step),
 }
 
 

@@ -1,0 +1,318 @@
+"""One unit's Newton-Schulz shared by a block of ranks: the optimizer's ``ns_group`` (issue 59 item 2).
+
+With whole matrices at owners (``exchange.py``) the step's critical path is its busiest owner, and no owner can
+be faster than its largest matrix: at Llama-3 405B one 16,384 x 53,248 MLP matrix is about 0.7 s of bf16
+Newton-Schulz on an H100, whatever the number of ranks (docs/benchmarks.md, the time model). ``ns_group=g`` lets
+the ``g`` consecutive ranks of a *block* (a node's GPUs, ``g = 8``) share one unit's Newton-Schulz, so that the
+bound becomes ``max(total work / ranks, largest matrix / g)``:
+
+* **by matrices** (``"matrices"``), where the unit is a stack of at least ``g`` same-shape matrices (a MoE layer's
+  experts): each member orthogonalises a contiguous range of them with the group's own method, matrix by matrix as
+  an owner does; one process's bits, no collective but the two below;
+* **by columns** (``"columns"``), where it is fewer matrices (one large matrix): each member iterates a block of the
+  long side of the wide orientation ``Z`` (``s x L``, ``s <= L``; a tall matrix's rows); the quintic's Gram matrix
+  is the sum of the members' (one ``all_reduce`` per iteration) and ``B = b A + c A^2`` is made by rows, each
+  member its own ``s / g`` rows, gathered by all (one ``all_to_all_single``)::
+
+      Z_0 = Z / max(||Z||_F, eps)   (at the owner, whole),      A_k = sum_j Z_k,j Z_k,j^T   (all_reduce),
+      B_k[i] = b A_k[i] + c A_k[i] A_k                           (member i its rows, gathered by all),
+      Z_k+1,j = a Z_k,j + B_k Z_k,j                              (member j its columns)
+
+  which is the quintic (paper eq. 3; :func:`meqmuon.functional.orthogonalize`) block by block: the same iteration,
+  only ``A_k`` summed in another order (exact to rounding; the sum travels in float32 where the iteration's dtype
+  is narrower, so that it is rounded once as one process's product is). Each member's FLOPs per iteration:
+  ``4 s^2 L / g + 2 s^3 / g``, the whole matrix's divided by ``g`` (:func:`column_flops`).
+
+The owner receives the unit whole (the exchange is unchanged), ``pre`` runs there, the members' parts go out and
+come back in one ``all_to_all_single`` each way over the block, and ``post`` (eq. 8, whose statistics are whole
+rows and columns) runs at the owner on the whole ``U``: the sharing is the owner's Newton-Schulz, nothing else.
+The plan (:func:`assign`) decides per unit, longest first, whether sharing lowers the busiest rank's predicted
+load. Every rank of a block takes part in its shared units in the plan's order (the bucket's, then the units'),
+so that the collectives pair up; an error on a member is kept on the step's commit (``StepContext.keep``) and zeros
+go on, so that the others still receive what they wait for.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import functional as F
+from .calls import StepContext
+from .distributed import exchange_flat
+from .driver import HiddenRule, matrix_shape
+from .newton_schulz import NS_METHODS, method_flops
+
+try:
+    import torch.distributed as dist
+except ImportError:  # pragma: no cover - torch builds without distributed support
+    dist = None  # type: ignore[assignment]
+
+__all__ = ["FLOPS_PER_BLOCK_BYTE", "Blocks", "SharedNS", "assign", "block_bytes", "column_flops", "share"]
+
+
+def _quintic(group: dict) -> dict[str, Any] | None:
+    """The keywords of ``group``'s method where it is the quintic (:func:`meqmuon.functional.orthogonalize`, plain or
+    with its ``eps`` keywords), which the column split reproduces; ``None`` for another method."""
+    fn = NS_METHODS[group["ns_method"]].function
+    if fn is F.orthogonalize:
+        return {}
+    if isinstance(fn, functools.partial) and fn.func is F.orthogonalize and not fn.args:
+        return dict(fn.keywords)
+    return None
+
+
+def column_flops(m: int, n: int, steps: int, g: int) -> int:
+    """The busiest member's matmul FLOPs of ``steps`` column-split quintic iterations of an ``m x n`` matrix over
+    ``g`` members: ``A_j = Z_j Z_j^T`` and ``B Z_j`` on ``ceil(L / g)`` columns, ``A^2`` on ``ceil(s / g)`` rows
+    (``s = min(m, n)``, ``L = max(m, n)``)."""
+    s, L = min(m, n), max(m, n)
+    return steps * (4 * s * s * -(-L // g) + 2 * s * s * -(-s // g))
+
+
+def unit_shapes(unit: Any) -> list[tuple[int, int]]:
+    """The ``(rows, cols)`` of the matrices an owner makes of exchange unit ``unit`` (``exchange.Unit``)."""
+    return unit.layout.shapes() if unit.layout is not None else [matrix_shape(unit.pieces.shape)]
+
+
+#: What one byte a block member moves costs in the plan's balance, in FLOPs: an H100's calibrated bf16
+#: Newton-Schulz rate over NVLink's achieved bandwidth, 464e12 / 370e9 (docs/benchmarks.md, the time model's
+#: inputs), so that a unit is not shared where its block's collectives cost more than the FLOPs it saves.
+FLOPS_PER_BLOCK_BYTE = 464e12 / 370e9
+
+
+def block_bytes(how: str, k: int, m: int, n: int, itemsize: int, g: int, steps: int) -> float:
+    """The bytes the busiest member of a block of ``g`` (the owner) moves each way for a shared stack of ``k``
+    ``m x n`` matrices: ``(g - 1) / g`` of the stack out and back in the Newton-Schulz dtype (``itemsize``), and
+    for a column split per iteration the Gram matrices' ring all-reduce in float32 (``2 (g - 1) / g`` of them)
+    and ``B``'s rows gathered (``(g - 1) / g`` of ``B``)."""
+    nbytes = 2 * k * m * n * itemsize * (g - 1) / g
+    if how == "columns":
+        gram = k * min(m, n) ** 2
+        nbytes += steps * (2 * (g - 1) / g * gram * 4 + gram * itemsize * (g - 1) / g)
+    return nbytes
+
+
+def share(rule: Any, shapes: Sequence[tuple[int, int]], group: dict, g: int) -> tuple[str, float] | None:
+    """How a unit of matrices ``shapes`` would be shared by ``g`` ranks and one member's predicted cost in
+    ``driver.cost``'s unit: the busiest member's FLOPs plus its block bytes at :data:`FLOPS_PER_BLOCK_BYTE` (in the
+    group's ``ns_dtype``; ``None``: bf16, a GPU's); or ``None`` where it is not shared: a rule without
+    Newton-Schulz, matrices of several shapes, or fewer than ``g`` matrices and a method other than the quintic."""
+    if g < 2 or not isinstance(rule, HiddenRule) or len(set(shapes)) != 1:
+        return None
+    (m, n), k = shapes[0], len(shapes)
+    if k >= g:
+        how, flops = "matrices", -(-k // g) * method_flops(group, m, n)
+    elif _quintic(group) is None:
+        return None
+    else:
+        how, flops = "columns", k * column_flops(m, n, group["ns_steps"], g)
+    itemsize = (group["ns_dtype"] or torch.bfloat16).itemsize
+    return how, flops + FLOPS_PER_BLOCK_BYTE * block_bytes(how, k, m, n, itemsize, g, group["ns_steps"])
+
+
+def _fill(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], load: list[float], g: int,
+          limit: float) -> tuple[list[int], list[bool], list[float]] | None:
+    """Longest first, each unit whole onto the least-loaded rank where that stays within ``limit``, else shared by
+    the block whose busiest member is least loaded where that does; ``None`` where neither does (``limit``
+    infinite: whole units alone, ``distributed.assign_owners``' greedy). Returns owners, shared, loads."""
+    load, world = list(load), len(load)
+    heap = [(x, r) for r, x in enumerate(load)]
+    heapq.heapify(heap)
+    busiest = [max(load[b * g : (b + 1) * g]) for b in range(world // g)]
+    owners, shared = [0] * len(costs), [False] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        while heap[0][0] != load[heap[0][1]]:  # entries left stale by a shared unit
+            heapq.heappop(heap)
+        x, r = heap[0]
+        if x + costs[i] <= limit:
+            heapq.heappop(heap)
+            owners[i], load[r] = r, x + costs[i]
+            heapq.heappush(heap, (load[r], r))
+            busiest[r // g] = max(busiest[r // g], load[r])
+            continue
+        b = min(range(len(busiest)), key=busiest.__getitem__)
+        if shares[i] is None or busiest[b] + shares[i][1] > limit:
+            return None
+        members = range(b * g, (b + 1) * g)
+        owners[i], shared[i] = min(members, key=lambda q: (load[q], q)), True
+        for q in members:
+            load[q] += shares[i][1]
+            heapq.heappush(heap, (load[q], q))
+        busiest[b] += shares[i][1]
+    return owners, shared, load
+
+
+def assign(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], load: list[float],
+           g: int, rounds: int = 20) -> tuple[list[int], list[bool]]:
+    """The owner of each unit and whether its block shares it, so that the busiest rank's predicted load is least:
+    the smallest limit (by bisection, ``rounds`` halvings between 0 and the busiest rank of whole units alone) for
+    which :func:`_fill` places every unit. Whole where a unit fits, so that a unit is shared only where whole units
+    cannot reach the limit (its block's collectives and the members' extra work are paid only there; Llama-3 70B on
+    256 ranks packs its 240 MLP matrices whole and shares nothing, 405B on 1,024 shares most); a shared unit's owner
+    is its block's least-loaded member, and every member carries its share. ``load`` is updated in place (as
+    ``distributed.assign_owners``'). Depends only on the arguments: identical on every rank, no collective."""
+    owners, shared, best = _fill(costs, [None] * len(costs), load, g, math.inf)  # type: ignore[misc]
+    lo, hi = 0.0, max(best)
+    for _ in range(rounds if any(s is not None for s in shares) else 0):
+        mid = (lo + hi) / 2
+        plan = _fill(costs, shares, load, g, mid)
+        if plan is None:
+            lo = mid
+        else:
+            (owners, shared, best), hi = plan, max(plan[2])
+    load[:] = best
+    return owners, shared
+
+
+class Blocks:
+    """The blocks of ``size`` consecutive ranks of the optimizer's process group ``pg``, one process group each
+    (made by every rank in the same order, as ``torch.distributed.new_group`` asks), and this rank's."""
+
+    def __init__(self, pg: Any, size: int) -> None:
+        world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+        if size < 1 or world % size:
+            raise ValueError(f"ns_group={size} must divide the optimizer's {world} ranks (its blocks are consecutive "
+                             "ranks, a node's GPUs)")
+        ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(world))
+        self.size, self.rank = size, rank
+        self.index = rank // size
+        groups = [dist.new_group(ranks[b * size : (b + 1) * size]) for b in range(world // size)]
+        #: This rank's block's process group (block-local ranks ``0 .. size - 1``).
+        self.pg = groups[self.index]
+
+    def members(self, owner: int) -> range:
+        """The ranks (of the optimizer's group) of ``owner``'s block."""
+        b = owner // self.size
+        return range(b * self.size, (b + 1) * self.size)
+
+
+def _ranges(n: int, g: int) -> list[slice]:
+    """``n`` indices in ``g`` contiguous ranges, the first ``n % g`` one longer."""
+    q, r = divmod(n, g)
+    starts = [j * q + min(j, r) for j in range(g + 1)]
+    return [slice(starts[j], starts[j + 1]) for j in range(g)]
+
+
+class SharedNS:
+    """One shared unit's Newton-Schulz on a block: called at the owner as the group's method is
+    (``driver.directions``' ``ns``: ``(X, steps, coefficients, dtype, batched=, out=, ...)`` of the unit's stack
+    ``(K, m, n)``, returning ``U``), and on every other member with :meth:`help`. Both run :meth:`_run`, the same
+    collectives in the same order. ``owner``: the owner's place in the block. ``done``: whether the collectives
+    have run (an owner whose ``pre`` raised runs them with zeros, :meth:`finish`)."""
+
+    def __init__(self, blocks: Blocks, owner: int, how: str, shape: tuple[int, int, int], group: dict,
+                 dtype: torch.dtype, batched: bool, device: torch.device, ctx: StepContext) -> None:
+        self.blocks, self.owner, self.how, self.shape, self.group = blocks, owner % blocks.size, how, shape, group
+        self.dtype, self.batched, self.device, self.ctx = dtype, batched, device, ctx
+        self.done = False
+
+    def __call__(self, X: Tensor, steps: int, coefficients: Any, dtype: torch.dtype, *, batched: bool = False,
+                 out: Tensor | None = None, **_: Any) -> Tensor:
+        U = self._run(X.reshape(self.shape).to(dtype, copy=True))
+        return U.view(X.shape) if out is None else out.copy_(U.view(X.shape))
+
+    def help(self) -> None:
+        """A member's part of the owner's unit."""
+        self._run(None)
+
+    def finish(self) -> None:
+        """The collectives with zeros, where the owner's computation raised before they ran."""
+        if not self.done:
+            self._run(torch.zeros(self.shape, dtype=self.dtype, device=self.device))
+
+    def _kept(self, like: Tensor, fn: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """``fn(*args, **kwargs)``, or zeros like ``like`` where it raised (the error kept on the step's commit), so
+        that the block's collectives still pair up."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            self.ctx.keep(e)
+            return torch.zeros_like(like)
+
+    def _part(self, t: Tensor, j: int) -> Tensor:
+        """Member ``j``'s part of a whole stack ``t``: its matrices, or its columns of the wide orientation."""
+        k, m, n = self.shape
+        ranges = _ranges(k if self.how == "matrices" else max(m, n), self.blocks.size)
+        return t[ranges[j]] if self.how == "matrices" else (t.mT if m > n else t)[..., ranges[j]]
+
+    def _run(self, X: Tensor | None) -> Tensor | None:
+        """The parts of ``X`` (the owner's stack, scratch; ``None`` on the other members) out over the block, each
+        member's part through Newton-Schulz, the parts back to the owner, put together there."""
+        self.done = True
+        g, me, owner, pg = self.blocks.size, self.blocks.rank % self.blocks.size, self.owner, self.blocks.pg
+        like = torch.empty(self.shape, dtype=self.dtype, device="meta")
+        shapes = [self._part(like, j).shape for j in range(g)]
+        sizes = [math.prod(s) * self.dtype.itemsize for s in shapes]
+        if X is not None and self.how == "columns":  # the owner normalises, as the quintic's first line
+            X = self._kept(X, self._normalised, X)
+        send = [[self._part(X, j)] if X is not None and j != me else [] for j in range(g)]
+        got = exchange_flat(send, [sizes[me] if j == owner != me else 0 for j in range(g)], pg, self.device)
+        mine = self._part(X, me).contiguous() if X is not None else got.view(self.dtype).view(shapes[me])
+        if self.how == "matrices":
+            mine = self._kept(mine, self._iterate, mine)
+        else:
+            mine = self._columns(mine)
+        back = exchange_flat([[mine] if j == owner != me else [] for j in range(g)],
+                             [sizes[j] if X is not None and j != me else 0 for j in range(g)], pg, self.device)
+        if X is None:
+            return None
+        start = 0
+        for j in range(g):
+            if j == me:
+                self._part(X, j).copy_(mine)
+            else:
+                self._part(X, j).copy_(back[start : start + sizes[j]].view(self.dtype).view(shapes[j]))
+                start += sizes[j]
+        return X
+
+    def _normalised(self, X: Tensor) -> Tensor:
+        """``X / max(scale ||X||_F, eps)`` (or ``+ eps``) matrix by matrix, in place, as the quintic's
+        ``functional._matrix_iteration``."""
+        keywords = _quintic(self.group)
+        eps, added = keywords.get("eps", F.NS_EPS), keywords.get("eps_added", False)
+        _, scale = F.ns_schedule(self.group["ns_coefficients"], self.group["ns_steps"])
+        for x in X:
+            norm = torch.linalg.vector_norm(x)
+            norm = norm if scale == 1.0 else norm * scale
+            x.div_(norm + eps if added else norm.clamp(min=eps))
+        return X
+
+    def _iterate(self, X: Tensor) -> Tensor:
+        """A member's range of whole matrices through the group's method, as an owner runs them."""
+        group = self.group
+        return NS_METHODS[group["ns_method"]].function(X, group["ns_steps"], group["ns_coefficients"], self.dtype,
+                                                      batched=self.batched, inplace=True)
+
+    def _columns(self, Z: Tensor) -> Tensor:
+        """A member's columns ``Z_j`` ``(K, s, L_j)`` of the wide orientation through the quintic's iterations: the
+        Gram matrices summed over the block (in float32 where the iteration's dtype is narrower), ``B``'s rows made
+        by their members and gathered."""
+        g, me, itemsize = self.blocks.size, self.blocks.rank % self.blocks.size, self.dtype.itemsize
+        k, s = Z.shape[0], Z.shape[1]
+        rows = _ranges(s, g)
+        sizes = [k * (r.stop - r.start) * s * itemsize for r in rows]
+        schedule, _ = F.ns_schedule(self.group["ns_coefficients"], self.group["ns_steps"])
+        for a, b, c in schedule:
+            A = self._kept(Z.new_empty(k, s, s), torch.bmm, Z, Z.mT)
+            total = A.float() if itemsize < 4 else A
+            dist.all_reduce(total, group=self.blocks.pg)
+            A = total.to(self.dtype)
+            mine = self._kept(A[:, rows[me]], torch.baddbmm, A[:, rows[me]], A[:, rows[me]], A, beta=b, alpha=c)
+            got = exchange_flat([[mine] if j != me else [] for j in range(g)],
+                                [n if j != me else 0 for j, n in enumerate(sizes)], self.blocks.pg, Z.device)
+            B, start = torch.empty_like(A), 0
+            for j, r in enumerate(rows):
+                if j == me:
+                    B[:, r].copy_(mine)
+                else:
+                    B[:, r].copy_(got[start : start + sizes[j]].view(self.dtype).view(k, r.stop - r.start, s))
+                    start += sizes[j]
+            Z = self._kept(Z, torch.baddbmm, Z, B, Z, beta=a)
+        return Z
