@@ -18,8 +18,10 @@ each hidden-kind parameter (the Newton-Schulz kind), per rank ``r`` of the defau
 - ``rounds``: the same work by exchange round, for a time model (``benchmarks/time_model.py``): one per shape
   bucket of a call, as ``exchange.step`` exchanges them (one ``all_to_all_single`` out and one back per bucket:
   the exchange's units grouped by the matrix shape of their global shape), each with every rank's ``local``
-  elements in it and how many units each owner orthogonalises (``owned``: ``[rank, count]`` pairs; a unit's
-  ``matrices``: its view's matrices); whole local matrices are rounds without an exchange (``local`` empty).
+  elements in it and how many units each owner receives whole (``owned``: ``[rank, count]`` pairs; a unit's
+  ``matrices``: its view's matrices) and of them the ones its block shares (``shared``: ``[owner, how]`` per
+  unit, ``shared_ns``; ``block``: the optimizer's ``ns_group``); whole local matrices are rounds without an
+  exchange (``local`` empty). A shared unit's FLOPs are its members' shares (``shared_ns.share``).
 
 **The reachable bound.** With whole-matrix Newton-Schulz at owners, rank ``r`` must send its pieces as
 Newton-Schulz input and the directions of every piece of its owned matrices, and receive those pieces and
@@ -124,15 +126,18 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
     from meqmuon.optim.newton_schulz import method_flops
     from meqmuon.optim.owners import Replicas
     from meqmuon.optim.placement import Path
+    from meqmuon.optim.shared_ns import share
 
     world = dist.get_world_size()
     model = RankModel(world, itemsize, [0] * world, [0] * world, [0] * world)
     ex, cache = opt._exchange, {}
+    block = ex.blocks.size if ex is not None and ex.blocks is not None else 1
     rounds: dict[tuple, dict] = {}  # (call, dtype, m, n) -> round, in first-appearance order
 
     def round_of(key: tuple, m: int, n: int, exchanged: bool, matrices: list | None = None) -> dict:
         return rounds.setdefault(key, {"shape": [m, n], "matrices": [list(s) for s in matrices or [(m, n)]],
-                                       "local": [0] * world if exchanged else [], "owned": {}})
+                                       "local": [0] * world if exchanged else [], "owned": {}, "shared": [],
+                                       "block": block})
 
     for index, (group, entries, batched) in enumerate(opt._plan()):
         for e in entries:
@@ -167,8 +172,13 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
                     rnd["local"][r] += n
                     owners.add(q)
                 for q in owners:
-                    model.flops[q] += total
                     rnd["owned"][q] = rnd["owned"].get(q, 0) + 1
+                    if unit.shared is None:
+                        model.flops[q] += total
+                        continue
+                    rnd["shared"].append([q, unit.shared])
+                    for member in ex.blocks.members(q):
+                        model.flops[member] += share(e.rule, matrices, group, block)[1]
     model.rounds = [{**r, "owned": sorted(r["owned"].items())} for r in rounds.values()]
     return model
 

@@ -189,7 +189,8 @@ def _fail_reason(exc: BaseException) -> str:
 
 
 def simulate(model_name: str, layout: str, ranks: str, rank: int, *, layers: int | None, device: str,
-             optimizer: str = "meqmuon", ns_dtype: torch.dtype = torch.float32, foreach: bool = True) -> dict:
+             optimizer: str = "meqmuon", ns_dtype: torch.dtype = torch.float32, foreach: bool = True,
+             ns_group: int = 1) -> dict:
     """One simulated rank: builds, shards, steps three times (the first two timed, the third metered).
     Returns the measurements, or ``{"error": ...}`` where the optimizer cannot be planned or stepped on the
     fake group."""
@@ -223,10 +224,11 @@ def simulate(model_name: str, layout: str, ranks: str, rank: int, *, layers: int
             p.grad = torch.zeros_like(p)
         # torch's AdamW (meqmuon's "adamw") has no Newton-Schulz dtype
         dtype_kw = {"ns_dtype": ns_dtype} if "ns_dtype" in meqmuon.valid_hyperparameters(optimizer) else {}
-        opt = meqmuon.build_optimizer(optimizer, model, foreach=foreach, **dtype_kw)
+        opt = meqmuon.build_optimizer(optimizer, model, foreach=foreach, **dtype_kw,
+                                      **({"ns_group": ns_group} if ns_group > 1 else {}))
         built = time.perf_counter() - t0
         row = {"model": model_name, "layout": layout, "ranks": ranks, "rank": rank, "device": device,
-               "optimizer": optimizer, "ns_dtype": str(ns_dtype).removeprefix("torch."),
+               "optimizer": optimizer, "ns_dtype": str(ns_dtype).removeprefix("torch."), "ns_group": ns_group,
                "layers": model.config.num_hidden_layers, "build_s": built, "train_params": train_params(model)}
         engine = hasattr(opt, "_plan")  # the engine's optimizers; torch's AdamW exchanges nothing, has no NS
         row["floor"] = floor_bytes(opt, ns_dtype.itemsize) if engine else 0
@@ -264,7 +266,7 @@ def run_one(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     rows = [simulate(args.model, args.layout, args.ranks, r, layers=args.layers, device=args.device,
                      optimizer=args.optimizer, ns_dtype=getattr(torch, args.ns_dtype),
-                     foreach=args.form == "batched")
+                     foreach=args.form == "batched", ns_group=args.ns_group)
             for r in sample(args.sample_ranks, world_of(args.ranks))]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"rows": rows, "wall_s": time.perf_counter() - t0, "rss": rss}
@@ -318,7 +320,11 @@ def summarise(result: dict, itemsize: int = 4) -> dict:
     out["time_inputs"] = {
         "optimizer": r0.get("optimizer"), "ns_dtype": r0.get("ns_dtype"), "train_params": r0.get("train_params"),
         "itemsize": itemsize, "calls": r0["calls"], "bytes_by_name": r0["bytes_by_name"],
-        "ranks": [{k: r.get(k) for k in ("rank", "sent", "received", "flops", "ops", "traffic")} for r in rows],
+        "ns_group": r0.get("ns_group", 1),
+        "ranks": [{**{k: r.get(k) for k in ("rank", "sent", "received", "flops", "ops", "traffic")},
+                   # the bytes of a block's collectives (ns_group: groups smaller than the world), not the exchange's
+                   "block": sum(n for size, n in r.get("bytes_by_group_size", {}).items()
+                                if size is not None and int(size) < world)} for r in rows],
         **({k: r0["ranks_model"][k] for k in ("local", "owned", "rounds")} if "ranks_model" in r0 else {})}
     model = _model_of(r0, itemsize)
     if model is None:
@@ -380,6 +386,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer", default="meqmuon")
     parser.add_argument("--ns-dtype", default="float32")
     parser.add_argument("--form", default="batched", choices=("batched", "per-tensor"))
+    parser.add_argument("--ns-group", type=int, default=1,
+                        help="the optimizer's ns_group: blocks of this many ranks may share a unit's Newton-Schulz")
     parser.add_argument("--sample-ranks", default="0,busiest",
                         help="ranks simulated: numbers, 'last', 'busiest' (the rank model's busiest by bytes, "
                              "bytes per floor and FLOPs, read from the first rank's plan)")
@@ -396,7 +404,7 @@ def _run_rank(args: argparse.Namespace, model: str, layout: str, ranks: str, ran
     """:func:`run_one` of one rank in a process of its own (a fresh fake group and mesh)."""
     cmd = [sys.executable, __file__, "--json", "--model", model, "--layout", layout, "--ranks", ranks,
            "--device", args.device, "--optimizer", args.optimizer, "--ns-dtype", args.ns_dtype,
-           "--form", args.form, "--sample-ranks", str(rank)]
+           "--form", args.form, "--sample-ranks", str(rank), "--ns-group", str(args.ns_group)]
     if args.layers is not None:
         cmd += ["--layers", str(args.layers)]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})

@@ -228,7 +228,8 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
                                                        strict=True)]
     factor = 1.0
     if any(plan):
-        measured = {r["rank"]: max(r["sent"], r["received"]) for r in inputs["ranks"]}
+        # the exchange's bytes: a block's collectives (ns_group) are the rounds' block_seconds
+        measured = {r["rank"]: max(r["sent"], r["received"]) - r.get("block", 0) / 2 for r in inputs["ranks"]}
         top = max(measured, key=lambda r: (plan[r], -r))
         factor = measured[top] / plan[top] if plan[top] else 1.0
     rounds = []
@@ -244,9 +245,42 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
             owned[r] = k
         moved = ([factor * itemsize * max(loc, k * size) for loc, k in zip(rd["local"], owned, strict=True)]
                  if rd["local"] else [0.0] * world)
-        rounds.append(Round(tuple(rd["shape"]), moved, list(moved), [k * seconds for k in owned],
-                            [k * size for k in owned], max(t for t, _ in found), kind))
+        ns = [k * seconds for k in owned]
+        g = rd.get("block", 1)
+        for q, how in rd.get("shared", []):  # a unit its owner's block shares: each member its part and the block's
+            ns[q] -= seconds                  # collectives, the owner still receiving it whole
+            part = share_seconds(how, matrices, dtype, g, cal, hw) + block_seconds(how, matrices, itemsize, g, hw)
+            for member in range(q // g * g, q // g * g + g):
+                ns[member] += part
+        rounds.append(Round(tuple(rd["shape"]), moved, list(moved), ns, [k * size for k in owned],
+                            max(t for t, _ in found), kind))
     return rounds, factor
+
+
+def share_seconds(how: str, matrices: list, dtype: str, g: int, cal: Calibration, hw: Hardware) -> float:
+    """A block member's Newton-Schulz of a unit its block of ``g`` shares (``meqmuon/optim/shared_ns.py``): its
+    range of a stack's matrices (``"matrices"``), or its columns of each matrix (``"columns"``: the matrix's
+    calibrated time times the member's share of its FLOPs, ``shared_ns.column_flops``, at the same rate)."""
+    from meqmuon.optim.shared_ns import column_flops
+
+    (m, n), k = matrices[0], len(matrices)
+    seconds = cal.seconds(m, n, dtype, hw)[0]
+    return -(-k // g) * seconds if how == "matrices" else k * seconds * column_flops(m, n, 5, g) / ns_flops(m, n)
+
+
+def block_seconds(how: str, matrices: list, itemsize: int, g: int, hw: Hardware, steps: int = 5) -> float:
+    """A shared unit's collectives over its block (consecutive ranks: NVLink where ``g`` fits a node), which every
+    member waits for: the owner's bytes (``shared_ns.block_bytes``: the parts out and back, and for a column split
+    per iteration the Gram matrices' ring all-reduce and ``B``'s rows gathered) at the link's bandwidth, after
+    each collective's latency (a ring all-reduce ``2 (g - 1)`` steps)."""
+    from meqmuon.optim.shared_ns import block_bytes
+
+    link = hw.nvlink if g <= hw.ranks_per_node else hw.network
+    (m, n), k = matrices[0], len(matrices)
+    latency = 2 * (hw.base_latency + link.latency)
+    if how == "columns":
+        latency += steps * (2 * hw.base_latency + (2 * (g - 1) + 1) * link.latency)
+    return latency + block_bytes(how, k, m, n, itemsize, g, steps) / link.bandwidth
 
 
 def pipeline(out: list[float], compute: list[list[float]], back: list[float], overlap: bool | int) -> float:
@@ -349,7 +383,8 @@ def step_times(summary: dict, hw: Hardware, cal: Calibration, longest_first: boo
     other = sum(count * hw.allreduce_seconds(inputs["bytes_by_name"].get(name, 0) / (2 * count), world)
                 for name, count in inputs["calls"].items() if name.startswith("allreduce"))
     per_rank = [sum(rd.ns[r] for rd in rounds) for r in range(world)]
-    largest = max((rd.seconds for rd in rounds if any(rd.ns)), default=0.0)
+    # the largest matrix on the ranks allowed to share it (ns_group: its block's, by columns)
+    largest = max((rd.seconds for rd in rounds if any(rd.ns)), default=0.0) / inputs.get("ns_group", 1)
     return StepTimes(
         serial=pipeline(out, compute, back, overlap=False) + other,
         overlapped=pipeline(out, compute, back, overlap=True) + other,
@@ -389,7 +424,9 @@ def table(summaries: list[dict], hw: Hardware, cal: Calibration, mfu: float, tok
     ``*``."""
     lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     for s in summaries:
-        head = f"| {s['model']} | {s['layout']} | {s['ranks']} | {s.get('optimizer')} |"
+        group = s.get("time_inputs", {}).get("ns_group", 1)
+        head = f"| {s['model']} | {s['layout']} | {s['ranks']} | {s.get('optimizer')}" + (
+            f", ns_group={group} |" if group > 1 else " |")
         if "error" in s:
             lines.append(f"{head} {s['error']} |" + " |" * (HEADER.count(" | ") - 5))
             continue
