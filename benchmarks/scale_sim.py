@@ -320,6 +320,8 @@ def summarise(result: dict, itemsize: int = 4) -> dict:
     out["time_inputs"] = {
         "optimizer": r0.get("optimizer"), "ns_dtype": r0.get("ns_dtype"), "train_params": r0.get("train_params"),
         "itemsize": itemsize, "calls": r0["calls"], "bytes_by_name": r0["bytes_by_name"],
+        # the world's collectives apart from a block's (ns_group), by "name@group size"
+        "calls_by_group": r0.get("calls_by_group", {}), "bytes_by_group": r0.get("bytes_by_group", {}),
         "ns_group": r0.get("ns_group", 1),
         "ranks": [{**{k: r.get(k) for k in ("rank", "sent", "received", "flops", "ops", "traffic")},
                    # the bytes of a block's collectives (ns_group: groups smaller than the world), not the exchange's

@@ -156,6 +156,9 @@ class StepMeter(TorchDispatchMode):
         self.calls: Counter = Counter()
         self.bytes_by_name: Counter = Counter()
         self.bytes_by_group_size: Counter = Counter()
+        #: Calls and bytes per ``"name@group size"``: a block's collectives (``ns_group``) apart from the world's.
+        self.calls_by_group: Counter = Counter()
+        self.bytes_by_group: Counter = Counter()
         self.sent = self.received = self.flops = 0
         self.live = self.peak = 0
         self.ops = self.traffic = 0
@@ -192,7 +195,10 @@ class StepMeter(TorchDispatchMode):
         self.sent += sent
         self.received += received
         self.bytes_by_name[name] += sent + received
-        self.bytes_by_group_size[_group_size(args)] += sent + received
+        size = _group_size(args)
+        self.bytes_by_group_size[size] += sent + received
+        self.calls_by_group[f"{name}@{size}"] += 1
+        self.bytes_by_group[f"{name}@{size}"] += sent + received
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -215,7 +221,8 @@ class StepMeter(TorchDispatchMode):
         """The counts as plain values (for ``torch.save`` across processes)."""
         return {"calls": dict(self.calls), "sent": self.sent, "received": self.received, "flops": self.flops,
                 "peak": self.peak, "bytes_by_name": dict(self.bytes_by_name),
-                "bytes_by_group_size": dict(self.bytes_by_group_size), "ops": self.ops, "traffic": self.traffic}
+                "bytes_by_group_size": dict(self.bytes_by_group_size), "calls_by_group": dict(self.calls_by_group),
+                "bytes_by_group": dict(self.bytes_by_group), "ops": self.ops, "traffic": self.traffic}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

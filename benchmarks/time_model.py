@@ -379,9 +379,13 @@ def step_times(summary: dict, hw: Hardware, cal: Calibration, longest_first: boo
         if total else [[elementwise]]
     out = [max(exchange_seconds(b, world, hw) for b in rd.out) for rd in rounds] or [0.0]
     back = [max(exchange_seconds(b, world, hw) for b in rd.back) for rd in rounds] or [0.0]
-    # the other collectives (all-reduces of a few floats): a tree's latency each, after the rounds
-    other = sum(count * hw.allreduce_seconds(inputs["bytes_by_name"].get(name, 0) / (2 * count), world)
-                for name, count in inputs["calls"].items() if name.startswith("allreduce"))
+    # the other collectives (all-reduces of a few floats over the world; a block's are its rounds' block_seconds): a
+    # tree's latency each, after the rounds
+    calls, nbytes = ((inputs["calls_by_group"], inputs["bytes_by_group"]) if inputs.get("calls_by_group") else
+                     (inputs["calls"], inputs["bytes_by_name"]))
+    other = sum(count * hw.allreduce_seconds(nbytes.get(name, 0) / (2 * count), world)
+                for name, count in calls.items() if name.startswith("allreduce")
+                and name.partition("@")[2] in ("", str(world)))
     per_rank = [sum(rd.ns[r] for rd in rounds) for r in range(world)]
     # the largest matrix on the ranks allowed to share it (ns_group: its block's, by columns)
     largest = max((rd.seconds for rd in rounds if any(rd.ns)), default=0.0) / inputs.get("ns_group", 1)

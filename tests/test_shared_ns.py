@@ -7,10 +7,15 @@ quintic written from the paper's eq. 3 in float64, and the overlapped forms agai
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 from test_distributed import _spawn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import meqmuon
 from meqmuon.optim import shared_ns
@@ -246,3 +251,42 @@ def test_the_shared_iterations_are_the_quintic_of_eq3_in_float64(tmp_path):
         for u, x in zip(U, X, strict=True):
             torch.testing.assert_close(u, _eq3(x, MUON["ns_coefficients"], MUON["ns_steps"]), rtol=1e-12, atol=1e-12,
                                        msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_the_time_model_gives_each_block_member_its_share_and_the_blocks_collectives(monkeypatch):
+    """Muon on Llama-tiny under FSDP2 on 16 fake ranks, blocks of 8 (links free in the plan, so that it shares at
+    these sizes): the simulator's rounds name the shared units and their owners; the time model gives every member
+    of a shared unit's block the member's share (the column split's FLOPs at the matrix's calibrated rate) and the
+    block's collectives (``shared_ns.block_bytes`` over NVLink after their latencies), takes the unit from its
+    owner's own time, and bounds the largest matrix by its block's share."""
+    import scale_sim
+    import time_model
+
+    monkeypatch.setattr(shared_ns, "FLOPS_PER_BLOCK_BYTE", 0.0)
+    row = scale_sim.simulate("llama-tiny", "fsdp2", "16", 0, layers=2, device="meta", optimizer="muon", ns_group=8)
+    summary = scale_sim.summarise({"rows": [row], "wall_s": 1.0, "rss": 1}, 4)
+    inputs = summary["time_inputs"]
+    assert inputs["ns_group"] == 8 and inputs["ranks"][0]["block"] > 0
+    hw = time_model.Hardware("test", hbm=1e12, peak={"bfloat16": 1e15, "float32": 1e14},
+                             nvlink=time_model.Link(400e9, 1e-6), network=time_model.Link(100e9, 1e-6),
+                             base_latency=1e-6)
+    cal = time_model.Calibration("test", rate_fraction=0.5)
+    rounds, _ = time_model.rounds_of(inputs, 16, cal, hw)
+    assert any(rd["shared"] for rd in inputs["rounds"])
+    for rd, got in zip(inputs["rounds"], rounds, strict=True):
+        (m, n), k = rd["matrices"][0], len(rd["matrices"])
+        whole = time_model.ns_flops(m, n) / (0.5 * 1e14) * k
+        expected = [0.0] * 16
+        for r, count in rd["owned"]:
+            expected[r] += count * whole
+        for q, how in rd["shared"]:
+            assert how == "columns" and k == 1
+            expected[q] -= whole
+            part = whole * column_flops(m, n, 5, 8) / time_model.ns_flops(m, n)
+            latency = 2 * (1e-6 + 1e-6) + 5 * (2e-6 + 15e-6)  # parts out and back; per iteration two collectives
+            moved = shared_ns.block_bytes("columns", 1, m, n, 4, 8, 5) / 400e9
+            for member in range(q // 8 * 8, q // 8 * 8 + 8):
+                expected[member] += part + latency + moved
+        assert got.ns == pytest.approx(expected, rel=1e-9, abs=1e-15), rd["shape"]
+    times = time_model.step_times(summary, hw, cal)
+    assert times.ns_largest == pytest.approx(time_model.ns_flops(128, 64) / (0.5 * 1e14) / 8)

@@ -131,7 +131,7 @@ class Exchange(LocalSplit):
             raise NotImplementedError(f"ns_group={ns_group} is not built for a mesh dimension that replicates (HSDP; "
                                       f"a tensor of shape {tuple(hsdp.pieces.shape)}): use ns_group=1")
         else:
-            owners, shared = assign(costs, shares, self.load, ns_group)
+            owners, shared = assign(costs, shares, self.load, ns_group, buckets)
         for u, o, s, how in zip(units, owners, shared, shares or [None] * len(units), strict=True):
             u.assigned, u.shared = o, how[0] if s else None
             u.owner = self.owner_of(u)

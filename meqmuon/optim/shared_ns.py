@@ -118,11 +118,15 @@ def share(rule: Any, shapes: Sequence[tuple[int, int]], group: dict, g: int) -> 
 
 
 def _fill(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], load: list[float], g: int,
-          limit: float) -> tuple[list[int], list[bool], list[float]] | None:
+          limit: float, groups: Sequence[Any]) -> tuple[list[int], list[bool], list[float]] | None:
     """Longest first, each unit whole onto the least-loaded rank where that stays within ``limit``, else shared by
     the block whose busiest member is least loaded where that does; ``None`` where neither does (``limit``
-    infinite: whole units alone, ``distributed.assign_owners``' greedy). Returns owners, shared, loads."""
+    infinite: whole units alone, ``distributed.assign_owners``' greedy). Among equally loaded ranks, and among a
+    block's members for a shared unit's owner (who receives it whole), one that holds the fewest units of the
+    unit's shape bucket (``groups[i]``), so that no rank receives two of one round where another is free. Returns
+    owners, shared, loads."""
     load, world = list(load), len(load)
+    held: dict[tuple[Any, int], int] = {}
     heap = [(x, r) for r, x in enumerate(load)]
     heapq.heapify(heap)
     busiest = [max(load[b * g : (b + 1) * g]) for b in range(world // g)]
@@ -132,8 +136,15 @@ def _fill(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], lo
             heapq.heappop(heap)
         x, r = heap[0]
         if x + costs[i] <= limit:
-            heapq.heappop(heap)
+            tied = [heapq.heappop(heap)]  # the equally loaded ranks, lowest first, until one without this bucket
+            while held.get((groups[i], tied[-1][1])) and heap and heap[0][0] == x:
+                tied.append(heapq.heappop(heap))
+            r = min(tied, key=lambda t: (held.get((groups[i], t[1]), 0), t[1]))[1]
+            for t in tied:
+                if t[1] != r:
+                    heapq.heappush(heap, t)
             owners[i], load[r] = r, x + costs[i]
+            held[groups[i], r] = held.get((groups[i], r), 0) + 1
             heapq.heappush(heap, (load[r], r))
             busiest[r // g] = max(busiest[r // g], load[r])
             continue
@@ -141,7 +152,8 @@ def _fill(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], lo
         if shares[i] is None or busiest[b] + shares[i][1] > limit:
             return None
         members = range(b * g, (b + 1) * g)
-        owners[i], shared[i] = min(members, key=lambda q: (load[q], q)), True
+        owners[i], shared[i] = min(members, key=lambda q: (held.get((groups[i], q), 0), load[q], q)), True
+        held[groups[i], owners[i]] = held.get((groups[i], owners[i]), 0) + 1
         for q in members:
             load[q] += shares[i][1]
             heapq.heappush(heap, (load[q], q))
@@ -150,19 +162,21 @@ def _fill(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], lo
 
 
 def assign(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], load: list[float],
-           g: int, rounds: int = 20) -> tuple[list[int], list[bool]]:
+           g: int, groups: Sequence[Any] | None = None, rounds: int = 20) -> tuple[list[int], list[bool]]:
     """The owner of each unit and whether its block shares it, so that the busiest rank's predicted load is least:
     the smallest limit (by bisection, ``rounds`` halvings between 0 and the busiest rank of whole units alone) for
     which :func:`_fill` places every unit. Whole where a unit fits, so that a unit is shared only where whole units
     cannot reach the limit (its block's collectives and the members' extra work are paid only there; Llama-3 70B on
     256 ranks packs its 240 MLP matrices whole and shares nothing, 405B on 1,024 shares most); a shared unit's owner
     is its block's least-loaded member, and every member carries its share. ``load`` is updated in place (as
-    ``distributed.assign_owners``'). Depends only on the arguments: identical on every rank, no collective."""
-    owners, shared, best = _fill(costs, [None] * len(costs), load, g, math.inf)  # type: ignore[misc]
+    ``distributed.assign_owners``'; ``groups``: each unit's shape bucket, :func:`_fill`'s). Depends only on the
+    arguments: identical on every rank, no collective."""
+    groups = groups if groups is not None else [None] * len(costs)
+    owners, shared, best = _fill(costs, [None] * len(costs), load, g, math.inf, groups)  # type: ignore[misc]
     lo, hi = 0.0, max(best)
     for _ in range(rounds if any(s is not None for s in shares) else 0):
         mid = (lo + hi) / 2
-        plan = _fill(costs, shares, load, g, mid)
+        plan = _fill(costs, shares, load, g, mid, groups)
         if plan is None:
             lo = mid
         else:
