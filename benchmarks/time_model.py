@@ -42,7 +42,10 @@ step's (the host runs ahead; see :func:`validate`).
 
 **Critical path.** Newton-Schulz's lower bound is ``max(total / W, largest)`` in calibrated time (the total
 spread evenly; no matrix split); today's is the serial sum over rounds of the busiest owner's time, and the
-busiest rank's own total (what a perfect pipeline could reach without splitting matrices).
+busiest rank's own total (what a perfect pipeline could reach without splitting matrices). With ``ns_group=g``
+(``meqmuon/optim/shared_ns.py``) a block of ``g`` ranks may share a unit: each member then has its share
+(:func:`share_seconds`) and the block's collectives (:func:`block_seconds`, over NVLink), counted in its
+Newton-Schulz time, and the largest matrix's term is its time over ``g``.
 
 **Inputs and their sources** (:data:`H100`, :data:`H200`, ``--help`` for the options):
 

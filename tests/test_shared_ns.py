@@ -49,13 +49,35 @@ def test_share_splits_a_stack_by_matrices_and_a_matrix_by_columns_and_nothing_el
     moved = 2 * 256 * 2048 * 7168 * 2 * 7 / 8  # the owner's parts out and back
     assert how == "matrices" and cost == 32 * method_flops(MUON, 2048, 7168) + FLOPS_PER_BLOCK_BYTE * moved
     how, cost = share(rule, [(28672, 8192)], MUON | {"ns_dtype": torch.float32}, 8)
-    moved = 2 * 28672 * 8192 * 4 * 7 / 8 + 5 * (2 * 7 / 8 * 8192**2 * 4 + 8192**2 * 4 * 7 / 8)  # + Gram, B
+    gram = 8192**2 // 2 + 4096  # the Gram matrix's upper triangle, packed
+    moved = 2 * 28672 * 8192 * 4 * 7 / 8 + 5 * (2 * 7 / 8 * gram * 4 + 8192**2 * 4 * 7 / 8)  # + Gram, B
     assert how == "columns" and cost == pytest.approx(column_flops(28672, 8192, 5, 8) + FLOPS_PER_BLOCK_BYTE * moved)
     assert share(rule, [(64, 32), (32, 32)], MUON, 2) is None  # two shapes: not one stack
     assert share(rule, [(64, 32)], MUON | {"ns_method": "gram"}, 2) is None  # the column split is the quintic's
     assert share(rule, [(64, 32)] * 2, MUON | {"ns_method": "gram"}, 2)[0] == "matrices"  # any method, whole
     assert share(_rule_and_group("vector")[0], [(64, 32)], MUON, 2) is None
     assert share(rule, [(64, 32)], MUON, 1) is None
+
+
+@pytest.mark.parametrize("kw", [{"ns_group": 0}, {"ns_group": True}, {"ns_group": 2.0},
+                                {"ns_group": 2, "compile": True}])
+def test_an_ns_group_the_optimizer_cannot_take_is_refused_when_it_is_built(kw):
+    with pytest.raises(ValueError, match="Invalid ns_group"):
+        meqmuon.build_optimizer("meqmuon", [torch.nn.Parameter(torch.zeros(4, 4))], **kw)
+
+
+@pytest.mark.parametrize("s", [1, 2, 7, 8, 64])
+def test_the_gram_all_reduce_sends_the_upper_triangle_and_gets_the_matrix_back(s):
+    """``_packed`` keeps ``s^2 / 2 + s / 2`` numbers of a symmetric stack (even ``s``; odd: all of it) and
+    ``_unpacked`` gives it back exactly; of any even stack, the upper triangle mirrored."""
+    from meqmuon.optim.shared_ns import _packed, _unpacked
+
+    X = torch.randn(3, s, s, dtype=torch.float64, generator=torch.Generator().manual_seed(s))
+    A = X + X.mT
+    P = _packed(A)
+    assert P.numel() == 3 * (s * s // 2 + s // 2 if s % 2 == 0 else s * s)
+    assert torch.equal(_unpacked(P, s), A)
+    assert torch.equal(_unpacked(_packed(X), s), X.triu() + X.triu(1).mT if s % 2 == 0 else X)
 
 
 def _llama3_70b() -> tuple[list[float], list]:
@@ -162,7 +184,27 @@ def _worker(rank: int) -> dict:
                 out[key]["reference"] = _one_process(name, foreach)
     out["all"] = _run("meqmuon", "fsdp2", 2, "all", False)
     out["two"] = _run("meqmuon", "fsdp2", 2, True, False)
+    out["refused"] = [_refused(3, None), _refused(2, "hsdp")]
     return out
+
+
+def _refused(ns_group: int, layout: str | None) -> str:
+    """What a plan ``ns_group`` cannot make says: blocks that do not divide the ranks, an HSDP mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    if layout == "hsdp":
+        fully_shard(model, mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard")))
+    params = list(model)
+    opt = meqmuon.build_optimizer("muon", _groups(params), ns_dtype=torch.float32, ns_group=ns_group)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    try:
+        opt.step()
+    except (ValueError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "stepped"
 
 
 def test_shared_newton_schulz_equals_one_process_under_fsdp2_and_ddp(tmp_path):
@@ -181,6 +223,9 @@ def test_shared_newton_schulz_equals_one_process_under_fsdp2_and_ddp(tmp_path):
                 assert torch.equal(a, b), (key, rank)  # every rank ends with the same weights
         for p, ref in zip(r["params"], r["reference"], strict=True):
             torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+    divide, hsdp = got[0]["refused"]
+    assert divide.startswith("ValueError: ns_group=3 must divide the optimizer's 2 ranks"), divide
+    assert hsdp.startswith("NotImplementedError: ns_group=2 is not built for a mesh dimension that replicates"), hsdp
     blocking = got[0][("meqmuon", "fsdp2", False)]["params"]
     for form in ("all", "two"):
         for a, b in zip(got[0][form]["params"], blocking, strict=True):

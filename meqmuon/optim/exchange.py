@@ -14,7 +14,9 @@ as every other rank does and shares its Newton-Schulz with them, steps here, by 
 3. the owner puts the pieces together and runs the one body of a hidden rule on whole matrices
    (:func:`.driver.bucket_directions`: ``pre``, Newton-Schulz, ``post``), so every statistic is the whole
    matrix's, one process's bits (an elementwise momentum rule's ``direction``, a stepping rule's own step on
-   whole tensors, where their statistics need more than sums over rows);
+   whole tensors, where their statistics need more than sums over rows); with ``ns_group`` a block of ranks may
+   share a unit's Newton-Schulz there (``shared_ns.py``: the owner's parts out and back over the block, exact to
+   rounding);
 4. a second exchange returns every rank its piece of the direction, in the fewest bytes that keep its bits
    (``transfer.py``: ``U`` in the Newton-Schulz dtype, or with eq. 8's factors, or ``D``), and the per-matrix
    state the rule changed; under DDP every other rank receives it whole;
