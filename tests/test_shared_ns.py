@@ -49,8 +49,7 @@ def test_share_splits_a_stack_by_matrices_and_a_matrix_by_columns_and_nothing_el
     moved = 2 * 256 * 2048 * 7168 * 2 * 7 / 8  # the owner's parts out and back
     assert how == "matrices" and cost == 32 * method_flops(MUON, 2048, 7168) + FLOPS_PER_BLOCK_BYTE * moved
     how, cost = share(rule, [(28672, 8192)], MUON | {"ns_dtype": torch.float32}, 8)
-    gram = 8192**2 // 2 + 4096  # the Gram matrix's upper triangle, packed
-    moved = 2 * 28672 * 8192 * 4 * 7 / 8 + 5 * (2 * 7 / 8 * gram * 4 + 8192**2 * 4 * 7 / 8)  # + Gram, B
+    moved = 2 * 28672 * 8192 * 4 * 7 / 8 + 5 * (2 * 7 / 8 * 8192**2 * 4 + 8192**2 * 4 * 7 / 8)  # + Gram, B
     assert how == "columns" and cost == pytest.approx(column_flops(28672, 8192, 5, 8) + FLOPS_PER_BLOCK_BYTE * moved)
     assert share(rule, [(64, 32), (32, 32)], MUON, 2) is None  # two shapes: not one stack
     assert share(rule, [(64, 32)], MUON | {"ns_method": "gram"}, 2) is None  # the column split is the quintic's
@@ -64,20 +63,6 @@ def test_share_splits_a_stack_by_matrices_and_a_matrix_by_columns_and_nothing_el
 def test_an_ns_group_the_optimizer_cannot_take_is_refused_when_it_is_built(kw):
     with pytest.raises(ValueError, match="Invalid ns_group"):
         meqmuon.build_optimizer("meqmuon", [torch.nn.Parameter(torch.zeros(4, 4))], **kw)
-
-
-@pytest.mark.parametrize("s", [1, 2, 7, 8, 64])
-def test_the_gram_all_reduce_sends_the_upper_triangle_and_gets_the_matrix_back(s):
-    """``_packed`` keeps ``s^2 / 2 + s / 2`` numbers of a symmetric stack (even ``s``; odd: all of it) and
-    ``_unpacked`` gives it back exactly; of any even stack, the upper triangle mirrored."""
-    from meqmuon.optim.shared_ns import _packed, _unpacked
-
-    X = torch.randn(3, s, s, dtype=torch.float64, generator=torch.Generator().manual_seed(s))
-    A = X + X.mT
-    P = _packed(A)
-    assert P.numel() == 3 * (s * s // 2 + s // 2 if s % 2 == 0 else s * s)
-    assert torch.equal(_unpacked(P, s), A)
-    assert torch.equal(_unpacked(_packed(X), s), X.triu() + X.triu(1).mT if s % 2 == 0 else X)
 
 
 def _llama3_70b() -> tuple[list[float], list]:

@@ -11,9 +11,8 @@ bound becomes ``max(total work / ranks, largest matrix / g)``:
   an owner does; one process's bits, no collective but the two below;
 * **by columns** (``"columns"``), where it is fewer matrices (one large matrix): each member iterates a block of the
   long side of the wide orientation ``Z`` (``s x L``, ``s <= L``; a tall matrix's rows); the quintic's Gram matrix
-  is the sum of the members' (one ``all_reduce`` per iteration, of its upper triangle: it is symmetric) and
-  ``B = b A + c A^2`` is made by rows, each member its own ``s / g`` rows, gathered by all (one
-  ``all_to_all_single``)::
+  is the sum of the members' (one ``all_reduce`` per iteration) and ``B = b A + c A^2`` is made by rows, each
+  member its own ``s / g`` rows, gathered by all (one ``all_to_all_single``)::
 
       Z_0 = Z / max(||Z||_F, eps)   (at the owner, whole),      A_k = sum_j Z_k,j Z_k,j^T   (all_reduce),
       B_k[i] = b A_k[i] + c A_k[i] A_k                           (member i its rows, gathered by all),
@@ -95,10 +94,8 @@ def block_bytes(how: str, k: int, m: int, n: int, itemsize: int, g: int, steps: 
     and ``B``'s rows gathered (``(g - 1) / g`` of ``B``)."""
     nbytes = 2 * k * m * n * itemsize * (g - 1) / g
     if how == "columns":
-        s = min(m, n)
-        gram = k * s * s
-        packed = k * (s * s // 2 + s // 2) if s % 2 == 0 else gram  # the upper triangles (_packed)
-        nbytes += steps * (2 * (g - 1) / g * packed * 4 + gram * itemsize * (g - 1) / g)
+        gram = k * min(m, n) ** 2
+        nbytes += steps * (2 * (g - 1) / g * gram * 4 + gram * itemsize * (g - 1) / g)
     return nbytes
 
 
@@ -186,36 +183,6 @@ def assign(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], l
             (owners, shared, best), hi = plan, max(plan[2])
     load[:] = best
     return owners, shared
-
-
-def _packed(A: Tensor) -> Tensor:
-    """A stack of symmetric ``(K, s, s)`` matrices (even ``s = 2h``) as their upper triangles in ``(K, h, 2h + 1)``
-    (rectangular full packed, as LAPACK's ``RFP``): the top-right block ``A[:h, h:]``, the top-left block's upper
-    triangle with the bottom-right block's strict upper triangle transposed below it, and that block's diagonal;
-    ``s^2 / 2 + h`` numbers where the Gram all-reduce sends them instead of ``s^2``. Odd ``s``: ``A`` itself."""
-    s = A.shape[-1]
-    if s % 2:
-        return A.contiguous()
-    h = s // 2
-    top, bottom = A[:, :h, :h], A[:, h:, h:]
-    folded = top.triu() + bottom.triu(1).mT
-    return torch.cat([A[:, :h, h:], folded, bottom.diagonal(dim1=-2, dim2=-1)[..., None]], dim=-1).contiguous()
-
-
-def _unpacked(P: Tensor, s: int) -> Tensor:
-    """:func:`_packed`'s inverse: the symmetric ``(K, s, s)`` stack, each lower entry its upper mirror's."""
-    if s % 2:
-        return P
-    h = s // 2
-    right, folded, diagonal = P[..., :h], P[..., h : 2 * h], P[..., 2 * h]
-    top = folded.triu()
-    bottom = folded.tril(-1).mT + torch.diag_embed(diagonal)
-    A = torch.empty(P.shape[0], s, s, dtype=P.dtype, device=P.device)
-    A[:, :h, :h] = top + top.triu(1).mT
-    A[:, :h, h:] = right
-    A[:, h:, :h] = right.mT
-    A[:, h:, h:] = bottom + bottom.triu(1).mT
-    return A
 
 
 class Blocks:
@@ -348,9 +315,9 @@ class SharedNS:
         schedule, _ = F.ns_schedule(self.group["ns_coefficients"], self.group["ns_steps"])
         for a, b, c in schedule:
             A = self._kept(Z.new_empty(k, s, s), torch.bmm, Z, Z.mT)
-            total = _packed(A.float() if itemsize < 4 else A)
+            total = A.float() if itemsize < 4 else A
             dist.all_reduce(total, group=self.blocks.pg)
-            A = _unpacked(total, s).to(self.dtype)
+            A = total.to(self.dtype)
             mine = self._kept(A[:, rows[me]], torch.baddbmm, A[:, rows[me]], A[:, rows[me]], A, beta=b, alpha=c)
             got = exchange_flat([[mine] if j != me else [] for j in range(g)],
                                 [n if j != me else 0 for j, n in enumerate(sizes)], self.blocks.pg, Z.device)
