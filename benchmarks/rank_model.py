@@ -126,7 +126,7 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
     from meqmuon.optim.newton_schulz import method_flops
     from meqmuon.optim.owners import Replicas
     from meqmuon.optim.placement import Path
-    from meqmuon.optim.shared_ns import share
+    from meqmuon.optim.shared_ns import share_flops
 
     world = dist.get_world_size()
     model = RankModel(world, itemsize, [0] * world, [0] * world, [0] * world)
@@ -177,8 +177,9 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
                         model.flops[q] += total
                         continue
                     rnd["shared"].append([q, unit.shared])
+                    part = share_flops(unit.shared, matrices, group, block)  # FLOPs: no link priced in
                     for member in ex.blocks.members(q):
-                        model.flops[member] += share(e.rule, matrices, group, block)[1]
+                        model.flops[member] += part
     model.rounds = [{**r, "owned": sorted(r["owned"].items())} for r in rounds.values()]
     return model
 

@@ -21,8 +21,8 @@ from torch import Tensor
 __all__ = [
     "NS_COEFFICIENTS", "NS_EPS", "NS_SCHEDULES", "NS_STEPS", "POLAR_EXPRESS", "POLAR_EXPRESS_SAFETY",
     "POLAR_EXPRESS_SPEEDRUN", "Coefficients", "canonical_coefficients", "ns_schedule", "orthogonalize",
-    "orthogonalize_stack", "ns_step", "SYMMETRIC_MIN", "SYMMETRIC_STACK_MIN", "GRAM_RESTARTS", "gram_orthogonalize",
-    "aol_orthogonalize", "CUBIC5", "cubic_schedule", "cubic_orthogonalize",
+    "orthogonalize_stack", "ns_step", "frobenius_normalize_", "SYMMETRIC_MIN", "SYMMETRIC_STACK_MIN", "GRAM_RESTARTS",
+    "gram_orthogonalize", "aol_orthogonalize", "CUBIC5", "cubic_schedule", "cubic_orthogonalize",
 ]
 
 #: Quintic Newton-Schulz coefficients (a, b, c) of Jordan et al. (2024), used by Moonlight,
@@ -280,9 +280,7 @@ def _matrix_iteration(
         X = _buffer(ws, "X", (m, n), dtype, x.device).copy_(x)
     first = X
     coefficients, scale = schedule
-    norm = torch.linalg.vector_norm(X)
-    norm = norm if scale == 1.0 else norm * scale
-    X.div_(norm + eps if eps_added else norm.clamp(min=eps))
+    frobenius_normalize_(X, scale, eps, eps_added)
     if result is None:
         result = torch.empty((m, n), dtype=dtype, device=x.device)
     steps = len(coefficients)
@@ -294,6 +292,14 @@ def _matrix_iteration(
         step(X, c, out=out, scratch=ws["G"])
         X = out
     return result
+
+
+def frobenius_normalize_(X: Tensor, scale: float, eps: float, eps_added: bool = False) -> Tensor:
+    """One matrix's first line of the quintic, in place: ``X / max(scale ||X||_F, eps)``, or with ``eps_added``
+    ``X / (scale ||X||_F + eps)`` (:func:`orthogonalize`'s ``eps_added``), the norm in ``X``'s dtype."""
+    norm = torch.linalg.vector_norm(X)
+    norm = norm if scale == 1.0 else norm * scale
+    return X.div_(norm + eps if eps_added else norm.clamp(min=eps))
 
 
 def _buffer(ws: dict, name: str, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - exercised only on such builds
     Shard = None  # type: ignore[assignment,misc]
 
 __all__ = ["SHARDED_LAYOUTS", "InFlight", "LocalSplit", "RowSums", "assign_owners", "exchange_flat", "is_dtensor",
-           "local", "resolve_process_group", "state_like"]
+           "local", "received_as", "resolve_process_group", "state_like"]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -180,6 +180,12 @@ class InFlight:
                 self._work.wait()
             self._value, self._work, self._finish = self._finish(), None, None
         return self._value
+
+
+def received_as(piece: Tensor, dtype: torch.dtype, shape: Sequence[int]) -> Tensor:
+    """Received bytes (of :func:`exchange_flat`'s result) as ``dtype`` in ``shape`` (copied first where the bytes
+    before them leave them unaligned)."""
+    return (piece if piece.storage_offset() % dtype.itemsize == 0 else piece.clone()).view(dtype).view(shape)
 
 
 def exchange_flat(send: list[list[Tensor]], out_splits: Sequence[int], group: Any, device: torch.device, *,

@@ -428,8 +428,8 @@ class RoleOptimizer(Optimizer):
                     for t in e.tensors():
                         e.units.append(len(units))
                         units.append(e.unit(t, cache))
-                        costs.append(sum(driver.cost(rule, s, group) for s in unit_shapes(units[-1])))
-                        shares.append(share(rule, unit_shapes(units[-1]), group, self._ns_group))
+                        shares.append(share(rule, shapes := unit_shapes(units[-1]), group, self._ns_group))
+                        costs.append(sum(driver.cost(rule, s, group) for s in shapes))
                 if not e.cut:
                     e.item = Item(p, None, state, name, p.shape, pkind, *e.units)
                 entries.append(e)

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from . import commit, transfer
 from .calls import Item, StepContext
-from .distributed import InFlight, LocalSplit, assign_owners, exchange_flat
+from .distributed import InFlight, LocalSplit, assign_owners, exchange_flat, received_as
 from .driver import (
     Bucket,
     Call,
@@ -72,11 +72,6 @@ __all__ = ["DEPTHS", "Exchange", "Unit", "exchange_flat", "step"]
 #: one (blocking), two, or every bucket (its inputs all posted first, so that each owner starts as soon as its own
 #: arrive: the time model's fastest schedule, benchmarks/time_model.py).
 DEPTHS = {False: 1, True: 2, "all": sys.maxsize}
-
-
-def _as(piece: Tensor, dtype: torch.dtype, shape: Sequence[int]) -> Tensor:
-    """Received bytes as ``dtype`` in ``shape`` (copied first where the bytes before them leave them unaligned)."""
-    return (piece if piece.storage_offset() % dtype.itemsize == 0 else piece.clone()).view(dtype).view(shape)
 
 
 class Unit:
@@ -200,7 +195,7 @@ class Exchange(LocalSplit):
                     for t, w in zip(ws, where, strict=True):
                         boxes, shape = w[r]
                         n = math.prod(shape) * t.element_size()
-                        piece = _as(out[start : start + n], t.dtype, shape)
+                        piece = received_as(out[start : start + n], t.dtype, shape)
                         for g, loc in boxes:
                             t[g].copy_(piece[loc])
                         start += n
@@ -261,7 +256,7 @@ class Exchange(LocalSplit):
             got = []
             for shape, dtype in spec:
                 n = math.prod(shape) * dtype.itemsize
-                got.append(_as(flat[starts[u.owner] : starts[u.owner] + n], dtype, shape))
+                got.append(received_as(flat[starts[u.owner] : starts[u.owner] + n], dtype, shape))
                 starts[u.owner] += n
             out.append(got)
         return out
@@ -303,7 +298,7 @@ class _Call:
 
     __slots__ = ("rule", "bucket", "group", "ctx", "batched", "orth", "members", "indices", "units", "replicas",
                  "scales", "fold", "ns", "x_dtype", "d_dtype", "factored", "own", "keys_out", "device", "wholes",
-                 "stack")
+                 "stack", "stacked_ns")
 
     def __init__(self, rule: HiddenRule, bucket: Bucket, group: dict, ctx: StepContext, batched: bool,
                  orth: Callable | None, x_of: Inputs, wait: bool = True) -> None:
@@ -318,6 +313,10 @@ class _Call:
                        [rule.lr_scale(it.shape[0], math.prod(it.shape[1:]), group)]
                        for u, it in zip(units, members, strict=True)]
         self.fold = any(len(set(s)) > 1 for s in self.scales)
+        # Newton-Schulz of an owner's stack as one batched call: under DDP as one process's batched form runs it (its
+        # bits); a DTensor's owner where the device runs one (newton_schulz.batched_ns: on CPU matrix by matrix,
+        # faster there and iterated in the received buffer, the owner's transient peak one matrix's Newton-Schulz)
+        self.stacked_ns = batched and (self.replicas or batched_ns(self.device))
         # What travels: the direction input in the Newton-Schulz dtype where the rule keeps the default ``pre``, else
         # at least float32, as ``pre`` computes; the direction in U's dtype where ``post`` is the identity and no
         # step multipliers are folded in (transfer.IDENTITY), else at least the parameter's dtype, so that each
@@ -413,11 +412,11 @@ def _at_owners(c: _Call, wholes: list[list[Tensor] | None], stack: list[Tensor])
     ex: Exchange = c.ctx.split  # type: ignore[assignment]
     results: dict[int, tuple[Any, dict]] = {}
     for j, u in enumerate(c.units):
-        if u.shared is None or u.owner // ex.blocks.size != ex.rank // ex.blocks.size:
+        if u.shared is None or ex.rank not in ex.blocks.members(u.owner):
             continue
         shapes = unit_shapes(u)
-        ns = SharedNS(ex.blocks, u.owner, u.shared, (len(shapes), *shapes[0]), c.group, c.ns,
-                      c.batched and (c.replicas or batched_ns(c.device)), c.device, c.ctx)
+        ns = SharedNS(ex.blocks, u.owner, u.shared, (len(shapes), *shapes[0]), c.group, c.ns, c.stacked_ns, c.device,
+                      c.ctx)
         if u.mine:
             results.update(_owned(c, wholes, [], [j], ns))
             ns.finish()  # where the owner's computation raised before its collectives
@@ -491,13 +490,9 @@ def _owner_results(c: _Call, wholes: list[list[Tensor] | None], stack: list[Tens
     else:
         groups = ([[Bucket(items, len(items), b.global_shape, b.global_shape, b.key)]] if plain
                   else [make_buckets(items, matrix=True, transpose=False)])
-    # Newton-Schulz of a stack as one batched call: under DDP as one process's batched form runs it (its bits);
-    # a DTensor's owner where the device runs one (newton_schulz.batched_ns: on CPU matrix by matrix, faster
-    # there and iterated in the received buffer, the owner's transient peak one matrix's Newton-Schulz)
-    batched_ns_here = batched and (replicas or batched_ns(c.device))
     by_item = {}
     for buckets in groups:
-        found = bucket_directions(rule, buckets, c.group, c.ctx, batched=batched_ns_here,
+        found = bucket_directions(rule, buckets, c.group, c.ctx, batched=c.stacked_ns,
                                   inputs=(lambda its: [xs[id(i)] for i in its]) if replicas else
                                   (lambda its: [i.param for i in its]), orth=c.orth, factored=c.factored,
                                   handed=handed.pop(0) if plain else None, workspace={}, ns=ns)

@@ -44,8 +44,9 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
+from ..orthogonalization import frobenius_normalize_
 from .calls import StepContext
-from .distributed import exchange_flat
+from .distributed import exchange_flat, received_as
 from .driver import HiddenRule, matrix_shape
 from .newton_schulz import NS_METHODS, method_flops
 
@@ -54,7 +55,8 @@ try:
 except ImportError:  # pragma: no cover - torch builds without distributed support
     dist = None  # type: ignore[assignment]
 
-__all__ = ["FLOPS_PER_BLOCK_BYTE", "Blocks", "SharedNS", "assign", "block_bytes", "column_flops", "share"]
+__all__ = ["FLOPS_PER_BLOCK_BYTE", "Blocks", "SharedNS", "assign", "block_bytes", "column_flops", "share",
+           "share_flops"]
 
 
 def _quintic(group: dict) -> dict[str, Any] | None:
@@ -107,14 +109,20 @@ def share(rule: Any, shapes: Sequence[tuple[int, int]], group: dict, g: int) -> 
     if g < 2 or not isinstance(rule, HiddenRule) or len(set(shapes)) != 1:
         return None
     (m, n), k = shapes[0], len(shapes)
-    if k >= g:
-        how, flops = "matrices", -(-k // g) * method_flops(group, m, n)
-    elif _quintic(group) is None:
+    how = "matrices" if k >= g else "columns" if _quintic(group) is not None else None
+    if how is None:
         return None
-    else:
-        how, flops = "columns", k * column_flops(m, n, group["ns_steps"], g)
     itemsize = (group["ns_dtype"] or torch.bfloat16).itemsize
-    return how, flops + FLOPS_PER_BLOCK_BYTE * block_bytes(how, k, m, n, itemsize, g, group["ns_steps"])
+    return how, (share_flops(how, shapes, group, g)
+                 + FLOPS_PER_BLOCK_BYTE * block_bytes(how, k, m, n, itemsize, g, group["ns_steps"]))
+
+
+def share_flops(how: str, shapes: Sequence[tuple[int, int]], group: dict, g: int) -> int:
+    """The busiest member's Newton-Schulz FLOPs of a unit of same-shape matrices ``shapes`` shared ``how`` by ``g``
+    ranks: ``ceil(K / g)`` matrices by the group's method, or each matrix's :func:`column_flops`."""
+    (m, n), k = shapes[0], len(shapes)
+    return (-(-k // g) * method_flops(group, m, n) if how == "matrices" else
+            k * column_flops(m, n, group["ns_steps"], g))
 
 
 def _fill(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], load: list[float], g: int,
@@ -196,7 +204,8 @@ class Blocks:
                              "ranks, a node's GPUs)")
         ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(world))
         self.size, self.rank = size, rank
-        self.index = rank // size
+        #: This rank's block, and its place in it (its rank in :attr:`pg`).
+        self.index, self.place = divmod(rank, size)
         groups = [dist.new_group(ranks[b * size : (b + 1) * size]) for b in range(world // size)]
         #: This rank's block's process group (block-local ranks ``0 .. size - 1``).
         self.pg = groups[self.index]
@@ -207,11 +216,17 @@ class Blocks:
         return range(b * self.size, (b + 1) * self.size)
 
 
-def _ranges(n: int, g: int) -> list[slice]:
-    """``n`` indices in ``g`` contiguous ranges, the first ``n % g`` one longer."""
-    q, r = divmod(n, g)
-    starts = [j * q + min(j, r) for j in range(g + 1)]
-    return [slice(starts[j], starts[j + 1]) for j in range(g)]
+def _put(parts: Sequence[Tensor], me: int, mine: Tensor, got: Tensor) -> None:
+    """Every member's part into ``parts`` (views of one whole): this member's ``mine``, the others' from ``got``, the
+    bytes an :func:`~.distributed.exchange_flat` received from them in member order."""
+    start = 0
+    for j, part in enumerate(parts):
+        if j == me:
+            part.copy_(mine)
+            continue
+        n = part.numel() * part.element_size()
+        part.copy_(received_as(got[start : start + n], part.dtype, part.shape))
+        start += n
 
 
 class SharedNS:
@@ -228,8 +243,8 @@ class SharedNS:
         self.done = False
 
     def __call__(self, X: Tensor, steps: int, coefficients: Any, dtype: torch.dtype, *, batched: bool = False,
-                 out: Tensor | None = None, **_: Any) -> Tensor:
-        U = self._run(X.reshape(self.shape).to(dtype, copy=True))
+                 out: Tensor | None = None, inplace: bool = False, **_: Any) -> Tensor:
+        U = self._run(X.reshape(self.shape).to(dtype, copy=not inplace))  # scratch only where the caller says so
         return U.view(X.shape) if out is None else out.copy_(U.view(X.shape))
 
     def help(self) -> None:
@@ -250,52 +265,41 @@ class SharedNS:
             self.ctx.keep(e)
             return torch.zeros_like(like)
 
-    def _part(self, t: Tensor, j: int) -> Tensor:
-        """Member ``j``'s part of a whole stack ``t``: its matrices, or its columns of the wide orientation."""
-        k, m, n = self.shape
-        ranges = _ranges(k if self.how == "matrices" else max(m, n), self.blocks.size)
-        return t[ranges[j]] if self.how == "matrices" else (t.mT if m > n else t)[..., ranges[j]]
+    def _parts(self, t: Tensor) -> tuple[Tensor, ...]:
+        """The members' parts of a whole stack ``t``, views: its matrices, or its columns of the wide orientation (the
+        first ``n % g`` members one more, ``torch.tensor_split``'s)."""
+        _, m, n = self.shape
+        g = self.blocks.size
+        return t.tensor_split(g) if self.how == "matrices" else (t.mT if m > n else t).tensor_split(g, dim=-1)
 
     def _run(self, X: Tensor | None) -> Tensor | None:
         """The parts of ``X`` (the owner's stack, scratch; ``None`` on the other members) out over the block, each
-        member's part through Newton-Schulz, the parts back to the owner, put together there."""
+        member's part through Newton-Schulz, the parts back to the owner, put together there in ``X``."""
         self.done = True
-        g, me, owner, pg = self.blocks.size, self.blocks.rank % self.blocks.size, self.owner, self.blocks.pg
-        like = torch.empty(self.shape, dtype=self.dtype, device="meta")
-        shapes = [self._part(like, j).shape for j in range(g)]
-        sizes = [math.prod(s) * self.dtype.itemsize for s in shapes]
+        g, me, owner, pg = self.blocks.size, self.blocks.place, self.owner, self.blocks.pg
+        like = self._parts(torch.empty(self.shape, dtype=self.dtype, device="meta"))
+        sizes = [p.numel() * self.dtype.itemsize for p in like]
         if X is not None and self.how == "columns":  # the owner normalises, as the quintic's first line
             X = self._kept(X, self._normalised, X)
-        send = [[self._part(X, j)] if X is not None and j != me else [] for j in range(g)]
+        parts = self._parts(X) if X is not None else None
+        send = [[parts[j]] if parts is not None and j != me else [] for j in range(g)]
         got = exchange_flat(send, [sizes[me] if j == owner != me else 0 for j in range(g)], pg, self.device)
-        mine = self._part(X, me).contiguous() if X is not None else got.view(self.dtype).view(shapes[me])
-        if self.how == "matrices":
-            mine = self._kept(mine, self._iterate, mine)
-        else:
-            mine = self._columns(mine)
+        mine = parts[me].contiguous() if parts is not None else received_as(got, self.dtype, like[me].shape)
+        mine = self._kept(mine, self._iterate, mine) if self.how == "matrices" else self._columns(mine)
         back = exchange_flat([[mine] if j == owner != me else [] for j in range(g)],
-                             [sizes[j] if X is not None and j != me else 0 for j in range(g)], pg, self.device)
-        if X is None:
+                             [sizes[j] if parts is not None and j != me else 0 for j in range(g)], pg, self.device)
+        if parts is None:
             return None
-        start = 0
-        for j in range(g):
-            if j == me:
-                self._part(X, j).copy_(mine)
-            else:
-                self._part(X, j).copy_(back[start : start + sizes[j]].view(self.dtype).view(shapes[j]))
-                start += sizes[j]
+        _put(parts, me, mine, back)
         return X
 
     def _normalised(self, X: Tensor) -> Tensor:
-        """``X / max(scale ||X||_F, eps)`` (or ``+ eps``) matrix by matrix, in place, as the quintic's
-        ``functional._matrix_iteration``."""
+        """Each matrix of ``X`` normalised in place as the quintic's first line (``frobenius_normalize_``, with the
+        method's ``eps`` and the schedule's scale)."""
         keywords = _quintic(self.group)
-        eps, added = keywords.get("eps", F.NS_EPS), keywords.get("eps_added", False)
         _, scale = F.ns_schedule(self.group["ns_coefficients"], self.group["ns_steps"])
         for x in X:
-            norm = torch.linalg.vector_norm(x)
-            norm = norm if scale == 1.0 else norm * scale
-            x.div_(norm + eps if added else norm.clamp(min=eps))
+            frobenius_normalize_(x, scale, keywords.get("eps", F.NS_EPS), keywords.get("eps_added", False))
         return X
 
     def _iterate(self, X: Tensor) -> Tensor:
@@ -308,25 +312,20 @@ class SharedNS:
         """A member's columns ``Z_j`` ``(K, s, L_j)`` of the wide orientation through the quintic's iterations: the
         Gram matrices summed over the block (in float32 where the iteration's dtype is narrower), ``B``'s rows made
         by their members and gathered."""
-        g, me, itemsize = self.blocks.size, self.blocks.rank % self.blocks.size, self.dtype.itemsize
+        g, me, itemsize = self.blocks.size, self.blocks.place, self.dtype.itemsize
         k, s = Z.shape[0], Z.shape[1]
-        rows = _ranges(s, g)
-        sizes = [k * (r.stop - r.start) * s * itemsize for r in rows]
+        sizes = [p.numel() * itemsize for p in torch.empty(k, s, s, device="meta").tensor_split(g, dim=1)]
         schedule, _ = F.ns_schedule(self.group["ns_coefficients"], self.group["ns_steps"])
         for a, b, c in schedule:
             A = self._kept(Z.new_empty(k, s, s), torch.bmm, Z, Z.mT)
             total = A.float() if itemsize < 4 else A
             dist.all_reduce(total, group=self.blocks.pg)
             A = total.to(self.dtype)
-            mine = self._kept(A[:, rows[me]], torch.baddbmm, A[:, rows[me]], A[:, rows[me]], A, beta=b, alpha=c)
+            rows = A.tensor_split(g, dim=1)[me]
+            mine = self._kept(rows, torch.baddbmm, rows, rows, A, beta=b, alpha=c)
             got = exchange_flat([[mine] if j != me else [] for j in range(g)],
                                 [n if j != me else 0 for j, n in enumerate(sizes)], self.blocks.pg, Z.device)
-            B, start = torch.empty_like(A), 0
-            for j, r in enumerate(rows):
-                if j == me:
-                    B[:, r].copy_(mine)
-                else:
-                    B[:, r].copy_(got[start : start + sizes[j]].view(self.dtype).view(k, r.stop - r.start, s))
-                    start += sizes[j]
+            B = torch.empty_like(A)
+            _put(B.tensor_split(g, dim=1), me, mine, got)
             Z = self._kept(Z, torch.baddbmm, Z, B, Z, beta=a)
         return Z
