@@ -261,14 +261,14 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
 
 
 def share_seconds(how: str, matrices: list, dtype: str, g: int, cal: Calibration, hw: Hardware) -> float:
-    """A block member's Newton-Schulz of a unit its block of ``g`` shares (``meqmuon/optim/shared_ns.py``): its
-    range of a stack's matrices (``"matrices"``), or its columns of each matrix (``"columns"``: the matrix's
-    calibrated time times the member's share of its FLOPs, ``shared_ns.column_flops``, at the same rate)."""
-    from meqmuon.optim.shared_ns import column_flops
+    """A block member's Newton-Schulz of a unit its block of ``g`` shares (``meqmuon/optim/shared_ns.py``): its share
+    of the FLOPs (``shared_ns.share_flops``: a range of a stack's matrices, or its columns of each matrix) at the
+    rate of a matrix's calibrated time, the quintic's five steps as everywhere here."""
+    from meqmuon.optim.shared_ns import share_flops
 
-    (m, n), k = matrices[0], len(matrices)
-    seconds = cal.seconds(m, n, dtype, hw)[0]
-    return -(-k // g) * seconds if how == "matrices" else k * seconds * column_flops(m, n, 5, g) / ns_flops(m, n)
+    (m, n) = matrices[0]
+    quintic = {"ns_method": "quintic", "ns_steps": 5}
+    return cal.seconds(m, n, dtype, hw)[0] * share_flops(how, matrices, quintic, g) / ns_flops(m, n)
 
 
 def block_seconds(how: str, matrices: list, itemsize: int, g: int, hw: Hardware, steps: int = 5) -> float:
