@@ -44,7 +44,7 @@ step's (the host runs ahead; see :func:`validate`).
 spread evenly; no matrix split); today's is the serial sum over rounds of the busiest owner's time, and the
 busiest rank's own total (what a perfect pipeline could reach without splitting matrices). With ``ns_group=g``
 (``meqmuon/optim/shared_ns.py``) a block of ``g`` ranks may share a unit: each member then has its share
-(:func:`share_seconds`) and the block's collectives (:func:`block_seconds`, over NVLink), counted in its
+(:func:`share_seconds`) and the block's collectives it waits for (:func:`block_seconds`, over NVLink), counted in its
 Newton-Schulz time, and the largest matrix's term is its time over ``g``.
 
 **Inputs and their sources** (:data:`H100`, :data:`H200`, ``--help`` for the options):
@@ -252,7 +252,8 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
         g = rd.get("block", 1)
         for q, how in rd.get("shared", []):  # a unit its owner's block shares: each member its part and the block's
             ns[q] -= seconds                  # collectives, the owner still receiving it whole
-            part = share_seconds(how, matrices, dtype, g, cal, hw) + block_seconds(how, matrices, itemsize, g, hw)
+            part = (share_seconds(how, matrices, dtype, g, cal, hw)
+                    + block_seconds(how, matrices, dtype, itemsize, g, cal, hw))
             for member in range(q // g * g, q // g * g + g):
                 ns[member] += part
         rounds.append(Round(tuple(rd["shape"]), moved, list(moved), ns, [k * size for k in owned],
@@ -271,19 +272,23 @@ def share_seconds(how: str, matrices: list, dtype: str, g: int, cal: Calibration
     return cal.seconds(m, n, dtype, hw)[0] * share_flops(how, matrices, quintic, g) / ns_flops(m, n)
 
 
-def block_seconds(how: str, matrices: list, itemsize: int, g: int, hw: Hardware, steps: int = 5) -> float:
-    """A shared unit's collectives over its block (consecutive ranks: NVLink where ``g`` fits a node), which every
-    member waits for: the owner's bytes (``shared_ns.block_bytes``: the parts out and back, and for a column split
-    per iteration the Gram matrices' ring all-reduce and ``B``'s rows gathered) at the link's bandwidth, after
-    each collective's latency (a ring all-reduce ``2 (g - 1)`` steps)."""
-    from meqmuon.optim.shared_ns import block_bytes
+def block_seconds(how: str, matrices: list, dtype: str, itemsize: int, g: int, cal: Calibration, hw: Hardware,
+                  steps: int = 5) -> float:
+    """A shared unit's collectives over its block (consecutive ranks: NVLink where ``g`` fits a node) that every
+    member waits for: the owner's bytes less those its Gram matmuls hide (``shared_ns.exposed_bytes``, at the
+    matrix's calibrated rate over the link's bandwidth: the parts out and back, ``B``'s rows gathered, and of the
+    Gram matrices' ring all-reduce in float32 its last row block and what the next blocks' making does not cover)
+    at the link's bandwidth, after each collective's latency (a ring all-reduce ``2 (g - 1)`` steps; one
+    all-reduce's and one gather's per iteration, the earlier blocks' latencies hidden with their bytes)."""
+    from meqmuon.optim.shared_ns import exposed_bytes
 
     link = hw.nvlink if g <= hw.ranks_per_node else hw.network
     (m, n), k = matrices[0], len(matrices)
     latency = 2 * (hw.base_latency + link.latency)
     if how == "columns":
         latency += steps * (2 * hw.base_latency + (2 * (g - 1) + 1) * link.latency)
-    return latency + block_bytes(how, k, m, n, itemsize, g, steps) / link.bandwidth
+    rate = ns_flops(m, n) / cal.seconds(m, n, dtype, hw)[0]
+    return latency + exposed_bytes(how, k, m, n, itemsize, g, steps, rate / link.bandwidth) / link.bandwidth
 
 
 def pipeline(out: list[float], compute: list[list[float]], back: list[float], overlap: bool | int) -> float:

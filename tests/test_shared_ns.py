@@ -49,13 +49,33 @@ def test_share_splits_a_stack_by_matrices_and_a_matrix_by_columns_and_nothing_el
     moved = 2 * 256 * 2048 * 7168 * 2 * 7 / 8  # the owner's parts out and back
     assert how == "matrices" and cost == 32 * method_flops(MUON, 2048, 7168) + FLOPS_PER_BLOCK_BYTE * moved
     how, cost = share(rule, [(28672, 8192)], MUON | {"ns_dtype": torch.float32}, 8)
-    moved = 2 * 28672 * 8192 * 4 * 7 / 8 + 5 * (2 * 7 / 8 * 8192**2 * 4 + 8192**2 * 4 * 7 / 8)  # + Gram, B
+    gram = 2 * 7 / 8 * 8192**2 * 4  # each iteration's Gram all-reduce, 3 of its 4 row blocks behind the next's matmul
+    hidden = 3 / 4 * min(gram, 2 * 8192**2 * 3584 / FLOPS_PER_BLOCK_BYTE)
+    moved = 2 * 28672 * 8192 * 4 * 7 / 8 + 5 * (gram - hidden + 8192**2 * 4 * 7 / 8)  # + B's rows
     assert how == "columns" and cost == pytest.approx(column_flops(28672, 8192, 5, 8) + FLOPS_PER_BLOCK_BYTE * moved)
     assert share(rule, [(64, 32), (32, 32)], MUON, 2) is None  # two shapes: not one stack
     assert share(rule, [(64, 32)], MUON | {"ns_method": "gram"}, 2) is None  # the column split is the quintic's
     assert share(rule, [(64, 32)] * 2, MUON | {"ns_method": "gram"}, 2)[0] == "matrices"  # any method, whole
     assert share(_rule_and_group("vector")[0], [(64, 32)], MUON, 2) is None
     assert share(rule, [(64, 32)], MUON, 1) is None
+
+
+def test_the_gram_row_blocks_hide_all_but_one_blocks_all_reduce_behind_the_next_blocks_matmul():
+    """``exposed_bytes``, from the schedule: of each iteration's Gram all-reduce (``R`` bytes, ``C`` row blocks) the
+    last block's travels alone, and each earlier block's behind the next block's matmul (``F / C`` FLOPs) as far as
+    that lasts; the parts, ``B``'s rows and a split by matrices wait whole."""
+    m, n, g, steps, C = 28672, 8192, 8, 5, shared_ns.GRAM_CHUNKS
+    whole = shared_ns.block_bytes("columns", 1, m, n, 2, g, steps)
+    R = 2 * (g - 1) / g * n * n * 4  # float32 where the iteration is bf16
+    F = 2 * n * n * (m // g)
+    assert shared_ns.exposed_bytes("columns", 1, m, n, 2, g, steps, 1e30) == pytest.approx(whole)  # matmul: none
+    assert shared_ns.exposed_bytes("columns", 1, m, n, 2, g, steps, 0.0) == pytest.approx(whole - steps * R * (C - 1)
+                                                                                          / C)  # links free
+    for fpb in (100.0, 1254.0, 1e4):  # the plan's 464e12 / 370e9 between: the matmul covers part of a block's sum
+        expected = whole - steps * (C - 1) / C * min(R, F / fpb)
+        assert shared_ns.exposed_bytes("columns", 1, m, n, 2, g, steps, fpb) == pytest.approx(expected)
+    assert shared_ns.exposed_bytes("matrices", 16, 2048, 7168, 2, g, steps, 1.0) == \
+        shared_ns.block_bytes("matrices", 16, 2048, 7168, 2, g, steps)
 
 
 @pytest.mark.parametrize("kw", [{"ns_group": 0}, {"ns_group": True}, {"ns_group": 2.0},
@@ -297,6 +317,10 @@ def test_the_time_model_gives_each_block_member_its_share_and_the_blocks_collect
     summary = scale_sim.summarise({"rows": [row], "wall_s": 1.0, "rss": 1}, 4)
     inputs = summary["time_inputs"]
     assert inputs["ns_group"] == 8 and inputs["ranks"][0]["block"] > 0
+    # rank 0's block: per shared unit and iteration, one all-reduce per Gram row block and one gather of B's rows
+    units = sum(q < 8 for rd in inputs["rounds"] for q, _ in rd["shared"])
+    assert inputs["calls_by_group"]["allreduce_@8"] == units * 5 * shared_ns.GRAM_CHUNKS
+    assert inputs["calls_by_group"]["alltoall_base_@8"] == units * (2 + 5)
     hw = time_model.Hardware("test", hbm=1e12, peak={"bfloat16": 1e15, "float32": 1e14},
                              nvlink=time_model.Link(400e9, 1e-6), network=time_model.Link(100e9, 1e-6),
                              base_latency=1e-6)
@@ -314,7 +338,11 @@ def test_the_time_model_gives_each_block_member_its_share_and_the_blocks_collect
             expected[q] -= whole
             part = whole * column_flops(m, n, 5, 8) / time_model.ns_flops(m, n)
             latency = 2 * (1e-6 + 1e-6) + 5 * (2e-6 + 15e-6)  # parts out and back; per iteration two collectives
-            moved = shared_ns.block_bytes("columns", 1, m, n, 4, 8, 5) / 400e9
+            # the owner's bytes, less 3 of 4 Gram row blocks' all-reduce where the next block's matmul covers it
+            s_, L = min(m, n), max(m, n)
+            gram = 5 * 2 * 7 / 8 * s_ * s_ * 4
+            made = 5 * 2 * s_ * s_ * -(-L // 8) / (0.5 * 1e14) * 400e9
+            moved = (shared_ns.block_bytes("columns", 1, m, n, 4, 8, 5) - 3 / 4 * min(gram, made)) / 400e9
             for member in range(q // 8 * 8, q // 8 * 8 + 8):
                 expected[member] += part + latency + moved
         assert got.ns == pytest.approx(expected, rel=1e-9, abs=1e-15), rd["shape"]

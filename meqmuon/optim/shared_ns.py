@@ -21,7 +21,9 @@ bound becomes ``max(total work / ranks, largest matrix / g)``:
   which is the quintic (paper eq. 3; :func:`meqmuon.functional.orthogonalize`) block by block: the same iteration,
   only ``A_k`` summed in another order (exact to rounding; the sum travels in float32 where the iteration's dtype
   is narrower, so that it is rounded once as one process's product is). Each member's FLOPs per iteration:
-  ``4 s^2 L / g + 2 s^3 / g``, the whole matrix's divided by ``g`` (:func:`column_flops`).
+  ``4 s^2 L / g + 2 s^3 / g``, the whole matrix's divided by ``g`` (:func:`column_flops`). The Gram matrix is made
+  and summed in :data:`GRAM_CHUNKS` blocks of rows, each posted as soon as it is made, so that the link carries one
+  while the member makes the next (:func:`exposed_bytes`: what is left on the member's path).
 
 The owner receives the unit whole (the exchange is unchanged), ``pre`` runs there, the members' parts go out and
 come back in one ``all_to_all_single`` each way over the block, and ``post`` (eq. 8, whose statistics are whole
@@ -55,8 +57,8 @@ try:
 except ImportError:  # pragma: no cover - torch builds without distributed support
     dist = None  # type: ignore[assignment]
 
-__all__ = ["FLOPS_PER_BLOCK_BYTE", "Blocks", "SharedNS", "assign", "block_bytes", "column_flops", "share",
-           "share_flops"]
+__all__ = ["FLOPS_PER_BLOCK_BYTE", "GRAM_CHUNKS", "Blocks", "SharedNS", "assign", "block_bytes", "column_flops",
+           "exposed_bytes", "share", "share_flops"]
 
 
 def _quintic(group: dict) -> dict[str, Any] | None:
@@ -89,6 +91,18 @@ def unit_shapes(unit: Any) -> list[tuple[int, int]]:
 FLOPS_PER_BLOCK_BYTE = 464e12 / 370e9
 
 
+#: The row blocks a column split's Gram matrix is made and all-reduced in (:meth:`SharedNS._columns`): block ``i``'s
+#: sum travels while block ``i + 1`` is made, so that all but one block's collective hide behind the Gram's matmul
+#: where the link is the faster (:func:`exposed_bytes`). Four: at a 70B MLP matrix (``s = 8,192``) a block is a
+#: 2,048-row product, still a large matmul, and three quarters of the all-reduce can hide.
+GRAM_CHUNKS = 4
+
+
+def _gram_itemsize(itemsize: int) -> int:
+    """The bytes of one Gram entry on the block's link: float32 where the iteration's dtype is narrower."""
+    return max(itemsize, 4)
+
+
 def block_bytes(how: str, k: int, m: int, n: int, itemsize: int, g: int, steps: int) -> float:
     """The bytes the busiest member of a block of ``g`` (the owner) moves each way for a shared stack of ``k``
     ``m x n`` matrices: ``(g - 1) / g`` of the stack out and back in the Newton-Schulz dtype (``itemsize``), and
@@ -97,13 +111,32 @@ def block_bytes(how: str, k: int, m: int, n: int, itemsize: int, g: int, steps: 
     nbytes = 2 * k * m * n * itemsize * (g - 1) / g
     if how == "columns":
         gram = k * min(m, n) ** 2
-        nbytes += steps * (2 * (g - 1) / g * gram * 4 + gram * itemsize * (g - 1) / g)
+        nbytes += steps * (2 * (g - 1) / g * gram * _gram_itemsize(itemsize) + gram * itemsize * (g - 1) / g)
     return nbytes
+
+
+def exposed_bytes(how: str, k: int, m: int, n: int, itemsize: int, g: int, steps: int, flops_per_byte: float) -> float:
+    """Of :func:`block_bytes`, those the busiest member waits for, where its matmuls do ``flops_per_byte`` FLOPs in
+    the time the link moves a byte: the parts out and back and ``B``'s rows, whole; of each iteration's Gram
+    all-reduce ``R`` bytes, made in :data:`GRAM_CHUNKS` ``= C`` blocks of ``F / C`` FLOPs (``F = 2 k s^2 ceil(L /
+    g)``, the member's Gram), the last block's, and of the others what the next block's making does not cover::
+
+        exposed Gram = R - (C - 1) / C * min(R, F / flops_per_byte)
+    """
+    nbytes = block_bytes(how, k, m, n, itemsize, g, steps)
+    if how != "columns":
+        return nbytes
+    s, L = min(m, n), max(m, n)
+    chunks = min(GRAM_CHUNKS, s)
+    gram = 2 * (g - 1) / g * k * s * s * _gram_itemsize(itemsize)
+    made = 2 * k * s * s * -(-L // g) / flops_per_byte if flops_per_byte else math.inf  # 0: the links free
+    return nbytes - steps * (chunks - 1) / chunks * min(gram, made)
 
 
 def share(rule: Any, shapes: Sequence[tuple[int, int]], group: dict, g: int) -> tuple[str, float] | None:
     """How a unit of matrices ``shapes`` would be shared by ``g`` ranks and one member's predicted cost in
-    ``driver.cost``'s unit: the busiest member's FLOPs plus its block bytes at :data:`FLOPS_PER_BLOCK_BYTE` (in the
+    ``driver.cost``'s unit: the busiest member's FLOPs plus the block bytes it waits for (:func:`exposed_bytes`) at
+    :data:`FLOPS_PER_BLOCK_BYTE` (in the
     group's ``ns_dtype``; ``None``: bf16, a GPU's); or ``None`` where it is not shared: a rule without
     Newton-Schulz, matrices of several shapes, or fewer than ``g`` matrices and a method other than the quintic."""
     if g < 2 or not isinstance(rule, HiddenRule) or len(set(shapes)) != 1:
@@ -114,7 +147,8 @@ def share(rule: Any, shapes: Sequence[tuple[int, int]], group: dict, g: int) -> 
         return None
     itemsize = (group["ns_dtype"] or torch.bfloat16).itemsize
     return how, (share_flops(how, shapes, group, g)
-                 + FLOPS_PER_BLOCK_BYTE * block_bytes(how, k, m, n, itemsize, g, group["ns_steps"]))
+                 + FLOPS_PER_BLOCK_BYTE * exposed_bytes(how, k, m, n, itemsize, g, group["ns_steps"],
+                                                        FLOPS_PER_BLOCK_BYTE))
 
 
 def share_flops(how: str, shapes: Sequence[tuple[int, int]], group: dict, g: int) -> int:
@@ -310,17 +344,25 @@ class SharedNS:
 
     def _columns(self, Z: Tensor) -> Tensor:
         """A member's columns ``Z_j`` ``(K, s, L_j)`` of the wide orientation through the quintic's iterations: the
-        Gram matrices summed over the block (in float32 where the iteration's dtype is narrower), ``B``'s rows made
-        by their members and gathered."""
+        Gram matrices summed over the block (in float32 where the iteration's dtype is narrower) by blocks of rows,
+        each posted as soon as it is made (:data:`GRAM_CHUNKS`), ``B``'s rows made by their members and gathered."""
         g, me, itemsize = self.blocks.size, self.blocks.place, self.dtype.itemsize
         k, s = Z.shape[0], Z.shape[1]
         sizes = [p.numel() * itemsize for p in torch.empty(k, s, s, device="meta").tensor_split(g, dim=1)]
+        chunks = min(GRAM_CHUNKS, s)
+        bounds = [s * i // chunks for i in range(chunks + 1)]
         schedule, _ = F.ns_schedule(self.group["ns_coefficients"], self.group["ns_steps"])
         for a, b, c in schedule:
-            A = self._kept(Z.new_empty(k, s, s), torch.bmm, Z, Z.mT)
-            total = A.float() if itemsize < 4 else A
-            dist.all_reduce(total, group=self.blocks.pg)
-            A = total.to(self.dtype)
+            posted = []
+            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+                part = self._kept(Z.new_empty(k, hi - lo, s), torch.bmm, Z[:, lo:hi], Z.mT)
+                total = part.float() if itemsize < 4 else part
+                posted.append((lo, hi, total, dist.all_reduce(total, group=self.blocks.pg, async_op=True)))
+            A = Z.new_empty(k, s, s)
+            for lo, hi, total, work in posted:  # waited in posting order: on a GPU the stream waits, not the host
+                work.wait()
+                A[:, lo:hi] = total  # rounded once to the iteration's dtype, as one process's product
+            del posted
             rows = A.tensor_split(g, dim=1)[me]
             mine = self._kept(rows, torch.baddbmm, rows, rows, A, beta=b, alpha=c)
             got = exchange_flat([[mine] if j != me else [] for j in range(g)],
