@@ -161,6 +161,32 @@ def exchange_seconds(nbytes: float, world: int, hw: Hardware) -> float:
     return hw.base_latency + max(parts, default=0.0)
 
 
+def relayed_seconds(local: list[float], owned: list[float], hw: Hardware) -> float:
+    """One way of a round relayed through the owners' nodes (``meqmuon/optim/relay.py``, ``relay_group`` a node's
+    ``p`` ranks): rank ``r`` moves its pieces, ``local[r]`` bytes, and its whole units, ``owned[r]``, each spread
+    evenly over the ``W`` ranks. The network hop: a rank's own pieces for other nodes, ``(W - p) / W`` of
+    ``local[r]``, and one place's share of its node's owned bytes from (or to) other nodes, ``(W - p) / W`` of the
+    node's ``owned`` over ``p``; the NVLink hop: what it forwards for (or receives from) its node's other ranks,
+    ``(p - 1) / p`` of those; beside the network hop the node's own pieces, ``(p - 1) / W``. The two hops one after
+    the other (the way out network first, the way back NVLink first: the same time), each ending with its slowest
+    rank. With ``W <= p`` nothing is relayed: :func:`exchange_seconds`."""
+    world = len(local)
+    p = min(hw.ranks_per_node, world)
+    if world <= p:
+        return max((exchange_seconds(max(a, b), world, hw) for a, b in zip(local, owned, strict=True)), default=0.0)
+    far = (world - p) / world
+    node = [sum(owned[n : n + p]) / p for n in range(0, world, p)]  # one place's share of its node's owned bytes
+    if not any(local) and not any(owned):
+        return 0.0
+    net = max(hw.network.latency + far * max(loc, node[r // p]) / hw.network.bandwidth
+              for r, loc in enumerate(local))
+    near = max(hw.nvlink.latency + (p - 1) / world * max(a, b) / hw.nvlink.bandwidth
+               for a, b in zip(local, owned, strict=True))
+    forward = max(hw.nvlink.latency + far * (p - 1) / p * max(node[r // p], own) / hw.nvlink.bandwidth
+                  for r, own in enumerate(owned))
+    return 2 * hw.base_latency + max(net, near) + forward
+
+
 @dataclass
 class Calibration:
     """Newton-Schulz seconds per matrix by wide shape ``(min(m, n), max(m, n))`` and dtype, on ``gpu``.
@@ -218,6 +244,8 @@ class Round:
     elements: list[int]  # of the matrices each rank orthogonalises
     seconds: float
     kind: str
+    #: One way's time where the exchange is relayed (:func:`relayed_seconds`), else None.
+    relayed: float | None = None
 
 
 def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple[list[Round], float]:
@@ -256,8 +284,12 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
                     + block_seconds(how, matrices, dtype, itemsize, g, cal, hw))
             for member in range(q // g * g, q // g * g + g):
                 ns[member] += part
+        relayed = None
+        if inputs.get("relay_group", 1) > 1 and rd["local"]:  # the pieces and the owned units, each way
+            relayed = relayed_seconds([factor * itemsize * loc for loc in rd["local"]],
+                                      [factor * itemsize * k * size for k in owned], hw)
         rounds.append(Round(tuple(rd["shape"]), moved, list(moved), ns, [k * size for k in owned],
-                            max(t for t, _ in found), kind))
+                            max(t for t, _ in found), kind, relayed))
     return rounds, factor
 
 
@@ -385,8 +417,10 @@ def step_times(summary: dict, hw: Hardware, cal: Calibration, longest_first: boo
     total = sum(weights)
     compute = [[ns + elementwise * w / total for ns in rd.ns] for rd, w in zip(rounds, weights, strict=True)] \
         if total else [[elementwise]]
-    out = [max(exchange_seconds(b, world, hw) for b in rd.out) for rd in rounds] or [0.0]
-    back = [max(exchange_seconds(b, world, hw) for b in rd.back) for rd in rounds] or [0.0]
+    out = [rd.relayed if rd.relayed is not None else max(exchange_seconds(b, world, hw) for b in rd.out)
+           for rd in rounds] or [0.0]
+    back = [rd.relayed if rd.relayed is not None else max(exchange_seconds(b, world, hw) for b in rd.back)
+            for rd in rounds] or [0.0]
     # the other collectives (all-reduces of a few floats over the world; a block's are its rounds' block_seconds): a
     # tree's latency each, after the rounds
     calls, nbytes = ((inputs["calls_by_group"], inputs["bytes_by_group"]) if inputs.get("calls_by_group") else
@@ -436,9 +470,9 @@ def table(summaries: list[dict], hw: Hardware, cal: Calibration, mfu: float, tok
     ``*``."""
     lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     for s in summaries:
-        group = s.get("time_inputs", {}).get("ns_group", 1)
-        head = f"| {s['model']} | {s['layout']} | {s['ranks']} | {s.get('optimizer')}" + (
-            f", ns_group={group} |" if group > 1 else " |")
+        group, relay = (s.get("time_inputs", {}).get(k, 1) for k in ("ns_group", "relay_group"))
+        head = (f"| {s['model']} | {s['layout']} | {s['ranks']} | {s.get('optimizer')}"
+                + (f", ns_group={group}" if group > 1 else "") + (f", relay_group={relay}" if relay > 1 else "") + " |")
         if "error" in s:
             lines.append(f"{head} {s['error']} |" + " |" * (HEADER.count(" | ") - 5))
             continue
@@ -537,6 +571,10 @@ def _parser() -> argparse.ArgumentParser:
                         "16M for Llama-3, 15,360 x 4,096 for DeepSeek-V3)")
     parser.add_argument("--longest-first", action="store_true",
                         help="the rounds by their Newton-Schulz time, longest first, not in the plan's order")
+    parser.add_argument("--relay-group", type=int, default=None,
+                        help="the exchange relayed through nodes of this many ranks (relay_group) in every "
+                             "configuration: the same plan's bytes routed through the owners' nodes, so a "
+                             "simulation without the relay serves")
     parser.add_argument("--validate", action="store_true", help="the model against the single-GPU steps")
     return parser
 
@@ -555,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
         print(validate(cal))
     if args.summaries:
         summaries = [s for path in args.summaries for s in json.loads(Path(path).read_text())]
+        for s in summaries if args.relay_group else ():
+            s.get("time_inputs", {})["relay_group"] = args.relay_group
         tokens = {k: int(args.tokens) for k in TOKENS} if args.tokens else TOKENS
         print(f"# {hw.name}, {hw.ranks_per_node} ranks a node, NVLink {hw.nvlink.bandwidth / 1e9:.0f} GB/s, network "
               f"{hw.network.bandwidth / 1e9:.0f} GB/s, HBM {hw.hbm / 1e12:.2f} TB/s; calibration {cal.gpu}"

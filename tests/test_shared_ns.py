@@ -18,7 +18,7 @@ from test_distributed import _spawn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import meqmuon
-from meqmuon.optim import shared_ns
+from meqmuon.optim import exchange, shared_ns
 from meqmuon.optim.newton_schulz import method_flops, ns_flops
 from meqmuon.optim.shared_ns import FLOPS_PER_BLOCK_BYTE, assign, column_flops, share
 
@@ -138,7 +138,8 @@ def _grad(step: int, i: int) -> torch.Tensor:
     return torch.randn(SHAPES[i], generator=torch.Generator().manual_seed(1000 * step + i))
 
 
-def _run(name: str, layout: str | None, ns_group: int, overlap, foreach: bool, steps: int = 3) -> dict:
+def _run(name: str, layout: str | None, ns_group: int, overlap, foreach: bool, steps: int = 3,
+         relay_group: int = 1) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
@@ -153,13 +154,21 @@ def _run(name: str, layout: str | None, ns_group: int, overlap, foreach: bool, s
         fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.ndim == 3 else None)
         params = list(model)
     opt = meqmuon.build_optimizer(name, _groups(params), ns_dtype=torch.float32, foreach=foreach,
-                                  ns_group=ns_group, overlap=overlap)
-    out: dict = {}
+                                  ns_group=ns_group, overlap=overlap, relay_group=relay_group)
+    out: dict = {"relayed": 0}
+    relayed = exchange.relayed_flat
+
+    def counted(*args, **kwargs):
+        out["relayed"] += 1
+        return relayed(*args, **kwargs)
+
+    exchange.relayed_flat = counted
     for step in range(steps):
         for i, p in enumerate(params):
             g = _grad(step, i)
             p.grad = distribute_tensor(g, p.device_mesh, p.placements) if layout == "fsdp2" else g
         opt.step()
+    exchange.relayed_flat = relayed
     ex = opt._exchange
     out["shared"] = [] if ex is None else [u.shared for u in ex.units]
     out["params"] = [p.full_tensor() if layout == "fsdp2" else p.detach().clone() for p in params]
@@ -240,18 +249,33 @@ def test_shared_newton_schulz_equals_one_process_under_fsdp2_and_ddp(tmp_path):
 def _four(rank: int) -> dict:
     shared_ns.FLOPS_PER_BLOCK_BYTE = 0.0
     return {"shared": _run("meqmuon", "fsdp2", 2, False, False), "whole": _run("meqmuon", "fsdp2", 1, False, False),
-            "reference": _one_process("meqmuon", False)}
+            "reference": _one_process("meqmuon", False),
+            # relayed through nodes of two: shared, and with every bucket in flight, batched; DDP's (direct)
+            "relayed": _run("meqmuon", "fsdp2", 2, False, False, relay_group=2),
+            "relayed in flight": _run("meqmuon", "fsdp2", 1, "all", True, relay_group=2),
+            "in flight": _run("meqmuon", "fsdp2", 1, "all", True),
+            "ddp relayed": _run("meqmuon", None, 1, False, True, relay_group=2),
+            "ddp": _run("meqmuon", None, 1, False, True)}
 
 
 @pytest.mark.parametrize("world", [4])
 def test_two_blocks_of_two_on_four_ranks_equal_one_process(tmp_path, world):
     """Four gloo ranks in two blocks: each block shares its own units, no rank waits on the other block; the
-    weights equal one process's to 1e-6 and the unshared plan's to 1e-6."""
+    weights equal one process's to 1e-6 and the unshared plan's to 1e-6. Relayed through two nodes of two
+    (``relay_group=2``) the step receives the same bytes: the same weights bit for bit, blocking and in flight."""
     got = _spawn(_four, tmp_path, world=world)
     for r in got:
         for p, ref, whole in zip(r["shared"]["params"], r["reference"], r["whole"]["params"], strict=True):
             torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(p, whole, rtol=1e-6, atol=1e-6)
+        for relayed, direct in (("relayed", "shared"), ("relayed in flight", "in flight"), ("ddp relayed", "ddp")):
+            for a, b in zip(r[relayed]["params"], r[direct]["params"], strict=True):
+                assert torch.equal(a, b), (relayed, direct)
+            assert r[direct]["relayed"] == 0
+        # FSDP2's ways out and back relayed, every bucket of every step; DDP's way back goes direct (the same whole
+        # to every rank) and its way out does not travel
+        assert r["relayed"]["relayed"] >= 2 * 3 and r["relayed in flight"]["relayed"] >= 2 * 3
+        assert r["ddp relayed"]["relayed"] == 0
     assert any(s is not None for s in got[0]["shared"]["shared"])
 
 
@@ -348,3 +372,39 @@ def test_the_time_model_gives_each_block_member_its_share_and_the_blocks_collect
         assert got.ns == pytest.approx(expected, rel=1e-9, abs=1e-15), rd["shape"]
     times = time_model.step_times(summary, hw, cal)
     assert times.ns_largest == pytest.approx(time_model.ns_flops(128, 64) / (0.5 * 1e14) / 8)
+
+
+def test_the_time_model_relays_an_owners_bytes_through_its_node():
+    """``time_model.relayed_seconds`` from the route (``meqmuon/optim/relay.py``) on two nodes of eight: rank 0 owns
+    ``X`` bytes of whole units, every rank has ``L`` of pieces. The network hop carries a rank's pieces for the other
+    node and one eighth of its node's owned bytes; the NVLink hop forwards 7/8 of what crossed the network for the
+    owner; a rank's own node's pieces cross NVLink beside the network hop. One node: nothing relayed."""
+    import time_model
+
+    hw = time_model.Hardware("test", hbm=1e12, peak={"bfloat16": 1e15, "float32": 1e14},
+                             nvlink=time_model.Link(400e9, 2e-6), network=time_model.Link(50e9, 5e-6),
+                             base_latency=1e-6)
+    L, X = 1e6, 64e6
+    local, owned = [L] * 16, [X] + [0.0] * 15
+    net = 5e-6 + 8 / 16 * max(L, X / 8) / 50e9
+    near = 2e-6 + 7 / 16 * max(L, X) / 400e9
+    forward = 2e-6 + 8 / 16 * 7 / 8 * X / 400e9  # rank 0 receives what its seven relays took for it
+    assert time_model.relayed_seconds(local, owned, hw) == pytest.approx(2e-6 + max(net, near) + forward)
+    direct = max(time_model.exchange_seconds(max(a, b), 16, hw) for a, b in zip(local, owned, strict=True))
+    assert time_model.relayed_seconds(local, owned, hw) < direct / 3  # the owner's network bytes over eight NICs
+    assert time_model.relayed_seconds(local[:8], owned[:8], hw) == max(
+        time_model.exchange_seconds(max(a, b), 8, hw) for a, b in zip(local[:8], owned[:8], strict=True))
+
+
+def test_the_simulator_relays_every_exchange_through_the_nodes():
+    """Muon on Llama-tiny under FSDP2 on 16 fake ranks, ``relay_group=8``: every exchange of the world pairs with one
+    within the node (the second hop), and the plan and the FLOPs are the direct exchange's (each byte's route
+    changed, not what it carries: the gloo test above has the same weights bit for bit)."""
+    import scale_sim
+
+    rows = {relay: scale_sim.simulate("llama-tiny", "fsdp2", "16", 0, layers=2, device="meta", optimizer="muon",
+                                      relay_group=relay) for relay in (1, 8)}
+    calls = rows[8]["calls_by_group"]
+    assert calls["alltoall_base_@16"] == calls["alltoall_base_@8"] == rows[1]["calls_by_group"]["alltoall_base_@16"]
+    assert rows[8]["flops"] == rows[1]["flops"] and rows[8]["ranks_model"]["rounds"] == rows[1]["ranks_model"]["rounds"]
+    assert rows[8]["relay_group"] == 8

@@ -154,6 +154,8 @@ class RoleOptimizer(Optimizer):
     ``ns_group`` (every optimizer takes it; default 1, off): under ``torch.distributed``, blocks of this many
     consecutive ranks (a node's GPUs) may share one unit's Newton-Schulz, where the plan predicts it shortens the
     busiest rank's work (``shared_ns.py``: a stack by matrices, one large matrix by columns, exact to rounding).
+    ``relay_group`` (default 1, off): the exchange relayed through the receiving node of this many consecutive
+    ranks, so that an owner's bytes cross all its node's network links (``relay.py``; the same bytes, bit for bit).
     """
 
     RULES: ClassVar[dict[str, str]] = {}
@@ -163,7 +165,7 @@ class RoleOptimizer(Optimizer):
 
     def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any = None, compile: bool = False,
                  rules: dict[str, Rule] | None = None, cuda_graph: bool = False, overlap: bool | None = None,
-                 nonfinite: str = "skip", ns_group: int = 1, **hyperparameters: Any) -> None:
+                 nonfinite: str = "skip", ns_group: int = 1, relay_group: int = 1, **hyperparameters: Any) -> None:
         if (what := wrong_params(params)) is not None:
             cls = type(self).__name__
             raise TypeError(f"{cls}(params=...) takes parameters or param groups, e.g. "
@@ -178,10 +180,10 @@ class RoleOptimizer(Optimizer):
         self._nonfinite = nonfinite
         if overlap is not None and not isinstance(overlap, bool) and overlap != "all":
             raise ValueError(f"Invalid overlap: {overlap!r} (expected True, False, 'all' or None)")
-        if isinstance(ns_group, bool) or not isinstance(ns_group, int) or ns_group < 1 or (ns_group > 1 and compile):
-            raise ValueError(f"Invalid ns_group: {ns_group!r} (expected an integer >= 1; a shared Newton-Schulz is not "
-                             "built for compile=True)")
-        self._compile, self._ns_group = compile, ns_group
+        for key, g in (("ns_group", ns_group), ("relay_group", relay_group)):
+            if isinstance(g, bool) or not isinstance(g, int) or g < 1 or (g > 1 and compile):
+                raise ValueError(f"Invalid {key}: {g!r} (expected an integer >= 1; not built for compile=True)")
+        self._compile, self._ns_group, self._relay_group = compile, ns_group, relay_group
         #: ``overlap``: the exchange's buckets in flight (``exchange.DEPTHS``); ``None``: on CUDA (docs/algorithm.md).
         self._overlap = overlap
         #: ``cuda_graph=True``: the step captured in a CUDA graph and replayed (``cuda_graph.py``).
@@ -204,8 +206,7 @@ class RoleOptimizer(Optimizer):
             warnings.warn(f"{type(self).__name__}(compile=True) compiles the momentum rules; rules without a compiled "
                           "form run eagerly: " + "; ".join(f"{r!r} ({', '.join(k)})" for r, k in eager.items()),
                           UserWarning, stacklevel=3)
-        self._warned_inferred = False
-        self._warned_traced = False
+        self._warned_inferred = self._warned_traced = False
         self._capture_hook: Callable[[str, str, str, torch.Tensor], None] | None = None
         self._process_group = resolve_process_group(process_group)
         #: The batched step's persistent buffers (see ``step.workspace``); not optimizer state.
@@ -227,10 +228,9 @@ class RoleOptimizer(Optimizer):
                 f"{type(self).__name__} was built with an explicit process_group, which cannot be pickled or "
                 "copied; build a new optimizer with that group and load_state_dict() this one's state_dict()"
             )
-        return {**super().__getstate__(), "_compile": self._compile, "_overlap": self._overlap,
-                "_ns_group": self._ns_group, "_warned_inferred": self._warned_inferred,
-                "_rules": self._rules, "_graphed": None if self._graphed is None else GraphedStep(),
-                "_nonfinite": self._nonfinite}
+        return {**super().__getstate__(), **{k: self.__dict__[k] for k in ("_compile", "_overlap", "_ns_group",
+                "_relay_group", "_warned_inferred", "_rules", "_nonfinite")},
+                "_graphed": None if self._graphed is None else GraphedStep()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy's settings (:meth:`__getstate__`), or, from ``load_state_dict``, new state and param
@@ -238,7 +238,7 @@ class RoleOptimizer(Optimizer):
         super().__setstate__(state)
         for key, value in (("_compile", False), ("_overlap", None), ("_warned_inferred", False),
                            ("_warned_traced", False), ("_capture_hook", None), ("_workspace", {}), ("_graphed", None),
-                           ("_nonfinite", "skip"), ("_ns_group", 1)):
+                           ("_nonfinite", "skip"), ("_ns_group", 1), ("_relay_group", 1)):
             self.__dict__.setdefault(key, value)
         self.__dict__.setdefault("_rules", self._rule_table(None))
         self.__dict__.setdefault("_process_group", resolve_process_group(None))
@@ -444,8 +444,8 @@ class RoleOptimizer(Optimizer):
             plan.append((group, entries, batched))
         overlap = self._overlap if self._overlap is not None else all(
             p.device.type == "cuda" for group in self.param_groups for p in group["params"])
-        self._exchange = (Exchange(units, costs, pg, depth=DEPTHS[overlap], shares=shares, ns_group=self._ns_group)
-                          if units else None)
+        self._exchange = (Exchange(units, costs, pg, depth=DEPTHS[overlap], shares=shares, ns_group=self._ns_group,
+                                   relay_group=self._relay_group) if units else None)
         self._rows = {}
         for _, entries, _ in plan:
             for e in entries:

@@ -58,6 +58,7 @@ from .driver import (
 from .forms import Inputs, naming, step_weights, write_inputs
 from .newton_schulz import batched_ns
 from .owners import AXES, Replicas
+from .relay import relayed_flat
 from .shared_ns import Blocks, SharedNS, assign, unit_shapes
 from .views import Layout
 
@@ -83,7 +84,7 @@ class Unit:
     lies (``where``)."""
 
     __slots__ = ("pieces", "state_pieces", "layout", "assigned", "owner", "mine", "group", "replicas", "where",
-                 "items", "shared")
+                 "items", "shared", "numels")
 
     def __init__(self, pieces: Any, state_pieces: dict[str, Any], layout: Layout | None) -> None:
         self.pieces, self.state_pieces, self.layout = pieces, state_pieces, layout
@@ -96,6 +97,8 @@ class Unit:
         self.where: dict[str, dict[int, tuple[list, tuple[int, ...]]]] = {}
         #: The owner's items of the unit's whole matrices, made once and refilled every step.
         self.items: list[Item] = []
+        #: (key, rank) -> the elements of that rank's piece, as a relay reads them (``relay.py``).
+        self.numels: dict[tuple[str, int], int] = {}
 
     def descriptor(self, key: str) -> Any:
         return (self.pieces.along(AXES[key]) if key in AXES else self.pieces if key == "param" else
@@ -109,7 +112,8 @@ class Exchange(LocalSplit):
     over the optimizer's process group (the default one unless it was given another)."""
 
     def __init__(self, units: Sequence[Unit], costs: Sequence[float], group: Any = None, *, depth: int = 1,
-                 shares: Sequence[tuple[str, float] | None] | None = None, ns_group: int = 1) -> None:
+                 shares: Sequence[tuple[str, float] | None] | None = None, ns_group: int = 1,
+                 relay_group: int = 1) -> None:
         super().__init__()
         self.pg = group
         #: How many of a hidden rule's buckets are in flight at once (:func:`_pipelined`; :data:`DEPTHS` of the
@@ -129,6 +133,10 @@ class Exchange(LocalSplit):
                                       f"a tensor of shape {tuple(hsdp.pieces.shape)}): use ns_group=1")
         else:
             owners, shared = assign(costs, shares, self.load, ns_group, buckets)
+        #: The nodes of ``relay_group`` ranks the exchange is relayed through (``relay.py``), or None: one node (or
+        #: none) has nothing to relay.
+        self.relay = (None if relay_group == 1 or relay_group == self.world else
+                      self.blocks if relay_group == ns_group else Blocks(group, relay_group))
         for u, o, s, how in zip(units, owners, shared, shares or [None] * len(units), strict=True):
             u.assigned, u.shared = o, how[0] if s else None
             u.owner = self.owner_of(u)
@@ -171,6 +179,7 @@ class Exchange(LocalSplit):
             return wholes if wait else InFlight(None, lambda: wholes)
         send: list[list[Tensor]] = [[] for _ in range(self.world)]
         device = next(p.device for ps in pieces for p in ps)
+        dtypes = [[p.dtype for p in ps] for ps in pieces]
         for u, ps in zip(units, pieces, strict=True):
             send[u.owner] += ps
         pieces.clear()
@@ -181,9 +190,44 @@ class Exchange(LocalSplit):
         for u, ws, where in mine:
             for r in u.group:
                 sizes[r] += [math.prod(w[r][1]) * t.element_size() for t, w in zip(ws, where, strict=True)]
-        got = exchange_flat(send, [sum(s) for s in sizes], self.pg, device, wait=wait)
+        got = self._flat(units, send, [sum(s) for s in sizes], device, wait, lambda: [
+            [(k, None, dt) for k, dt in zip(ks, dts, strict=True)] for ks, dts in zip(keys, dtypes, strict=True)])
         return (self._put_together(wholes, mine, got) if wait else
                 InFlight(None, lambda: self._put_together(wholes, mine, got.wait())))  # type: ignore[union-attr]
+
+    def _flat(self, units: list[Unit], send: list[list[Tensor]], out_splits: list[int], device: torch.device,
+              wait: bool, spec: Callable[[], list[list[tuple[str | None, Any, torch.dtype]]]],
+              back: bool = False) -> Tensor | InFlight:
+        """The one collective (:func:`.distributed.exchange_flat`), or with :attr:`relay` the same bytes through the
+        receiving node (:func:`.relay.relayed_flat`; a DDP bucket's way back, the same whole to every rank, direct).
+        ``spec()``: per unit of ``units``, ``(key, shape, dtype)`` of what travels between a rank and its owner
+        (``shape`` ``None``: that rank's piece of ``key``; else the tensor whole), from which a relay knows, as every
+        rank does, the bytes it forwards; ``back``: from the owners."""
+        if self.relay is None or units[0].replicas:
+            return exchange_flat(send, out_splits, self.pg, device, wait=wait)
+        what, memo = spec(), {}
+
+        def between(r: int) -> dict[int, int]:
+            """The bytes between rank ``r`` and each of its owners, by owner."""
+            if r not in memo:
+                memo[r] = per = {}
+                for u, travels in zip(units, what, strict=True):
+                    o = self.owner_of(u, r)
+                    per[o] = per.get(o, 0) + sum(dt.itemsize * (math.prod(shape) if shape is not None else
+                                                                self._numel(u, k, r)) for k, shape, dt in travels)
+            return memo[r]
+
+        def sizes(s: int, d: int) -> int:
+            return between(d).get(s, 0) if back else between(s).get(d, 0)
+
+        return relayed_flat(send, out_splits, sizes, self.pg, self.relay.pg, self.relay.size, device,
+                            via="sender" if back else "receiver", wait=wait)
+
+    def _numel(self, u: Unit, key: str, r: int) -> int:
+        """The elements of rank ``r``'s piece of unit ``u``'s ``key``."""
+        if (key, r) not in u.numels:
+            u.numels[key, r] = math.prod(u.descriptor(key).local_shape(r))
+        return u.numels[key, r]
 
     def _put_together(self, wholes: list, mine: list, out: Tensor) -> list[list[Tensor] | None]:
         """:meth:`to_owners`' received bytes ``out`` (rank ``0``'s first) copied into the owned wholes of ``mine``
@@ -235,7 +279,9 @@ class Exchange(LocalSplit):
             if spec is not None:
                 sizes[u.owner] += [math.prod(shape) * dtype.itemsize for shape, dtype in spec]
             specs.append(spec)
-        flat = exchange_flat(send, [sum(s) for s in sizes], self.pg, device, wait=wait)
+        flat = self._flat(units, send, [sum(s) for s in sizes], device, wait, lambda: [
+            [(k, None if k is not None else shape, dtype) for k, (shape, dtype) in zip(ks, make(), strict=True)]
+            for ks, make in zip(keys, like, strict=True)], back=True)
         del send
         kept = [ws if spec is None else None for ws, spec in zip(wholes, specs, strict=True)]  # a DDP owner's own
         return (self._views(units, kept, specs, sizes, flat) if wait else
