@@ -32,8 +32,9 @@ LAYERS: list[list[str]] = [
     ["precision", "orthogonalization", "functional"],
     ["optim.views", "optim.inputs", "optim.distributed", "optim.owners", "optim.groups", "optim.structure",
      "optim.saved_state"],  # saved_state: load_state_dict with each state tensor in its saved dtype
-    ["optim.calls", "optim.commit", "optim.blockwise", "optim.transfer"],  # what a rule call is handed; a step's
-    # gated writes; the row-blocked passes of eq. 9; what travels back from an owner
+    ["optim.calls", "optim.commit", "optim.blockwise", "optim.transfer", "optim.relay"],  # what a rule call is
+    # handed; a step's gated writes; the row-blocked passes of eq. 9; what travels back from an owner; the exchange's
+    # collective relayed through the nodes (relay_group)
     ["optim.rule"],  # what a rule is: the elementwise and stepping protocols
     ["optim.newton_schulz"],  # the table of Newton-Schulz methods, their cost
     ["optim.driver"],  # HiddenRule, stacks, the seam (pre -> NS -> post)
