@@ -130,6 +130,8 @@ def _opt(name, groups, **kw):
         kw["compile"] = True
     if flag in ("foreach", "f32"):  # the batched step (test_foreach.py), and its per-tensor reference
         kw["foreach"] = flag == "foreach"
+    if flag == "relay":  # the exchange relayed through "nodes" of two ranks (relay.py); one process: nothing to relay
+        kw["relay_group"] = 2 if dist.is_initialized() else 1
     if base in NEWTON_SCHULZ:
         kw.setdefault("ns_dtype", torch.float32)
     return meqmuon.build_optimizer(base, groups, lr=0.02, weight_decay=0.1, **kw)
@@ -444,7 +446,7 @@ def test_newton_schulz_sub_stack_regression():
 
 # ---- HSDP (2 replica groups x 2 shards, 4 processes) ------------------------------------------
 
-HSDP_NAMES = runs("hsdp")
+HSDP_NAMES = [*runs("hsdp"), "meqmuon+relay"]
 
 
 def test_hsdp_equals_unsharded_and_replicas_agree(tmp_path):

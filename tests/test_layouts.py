@@ -66,6 +66,8 @@ def _optimizer(name: str, model, **kw):
         base, kw["rules"] = "muon", {"hidden": WholeMatrixVariant()}
     if base != "scale":
         kw["ns_dtype"] = torch.float32
+    if "relay" in flags:  # the exchange relayed through "nodes" of two ranks (relay.py)
+        kw["relay_group"] = 2
     return meqmuon.build_optimizer(base, model, lr=0.02, weight_decay=0.1, foreach="foreach" in flags,
                                    compile="compile" in flags, **kw)
 
@@ -269,8 +271,9 @@ def _fsdp_tp_worker(rank, names, ckpt):
 
 def test_fsdp2_over_tensor_parallel_2x2_equals_one_process(tmp_path):
     """FSDP2 over TP on a 2 x 2 mesh (4 processes): ``_StridedShard`` colwise weights, ``(Shard(0), Shard(1))``
-    rowwise ones, ``(Shard(0), Replicate())`` norms; equal to one process; DCP round trip bit for bit."""
-    names = [*runs("fsdp2xtp", "fsdp2xtp-batched"), "variant"]
+    rowwise ones, ``(Shard(0), Replicate())`` norms; equal to one process, and relayed through two nodes of two
+    (``relay_group=2``) too; DCP round trip bit for bit."""
+    names = [*runs("fsdp2xtp", "fsdp2xtp-batched"), "variant", "meqmuon+foreach+relay"]
     results = _spawn(_fsdp_tp_worker, tmp_path, names, str(tmp_path), world=4)
     placements = results[0]["meqmuon"]["placements"]
     assert placements["model.layers.0.self_attn.q_proj.weight"].startswith("(_StridedShard(dim=0")
