@@ -76,8 +76,9 @@ FUNCTIONAL = frozenset({
 MATMULS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2), "addbmm": (1, 2)}
 #: Ops whose cost is FLOPs, not bytes (:func:`op_traffic` leaves them out).
 FLOP_OPS = frozenset({*MATMULS, "matmul"})
-#: Ops that allocate and launch nothing.
-ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like"})
+#: Ops that allocate and launch nothing (``new_empty``'s tensor argument gives only its dtype and device: it reads
+#: nothing).
+ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
 
 
 def tensor_bytes(x: Any) -> int:

@@ -353,12 +353,11 @@ class SharedNS:
         bounds = [s * i // chunks for i in range(chunks + 1)]
         schedule, _ = F.ns_schedule(self.group["ns_coefficients"], self.group["ns_steps"])
         for a, b, c in schedule:
-            posted = []
+            A, posted = Z.new_empty(k, s, s), []
             for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-                part = self._kept(Z.new_empty(k, hi - lo, s), torch.bmm, Z[:, lo:hi], Z.mT)
+                part = self._kept(A[:, lo:hi], torch.bmm, Z[:, lo:hi], Z.mT)
                 total = part.float() if itemsize < 4 else part
                 posted.append((lo, hi, total, dist.all_reduce(total, group=self.blocks.pg, async_op=True)))
-            A = Z.new_empty(k, s, s)
             for lo, hi, total, work in posted:  # waited in posting order: on a GPU the stream waits, not the host
                 work.wait()
                 A[:, lo:hi] = total  # rounded once to the iteration's dtype, as one process's product
