@@ -279,6 +279,66 @@ def test_two_blocks_of_two_on_four_ranks_equal_one_process(tmp_path, world):
     assert any(s is not None for s in got[0]["shared"]["shared"])
 
 
+class _Failing:
+    """``torch`` as ``shared_ns`` sees it, whose ``baddbmm`` (the column split's ``B`` rows and update) raises."""
+
+    def __getattr__(self, name: str):
+        if name == "baddbmm":
+            def fail(*args, **kwargs):
+                raise RuntimeError("injected: a block member's baddbmm failed")
+            return fail
+        return getattr(torch, name)
+
+
+def _member_fails(rank: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    shared_ns.FLOPS_PER_BLOCK_BYTE = 0.0
+    model = _model()
+    mesh = init_device_mesh("cpu", (2,))
+    fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.ndim == 3 else None)
+    params = list(model)
+    opt = meqmuon.build_optimizer("muon", _groups(params), ns_dtype=torch.float32, ns_group=2)
+
+    def step(k: int) -> None:
+        for i, p in enumerate(params):
+            p.grad = distribute_tensor(_grad(k, i), p.device_mesh, p.placements)
+        opt.step()
+
+    def snapshot() -> list[torch.Tensor]:
+        return [t.to_local().clone() for p in params for t in (p, *opt.state[p].values())
+                if isinstance(t, torch.distributed.tensor.DTensor)]
+
+    step(0)
+    before = snapshot()
+    if rank == 1:
+        shared_ns.torch = _Failing()
+    try:
+        step(1)
+        raised = None
+    except RuntimeError as e:
+        raised = str(e)
+    shared_ns.torch = torch
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, snapshot(), strict=True))
+    step(1)  # fixed: the next step steps on every rank
+    return {"raised": raised, "unchanged": unchanged, "shared": [u.shared for u in opt._exchange.units],
+            "after_fix_changed": not all(torch.equal(a, b) for a, b in zip(before, snapshot(), strict=True))}
+
+
+def test_a_block_member_that_fails_in_a_shared_unit_commits_nothing_on_any_rank(tmp_path):
+    """Two gloo ranks, one block, Muon under FSDP2: rank 1's part of a column-split unit raises (its ``baddbmm``).
+    The block's collectives still pair up (zeros go on, ``StepContext.keep``), rank 1's step raises the error, and
+    neither rank commits anything; the next step, without the failure, steps on both."""
+    got = _spawn(_member_fails, tmp_path)
+    assert "columns" in got[0]["shared"]
+    assert got[1]["raised"] is not None and "injected" in got[1]["raised"], got[1]["raised"]
+    assert got[0]["raised"] is None, got[0]["raised"]
+    for r in got:
+        assert r["unchanged"] and r["after_fix_changed"], r
+
+
 def _eq3(X: torch.Tensor, coefficients, steps: int) -> torch.Tensor:
     """The paper's eq. 3 on one matrix, as written: ``X_0 = X / ||X||_F``, ``A = X X^T`` of the wide side,
     ``X <- a X + (b A + c A^2) X``."""
