@@ -266,13 +266,42 @@ def _fsdp_tp_worker(rank, names, ckpt):
 
     out = compare_under_layout("llama", names, shard)
     out["dcp"] = dcp_resume("llama", "meqmuon", shard, os.path.join(ckpt, "meqmuon"))
+    out["submesh"] = _submesh(mesh)
     return out
+
+
+def _submesh(mesh) -> dict:
+    """A module tensor parallelism leaves alone, FSDP2-sharded on ``mesh["dp"]`` only (a 1-D DTensor on two of the
+    four ranks, repeated over ``tp``), beside a colwise and a rowwise one: the largest difference from one process
+    fed the same gradients, and the meshes' sizes."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(a, b, bias=False) for a, b in ((32, 64), (64, 32), (32, 48))))
+    ref = copy.deepcopy(model)
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    for m in model:
+        fully_shard(m, mesh=mesh["dp"])
+    opts = [meqmuon.build_optimizer("meqmuon", [{"params": list(m.parameters()), "kind": "hidden"}], lr=0.02,
+                                    weight_decay=0.1, ns_dtype=torch.float32) for m in (model, ref)]
+    for step in range(STEPS):
+        for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters(), strict=True)):
+            g = torch.randn(q.shape, generator=torch.Generator().manual_seed(10 * step + i))
+            p.grad, q.grad = distribute_tensor(g, p.device_mesh, p.placements), g.clone()
+        for opt in opts:
+            opt.step()
+    return {"diff": max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(),
+                                                                                 ref.parameters(), strict=True)),
+            "meshes": [p.device_mesh.size() for p in model.parameters()]}
 
 
 def test_fsdp2_over_tensor_parallel_2x2_equals_one_process(tmp_path):
     """FSDP2 over TP on a 2 x 2 mesh (4 processes): ``_StridedShard`` colwise weights, ``(Shard(0), Shard(1))``
     rowwise ones, ``(Shard(0), Replicate())`` norms; equal to one process, and relayed through two nodes of two
-    (``relay_group=2``) too; DCP round trip bit for bit."""
+    (``relay_group=2``) too; DCP round trip bit for bit. A module tensor parallelism leaves alone, FSDP2-sharded on
+    the dp sub-mesh only, steps as one process does too (``owners.spanning``)."""
     names = [*runs("fsdp2xtp", "fsdp2xtp-batched"), "variant", "meqmuon+foreach+relay"]
     results = _spawn(_fsdp_tp_worker, tmp_path, names, str(tmp_path), world=4)
     placements = results[0]["meqmuon"]["placements"]
@@ -280,6 +309,9 @@ def test_fsdp2_over_tensor_parallel_2x2_equals_one_process(tmp_path):
     assert placements["model.layers.0.mlp.down_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
     _check(results, names)
     assert all(res["dcp"] == 0.0 for res in results)
+    # a parameter on the dp sub-mesh only (tensor parallelism left its module alone): planned on the whole mesh
+    for res in results:
+        assert res["submesh"]["meshes"] == [4, 4, 2] and res["submesh"]["diff"] <= 1e-6, res["submesh"]
 
 
 def _compiled_worker(rank, names):

@@ -54,10 +54,24 @@ def is_replicated(t: Tensor) -> bool:
     return is_dtensor(t) and all(p.is_replicate() for p in t.placements)
 
 
+def spanning(t: Tensor) -> tuple[Any, tuple[Any, ...]]:
+    """``t``'s mesh and placements, or where its mesh is a sub-mesh of named dimensions of a larger one (FSDP2 on
+    ``mesh["dp"]`` of a module tensor parallelism left alone), that larger mesh with ``Replicate()`` on the
+    dimensions ``t`` is not on: every rank of the larger mesh holds the piece of its coordinates on the others."""
+    mesh = t.device_mesh
+    root = mesh._get_root_mesh()  # torch has no public name for it yet (torchtitan reads it so too)
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if root is mesh or not names or not root_names or not set(names) <= set(root_names):
+        return mesh, tuple(t.placements)
+    by_name = dict(zip(names, t.placements, strict=True))
+    return root, tuple(by_name.get(n, Replicate()) for n in root_names)
+
+
 def check_mesh(t: Tensor, name: str) -> None:
-    """The exchange runs over the default group, which ``t``'s mesh must span."""
+    """The exchange runs over the default group, which ``t``'s mesh (or the mesh it is a sub-mesh of,
+    :func:`spanning`) must span."""
     world = dist.get_world_size()
-    if t.device_mesh.size() != world:
+    if spanning(t)[0].size() != world:
         raise NotImplementedError(
             f"{name}: placements {tuple(t.placements)} on a mesh of {t.device_mesh.size()} of the {world} ranks; "
             "the optimizer gathers whole matrices over the default process group, so the parameters' mesh must "
@@ -123,7 +137,7 @@ class Pieces:
     __slots__ = ("shape", "runs", "coords", "ranks", "replicated_dims", "_along", "_shapes")
 
     def __init__(self, t: Tensor) -> None:
-        mesh = t.device_mesh
+        mesh, placements = spanning(t)
         ranks = mesh.mesh.reshape(-1).tolist()
         sizes = tuple(mesh.mesh.shape)
         world = dist.get_world_size()
@@ -134,8 +148,8 @@ class Pieces:
             c = tuple(int(x) for x in torch.unravel_index(torch.tensor(flat), sizes))
             self.coords[r] = c
             self.ranks[c] = r
-        self.replicated_dims = tuple(i for i, p in enumerate(t.placements) if p.is_replicate())
-        self.runs: list[Runs] = [piece_runs(t.shape, t.placements, sizes, self.coords[r]) for r in range(world)]
+        self.replicated_dims = tuple(i for i, p in enumerate(placements) if p.is_replicate())
+        self.runs: list[Runs] = [piece_runs(t.shape, placements, sizes, self.coords[r]) for r in range(world)]
         self._along: dict[int, Pieces] = {}
         self._shapes: frozenset[tuple[int, ...]] | None = None
 
