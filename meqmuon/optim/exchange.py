@@ -129,8 +129,9 @@ class Exchange(LocalSplit):
         if self.blocks is None:
             owners, shared = assign_owners(list(costs), self.load, buckets), [False] * len(units)
         elif hsdp := next((u for u in units if not u.replicas and u.pieces.replicated_dims), None):
-            raise NotImplementedError(f"ns_group={ns_group} is not built for a mesh dimension that replicates (HSDP; "
-                                      f"a tensor of shape {tuple(hsdp.pieces.shape)}): use ns_group=1")
+            raise NotImplementedError(f"ns_group={ns_group} is not built for a mesh dimension that replicates (HSDP, "
+                                      "or a sub-mesh's tensor repeated over the others; a tensor of shape "
+                                      f"{tuple(hsdp.pieces.shape)}): use ns_group=1")
         else:
             owners, shared = assign(costs, shares, self.load, ns_group, buckets)
         #: The nodes of ``relay_group`` ranks the exchange is relayed through (``relay.py``), or None: one node (or
