@@ -198,12 +198,13 @@ def _worker(rank: int) -> dict:
                 out[key]["reference"] = _one_process(name, foreach)
     out["all"] = _run("meqmuon", "fsdp2", 2, "all", False)
     out["two"] = _run("meqmuon", "fsdp2", 2, True, False)
-    out["refused"] = [_refused(3, None), _refused(2, "hsdp")]
+    out["refused"] = [_refused(3, None), _refused(2, "hsdp"), _refused(1, None, relay_group=3)]
     return out
 
 
-def _refused(ns_group: int, layout: str | None) -> str:
-    """What a plan ``ns_group`` cannot make says: blocks that do not divide the ranks, an HSDP mesh."""
+def _refused(ns_group: int, layout: str | None, relay_group: int = 1) -> str:
+    """What a plan ``ns_group`` (or ``relay_group``) cannot make says: blocks that do not divide the ranks, an HSDP
+    mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -211,7 +212,8 @@ def _refused(ns_group: int, layout: str | None) -> str:
     if layout == "hsdp":
         fully_shard(model, mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard")))
     params = list(model)
-    opt = meqmuon.build_optimizer("muon", _groups(params), ns_dtype=torch.float32, ns_group=ns_group)
+    opt = meqmuon.build_optimizer("muon", _groups(params), ns_dtype=torch.float32, ns_group=ns_group,
+                                  relay_group=relay_group)
     for p in params:
         p.grad = torch.zeros_like(p)
     try:
@@ -237,7 +239,8 @@ def test_shared_newton_schulz_equals_one_process_under_fsdp2_and_ddp(tmp_path):
                 assert torch.equal(a, b), (key, rank)  # every rank ends with the same weights
         for p, ref in zip(r["params"], r["reference"], strict=True):
             torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
-    divide, hsdp = got[0]["refused"]
+    divide, hsdp, relay = got[0]["refused"]
+    assert relay.startswith("ValueError: relay_group=3 must divide the optimizer's 2 ranks"), relay
     assert divide.startswith("ValueError: ns_group=3 must divide the optimizer's 2 ranks"), divide
     assert hsdp.startswith("NotImplementedError: ns_group=2 is not built for a mesh dimension that replicates"), hsdp
     blocking = got[0][("meqmuon", "fsdp2", False)]["params"]

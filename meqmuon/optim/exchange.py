@@ -137,7 +137,7 @@ class Exchange(LocalSplit):
         #: The nodes of ``relay_group`` ranks the exchange is relayed through (``relay.py``), or None: one node (or
         #: none) has nothing to relay.
         self.relay = (None if relay_group == 1 or relay_group == self.world else
-                      self.blocks if relay_group == ns_group else Blocks(group, relay_group))
+                      self.blocks if relay_group == ns_group else Blocks(group, relay_group, "relay_group"))
         for u, o, s, how in zip(units, owners, shared, shares or [None] * len(units), strict=True):
             u.assigned, u.shared = o, how[0] if s else None
             u.owner = self.owner_of(u)

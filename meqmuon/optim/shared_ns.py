@@ -231,10 +231,10 @@ class Blocks:
     """The blocks of ``size`` consecutive ranks of the optimizer's process group ``pg``, one process group each
     (made by every rank in the same order, as ``torch.distributed.new_group`` asks), and this rank's."""
 
-    def __init__(self, pg: Any, size: int) -> None:
+    def __init__(self, pg: Any, size: int, name: str = "ns_group") -> None:
         world, rank = dist.get_world_size(pg), dist.get_rank(pg)
         if size < 1 or world % size:
-            raise ValueError(f"ns_group={size} must divide the optimizer's {world} ranks (its blocks are consecutive "
+            raise ValueError(f"{name}={size} must divide the optimizer's {world} ranks (its blocks are consecutive "
                              "ranks, a node's GPUs)")
         ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(world))
         self.size, self.rank = size, rank
