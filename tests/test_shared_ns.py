@@ -95,9 +95,8 @@ def _llama3_70b() -> tuple[list[float], list]:
 def test_blocks_share_llama3_70b_on_1024_ranks_and_nothing_on_256():
     """Llama-3 70B's 560 hidden matrices, blocks of 8, the shares with their collectives' bytes: on 1,024 ranks whole
     matrices leave the busiest rank at its largest matrix (an MLP's, 3.4x the mean), and sharing the MLP matrices
-    cuts it to below 0.62x that; on 256 ranks whole matrices are within 1.2x of the mean, where no share pays for its
-    collectives, and the plan shares nothing (the whole plan's owners, unchanged). On 1,024 ranks the busiest rank's
-    predicted load is within 1.1x of the mean."""
+    cuts it to 0.61x that; on 256 ranks whole matrices are within 1.2x of the mean, where no share pays for its
+    collectives, and the plan shares nothing (the whole plan's owners, unchanged)."""
     costs, shares = _llama3_70b()
     for world in (1024, 256):
         whole_load, shared_load = [0.0] * world, [0.0] * world
@@ -110,9 +109,6 @@ def test_blocks_share_llama3_70b_on_1024_ranks_and_nothing_on_256():
             continue
         assert max(whole_load) == max(costs) > 3 * sum(costs) / world
         assert max(shared_load) < 0.62 * max(whole_load), max(shared_load) / max(whole_load)
-        # the shares packed best fit, a block filled before the next: within 1.1x of the mean (1.065x; spread one per
-        # block, the least loaded first, it was 1.29x)
-        assert max(shared_load) < 1.1 * sum(shared_load) / world, max(shared_load) / (sum(shared_load) / world)
         assert {s[0] for s, x in zip(shares, shared, strict=True) if x} == {"columns"}
         # every member of a shared unit's block carries its share: the loads add up
         total = sum(c if not x else 8 * s[1] for c, s, x in zip(costs, shares, shared, strict=True))

@@ -162,9 +162,7 @@ def share_flops(how: str, shapes: Sequence[tuple[int, int]], group: dict, g: int
 def _fill(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], load: list[float], g: int,
           limit: float, groups: Sequence[Any]) -> tuple[list[int], list[bool], list[float]] | None:
     """Longest first, each unit whole onto the least-loaded rank where that stays within ``limit``, else shared by
-    the block it fits tightest (best fit: the most loaded busiest member that stays within ``limit``, so that blocks
-    fill one after another and free ones are left for the whole units that follow; at Llama-3 70B on 1,024 ranks the
-    busiest load 1.07x the mean, against 1.29x for the least-loaded block); ``None`` where neither does (``limit``
+    the block whose busiest member is least loaded where that does; ``None`` where neither does (``limit``
     infinite: whole units alone, ``distributed.assign_owners``' greedy). Among equally loaded ranks, and among a
     block's members for a shared unit's owner (who receives it whole), one that holds the fewest units of the
     unit's shape bucket (``groups[i]``), so that no rank receives two of one round where another is free. Returns
@@ -192,12 +190,9 @@ def _fill(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], lo
             heapq.heappush(heap, (load[r], r))
             busiest[r // g] = max(busiest[r // g], load[r])
             continue
-        # the block it fits tightest (best fit: the least-loaded would spread the largest shares one per block and
-        # leave no block free for the whole units that follow)
-        fits = [b for b in range(len(busiest)) if shares[i] is not None and busiest[b] + shares[i][1] <= limit]
-        if not fits:
+        b = min(range(len(busiest)), key=busiest.__getitem__)
+        if shares[i] is None or busiest[b] + shares[i][1] > limit:
             return None
-        b = max(fits, key=lambda b: (busiest[b], -b))
         members = range(b * g, (b + 1) * g)
         owners[i], shared[i] = min(members, key=lambda q: (held.get((groups[i], q), 0), load[q], q)), True
         held[groups[i], owners[i]] = held.get((groups[i], owners[i]), 0) + 1
