@@ -19,6 +19,7 @@ collectives do not match.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,7 +44,7 @@ except ImportError:  # pragma: no cover - exercised only on such builds
     Shard = None  # type: ignore[assignment,misc]
 
 __all__ = ["SHARDED_LAYOUTS", "InFlight", "LocalSplit", "RowSums", "assign_owners", "exchange_flat", "is_dtensor",
-           "local", "received_as", "resolve_process_group", "state_like"]
+           "local", "offsets", "received_as", "resolve_process_group", "state_like"]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -180,6 +181,12 @@ class InFlight:
                 self._work.wait()
             self._value, self._work, self._finish = self._finish(), None, None
         return self._value
+
+
+def offsets(lengths: Sequence[int]) -> list[int]:
+    """Where each of ``lengths``' consecutive runs starts in the bytes :func:`exchange_flat` received (its senders'
+    in rank order): the exclusive prefix sums."""
+    return [0, *itertools.accumulate(lengths)][:-1] if lengths else []
 
 
 def received_as(piece: Tensor, dtype: torch.dtype, shape: Sequence[int]) -> Tensor:

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from . import commit, transfer
 from .calls import Item, StepContext
-from .distributed import InFlight, LocalSplit, assign_owners, exchange_flat, received_as
+from .distributed import InFlight, LocalSplit, assign_owners, exchange_flat, offsets, received_as
 from .driver import (
     Bucket,
     Call,
@@ -292,9 +292,7 @@ class Exchange(LocalSplit):
                flat: Tensor) -> list[list[Tensor]]:
         """:meth:`from_owners`' received bytes ``flat`` as views in the shapes and dtypes of ``specs`` (per unit;
         ``None``: the unit's ``kept`` results, a DDP owner's own), each owner's bytes where ``sizes`` put them."""
-        starts = [0] * self.world
-        for r in range(1, self.world):
-            starts[r] = starts[r - 1] + sum(sizes[r - 1])
+        starts = offsets([sum(s) for s in sizes])
         out = []
         for u, ws, spec in zip(units, kept, specs, strict=True):
             if spec is None:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .distributed import InFlight, exchange_flat
+from .distributed import InFlight, exchange_flat, offsets
 
 try:
     import torch.distributed as dist
@@ -39,6 +39,21 @@ except ImportError:  # pragma: no cover - torch builds without distributed suppo
     dist = None  # type: ignore[assignment]
 
 __all__ = ["relayed_flat"]
+
+
+def _node(me: int, p: int) -> tuple[range, int]:
+    """Rank ``me``'s node (its ``p`` consecutive ranks) and its place in it."""
+    return range(me // p * p, me // p * p + p), me % p
+
+
+def _rail(j: int, mine: range, p: int, world: int) -> list[int]:
+    """The ranks of place ``j`` in the nodes other than ``mine``, in rank order."""
+    return [r for r in range(j, world, p) if r not in mine]
+
+
+def _in_order(parts: list[Tensor], device: torch.device) -> Tensor:
+    """Every sender's bytes, rank ``0``'s first, as one buffer (as :func:`~.distributed.exchange_flat` returns)."""
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
 
 
 def relayed_flat(send: list[list[Tensor]], out_splits: Sequence[int], sizes: Callable[[int, int], int], group: Any,
@@ -53,14 +68,14 @@ def relayed_flat(send: list[list[Tensor]], out_splits: Sequence[int], sizes: Cal
     if via == "sender":
         return _via_sender(send, out_splits, sizes, group, node, p, device, wait)
     world, me = dist.get_world_size(group), dist.get_rank(group)
-    mine, place = range(me // p * p, me // p * p + p), me % p
+    mine, place = _node(me, p)
     # the first hop: to this node directly; to another node's rank of this place, that node's destinations in order
     first: list[list[Tensor]] = [[] for _ in range(world)]
     for t in range(world):
         if t in mine:
             first[t] = send[t]
         elif t % p == place:
-            first[t] = [x for d in range(t // p * p, t // p * p + p) for x in send[d]]
+            first[t] = [x for d in _node(t, p)[0] for x in send[d]]
     # what arrives: from this node what it sends here; from this place's senders elsewhere, this node's pieces
     into = [out_splits[s] if s in mine else sum(sizes(s, d) for d in mine) if s % p == place else 0
             for s in range(world)]
@@ -77,24 +92,19 @@ def _forward(got: Tensor, out_splits: Sequence[int], into: Sequence[int], sizes:
              p: int, me: int, world: int, device: torch.device) -> Tensor:
     """The second hop, within the node, and every sender's bytes in rank order: ``got`` the first hop's bytes by
     sender (``into[s]`` each; a relayed sender's in the order of this node's destinations)."""
-    mine, place = range(me // p * p, me // p * p + p), me % p
-    starts = [0] * world
-    for s in range(1, world):
-        starts[s] = starts[s - 1] + into[s - 1]
-    relayed = [s for s in range(world) if s % p == place and s not in mine]  # the senders this rank relays for
+    mine, place = _node(me, p)
+    starts = offsets(into)
 
     def piece(s: int, j: int) -> Tensor:
         """What relayed sender ``s`` sent for this node's ``j``-th rank."""
         start = starts[s] + sum(sizes(s, mine[i]) for i in range(j))
         return got[start : start + sizes(s, mine[j])]
 
-    onward = [[piece(s, j) for s in relayed] if j != place else [] for j in range(p)]
+    onward = [[piece(s, j) for s in _rail(place, mine, p, world)] if j != place else [] for j in range(p)]
     # from the node's rank of place j: what the senders of place j elsewhere sent here, in their rank order
-    back = [0 if j == place else sum(out_splits[s] for s in range(j, world, p) if s not in mine) for j in range(p)]
+    back = [0 if j == place else sum(out_splits[s] for s in _rail(j, mine, p, world)) for j in range(p)]
     second = exchange_flat(onward, back, node, device)
-    cursor = [0] * p
-    for j in range(1, p):
-        cursor[j] = cursor[j - 1] + back[j - 1]
+    cursor = offsets(back)
     parts = []
     for s in range(world):
         if s in mine:
@@ -105,7 +115,7 @@ def _forward(got: Tensor, out_splits: Sequence[int], into: Sequence[int], sizes:
             j = s % p
             parts.append(second[cursor[j] : cursor[j] + out_splits[s]])  # type: ignore[index]
             cursor[j] += out_splits[s]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+    return _in_order(parts, device)
 
 
 def _via_sender(send: list[list[Tensor]], out_splits: Sequence[int], sizes: Callable[[int, int], int], group: Any,
@@ -114,16 +124,13 @@ def _via_sender(send: list[list[Tensor]], out_splits: Sequence[int], sizes: Call
     and what goes to the other nodes' ranks of place ``j``), then over the group each rank its node's bytes for its
     own rail, every sender's in rank order."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
-    mine, place = range(me // p * p, me // p * p + p), me % p
-
-    def rail(j: int) -> list[int]:
-        """The other nodes' ranks of place ``j``, in rank order."""
-        return [d for d in range(j, world, p) if d not in mine]
-
-    first = [[*send[mine[j]], *(x for d in rail(j) for x in send[d])] if j != place else send[me] for j in range(p)]
-    into = [out_splits[s] + (sum(sizes(s, d) for d in rail(place)) if s != me else 0) for s in mine]
+    mine, place = _node(me, p)
+    rail = _rail(place, mine, p, world)
+    first = [[*send[mine[j]], *(x for d in _rail(j, mine, p, world) for x in send[d])] if j != place else send[me]
+             for j in range(p)]
+    into = [out_splits[s] + (sum(sizes(s, d) for d in rail) if s != me else 0) for s in mine]
     got = exchange_flat(first, into, node, device, wait=wait)
-    own = {d: send[d] for d in rail(place)}  # this rank's own pieces for its rail, sent in the second hop
+    own = {d: send[d] for d in rail}  # this rank's own pieces for its rail, sent in the second hop
     send.clear()
     if wait:
         return _second(got, own, out_splits, into, sizes, group, p, me, world, device)  # type: ignore[arg-type]
@@ -135,11 +142,9 @@ def _second(got: Tensor, own: dict[int, list[Tensor]], out_splits: Sequence[int]
             sizes: Callable[[int, int], int], group: Any, p: int, me: int, world: int, device: torch.device) -> Tensor:
     """:func:`_via_sender`'s second hop, over the group, and every sender's bytes in rank order: ``got`` the first
     hop's by node rank (``into[j]`` each: that rank's bytes for this one, then for this rank's rail in order)."""
-    mine, place = range(me // p * p, me // p * p + p), me % p
-    starts = [0] * p
-    for j in range(1, p):
-        starts[j] = starts[j - 1] + into[j - 1]
-    rail = [d for d in range(place, world, p) if d not in mine]
+    mine, place = _node(me, p)
+    starts = offsets(into)
+    rail = _rail(place, mine, p, world)
 
     def piece(j: int, d: int) -> Tensor:
         """What this node's rank of place ``j`` handed here for rank ``d`` of this rank's rail."""
@@ -150,11 +155,9 @@ def _second(got: Tensor, own: dict[int, list[Tensor]], out_splits: Sequence[int]
     onward: list[list[Tensor]] = [[] for _ in range(world)]
     for d in rail:
         onward[d] = [x for j in range(p) for x in (own[d] if j == place else [piece(j, d)])]
-    back = [sum(out_splits[s] for s in range(t // p * p, t // p * p + p)) if t in rail else 0 for t in range(world)]
+    back = [sum(out_splits[s] for s in _node(t, p)[0]) if t in rail else 0 for t in range(world)]
     second = exchange_flat(onward, back, group, device)
-    cursor = [0] * world
-    for t in range(1, world):
-        cursor[t] = cursor[t - 1] + back[t - 1]
+    cursor = offsets(back)
     parts = []
     for s in range(world):
         if s in mine:
@@ -164,4 +167,4 @@ def _second(got: Tensor, own: dict[int, list[Tensor]], out_splits: Sequence[int]
             t = s // p * p + place  # the relay of s's node on this rank's rail
             parts.append(second[cursor[t] : cursor[t] + out_splits[s]])  # type: ignore[index]
             cursor[t] += out_splits[s]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+    return _in_order(parts, device)
