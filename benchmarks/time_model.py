@@ -174,10 +174,10 @@ def relayed_seconds(local: list[float], owned: list[float], hw: Hardware) -> flo
     p = min(hw.ranks_per_node, world)
     if world <= p:
         return max((exchange_seconds(max(a, b), world, hw) for a, b in zip(local, owned, strict=True)), default=0.0)
-    far = (world - p) / world
-    node = [sum(owned[n : n + p]) / p for n in range(0, world, p)]  # one place's share of its node's owned bytes
     if not any(local) and not any(owned):
         return 0.0
+    far = (world - p) / world
+    node = [sum(owned[n : n + p]) / p for n in range(0, world, p)]  # one place's share of its node's owned bytes
     net = max(hw.network.latency + far * max(loc, node[r // p]) / hw.network.bandwidth
               for r, loc in enumerate(local))
     near = max(hw.nvlink.latency + (p - 1) / world * max(a, b) / hw.nvlink.bandwidth
@@ -417,10 +417,11 @@ def step_times(summary: dict, hw: Hardware, cal: Calibration, longest_first: boo
     total = sum(weights)
     compute = [[ns + elementwise * w / total for ns in rd.ns] for rd, w in zip(rounds, weights, strict=True)] \
         if total else [[elementwise]]
-    out = [rd.relayed if rd.relayed is not None else max(exchange_seconds(b, world, hw) for b in rd.out)
-           for rd in rounds] or [0.0]
-    back = [rd.relayed if rd.relayed is not None else max(exchange_seconds(b, world, hw) for b in rd.back)
-            for rd in rounds] or [0.0]
+    def one_way(rd: Round, moved: list[float]) -> float:  # a collective ends with its slowest rank's part
+        return rd.relayed if rd.relayed is not None else max(exchange_seconds(b, world, hw) for b in moved)
+
+    out = [one_way(rd, rd.out) for rd in rounds] or [0.0]
+    back = [one_way(rd, rd.back) for rd in rounds] or [0.0]
     # the other collectives (all-reduces of a few floats over the world; a block's are its rounds' block_seconds): a
     # tree's latency each, after the rounds
     calls, nbytes = ((inputs["calls_by_group"], inputs["bytes_by_group"]) if inputs.get("calls_by_group") else
