@@ -94,6 +94,8 @@ DEFAULT_RUNS = [
 TIME_RUNS = [(model, layout, ranks) for model in ("llama3-8b", "llama3-70b", "llama3-405b", "deepseek-v3")
              for layout, ranks in (("fsdp2", "256"), ("fsdp2", "1024"), ("fsdp2xtp", "128x8"))]
 RUNS = {"issue47": DEFAULT_RUNS, "time": TIME_RUNS}
+#: ``--overlap``: the optimizer's ``overlap`` (``default``: not passed).
+OVERLAPS: dict[str, bool | str | None] = {"default": None, "off": False, "pipeline": True, "all": "all"}
 
 
 def build_model(name: str, layers: int | None):
@@ -190,7 +192,7 @@ def _fail_reason(exc: BaseException) -> str:
 
 def simulate(model_name: str, layout: str, ranks: str, rank: int, *, layers: int | None, device: str,
              optimizer: str = "meqmuon", ns_dtype: torch.dtype = torch.float32, foreach: bool = True,
-             ns_group: int = 1, relay_group: int = 1) -> dict:
+             ns_group: int = 1, relay_group: int = 1, overlap: bool | str | None = None) -> dict:
     """One simulated rank: builds, shards, steps three times (the first two timed, the third metered).
     Returns the measurements, or ``{"error": ...}`` where the optimizer cannot be planned or stepped on the
     fake group."""
@@ -226,11 +228,13 @@ def simulate(model_name: str, layout: str, ranks: str, rank: int, *, layers: int
         dtype_kw = {"ns_dtype": ns_dtype} if "ns_dtype" in meqmuon.valid_hyperparameters(optimizer) else {}
         opt = meqmuon.build_optimizer(optimizer, model, foreach=foreach, **dtype_kw,
                                       **({"ns_group": ns_group} if ns_group > 1 else {}),
-                                      **({"relay_group": relay_group} if relay_group > 1 else {}))
+                                      **({"relay_group": relay_group} if relay_group > 1 else {}),
+                                      **({"overlap": overlap} if overlap is not None else {}))
         built = time.perf_counter() - t0
         row = {"model": model_name, "layout": layout, "ranks": ranks, "rank": rank, "device": device,
                "optimizer": optimizer, "ns_dtype": str(ns_dtype).removeprefix("torch."), "ns_group": ns_group,
-               "relay_group": relay_group, "layers": model.config.num_hidden_layers, "build_s": built,
+               "relay_group": relay_group, "overlap": overlap, "layers": model.config.num_hidden_layers,
+               "build_s": built,
                "train_params": train_params(model)}
         engine = hasattr(opt, "_plan")  # the engine's optimizers; torch's AdamW exchanges nothing, has no NS
         row["floor"] = floor_bytes(opt, ns_dtype.itemsize) if engine else 0
@@ -268,7 +272,8 @@ def run_one(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     rows = [simulate(args.model, args.layout, args.ranks, r, layers=args.layers, device=args.device,
                      optimizer=args.optimizer, ns_dtype=getattr(torch, args.ns_dtype),
-                     foreach=args.form == "batched", ns_group=args.ns_group, relay_group=args.relay_group)
+                     foreach=args.form == "batched", ns_group=args.ns_group, relay_group=args.relay_group,
+                     overlap=OVERLAPS[args.overlap])
             for r in sample(args.sample_ranks, world_of(args.ranks))]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"rows": rows, "wall_s": time.perf_counter() - t0, "rss": rss}
@@ -325,6 +330,7 @@ def summarise(result: dict, itemsize: int = 4) -> dict:
         # the world's collectives apart from a block's (ns_group), by "name@group size"
         "calls_by_group": r0.get("calls_by_group", {}), "bytes_by_group": r0.get("bytes_by_group", {}),
         "ns_group": r0.get("ns_group", 1), "relay_group": r0.get("relay_group", 1),
+        "overlap": r0.get("overlap"),
         "ranks": [{**{k: r.get(k) for k in ("rank", "sent", "received", "flops", "ops", "traffic")},
                    # the bytes of a block's collectives (ns_group: groups smaller than the world), not the exchange's
                    "block": sum(n for size, n in r.get("bytes_by_group_size", {}).items()
@@ -394,6 +400,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="the optimizer's ns_group: blocks of this many ranks may share a unit's Newton-Schulz")
     parser.add_argument("--relay-group", type=int, default=1,
                         help="the optimizer's relay_group: the exchange relayed through nodes of this many ranks")
+    parser.add_argument("--overlap", default="default", choices=sorted(OVERLAPS),
+                        help="the optimizer's overlap, which the plan packs shared units for (default: the engine's "
+                             "off-CUDA default; the plan then packs for a pipeline, as for CUDA's overlap=True)")
     parser.add_argument("--sample-ranks", default="0,busiest",
                         help="ranks simulated: numbers, 'last', 'busiest' (the rank model's busiest by bytes, "
                              "bytes per floor and FLOPs, read from the first rank's plan)")
@@ -411,7 +420,7 @@ def _run_rank(args: argparse.Namespace, model: str, layout: str, ranks: str, ran
     cmd = [sys.executable, __file__, "--json", "--model", model, "--layout", layout, "--ranks", ranks,
            "--device", args.device, "--optimizer", args.optimizer, "--ns-dtype", args.ns_dtype,
            "--form", args.form, "--sample-ranks", str(rank), "--ns-group", str(args.ns_group),
-           "--relay-group", str(args.relay_group)]
+           "--relay-group", str(args.relay_group), "--overlap", args.overlap]
     if args.layers is not None:
         cmd += ["--layers", str(args.layers)]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})

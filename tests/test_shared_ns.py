@@ -85,11 +85,16 @@ def test_an_ns_group_the_optimizer_cannot_take_is_refused_when_it_is_built(kw):
         meqmuon.build_optimizer("meqmuon", [torch.nn.Parameter(torch.zeros(4, 4))], **kw)
 
 
-def _llama3_70b() -> tuple[list[float], list]:
+def _llama3(h: int = 8192, f: int = 28672, layers: int = 80) -> tuple[list[float], list, list]:
+    """A Llama-3's hidden matrices (70B by default; 405B: 16,384, 53,248, 126), each one unit: their predicted
+    costs, their shares by blocks of 8, their shapes (each its own shape bucket, as under FSDP2 x TP)."""
     rule, group = _rule(), MUON | {"ns_dtype": torch.bfloat16}
-    shapes = [(8192, 8192), (1024, 8192), (1024, 8192), (8192, 8192)] * 80 + [(28672, 8192), (28672, 8192),
-                                                                              (8192, 28672)] * 80
-    return [float(method_flops(group, *s)) for s in shapes], [share(rule, [s], group, 8) for s in shapes]
+    shapes = [(h, h), (1024, h), (1024, h), (h, h)] * layers + [(f, h), (f, h), (h, f)] * layers
+    return [float(method_flops(group, *s)) for s in shapes], [share(rule, [s], group, 8) for s in shapes], shapes
+
+
+def _llama3_70b() -> tuple[list[float], list]:
+    return _llama3()[:2]
 
 
 def test_blocks_share_llama3_70b_on_1024_ranks_and_nothing_on_256():
@@ -114,6 +119,38 @@ def test_blocks_share_llama3_70b_on_1024_ranks_and_nothing_on_256():
         total = sum(c if not x else 8 * s[1] for c, s, x in zip(costs, shares, shared, strict=True))
         assert sum(shared_load) == pytest.approx(total)
         assert all(owners[i] // 8 * 8 <= owners[i] < owners[i] // 8 * 8 + 8 for i in range(len(costs)))
+
+
+def test_round_sum_is_each_buckets_busiest_rank_added_up():
+    """Two buckets on two blocks of two: bucket ``a`` a whole unit of 5 on rank 0 and one of 2 on rank 3, bucket
+    ``b`` a unit shared by ranks 2 and 3 (3 each) and a whole one of 4 on rank 0: ``5 + 4``; written out."""
+    costs, shares = [5.0, 2.0, 9.0, 4.0], [None, None, ("columns", 3.0), None]
+    owners, shared, groups = [0, 3, 2, 0], [False, False, True, False], ["a", "a", "b", "b"]
+    assert shared_ns.round_sum(costs, shares, owners, shared, 2, groups) == 5.0 + 4.0
+    # moved to rank 2 the last unit joins that rank's share: bucket b's busiest is then 3 + 4
+    assert shared_ns.round_sum(costs, shares, [0, 3, 2, 2], shared, 2, groups) == 5.0 + 7.0
+
+
+@pytest.mark.parametrize("size", ["70b", "405b"])
+def test_the_plan_packs_the_shares_for_its_schedule(size):
+    """Llama-3 on 1,024 ranks in blocks of 8, each matrix its own bucket: the plan for every bucket in flight
+    (``in_flight``, ``overlap="all"``) has the least busiest rank, the plan for a pipeline the least busiest
+    bucket after bucket (``round_sum``), each at least as good as the other's by its own measure. 70B: in flight,
+    the busiest rank within 1.1x of the mean (best fit; the pipeline's plan 1.29x); 405B: the pipeline's plan
+    (each bucket's shares one per block) at most 0.6x the in-flight plan's bucket after bucket."""
+    costs, shares, shapes = _llama3() if size == "70b" else _llama3(16384, 53248, 126)
+    plans = {}
+    for in_flight in (False, True):
+        load = [0.0] * 1024
+        owners, shared = assign(costs, shares, load, 8, shapes, in_flight=in_flight)
+        plans[in_flight] = (max(load), sum(load) / 1024,
+                            shared_ns.round_sum(costs, shares, owners, shared, 8, shapes))
+    (pipe_max, pipe_mean, pipe_rounds), (all_max, all_mean, all_rounds) = plans[False], plans[True]
+    assert all_max <= pipe_max and pipe_rounds <= all_rounds
+    if size == "70b":
+        assert all_max < 1.1 * all_mean < pipe_max, (all_max / all_mean, pipe_max / pipe_mean)
+    else:
+        assert pipe_rounds < 0.6 * all_rounds and all_max < pipe_max, (pipe_rounds / all_rounds, all_max / pipe_max)
 
 
 # ---- on gloo ----------------------------------------------------------------------------------------------
@@ -163,12 +200,19 @@ def _run(name: str, layout: str | None, ns_group: int, overlap, foreach: bool, s
         return relayed(*args, **kwargs)
 
     exchange.relayed_flat = counted
+    planned = exchange.assign
+
+    def recorded(*args, **kwargs):  # what the plan packs its shares for
+        out["in_flight"] = kwargs["in_flight"]
+        return planned(*args, **kwargs)
+
+    exchange.assign = recorded
     for step in range(steps):
         for i, p in enumerate(params):
             g = _grad(step, i)
             p.grad = distribute_tensor(g, p.device_mesh, p.placements) if layout == "fsdp2" else g
         opt.step()
-    exchange.relayed_flat = relayed
+    exchange.relayed_flat, exchange.assign = relayed, planned
     ex = opt._exchange
     out["shared"] = [] if ex is None else [u.shared for u in ex.units]
     out["params"] = [p.full_tensor() if layout == "fsdp2" else p.detach().clone() for p in params]
@@ -247,6 +291,8 @@ def test_shared_newton_schulz_equals_one_process_under_fsdp2_and_ddp(tmp_path):
     for form in ("all", "two"):
         for a, b in zip(got[0][form]["params"], blocking, strict=True):
             assert torch.equal(a, b), form
+    # the plan packs for the schedule: every bucket in flight, or a pipeline
+    assert got[0]["all"]["in_flight"] is True and got[0]["two"]["in_flight"] is False
 
 
 def _four(rank: int) -> dict:

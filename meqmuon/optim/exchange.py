@@ -133,7 +133,7 @@ class Exchange(LocalSplit):
                                       "or a sub-mesh's tensor repeated over the others; a tensor of shape "
                                       f"{tuple(hsdp.pieces.shape)}): use ns_group=1")
         else:
-            owners, shared = assign(costs, shares, self.load, ns_group, buckets)
+            owners, shared = assign(costs, shares, self.load, ns_group, buckets, in_flight=depth == DEPTHS["all"])
         #: The nodes of ``relay_group`` ranks the exchange is relayed through (``relay.py``), or None: one node (or
         #: none) has nothing to relay.
         self.relay = (None if relay_group == 1 or relay_group == self.world else

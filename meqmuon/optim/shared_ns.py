@@ -58,7 +58,7 @@ except ImportError:  # pragma: no cover - torch builds without distributed suppo
     dist = None  # type: ignore[assignment]
 
 __all__ = ["FLOPS_PER_BLOCK_BYTE", "GRAM_CHUNKS", "Blocks", "SharedNS", "assign", "block_bytes", "column_flops",
-           "exposed_bytes", "share", "share_flops"]
+           "exposed_bytes", "round_sum", "share", "share_flops"]
 
 
 def _quintic(group: dict) -> dict[str, Any] | None:
@@ -160,15 +160,19 @@ def share_flops(how: str, shapes: Sequence[tuple[int, int]], group: dict, g: int
 
 
 def _fill(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], load: list[float], g: int,
-          limit: float, groups: Sequence[Any]) -> tuple[list[int], list[bool], list[float]] | None:
+          limit: float, groups: Sequence[Any], tight: bool = False) -> tuple[list[int], list[bool], list[float]] | None:
     """Longest first, each unit whole onto the least-loaded rank where that stays within ``limit``, else shared by
-    the block whose busiest member is least loaded where that does; ``None`` where neither does (``limit``
-    infinite: whole units alone, ``distributed.assign_owners``' greedy). Among equally loaded ranks, and among a
-    block's members for a shared unit's owner (who receives it whole), one that holds the fewest units of the
-    unit's shape bucket (``groups[i]``), so that no rank receives two of one round where another is free. Returns
-    owners, shared, loads."""
+    a block where that does; ``None`` where neither does (``limit`` infinite: whole units alone,
+    ``distributed.assign_owners``' greedy). The block: the one that holds the fewest shares of the unit's shape
+    bucket (``groups[i]``), its busiest member least loaded among those (*spread*: each round's shares one per block
+    before any block takes two, what a pipeline waiting on each round's busiest block wants); or, ``tight``, the one
+    it fits tightest (best fit: blocks fill one after another and free ones are left for the whole units that
+    follow, what every bucket in flight wants). Among equally loaded ranks, and among a block's members for a
+    shared unit's owner (who receives it whole), one that holds the fewest units of the unit's bucket, so that no
+    rank receives two of one round where another is free. Returns owners, shared, loads."""
     load, world = list(load), len(load)
     held: dict[tuple[Any, int], int] = {}
+    per_block: dict[tuple[Any, int], int] = {}  # (bucket, block) -> its shares of that bucket
     heap = [(x, r) for r, x in enumerate(load)]
     heapq.heapify(heap)
     busiest = [max(load[b * g : (b + 1) * g]) for b in range(world // g)]
@@ -190,9 +194,12 @@ def _fill(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], lo
             heapq.heappush(heap, (load[r], r))
             busiest[r // g] = max(busiest[r // g], load[r])
             continue
-        b = min(range(len(busiest)), key=busiest.__getitem__)
-        if shares[i] is None or busiest[b] + shares[i][1] > limit:
+        fits = [b for b in range(len(busiest)) if shares[i] is not None and busiest[b] + shares[i][1] <= limit]
+        if not fits:
             return None
+        b = (max(fits, key=lambda b: (busiest[b], -b)) if tight else
+             min(fits, key=lambda b: (per_block.get((groups[i], b), 0), busiest[b], b)))
+        per_block[groups[i], b] = per_block.get((groups[i], b), 0) + 1
         members = range(b * g, (b + 1) * g)
         owners[i], shared[i] = min(members, key=lambda q: (held.get((groups[i], q), 0), load[q], q)), True
         held[groups[i], owners[i]] = held.get((groups[i], owners[i]), 0) + 1
@@ -203,26 +210,61 @@ def _fill(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], lo
     return owners, shared, load
 
 
-def assign(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], load: list[float],
-           g: int, groups: Sequence[Any] | None = None, rounds: int = 20) -> tuple[list[int], list[bool]]:
-    """The owner of each unit and whether its block shares it, so that the busiest rank's predicted load is least:
-    the smallest limit (by bisection, ``rounds`` halvings between 0 and the busiest rank of whole units alone) for
-    which :func:`_fill` places every unit. Whole where a unit fits, so that a unit is shared only where whole units
-    cannot reach the limit (its block's collectives and the members' extra work are paid only there; Llama-3 70B on
-    256 ranks packs its 240 MLP matrices whole and shares nothing, 405B on 1,024 shares most); a shared unit's owner
-    is its block's least-loaded member, and every member carries its share. ``load`` is updated in place (as
-    ``distributed.assign_owners``'; ``groups``: each unit's shape bucket, :func:`_fill`'s). Depends only on the
-    arguments: identical on every rank, no collective."""
-    groups = groups if groups is not None else [None] * len(costs)
+def _bisect(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], load: list[float], g: int,
+            groups: Sequence[Any], rounds: int, tight: bool) -> tuple[list[int], list[bool], list[float]]:
+    """The plan of :func:`_fill` (``tight`` its block choice) at the smallest limit it places every unit within:
+    ``rounds`` halvings between 0 and the busiest rank of whole units alone."""
     owners, shared, best = _fill(costs, [None] * len(costs), load, g, math.inf, groups)  # type: ignore[misc]
     lo, hi = 0.0, max(best)
     for _ in range(rounds if any(s is not None for s in shares) else 0):
         mid = (lo + hi) / 2
-        plan = _fill(costs, shares, load, g, mid, groups)
+        plan = _fill(costs, shares, load, g, mid, groups, tight)
         if plan is None:
             lo = mid
         else:
             (owners, shared, best), hi = plan, max(plan[2])
+    return owners, shared, best
+
+
+def round_sum(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], owners: Sequence[int],
+              shared: Sequence[bool], g: int, groups: Sequence[Any]) -> float:
+    """The sum over shape buckets of the busiest rank's predicted load in that bucket: a pipeline's Newton-Schulz
+    time where each bucket's way back waits on its busiest owner (``overlap=False`` or ``True``); a plan's busiest
+    rank over all buckets (``max`` of its loads) is that of every bucket in flight (``overlap="all"``)."""
+    per: dict[tuple[Any, int], float] = {}
+    for c, s, o, x, k in zip(costs, shares, owners, shared, groups, strict=True):
+        for r in (range(o // g * g, o // g * g + g) if x else (o,)):
+            per[k, r] = per.get((k, r), 0.0) + (s[1] if x else c)  # type: ignore[index]
+    busiest: dict[Any, float] = {}
+    for (k, _), x in per.items():
+        busiest[k] = max(busiest.get(k, 0.0), x)
+    return sum(busiest.values())
+
+
+def assign(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], load: list[float],
+           g: int, groups: Sequence[Any] | None = None, rounds: int = 20,
+           in_flight: bool = False) -> tuple[list[int], list[bool]]:
+    """The owner of each unit and whether its block shares it, so that the step's predicted Newton-Schulz time is
+    least: of :func:`_fill`'s two block choices, each at the smallest limit it places every unit within
+    (:func:`_bisect`), the one whose busiest bucket after bucket (:func:`round_sum`) is least, the busiest rank
+    overall breaking ties; ``in_flight`` (every bucket in flight, ``overlap="all"``): the one whose busiest rank
+    is least, the other breaking ties. Llama-3 70B on 1,024 ranks: every bucket in flight, best fit puts the
+    busiest rank within 1.07x of the mean (1.29x spread); a pipeline, 405B, spreading each bucket's shares one per
+    block keeps its busiest block 0.54x as loaded as best fit (docs/benchmarks.md). Whole where a unit fits, so
+    that a unit is shared only where whole units cannot reach the limit (its block's collectives and the members'
+    extra work are paid only there; Llama-3 70B on 256 ranks packs its 240 MLP matrices whole and shares nothing,
+    405B on 1,024 shares most); a shared unit's owner is its block's least-loaded member, and every member
+    carries its share. ``load`` is updated in place (as ``distributed.assign_owners``'; ``groups``: each unit's
+    shape bucket). Depends only on the arguments: identical on every rank, no collective."""
+    groups = groups if groups is not None else [None] * len(costs)
+    plans = [_bisect(costs, shares, load, g, groups, rounds, tight)
+             for tight in ((False, True) if any(s is not None for s in shares) else (False,))]
+
+    def key(plan: tuple[list[int], list[bool], list[float]]) -> tuple[float, float]:
+        pipeline, busiest = round_sum(costs, shares, plan[0], plan[1], g, groups), max(plan[2])
+        return (busiest, pipeline) if in_flight else (pipeline, busiest)
+
+    owners, shared, best = min(plans, key=key)
     load[:] = best
     return owners, shared
 
