@@ -19,9 +19,9 @@ each hidden-kind parameter (the Newton-Schulz kind), per rank ``r`` of the defau
   bucket of a call, as ``exchange.step`` exchanges them (one ``all_to_all_single`` out and one back per bucket:
   the exchange's units grouped by the matrix shape of their global shape), each with every rank's ``local``
   elements in it and how many units each owner receives whole (``owned``: ``[rank, count]`` pairs; a unit's
-  ``matrices``: its view's matrices) and of them the ones its block shares (``shared``: ``[owner, how]`` per
-  unit, ``shared_ns``; ``block``: the optimizer's ``ns_group``); whole local matrices are rounds without an
-  exchange (``local`` empty). A shared unit's FLOPs are its members' shares (``shared_ns.share``).
+  ``matrices``: its view's matrices) and of them the ones a block shares (``shared``: ``[owner, how, block
+  size]`` per unit, ``shared_ns``; ``block``: the optimizer's ``ns_group``, the largest); whole local matrices are
+  rounds without an exchange (``local`` empty). A shared unit's FLOPs are its members' shares (``shared_ns.share``).
 
 **The reachable bound.** With whole-matrix Newton-Schulz at owners, rank ``r`` must send its pieces as
 Newton-Schulz input and the directions of every piece of its owned matrices, and receive those pieces and
@@ -131,7 +131,7 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
     world = dist.get_world_size()
     model = RankModel(world, itemsize, [0] * world, [0] * world, [0] * world)
     ex, cache = opt._exchange, {}
-    block = ex.blocks.size if ex is not None and ex.blocks is not None else 1
+    block = getattr(opt, "_ns_group", 1)  # the largest block a unit may be shared by
     rounds: dict[tuple, dict] = {}  # (call, dtype, m, n) -> round, in first-appearance order
 
     def round_of(key: tuple, m: int, n: int, exchanged: bool, matrices: list | None = None) -> dict:
@@ -176,9 +176,9 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
                     if unit.shared is None:
                         model.flops[q] += total
                         continue
-                    rnd["shared"].append([q, unit.shared])
-                    part = share_flops(unit.shared, matrices, group, block)  # FLOPs: no link priced in
-                    for member in ex.blocks.members(q):
+                    rnd["shared"].append([q, unit.shared, unit.block])
+                    part = share_flops(unit.shared, matrices, group, unit.block)  # FLOPs: no link priced in
+                    for member in ex.blocks[unit.block].members(q):
                         model.flops[member] += part
     model.rounds = [{**r, "owned": sorted(r["owned"].items())} for r in rounds.values()]
     return model

@@ -43,7 +43,8 @@ step's (the host runs ahead; see :func:`validate`).
 **Critical path.** Newton-Schulz's lower bound is ``max(total / W, largest)`` in calibrated time (the total
 spread evenly; no matrix split); today's is the serial sum over rounds of the busiest owner's time, and the
 busiest rank's own total (what a perfect pipeline could reach without splitting matrices). With ``ns_group=g``
-(``meqmuon/optim/shared_ns.py``) a block of ``g`` ranks may share a unit: each member then has its share
+(``meqmuon/optim/shared_ns.py``) a block of ``g`` ranks, or of a size dividing ``g``, may share a unit: each member
+then has its share
 (:func:`share_seconds`) and the block's collectives it waits for (:func:`block_seconds`, over NVLink), counted in its
 Newton-Schulz time, and the largest matrix's term is its time over ``g``.
 
@@ -277,9 +278,9 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
         moved = ([factor * itemsize * max(loc, k * size) for loc, k in zip(rd["local"], owned, strict=True)]
                  if rd["local"] else [0.0] * world)
         ns = [k * seconds for k in owned]
-        g = rd.get("block", 1)
-        for q, how in rd.get("shared", []):  # a unit its owner's block shares: each member its part and the block's
-            ns[q] -= seconds                  # collectives, the owner still receiving it whole
+        for q, how, *block in rd.get("shared", []):  # a unit a block shares: each member its part and the block's
+            ns[q] -= seconds                          # collectives, the owner still receiving it whole
+            g = block[0] if block else rd.get("block", 1)  # its own block's size (earlier simulations: ns_group's)
             part = (share_seconds(how, matrices, dtype, g, cal, hw)
                     + block_seconds(how, matrices, dtype, itemsize, g, cal, hw))
             for member in range(q // g * g, q // g * g + g):

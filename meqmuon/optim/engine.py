@@ -32,7 +32,7 @@ from .placement import EXECUTORS, Path, cuts, path_of, splitter
 from .rule import MomentumRule, Rule, SteppingRule, rule_defaults, validate_rule
 from .rules import RULES
 from .saved_state import dtypes_named, keeping_saved_dtypes
-from .shared_ns import share, unit_shapes
+from .shared_ns import shares_by_size, unit_shapes
 from .views import Layout, group_layout, normalise_group_views
 
 try:
@@ -152,8 +152,8 @@ class RoleOptimizer(Optimizer):
     parameters are on CUDA, ``False`` elsewhere.
 
     ``ns_group`` (every optimizer takes it; default 1, off): under ``torch.distributed``, blocks of this many
-    consecutive ranks (a node's GPUs) may share one unit's Newton-Schulz, where the plan predicts it shortens the
-    busiest rank's work (``shared_ns.py``: a stack by matrices, one large matrix by columns, exact to rounding).
+    consecutive ranks (a node's GPUs), or a size dividing it, may share one unit's Newton-Schulz where the plan
+    predicts it shortens the step (``shared_ns.py``: a stack by matrices, a large matrix by columns, exact to rounding).
     ``relay_group`` (default 1, off): the exchange relayed through the receiving node of this many consecutive
     ranks, so that an owner's bytes cross all its node's network links (``relay.py``; the same bytes, bit for bit).
     """
@@ -428,7 +428,7 @@ class RoleOptimizer(Optimizer):
                     for t in e.tensors():
                         e.units.append(len(units))
                         units.append(e.unit(t, cache))
-                        shares.append(share(rule, shapes := unit_shapes(units[-1]), group, self._ns_group))
+                        shares.append(shares_by_size(rule, shapes := unit_shapes(units[-1]), group, self._ns_group))
                         costs.append(sum(driver.cost(rule, s, group) for s in shapes))
                 if not e.cut:
                     e.item = Item(p, None, state, name, p.shape, pkind, *e.units)

@@ -84,14 +84,16 @@ class Unit:
     lies (``where``)."""
 
     __slots__ = ("pieces", "state_pieces", "layout", "assigned", "owner", "mine", "group", "replicas", "where",
-                 "items", "shared", "numels")
+                 "items", "shared", "block", "numels")
 
     def __init__(self, pieces: Any, state_pieces: dict[str, Any], layout: Layout | None) -> None:
         self.pieces, self.state_pieces, self.layout = pieces, state_pieces, layout
         self.replicas = isinstance(pieces, Replicas)
         self.assigned, self.owner, self.mine, self.group = 0, 0, False, []
-        #: How the owner's block shares its Newton-Schulz (``shared_ns``: ``"matrices"`` or ``"columns"``), or None.
+        #: How the owner's block shares its Newton-Schulz (``shared_ns``: ``"matrices"`` or ``"columns"``), or None;
+        #: that block's size (0: not shared).
         self.shared: str | None = None
+        self.block = 0
         #: key -> {rank of ``group``: (boxes, local shape)}: the pieces of ``"param"``, of a vector along one of its
         #: dimensions (:data:`AXES`) or of a sharded state tensor, read off the descriptor at first use.
         self.where: dict[str, dict[int, tuple[list, tuple[int, ...]]]] = {}
@@ -124,22 +126,25 @@ class Exchange(LocalSplit):
         self.load = [0.0] * self.world
         # the shape bucket a unit travels in (``step``): an owner holds one bucket's whole matrices at a time
         buckets = [(u.replicas, tuple(u.pieces.shape)) for u in units]
-        #: The blocks of ``ns_group`` ranks that may share a unit's Newton-Schulz (``shared_ns``), or None.
-        self.blocks = Blocks(group, ns_group) if ns_group > 1 else None
-        if self.blocks is None:
-            owners, shared = assign_owners(list(costs), self.load, buckets), [False] * len(units)
+        #: By block size, the blocks the plan shares units' Newton-Schulz by (``shared_ns``; sizes dividing
+        #: ``ns_group``): only the sizes it uses, made alike on every rank (the plan is every rank's).
+        self.blocks: dict[int, Blocks] = {}
+        Blocks.check(ns_group, self.world)
+        if ns_group == 1:
+            owners, shared = assign_owners(list(costs), self.load, buckets), [0] * len(units)
         elif hsdp := next((u for u in units if not u.replicas and u.pieces.replicated_dims), None):
             raise NotImplementedError(f"ns_group={ns_group} is not built for a mesh dimension that replicates (HSDP, "
                                       "or a sub-mesh's tensor repeated over the others; a tensor of shape "
                                       f"{tuple(hsdp.pieces.shape)}): use ns_group=1")
         else:
-            owners, shared = assign(costs, shares, self.load, ns_group, buckets, in_flight=depth == DEPTHS["all"])
+            owners, shared = assign(costs, shares, self.load, buckets, in_flight=depth == DEPTHS["all"])
+            self.blocks = {z: Blocks(group, z) for z in sorted(set(shared) - {0})}
         #: The nodes of ``relay_group`` ranks the exchange is relayed through (``relay.py``), or None: one node (or
         #: none) has nothing to relay.
         self.relay = (None if relay_group == 1 or relay_group == self.world else
-                      self.blocks if relay_group == ns_group else Blocks(group, relay_group, "relay_group"))
-        for u, o, s, how in zip(units, owners, shared, shares or [None] * len(units), strict=True):
-            u.assigned, u.shared = o, how[0] if s else None
+                      self.blocks.get(relay_group) or Blocks(group, relay_group, "relay_group"))
+        for u, o, z, how in zip(units, owners, shared, shares or [{}] * len(units), strict=True):
+            u.assigned, u.shared, u.block = o, how[z][0] if z else None, z
             u.owner = self.owner_of(u)
             u.mine = u.owner == self.rank
             if u.mine:
@@ -457,11 +462,11 @@ def _at_owners(c: _Call, wholes: list[list[Tensor] | None], stack: list[Tensor])
     ex: Exchange = c.ctx.split  # type: ignore[assignment]
     results: dict[int, tuple[Any, dict]] = {}
     for j, u in enumerate(c.units):
-        if u.shared is None or ex.rank not in ex.blocks.members(u.owner):
+        if u.shared is None or ex.rank not in ex.blocks[u.block].members(u.owner):
             continue
         shapes = unit_shapes(u)
-        ns = SharedNS(ex.blocks, u.owner, u.shared, (len(shapes), *shapes[0]), c.group, c.ns, c.stacked_ns, c.device,
-                      c.ctx)
+        ns = SharedNS(ex.blocks[u.block], u.owner, u.shared, (len(shapes), *shapes[0]), c.group, c.ns, c.stacked_ns,
+                      c.device, c.ctx)
         if u.mine:
             results.update(_owned(c, wholes, [], [j], ns))
             ns.finish()  # where the owner's computation raised before its collectives

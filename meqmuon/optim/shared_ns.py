@@ -57,8 +57,8 @@ try:
 except ImportError:  # pragma: no cover - torch builds without distributed support
     dist = None  # type: ignore[assignment]
 
-__all__ = ["FLOPS_PER_BLOCK_BYTE", "GRAM_CHUNKS", "Blocks", "SharedNS", "assign", "block_bytes", "column_flops",
-           "exposed_bytes", "round_sum", "share", "share_flops"]
+__all__ = ["FLOPS_PER_BLOCK_BYTE", "GRAM_CHUNKS", "TIE", "Blocks", "SharedNS", "Shares", "assign", "block_bytes",
+           "block_sizes", "column_flops", "exposed_bytes", "round_sum", "share", "share_flops", "shares_by_size"]
 
 
 def _quintic(group: dict) -> dict[str, Any] | None:
@@ -159,24 +159,51 @@ def share_flops(how: str, shapes: Sequence[tuple[int, int]], group: dict, g: int
             k * column_flops(m, n, group["ns_steps"], g))
 
 
-def _fill(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], load: list[float], g: int,
-          limit: float, groups: Sequence[Any], tight: bool = False) -> tuple[list[int], list[bool], list[float]] | None:
+#: A unit's shares by block size: ``{size: (how, one member's predicted cost)}`` (:func:`share` at each of
+#: :func:`block_sizes`), empty where it is not shared.
+Shares = dict[int, tuple[str, float]]
+
+
+def block_sizes(g: int) -> list[int]:
+    """The block sizes ``ns_group=g`` lets a unit be shared by, smallest first: every divisor of ``g`` above 1, each
+    block ``size`` consecutive ranks within one of ``g``. A smaller block moves fewer bytes per FLOP shared (its
+    ring all-reduce's ``2 (size - 1) / size`` of the Gram matrix against ``1 / size`` of the work): at Llama-3 405B
+    an MLP matrix shared by 2 costs its pair 3 % more than whole, by 8 its block 24 % more (the plan's prices)."""
+    return [s for s in range(2, g + 1) if g % s == 0]
+
+
+def shares_by_size(rule: Any, shapes: Sequence[tuple[int, int]], group: dict, g: int) -> Shares:
+    """A unit's :func:`share` at each of :func:`block_sizes` of ``g`` where it is shared at all."""
+    return {z: x for z in block_sizes(g) if (x := share(rule, shapes, group, z)) is not None}
+
+
+def _fill(costs: Sequence[float], shares: Sequence[Shares], load: list[float], limit: float, groups: Sequence[Any],
+          tight: bool = False) -> tuple[list[int], list[int], list[float]] | None:
     """Longest first, each unit whole onto the least-loaded rank where that stays within ``limit``, else shared by
-    a block where that does; ``None`` where neither does (``limit`` infinite: whole units alone,
-    ``distributed.assign_owners``' greedy). The block: the one that holds the fewest shares of the unit's shape
-    bucket (``groups[i]``), its busiest member least loaded among those (*spread*: each round's shares one per block
-    before any block takes two, what a pipeline waiting on each round's busiest block wants); or, ``tight``, the one
-    it fits tightest (best fit: blocks fill one after another and free ones are left for the whole units that
-    follow, what every bucket in flight wants). Among equally loaded ranks, and among a block's members for a
-    shared unit's owner (who receives it whole), one that holds the fewest units of the unit's bucket, so that no
-    rank receives two of one round where another is free. Returns owners, shared, loads."""
+    the smallest block size (:func:`block_sizes`: the fewest bytes a FLOP) that has a block where that does;
+    ``None`` where none does (``limit`` infinite: whole units alone, ``distributed.assign_owners``' greedy). Of that
+    size, the block that holds the fewest shares of the unit's shape bucket (``groups[i]``), its busiest member
+    least loaded among those (*spread*: each round's shares one per block before any block takes two, what a
+    pipeline waiting on each round's busiest block wants); or, ``tight``, the one it fits tightest (best fit:
+    blocks fill one after another and free ones are left for the whole units that follow, what every bucket in
+    flight wants). Among equally loaded ranks, and among a block's members for a shared unit's owner (who
+    receives it whole), one that holds the fewest units of the unit's bucket, so that no rank receives two of one
+    round where another is free. Returns owners, the block size sharing each unit (0: whole), loads."""
     load, world = list(load), len(load)
     held: dict[tuple[Any, int], int] = {}
-    per_block: dict[tuple[Any, int], int] = {}  # (bucket, block) -> its shares of that bucket
+    per_block: dict[tuple[Any, int, int], int] = {}  # (bucket, size, block) -> its shares of that bucket
     heap = [(x, r) for r, x in enumerate(load)]
     heapq.heapify(heap)
-    busiest = [max(load[b * g : (b + 1) * g]) for b in range(world // g)]
-    owners, shared = [0] * len(costs), [False] * len(costs)
+    # per block size, each block's busiest member's load (loads only grow: kept by max)
+    busiest = {z: [max(load[b * z : (b + 1) * z]) for b in range(world // z)] for z in {z for s in shares for z in s}}
+
+    def add(r: int, x: float) -> None:
+        load[r] += x
+        heapq.heappush(heap, (load[r], r))
+        for z, top in busiest.items():
+            top[r // z] = max(top[r // z], load[r])
+
+    owners, shared = [0] * len(costs), [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         while heap[0][0] != load[heap[0][1]]:  # entries left stale by a shared unit
             heapq.heappop(heap)
@@ -189,36 +216,35 @@ def _fill(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], lo
             for t in tied:
                 if t[1] != r:
                     heapq.heappush(heap, t)
-            owners[i], load[r] = r, x + costs[i]
+            owners[i] = r
             held[groups[i], r] = held.get((groups[i], r), 0) + 1
-            heapq.heappush(heap, (load[r], r))
-            busiest[r // g] = max(busiest[r // g], load[r])
+            add(r, costs[i])
             continue
-        fits = [b for b in range(len(busiest)) if shares[i] is not None and busiest[b] + shares[i][1] <= limit]
-        if not fits:
+        z = next((z for z in sorted(shares[i]) if min(busiest[z]) + shares[i][z][1] <= limit), 0)
+        if not z:
             return None
-        b = (max(fits, key=lambda b: (busiest[b], -b)) if tight else
-             min(fits, key=lambda b: (per_block.get((groups[i], b), 0), busiest[b], b)))
-        per_block[groups[i], b] = per_block.get((groups[i], b), 0) + 1
-        members = range(b * g, (b + 1) * g)
-        owners[i], shared[i] = min(members, key=lambda q: (held.get((groups[i], q), 0), load[q], q)), True
+        top, cost = busiest[z], shares[i][z][1]
+        fits = [b for b in range(len(top)) if top[b] + cost <= limit]
+        b = (max(fits, key=lambda b: (top[b], -b)) if tight else
+             min(fits, key=lambda b: (per_block.get((groups[i], z, b), 0), top[b], b)))
+        per_block[groups[i], z, b] = per_block.get((groups[i], z, b), 0) + 1
+        members = range(b * z, (b + 1) * z)
+        owners[i], shared[i] = min(members, key=lambda q: (held.get((groups[i], q), 0), load[q], q)), z
         held[groups[i], owners[i]] = held.get((groups[i], owners[i]), 0) + 1
         for q in members:
-            load[q] += shares[i][1]
-            heapq.heappush(heap, (load[q], q))
-        busiest[b] += shares[i][1]
+            add(q, cost)
     return owners, shared, load
 
 
-def _bisect(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], load: list[float], g: int,
-            groups: Sequence[Any], rounds: int, tight: bool) -> tuple[list[int], list[bool], list[float]]:
+def _bisect(costs: Sequence[float], shares: Sequence[Shares], load: list[float], groups: Sequence[Any], rounds: int,
+            tight: bool) -> tuple[list[int], list[int], list[float]]:
     """The plan of :func:`_fill` (``tight`` its block choice) at the smallest limit it places every unit within:
     ``rounds`` halvings between 0 and the busiest rank of whole units alone."""
-    owners, shared, best = _fill(costs, [None] * len(costs), load, g, math.inf, groups)  # type: ignore[misc]
+    owners, shared, best = _fill(costs, [{}] * len(costs), load, math.inf, groups)  # type: ignore[misc]
     lo, hi = 0.0, max(best)
-    for _ in range(rounds if any(s is not None for s in shares) else 0):
+    for _ in range(rounds if any(shares) else 0):
         mid = (lo + hi) / 2
-        plan = _fill(costs, shares, load, g, mid, groups, tight)
+        plan = _fill(costs, shares, load, mid, groups, tight)
         if plan is None:
             lo = mid
         else:
@@ -226,42 +252,64 @@ def _bisect(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], 
     return owners, shared, best
 
 
-def round_sum(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], owners: Sequence[int],
-              shared: Sequence[bool], g: int, groups: Sequence[Any]) -> float:
+def round_sum(costs: Sequence[float], shares: Sequence[Shares], owners: Sequence[int], shared: Sequence[int],
+              groups: Sequence[Any]) -> float:
     """The sum over shape buckets of the busiest rank's predicted load in that bucket: a pipeline's Newton-Schulz
     time where each bucket's way back waits on its busiest owner (``overlap=False`` or ``True``); a plan's busiest
-    rank over all buckets (``max`` of its loads) is that of every bucket in flight (``overlap="all"``)."""
+    rank over all buckets (``max`` of its loads) is that of every bucket in flight (``overlap="all"``). ``shared``:
+    the block size sharing each unit, 0 whole."""
     per: dict[tuple[Any, int], float] = {}
-    for c, s, o, x, k in zip(costs, shares, owners, shared, groups, strict=True):
-        for r in (range(o // g * g, o // g * g + g) if x else (o,)):
-            per[k, r] = per.get((k, r), 0.0) + (s[1] if x else c)  # type: ignore[index]
+    for c, s, o, z, k in zip(costs, shares, owners, shared, groups, strict=True):
+        for r in (range(o // z * z, o // z * z + z) if z else (o,)):
+            per[k, r] = per.get((k, r), 0.0) + (s[z][1] if z else c)
     busiest: dict[Any, float] = {}
     for (k, _), x in per.items():
         busiest[k] = max(busiest.get(k, 0.0), x)
     return sum(busiest.values())
 
 
-def assign(costs: Sequence[float], shares: Sequence[tuple[str, float] | None], load: list[float],
-           g: int, groups: Sequence[Any] | None = None, rounds: int = 20,
-           in_flight: bool = False) -> tuple[list[int], list[bool]]:
-    """The owner of each unit and whether its block shares it, so that the step's predicted Newton-Schulz time is
-    least: of :func:`_fill`'s two block choices, each at the smallest limit it places every unit within
-    (:func:`_bisect`), the one whose busiest bucket after bucket (:func:`round_sum`) is least, the busiest rank
-    overall breaking ties; ``in_flight`` (every bucket in flight, ``overlap="all"``): the one whose busiest rank
-    is least, the other breaking ties. Llama-3 70B on 1,024 ranks: every bucket in flight, best fit puts the
-    busiest rank within 1.07x of the mean (1.29x spread); a pipeline, 405B, spreading each bucket's shares one per
-    block keeps its busiest block 0.54x as loaded as best fit (docs/benchmarks.md). Whole where a unit fits, so
-    that a unit is shared only where whole units cannot reach the limit (its block's collectives and the members'
-    extra work are paid only there; Llama-3 70B on 256 ranks packs its 240 MLP matrices whole and shares nothing,
-    405B on 1,024 shares most); a shared unit's owner is its block's least-loaded member, and every member
-    carries its share. ``load`` is updated in place (as ``distributed.assign_owners``'; ``groups``: each unit's
-    shape bucket). Depends only on the arguments: identical on every rank, no collective."""
-    groups = groups if groups is not None else [None] * len(costs)
-    plans = [_bisect(costs, shares, load, g, groups, rounds, tight)
-             for tight in ((False, True) if any(s is not None for s in shares) else (False,))]
+#: How much of the earlier buckets' loads a bucket planned on its own starts from (:func:`_by_bucket`): enough to
+#: break its ties toward the ranks with the least so far, too little to move its limit.
+TIE = 1e-9
 
-    def key(plan: tuple[list[int], list[bool], list[float]]) -> tuple[float, float]:
-        pipeline, busiest = round_sum(costs, shares, plan[0], plan[1], g, groups), max(plan[2])
+
+def _by_bucket(costs: Sequence[float], shares: Sequence[Shares], load: list[float], groups: Sequence[Any],
+               rounds: int) -> tuple[list[int], list[int], list[float]]:
+    """Each shape bucket planned on its own (:func:`_bisect`, spread), in the plan's order, as if the ranks were free
+    (but for :data:`TIE` of what they hold so far): what a pipeline wants, whose buckets follow one another. Returns
+    owners, block sizes and the total loads."""
+    owners, shared, total = [0] * len(costs), [0] * len(costs), list(load)
+    for k in dict.fromkeys(groups):
+        units = [i for i, x in enumerate(groups) if x == k]
+        start = [TIE * x for x in total]
+        o, z, end = _bisect([costs[i] for i in units], [shares[i] for i in units], start, [k] * len(units), rounds,
+                            False)
+        for i, a, b in zip(units, o, z, strict=True):
+            owners[i], shared[i] = a, b
+        total = [x + e - s0 for x, e, s0 in zip(total, end, start, strict=True)]
+    return owners, shared, total
+
+
+def assign(costs: Sequence[float], shares: Sequence[Shares], load: list[float], groups: Sequence[Any] | None = None,
+           rounds: int = 20, in_flight: bool = False) -> tuple[list[int], list[int]]:
+    """The owner of each unit and the size of the block that shares it (0: none), so that the step's predicted
+    Newton-Schulz time is least. Three plans: every unit at once with :func:`_fill`'s two block choices (each at
+    the smallest limit it places every unit within, :func:`_bisect`), and each bucket on its own
+    (:func:`_by_bucket`); kept, the one whose busiest bucket after bucket (:func:`round_sum`) is least, the busiest
+    rank overall breaking ties, or with ``in_flight`` (every bucket in flight, ``overlap="all"``) the one whose
+    busiest rank is least, the other breaking ties (docs/algorithm.md has the examples). Whole where a unit fits,
+    so that a unit is shared only where whole units cannot reach the limit (its block's collectives and the
+    members' extra work are paid only there), by the smallest block that reaches it; a shared unit's owner is its
+    block's least-loaded member, and every member carries its share. ``shares``: each unit's by block size;
+    ``load`` is updated in place (as ``distributed.assign_owners``'; ``groups``: each unit's shape bucket). Depends
+    only on the arguments: identical on every rank, no collective."""
+    groups = groups if groups is not None else [None] * len(costs)
+    plans = [_bisect(costs, shares, load, groups, rounds, False)]
+    if any(shares):
+        plans += [_bisect(costs, shares, load, groups, rounds, True), _by_bucket(costs, shares, load, groups, rounds)]
+
+    def key(plan: tuple[list[int], list[int], list[float]]) -> tuple[float, float]:
+        pipeline, busiest = round_sum(costs, shares, plan[0], plan[1], groups), max(plan[2])
         return (busiest, pipeline) if in_flight else (pipeline, busiest)
 
     owners, shared, best = min(plans, key=key)
@@ -275,9 +323,7 @@ class Blocks:
 
     def __init__(self, pg: Any, size: int, name: str = "ns_group") -> None:
         world, rank = dist.get_world_size(pg), dist.get_rank(pg)
-        if size < 1 or world % size:
-            raise ValueError(f"{name}={size} must divide the optimizer's {world} ranks (its blocks are consecutive "
-                             "ranks, a node's GPUs)")
+        self.check(size, world, name)
         ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(world))
         self.size, self.rank = size, rank
         #: This rank's block, and its place in it (its rank in :attr:`pg`).
@@ -285,6 +331,13 @@ class Blocks:
         groups = [dist.new_group(ranks[b * size : (b + 1) * size]) for b in range(world // size)]
         #: This rank's block's process group (block-local ranks ``0 .. size - 1``).
         self.pg = groups[self.index]
+
+    @staticmethod
+    def check(size: int, world: int, name: str = "ns_group") -> None:
+        """Refuses blocks of ``size`` that do not divide ``world`` ranks, naming the optimizer's keyword ``name``."""
+        if size < 1 or world % size:
+            raise ValueError(f"{name}={size} must divide the optimizer's {world} ranks (its blocks are consecutive "
+                             "ranks, a node's GPUs)")
 
     def members(self, owner: int) -> range:
         """The ranks (of the optimizer's group) of ``owner``'s block."""
