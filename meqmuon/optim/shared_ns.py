@@ -3,8 +3,9 @@
 With whole matrices at owners (``exchange.py``) the step's critical path is its busiest owner, and no owner can
 be faster than its largest matrix: at Llama-3 405B one 16,384 x 53,248 MLP matrix is about 0.7 s of bf16
 Newton-Schulz on an H100, whatever the number of ranks (docs/benchmarks.md, the time model). ``ns_group=g`` lets
-the ``g`` consecutive ranks of a *block* (a node's GPUs, ``g = 8``) share one unit's Newton-Schulz, so that the
-bound becomes ``max(total work / ranks, largest matrix / g)``:
+the ``g`` consecutive ranks of a *block* (a node's GPUs, ``g = 8``), or of a smaller block whose size divides ``g``
+(:func:`block_sizes`), share one unit's Newton-Schulz, so that the bound becomes ``max(total work / ranks, largest
+matrix / g)``:
 
 * **by matrices** (``"matrices"``), where the unit is a stack of at least ``g`` same-shape matrices (a MoE layer's
   experts): each member orthogonalises a contiguous range of them with the group's own method, matrix by matrix as
@@ -28,9 +29,10 @@ bound becomes ``max(total work / ranks, largest matrix / g)``:
 The owner receives the unit whole (the exchange is unchanged), ``pre`` runs there, the members' parts go out and
 come back in one ``all_to_all_single`` each way over the block, and ``post`` (eq. 8, whose statistics are whole
 rows and columns) runs at the owner on the whole ``U``: the sharing is the owner's Newton-Schulz, nothing else.
-The plan (:func:`assign`) decides per unit, longest first, whether sharing lowers the busiest rank's predicted
-load. Every rank of a block takes part in its shared units in the plan's order (the bucket's, then the units'),
-so that the collectives pair up; an error on a member is kept on the step's commit (``StepContext.keep``) and zeros
+The plan (:func:`assign`) decides per unit whether it is shared and by which block, for the step's schedule.
+Every rank of a block takes part in its shared units in the plan's order (the bucket's, then the units'), so that
+the collectives pair up (blocks of several sizes overlap; every rank walks the units in the same order, so no two
+groups' collectives cross); an error on a member is kept on the step's commit (``StepContext.keep``) and zeros
 go on, so that the others still receive what they wait for.
 """
 
