@@ -244,6 +244,7 @@ class Round:
     ns: list[float]
     elements: list[int]  # of the matrices each rank orthogonalises
     seconds: float
+    work: float  # the round's Newton-Schulz, every matrix whole, its calibrated time: no share's collectives
     kind: str
     #: One way's time where the exchange is relayed (:func:`relayed_seconds`), else None.
     relayed: float | None = None
@@ -290,7 +291,7 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
             relayed = relayed_seconds([factor * itemsize * loc for loc in rd["local"]],
                                       [factor * itemsize * k * size for k in owned], hw)
         rounds.append(Round(tuple(rd["shape"]), moved, list(moved), ns, [k * size for k in owned],
-                            max(t for t, _ in found), kind, relayed))
+                            max(t for t, _ in found), sum(owned) * seconds, kind, relayed))
     return rounds, factor
 
 
@@ -366,7 +367,9 @@ class StepTimes:
     (``overlap="all"``), and it with nothing to exchange (``in_flight_compute``, :attr:`hidden_in_flight`); their
     parts: the collectives of the
     rounds both ways (``exchange``), Newton-Schulz along today's serial rounds (``ns_serial``), the busiest rank's own
-    (``ns_busiest``), the mean rank's and the largest matrix's (:attr:`ns_bound`, the larger), the elementwise
+    (``ns_busiest``), the mean rank's and the largest matrix's (:attr:`ns_bound`, the larger), the work of every
+    matrix whole over the ranks (``ns_work``, no share's collectives: the issue's bound, :attr:`work_bound`), the
+    elementwise
     passes of the most loaded simulated rank, the other collectives; ``factor``: measured over planned bytes;
     ``extrapolated``: some shape's Newton-Schulz time is not in the calibration table."""
 
@@ -381,6 +384,7 @@ class StepTimes:
     ns_busiest: float
     ns_mean: float
     ns_largest: float
+    ns_work: float
     elementwise: float
     other: float
     factor: float
@@ -390,6 +394,11 @@ class StepTimes:
     def ns_bound(self) -> float:
         """Newton-Schulz's critical path at best without splitting a matrix: ``max(total / W, largest)``."""
         return max(self.ns_mean, self.ns_largest)
+
+    @property
+    def work_bound(self) -> float:
+        """The critical path's lower bound, compute only (issue 59): ``max(total work / W, largest / g)``."""
+        return max(self.ns_work, self.ns_largest)
 
     @property
     def hidden(self) -> float:
@@ -446,6 +455,7 @@ def step_times(summary: dict, hw: Hardware, cal: Calibration, longest_first: boo
         in_flight_compute=pipeline([0.0] * len(out), compute, [0.0] * len(back), overlap=len(out)) + other,
         exchange=sum(out) + sum(back), ns_serial=sum(max(rd.ns) for rd in rounds),
         ns_busiest=max(per_rank, default=0.0), ns_mean=sum(per_rank) / world, ns_largest=largest,
+        ns_work=sum(rd.work for rd in rounds) / world,
         elementwise=elementwise, other=other, factor=factor,
         extrapolated=any(rd.kind == "extrapolated" for rd in rounds if any(rd.ns)))
 
@@ -457,7 +467,8 @@ def train_seconds(params: int, tokens: int, world: int, hw: Hardware, mfu: float
 
 
 HEADER = ("| model | layout | ranks | optimizer | exchange, both ways | Newton-Schulz: serial rounds / busiest rank / "
-          "mean rank / largest matrix | serial / bound | elementwise | step: serial | two-bucket pipeline | exchange "
+          "mean rank / largest matrix | serial / bound | busiest / work bound | elementwise | step: serial | "
+          "two-bucket pipeline | exchange "
           "hidden by it | every bucket in flight | exchange hidden by it | one exchange | fwd+bwd at MFU "
           "| share: serial | pipeline | in flight | one exchange |")
 
@@ -485,6 +496,7 @@ def table(summaries: list[dict], hw: Hardware, cal: Calibration, mfu: float, tok
         ns = (f"{_ms(t.ns_serial)} / {_ms(t.ns_busiest)} / {_ms(t.ns_mean)} / {_ms(t.ns_largest)}{star}"
               if t.ns_bound else "-")
         ratio = f"{t.ns_serial / t.ns_bound:.2f}x" if t.ns_bound else "-"
+        ratio += f" | {t.ns_busiest / t.work_bound:.2f}x" if t.work_bound else " | -"
         hidden = f"{t.hidden:.0%}" if t.exchange else "-"
         hidden_all = f"{t.hidden_in_flight:.0%}" if t.exchange else "-"
         share = " | ".join(f"{x / (fb + x):.2%}" for x in (t.serial, t.overlapped, t.in_flight, t.one_exchange))
