@@ -36,11 +36,20 @@ def _rule():
 MUON = _rule_and_group()[1]
 
 
-def test_a_member_of_a_column_split_does_its_columns_and_the_whole_gram_square():
-    """Per iteration ``(4 s^2 L + 2 s^3) / g`` FLOPs: the quintic's own count (``g = 1``) divided by ``g``."""
-    assert column_flops(16384, 53248, 5, 1) == ns_flops(16384, 53248, 5)
-    assert column_flops(53248, 16384, 5, 8) == ns_flops(16384, 53248, 5) // 8
-    assert column_flops(30, 100, 5, 8) == 5 * (4 * 30 * 30 * 13 + 2 * 30 * 30 * 4)
+def test_a_member_of_a_column_split_does_its_columns_and_the_upper_trapezoids_of_the_gram_matrix():
+    """Four Gram row blocks of ``s / 4`` rows, each made from its first row's column on: ``s/4 (s + 3s/4 + s/2 +
+    s/4) = 0.625 s^2`` entries. Per iteration ``(2 s^2 + 2 e) L / g + 2 s^3 / g`` FLOPs: the quintic's own count
+    less the mirrored ``s^2 - e`` entries' ``2 (s^2 - e) L``, divided by ``g``."""
+    s, L = 16384, 53248
+    assert shared_ns.gram_blocks(s) == [(0, 4096), (4096, 8192), (8192, 12288), (12288, 16384)]
+    assert shared_ns.gram_entries(s) == 4096 * (16384 + 12288 + 8192 + 4096) == 0.625 * s * s
+    assert shared_ns.gram_entries(3) == 3 + 2 + 1  # fewer rows than blocks: a row each, the upper triangle
+    saved = 5 * 2 * (s * s - shared_ns.gram_entries(s)) * L
+    assert column_flops(s, L, 5, 1) == ns_flops(s, L, 5) - saved
+    assert column_flops(L, s, 5, 8) == (ns_flops(s, L, 5) - saved) // 8
+    assert shared_ns.gram_blocks(30) == [(0, 7), (7, 15), (15, 22), (22, 30)]  # blocks of 7 or 8 of 30 rows
+    e = 7 * 30 + 8 * 23 + 7 * 15 + 8 * 8
+    assert column_flops(30, 100, 5, 8) == 5 * (2 * (30 * 30 + e) * 13 + 2 * 30 * 30 * 4)
 
 
 def test_share_splits_a_stack_by_matrices_and_a_matrix_by_columns_and_nothing_else():
@@ -49,9 +58,13 @@ def test_share_splits_a_stack_by_matrices_and_a_matrix_by_columns_and_nothing_el
     moved = 2 * 256 * 2048 * 7168 * 2 * 7 / 8  # the owner's parts out and back
     assert how == "matrices" and cost == 32 * method_flops(MUON, 2048, 7168) + FLOPS_PER_BLOCK_BYTE * moved
     how, cost = share(rule, [(28672, 8192)], MUON | {"ns_dtype": torch.float32}, 8)
-    gram = 2 * 7 / 8 * 8192**2 * 4  # each iteration's Gram all-reduce, 3 of its 4 row blocks behind the next's matmul
-    hidden = 3 / 4 * min(gram, 2 * 8192**2 * 3584 / FLOPS_PER_BLOCK_BYTE)
-    moved = 2 * 28672 * 8192 * 4 * 7 / 8 + 5 * (gram - hidden + 8192**2 * 4 * 7 / 8)  # + B's rows
+    # each iteration's Gram all-reduce (its upper trapezoids, 4, 3, 2 and 1 tenths of them), every row block but
+    # the last behind the next's matmul as far as that lasts
+    e = 0.625 * 8192**2
+    gram = [2 * 7 / 8 * e * w / 10 * 4 for w in (4, 3, 2, 1)]
+    made = [2 * e * w / 10 * 3584 / FLOPS_PER_BLOCK_BYTE for w in (4, 3, 2, 1)]
+    hidden = sum(min(r, f) for r, f in zip(gram[:3], made[1:], strict=True))
+    moved = 2 * 28672 * 8192 * 4 * 7 / 8 + 5 * (sum(gram) - hidden + 8192**2 * 4 * 7 / 8)  # + B's rows
     assert how == "columns" and cost == pytest.approx(column_flops(28672, 8192, 5, 8) + FLOPS_PER_BLOCK_BYTE * moved)
     assert share(rule, [(64, 32), (32, 32)], MUON, 2) is None  # two shapes: not one stack
     assert share(rule, [(64, 32)], MUON | {"ns_method": "gram"}, 2) is None  # the column split is the quintic's
@@ -61,18 +74,19 @@ def test_share_splits_a_stack_by_matrices_and_a_matrix_by_columns_and_nothing_el
 
 
 def test_the_gram_row_blocks_hide_all_but_one_blocks_all_reduce_behind_the_next_blocks_matmul():
-    """``exposed_bytes``, from the schedule: of each iteration's Gram all-reduce (``R`` bytes, ``C`` row blocks) the
-    last block's travels alone, and each earlier block's behind the next block's matmul (``F / C`` FLOPs) as far as
-    that lasts; the parts, ``B``'s rows and a split by matrices wait whole."""
-    m, n, g, steps, C = 28672, 8192, 8, 5, shared_ns.GRAM_CHUNKS
+    """``exposed_bytes``, from the schedule: of each iteration's Gram all-reduce (row block ``i``: ``R_i`` bytes, its
+    trapezoid's 4, 3, 2, 1 tenths) the last block's travels alone, and each earlier block's behind the next block's
+    matmul (``F_i+1`` FLOPs) as far as that lasts; the parts, ``B``'s rows and a split by matrices wait whole."""
+    m, n, g, steps = 28672, 8192, 8, 5
     whole = shared_ns.block_bytes("columns", 1, m, n, 2, g, steps)
-    R = 2 * (g - 1) / g * n * n * 4  # float32 where the iteration is bf16
-    F = 2 * n * n * (m // g)
+    assert whole == pytest.approx(2 * m * n * 2 * 7 / 8 + steps * 7 / 8 * (2 * 0.625 * n * n * 4 + n * n * 2))
+    R = [2 * (g - 1) / g * 0.625 * n * n * w / 10 * 4 for w in (4, 3, 2, 1)]  # float32 where the iteration is bf16
+    F = [2 * 0.625 * n * n * w / 10 * (m // g) for w in (4, 3, 2, 1)]
     assert shared_ns.exposed_bytes("columns", 1, m, n, 2, g, steps, 1e30) == pytest.approx(whole)  # matmul: none
-    assert shared_ns.exposed_bytes("columns", 1, m, n, 2, g, steps, 0.0) == pytest.approx(whole - steps * R * (C - 1)
-                                                                                          / C)  # links free
+    assert shared_ns.exposed_bytes("columns", 1, m, n, 2, g, steps, 0.0) == pytest.approx(
+        whole - steps * sum(R[:3]))  # links free: only the last block's sum waits
     for fpb in (100.0, 1254.0, 1e4):  # the plan's 464e12 / 370e9 between: the matmul covers part of a block's sum
-        expected = whole - steps * (C - 1) / C * min(R, F / fpb)
+        expected = whole - steps * sum(min(r, f / fpb) for r, f in zip(R[:3], F[1:], strict=True))
         assert shared_ns.exposed_bytes("columns", 1, m, n, 2, g, steps, fpb) == pytest.approx(expected)
     assert shared_ns.exposed_bytes("matrices", 16, 2048, 7168, 2, g, steps, 1.0) == \
         shared_ns.block_bytes("matrices", 16, 2048, 7168, 2, g, steps)
@@ -108,7 +122,7 @@ def test_block_sizes_are_the_divisors_of_ns_group_and_a_smaller_block_pays_fewer
     # a block's total: its members' shares; the collectives grow with the block (2 (g - 1) / g of the Gram matrix
     # each) while the work per member falls as 1 / g
     totals = [z * by[z][1] / whole for z in (2, 4, 8)]
-    assert 1 < totals[0] < totals[1] < totals[2], totals
+    assert totals[0] < totals[1] < totals[2], totals
     assert by[2][1] > by[4][1] > by[8][1]
 
 
@@ -529,11 +543,14 @@ def test_the_time_model_gives_each_block_member_its_share_and_the_blocks_collect
             part = whole * column_flops(m, n, 5, g) / time_model.ns_flops(m, n)
             # parts out and back; per iteration two collectives, the all-reduce a ring's 2 (g - 1) steps
             latency = 2 * (1e-6 + 1e-6) + 5 * (2e-6 + (2 * (g - 1) + 1) * 1e-6)
-            # the owner's bytes, less 3 of 4 Gram row blocks' all-reduce where the next block's matmul covers it
+            # the owner's bytes, less each Gram row block's all-reduce but the last where the next block's matmul
+            # covers it (the blocks' upper trapezoids: e entries each)
             s_, L = min(m, n), max(m, n)
-            gram = 5 * 2 * (g - 1) / g * s_ * s_ * 4
-            made = 5 * 2 * s_ * s_ * -(-L // g) / (0.5 * 1e14) * 400e9
-            moved = (shared_ns.block_bytes("columns", 1, m, n, 4, g, 5) - 3 / 4 * min(gram, made)) / 400e9
+            entries = [(hi - lo) * (s_ - lo) for lo, hi in shared_ns.gram_blocks(s_)]
+            sums = [2 * (g - 1) / g * e * 4 for e in entries]
+            made = [2 * e * -(-L // g) / (0.5 * 1e14) * 400e9 for e in entries]
+            hidden = 5 * sum(min(r, f) for r, f in zip(sums[:-1], made[1:], strict=True))
+            moved = (shared_ns.block_bytes("columns", 1, m, n, 4, g, 5) - hidden) / 400e9
             for member in range(q // g * g, q // g * g + g):
                 expected[member] += part + latency + moved
         assert got.ns == pytest.approx(expected, rel=1e-9, abs=1e-15), rd["shape"]

@@ -21,10 +21,12 @@ matrix / g)``:
 
   which is the quintic (paper eq. 3; :func:`meqmuon.functional.orthogonalize`) block by block: the same iteration,
   only ``A_k`` summed in another order (exact to rounding; the sum travels in float32 where the iteration's dtype
-  is narrower, so that it is rounded once as one process's product is). Each member's FLOPs per iteration:
-  ``4 s^2 L / g + 2 s^3 / g``, the whole matrix's divided by ``g`` (:func:`column_flops`). The Gram matrix is made
-  and summed in :data:`GRAM_CHUNKS` blocks of rows, each posted as soon as it is made, so that the link carries one
-  while the member makes the next (:func:`exposed_bytes`: what is left on the member's path).
+  is narrower, so that it is rounded once as one process's product is). The Gram matrix is made and summed in
+  :data:`GRAM_CHUNKS` blocks of rows (:func:`gram_blocks`), each posted as soon as it is made, so that the link
+  carries one while the member makes the next (:func:`exposed_bytes`: what is left on the member's path); and as
+  ``A`` is symmetric, each block only from its first row's column on, the rest its mirror: 0.625 of the square's
+  FLOPs and bytes at four blocks. Each member's FLOPs per iteration: ``(2 s^2 + 2 e) L / g + 2 s^3 / g``
+  (``e = gram_entries(s)``), below the whole matrix's ``(4 s^2 L + 2 s^3) / g`` (:func:`column_flops`).
 
 The owner receives the unit whole (the exchange is unchanged), ``pre`` runs there, the members' parts go out and
 come back in one ``all_to_all_single`` each way over the block, and ``post`` (eq. 8, whose statistics are whole
@@ -60,7 +62,8 @@ except ImportError:  # pragma: no cover - torch builds without distributed suppo
     dist = None  # type: ignore[assignment]
 
 __all__ = ["FLOPS_PER_BLOCK_BYTE", "GRAM_CHUNKS", "TIE", "Blocks", "SharedNS", "Shares", "assign", "block_bytes",
-           "block_sizes", "column_flops", "exposed_bytes", "round_sum", "share", "share_flops", "shares_by_size"]
+           "block_sizes", "column_flops", "exposed_bytes", "gram_blocks", "gram_entries", "round_sum", "share",
+           "share_flops", "shares_by_size"]
 
 
 def _quintic(group: dict) -> dict[str, Any] | None:
@@ -76,10 +79,25 @@ def _quintic(group: dict) -> dict[str, Any] | None:
 
 def column_flops(m: int, n: int, steps: int, g: int) -> int:
     """The busiest member's matmul FLOPs of ``steps`` column-split quintic iterations of an ``m x n`` matrix over
-    ``g`` members: ``A_j = Z_j Z_j^T`` and ``B Z_j`` on ``ceil(L / g)`` columns, ``A^2`` on ``ceil(s / g)`` rows
-    (``s = min(m, n)``, ``L = max(m, n)``)."""
+    ``g`` members: ``A_j = Z_j Z_j^T`` on ``ceil(L / g)`` columns, its upper trapezoids only (:func:`gram_entries`),
+    ``B Z_j`` on as many, ``A^2`` on ``ceil(s / g)`` rows (``s = min(m, n)``, ``L = max(m, n)``)."""
     s, L = min(m, n), max(m, n)
-    return steps * (4 * s * s * -(-L // g) + 2 * s * s * -(-s // g))
+    return steps * (2 * (s * s + gram_entries(s)) * -(-L // g) + 2 * s * s * -(-s // g))
+
+
+def gram_blocks(s: int) -> list[tuple[int, int]]:
+    """The row blocks ``[lo, hi)`` a column split's ``s x s`` Gram matrix is made and summed in, :data:`GRAM_CHUNKS`
+    of them (:meth:`SharedNS._columns`). Block ``[lo, hi)`` is made on columns ``lo ..`` only: ``A`` is symmetric,
+    so the columns before ``lo`` are the mirror of the blocks made before it."""
+    chunks = min(GRAM_CHUNKS, s)
+    bounds = [s * i // chunks for i in range(chunks + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def gram_entries(s: int) -> int:
+    """The entries of an ``s x s`` Gram matrix its :func:`gram_blocks` make and sum: ``sum (hi - lo) (s - lo)``,
+    0.625 ``s^2`` for four blocks (the whole square's ``s^2`` before the mirror; ``s (s + 1) / 2`` at most blocks)."""
+    return sum((hi - lo) * (s - lo) for lo, hi in gram_blocks(s))
 
 
 def unit_shapes(unit: Any) -> list[tuple[int, int]]:
@@ -108,31 +126,32 @@ def _gram_itemsize(itemsize: int) -> int:
 def block_bytes(how: str, k: int, m: int, n: int, itemsize: int, g: int, steps: int) -> float:
     """The bytes the busiest member of a block of ``g`` (the owner) moves each way for a shared stack of ``k``
     ``m x n`` matrices: ``(g - 1) / g`` of the stack out and back in the Newton-Schulz dtype (``itemsize``), and
-    for a column split per iteration the Gram matrices' ring all-reduce in float32 (``2 (g - 1) / g`` of them)
-    and ``B``'s rows gathered (``(g - 1) / g`` of ``B``)."""
+    for a column split per iteration the Gram matrices' ring all-reduce in float32 (``2 (g - 1) / g`` of their
+    :func:`gram_entries`) and ``B``'s rows gathered (``(g - 1) / g`` of ``B``)."""
     nbytes = 2 * k * m * n * itemsize * (g - 1) / g
     if how == "columns":
-        gram = k * min(m, n) ** 2
-        nbytes += steps * (2 * (g - 1) / g * gram * _gram_itemsize(itemsize) + gram * itemsize * (g - 1) / g)
+        s = min(m, n)
+        nbytes += steps * k * (g - 1) / g * (2 * gram_entries(s) * _gram_itemsize(itemsize) + s * s * itemsize)
     return nbytes
 
 
 def exposed_bytes(how: str, k: int, m: int, n: int, itemsize: int, g: int, steps: int, flops_per_byte: float) -> float:
     """Of :func:`block_bytes`, those the busiest member waits for, where its matmuls do ``flops_per_byte`` FLOPs in
     the time the link moves a byte: the parts out and back and ``B``'s rows, whole; of each iteration's Gram
-    all-reduce ``R`` bytes, made in :data:`GRAM_CHUNKS` ``= C`` blocks of ``F / C`` FLOPs (``F = 2 k s^2 ceil(L /
-    g)``, the member's Gram), the last block's, and of the others what the next block's making does not cover::
+    all-reduce, made in :func:`gram_blocks` (block ``i``: ``R_i`` bytes, ``F_i = 2 k e_i ceil(L / g)`` FLOPs for its
+    ``e_i`` entries), the last block's, and of each other what the next block's making does not cover::
 
-        exposed Gram = R - (C - 1) / C * min(R, F / flops_per_byte)
+        exposed Gram = R_last + sum_i<last max(0, R_i - F_i+1 / flops_per_byte)
     """
     nbytes = block_bytes(how, k, m, n, itemsize, g, steps)
     if how != "columns":
         return nbytes
     s, L = min(m, n), max(m, n)
-    chunks = min(GRAM_CHUNKS, s)
-    gram = 2 * (g - 1) / g * k * s * s * _gram_itemsize(itemsize)
-    made = 2 * k * s * s * -(-L // g) / flops_per_byte if flops_per_byte else math.inf  # 0: the links free
-    return nbytes - steps * (chunks - 1) / chunks * min(gram, made)
+    entries = [(hi - lo) * (s - lo) for lo, hi in gram_blocks(s)]
+    sums = [2 * (g - 1) / g * k * e * _gram_itemsize(itemsize) for e in entries]
+    made = [2 * k * e * -(-L // g) / flops_per_byte if flops_per_byte else math.inf for e in entries]  # 0: links free
+    hidden = sum(min(r, f) for r, f in zip(sums[:-1], made[1:], strict=True))
+    return nbytes - steps * hidden
 
 
 def share(rule: Any, shapes: Sequence[tuple[int, int]], group: dict, g: int) -> tuple[str, float] | None:
@@ -170,7 +189,8 @@ def block_sizes(g: int) -> list[int]:
     """The block sizes ``ns_group=g`` lets a unit be shared by, smallest first: every divisor of ``g`` above 1, each
     block ``size`` consecutive ranks within one of ``g``. A smaller block moves fewer bytes per FLOP shared (its
     ring all-reduce's ``2 (size - 1) / size`` of the Gram matrix against ``1 / size`` of the work): at Llama-3 405B
-    an MLP matrix shared by 2 costs its pair 3 % more than whole, by 8 its block 24 % more (the plan's prices)."""
+    an MLP matrix shared by 2 costs its pair 0.86x one owner's whole quintic, by 4 0.92x, by 8 1.03x (the plan's
+    prices; below 1 where the mirrored Gram entries, :func:`gram_entries`, save more than the block's bytes cost)."""
     return [s for s in range(2, g + 1) if g % s == 0]
 
 
@@ -446,18 +466,17 @@ class SharedNS:
         g, me, itemsize = self.blocks.size, self.blocks.place, self.dtype.itemsize
         k, s = Z.shape[0], Z.shape[1]
         sizes = [p.numel() * itemsize for p in torch.empty(k, s, s, device="meta").tensor_split(g, dim=1)]
-        chunks = min(GRAM_CHUNKS, s)
-        bounds = [s * i // chunks for i in range(chunks + 1)]
         schedule, _ = F.ns_schedule(self.group["ns_coefficients"], self.group["ns_steps"])
         for a, b, c in schedule:
             A, posted = Z.new_empty(k, s, s), []
-            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-                part = self._kept(A[:, lo:hi], torch.bmm, Z[:, lo:hi], Z.mT)
+            for lo, hi in gram_blocks(s):  # rows lo:hi on columns lo: (A is symmetric: the rest is their mirror)
+                part = self._kept(A[:, lo:hi, lo:], torch.bmm, Z[:, lo:hi], Z[:, lo:].mT)
                 total = part.float() if itemsize < 4 else part
                 posted.append((lo, hi, total, dist.all_reduce(total, group=self.blocks.pg, async_op=True)))
             for lo, hi, total, work in posted:  # waited in posting order: on a GPU the stream waits, not the host
                 work.wait()
-                A[:, lo:hi] = total  # rounded once to the iteration's dtype, as one process's product
+                A[:, lo:, lo:hi] = total.mT  # the mirror first, so that the rows made here win their diagonal block
+                A[:, lo:hi, lo:] = total  # rounded once to the iteration's dtype, as one process's product
             del posted
             rows = A.tensor_split(g, dim=1)[me]
             mine = self._kept(rows, torch.baddbmm, rows, rows, A, beta=b, alpha=c)
