@@ -244,7 +244,7 @@ class Round:
     ns: list[float]
     elements: list[int]  # of the matrices each rank orthogonalises
     seconds: float
-    work: float  # the round's Newton-Schulz, every matrix whole, its calibrated time: no share's collectives
+    work: float  # the least Newton-Schulz of the round's matrices (the Gram mirrored), no share's collectives
     kind: str
     #: One way's time where the exchange is relayed (:func:`relayed_seconds`), else None.
     relayed: float | None = None
@@ -256,6 +256,8 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
     dtype, scaled by ``factor``: what the most loaded simulated rank measured over what the plan gives it
     (MeqMuon's float32 factors beside its bf16 directions, the few all-reduced bytes). Returns the rounds and
     the factor (1 without an exchange)."""
+    from meqmuon.optim.shared_ns import column_flops
+
     itemsize, dtype = inputs["itemsize"], inputs["ns_dtype"]
     plan = [itemsize * (loc + own) for loc, own in zip(inputs.get("local", []), inputs.get("owned", []),
                                                        strict=True)]
@@ -271,6 +273,10 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
         matrices = rd.get("matrices", [rd["shape"]])
         found = [cal.seconds(m, n, dtype, hw) for m, n in matrices]
         seconds, size = sum(t for t, _ in found), sum(m * n for m, n in matrices)
+        # the least work that orthogonalises them: the quintic with its Gram matrix mirrored (the column split's
+        # FLOPs on one rank, shared_ns.column_flops), at each matrix's calibrated rate
+        least = sum(t * column_flops(m, n, 5, 1) / ns_flops(m, n) for (t, _), (m, n) in zip(found, matrices,
+                                                                                            strict=True))
         kinds = {k for _, k in found}
         kind = next(k for k in ("extrapolated", "derived", "measured") if k in kinds)
         owned = [0] * world
@@ -291,7 +297,7 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
             relayed = relayed_seconds([factor * itemsize * loc for loc in rd["local"]],
                                       [factor * itemsize * k * size for k in owned], hw)
         rounds.append(Round(tuple(rd["shape"]), moved, list(moved), ns, [k * size for k in owned],
-                            max(t for t, _ in found), sum(owned) * seconds, kind, relayed))
+                            max(t for t, _ in found), sum(owned) * least, kind, relayed))
     return rounds, factor
 
 
@@ -367,9 +373,9 @@ class StepTimes:
     (``overlap="all"``), and it with nothing to exchange (``in_flight_compute``, :attr:`hidden_in_flight`); their
     parts: the collectives of the
     rounds both ways (``exchange``), Newton-Schulz along today's serial rounds (``ns_serial``), the busiest rank's own
-    (``ns_busiest``), the mean rank's and the largest matrix's (:attr:`ns_bound`, the larger), the work of every
-    matrix whole over the ranks (``ns_work``, no share's collectives: the issue's bound, :attr:`work_bound`), the
-    elementwise
+    (``ns_busiest``), the mean rank's and the largest matrix's (:attr:`ns_bound`, the larger), the least work of
+    every matrix over the ranks (``ns_work``: the quintic with its Gram matrix mirrored as a column split makes it,
+    no share's collectives: the issue's bound, :attr:`work_bound`), the elementwise
     passes of the most loaded simulated rank, the other collectives; ``factor``: measured over planned bytes;
     ``extrapolated``: some shape's Newton-Schulz time is not in the calibration table."""
 

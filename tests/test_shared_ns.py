@@ -556,8 +556,9 @@ def test_the_time_model_gives_each_block_member_its_share_and_the_blocks_collect
         assert got.ns == pytest.approx(expected, rel=1e-9, abs=1e-15), rd["shape"]
     times = time_model.step_times(summary, hw, cal)
     assert times.ns_largest == pytest.approx(time_model.ns_flops(128, 64) / (0.5 * 1e14) / 8)
-    # the issue's bound: every matrix whole, no share's collectives, over the ranks
-    work = sum(count * time_model.ns_flops(*rd["matrices"][0]) / (0.5 * 1e14) * len(rd["matrices"])
+    # the issue's bound: every matrix's least work (the quintic, its Gram matrix mirrored: a column split's FLOPs
+    # on one rank), no share's collectives, over the ranks
+    work = sum(count * column_flops(*rd["matrices"][0], 5, 1) / (0.5 * 1e14) * len(rd["matrices"])
                for rd in inputs["rounds"] for _, count in rd["owned"])
     assert times.ns_work == pytest.approx(work / 16) and times.work_bound == max(times.ns_work, times.ns_largest)
     assert times.ns_mean > times.ns_work  # the shares' collectives
