@@ -94,10 +94,15 @@ def gram_blocks(s: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
+def _block_entries(s: int) -> list[int]:
+    """The entries each of :func:`gram_blocks` makes and sums: ``(hi - lo) (s - lo)``, its upper trapezoid."""
+    return [(hi - lo) * (s - lo) for lo, hi in gram_blocks(s)]
+
+
 def gram_entries(s: int) -> int:
     """The entries of an ``s x s`` Gram matrix its :func:`gram_blocks` make and sum: ``sum (hi - lo) (s - lo)``,
     0.625 ``s^2`` for four blocks (the whole square's ``s^2`` before the mirror; ``s (s + 1) / 2`` at most blocks)."""
-    return sum((hi - lo) * (s - lo) for lo, hi in gram_blocks(s))
+    return sum(_block_entries(s))
 
 
 def unit_shapes(unit: Any) -> list[tuple[int, int]]:
@@ -147,7 +152,7 @@ def exposed_bytes(how: str, k: int, m: int, n: int, itemsize: int, g: int, steps
     if how != "columns":
         return nbytes
     s, L = min(m, n), max(m, n)
-    entries = [(hi - lo) * (s - lo) for lo, hi in gram_blocks(s)]
+    entries = _block_entries(s)
     sums = [2 * (g - 1) / g * k * e * _gram_itemsize(itemsize) for e in entries]
     made = [2 * k * e * -(-L // g) / flops_per_byte if flops_per_byte else math.inf for e in entries]  # 0: links free
     hidden = sum(min(r, f) for r, f in zip(sums[:-1], made[1:], strict=True))
