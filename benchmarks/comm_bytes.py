@@ -88,7 +88,8 @@ def expert_parallel(model, mesh) -> None:
 
 def shard(model, layout: str, mesh) -> None:
     """``layout`` applied by torch's own APIs (``tests/test_layouts.py``'s FSDP2, ``meqmuon``'s TP plan); DDP
-    leaves the model whole (replicated: every rank built it from the same seed)."""
+    leaves the model whole (replicated: every rank built it from the same seed). ``fsdp2-rows``: FSDP2 with
+    stacked experts on dimension 0 however many ranks (torch's default; ``fsdp2`` is torchtitan's choice)."""
     from test_layouts import fsdp
 
     from meqmuon.train.parallel import tp_plan
@@ -103,7 +104,7 @@ def shard(model, layout: str, mesh) -> None:
     elif layout == "ep":
         expert_parallel(model, mesh)
     else:
-        fsdp(model, mesh)
+        fsdp(model, mesh, experts_on_rows=layout == "fsdp2-rows")
 
 
 def _grads(model, layout: str, step: int) -> None:

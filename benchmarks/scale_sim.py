@@ -14,7 +14,9 @@ here (the simulator says so per layout: "not plannable on fake PG: <what failed,
 fake PG: ..." where the first step planned). The model is the transformers class of the real one
 (Llama-3 8B/70B/405B, a DeepSeek-V3-like MoE with 256 stacked experts),
 built on ``meta`` and sharded by torch's own APIs on a DeviceMesh of the fake group: FSDP2 (``fully_shard``
-per decoder layer and the root), FSDP2 over TP (torchtitan's TP plan, then FSDP2 over ``dp``), EP as
+per decoder layer and the root; stacked experts on their dimension 1 where the ranks outnumber them, as
+torchtitan does, or ``fsdp2-rows``: on dimension 0, torch's default, the ranks past the experts holding none),
+FSDP2 over TP (torchtitan's TP plan, then FSDP2 over ``dp``), EP as
 torchtitan lays it out (``ep``: stacked experts ``Shard(0)`` over an ``ep`` mesh, every other parameter
 ``fully_shard`` over a ``dp`` mesh of the same ranks) or with every other parameter ``Replicate()``
 (``ep-replicated``). Gradients are zeros of each parameter's
@@ -389,7 +391,7 @@ def table(summaries: list[dict]) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), help="one configuration (with --layout, --ranks)")
-    parser.add_argument("--layout", choices=("fsdp2", "fsdp2xtp", "ep", "ep-replicated"))
+    parser.add_argument("--layout", choices=("fsdp2", "fsdp2-rows", "fsdp2xtp", "ep", "ep-replicated"))
     parser.add_argument("--ranks", help="N, or DPxTP for fsdp2xtp")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     parser.add_argument("--device", default="meta", choices=("meta", "cpu"))

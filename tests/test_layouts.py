@@ -72,15 +72,20 @@ def _optimizer(name: str, model, **kw):
                                    compile="compile" in flags, **kw)
 
 
-def fsdp(model, mesh) -> None:
-    """FSDP2 as torchtitan applies it: each decoder layer, then the root."""
+def fsdp(model, mesh, experts_on_rows: bool = False) -> None:
+    """FSDP2 as torchtitan applies it: each decoder layer, then the root, stacked experts on their dimension 1
+    where the mesh has more ranks than experts (``meqmuon.train.parallel.expert_placement``; ``experts_on_rows``:
+    on dimension 0 always, torch's default)."""
     from torch.distributed.fsdp import fully_shard
 
+    from meqmuon.train.parallel import expert_placement
+
+    placement = None if experts_on_rows else expert_placement(mesh.shape[-1])
     layers = getattr(getattr(model, "model", None), "layers", None) or getattr(
         getattr(model, "transformer", None), "h", None) or []
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
 
 
 def _batch(model_name: str, step: int) -> dict:

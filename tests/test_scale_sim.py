@@ -535,11 +535,29 @@ def test_calibration_table_is_read_and_shapes_outside_it_are_extrapolated_and_sa
 
 @pytest.mark.parametrize("optimizer,form", [("muon", "batched"), ("meqmuon", "per-tensor")])
 def test_a_rank_that_holds_no_expert_steps(optimizer, form):
-    """FSDP2 on more ranks than experts (``moe-tiny``'s 8 routed experts, ``Shard(0)`` over 64 ranks): the last rank
+    """FSDP2 on more ranks than experts, dimension 0 (``fsdp2-rows``: ``moe-tiny``'s 8 routed experts, ``Shard(0)``
+    over 64 ranks, where torchtitan would take dimension 1): the last rank
     holds none of them, so its ``LOCAL`` call of the experts has no matrices. It joins no collective, so the rank
     skips it and steps the rest (it raised ``Tensor list must have at least one tensor`` in the momentum's
     ``_foreach_mul_`` before; DeepSeek-V3 on 1,024 ranks the same)."""
-    row = scale_sim.simulate("moe-tiny", "fsdp2", "64", 63, layers=None, device="meta", optimizer=optimizer,
+    row = scale_sim.simulate("moe-tiny", "fsdp2-rows", "64", 63, layers=None, device="meta", optimizer=optimizer,
                              ns_dtype=torch.float32, foreach=form == "batched")
     assert "error" not in row, row["error"]
     assert row["sent"] > 0 and row["held"]["state"] > 0, {k: row[k] for k in ("sent", "held")}
+
+
+def test_fsdp2_puts_experts_on_dimension_1_where_ranks_outnumber_them():
+    """torchtitan's rule (``meqmuon.train.parallel.expert_placement``): a stack of ``E`` experts shards on dimension 1
+    over more than ``E`` ranks, so every rank holds a piece of every expert and sends it to its owner; on dimension 0
+    (``fsdp2-rows``) rank 63 of 64 holds no expert of ``moe-tiny``'s 8 and sends only its other pieces."""
+    from torch.distributed.tensor import Shard
+
+    from meqmuon.train.parallel import expert_placement
+
+    stack, matrix = torch.nn.Parameter(torch.empty(8, 4, 6)), torch.nn.Parameter(torch.empty(4, 6))
+    assert expert_placement(16)(stack) == Shard(1) and expert_placement(8)(stack) is None
+    assert expert_placement(16)(matrix) is None
+    sent = {layout: scale_sim.simulate("moe-tiny", layout, "64", 63, layers=None, device="meta", optimizer="muon",
+                                       ns_dtype=torch.float32)["sent"] for layout in ("fsdp2", "fsdp2-rows")}
+    experts = sum(p.numel() // 64 * 4 for p in scale_sim.build_model("moe-tiny", None).parameters() if p.ndim == 3)
+    assert sent["fsdp2"] - sent["fsdp2-rows"] >= experts, (sent, experts)

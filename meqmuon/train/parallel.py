@@ -5,7 +5,8 @@ to the six paper models (Llama and Qwen2 in transformers): q/k/v/gate/up colwise
 the ``tp`` dimension of a DeviceMesh; the token embedding (rows: the vocabulary) and the LM head
 (colwise: the vocabulary) are vocabulary-parallel where that is exact: an untied model whose
 vocabulary ``N`` divides. ``--fsdp`` applies FSDP2 (``fully_shard``) per decoder layer and to the root
-over the data-parallel (``dp``) dimension, with bf16 parameters for the forward and backward and
+over the data-parallel (``dp``) dimension (stacked MoE experts on their dimension 1 where ``dp`` exceeds their
+number, :func:`expert_placement`), with bf16 parameters for the forward and backward and
 float32 gradient reduction when the run's precision is bf16. The mesh is ``(dp, tp)`` with
 ``dp = world / N``; without ``--fsdp`` the ranks must all be tensor-parallel (``N`` = world size):
 DDP over DTensor parameters is not something torch offers.
@@ -17,13 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Layout", "check_layout", "gathered_logits_view", "shard_model"]
+__all__ = ["Layout", "check_layout", "expert_placement", "gathered_logits_view", "shard_model"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,21 @@ def check_layout(world: int, tp: int, fsdp: bool, config: Any | None = None) -> 
         n = getattr(config, name, None)
         if n is not None and n % tp:
             raise ValueError(f"--tp {tp} does not divide the model's {name} ({n}); choose a --tp that does")
+
+
+def expert_placement(shards: int) -> Callable[[torch.nn.Parameter], Any]:
+    """FSDP2's ``shard_placement_fn`` for ``shards`` ranks as torchtitan chooses it: a stack of experts (a 3-D
+    parameter, transformers 5's MoE layout ``(E, ., .)``) on its dimension 1 where there are more ranks than experts,
+    every other parameter on FSDP2's default dimension 0 (``None``). On dimension 0 the ranks past the ``E``-th would
+    hold no expert at all and the first ``E`` every expert's whole matrices: torchtitan's ``apply_fsdp``
+    (``torchtitan/models/llama4/infra/parallelize.py`` at 2645c02: "when dp_mod_ep * ep > num_experts, FSDP default
+    dim-0 sharding causes inefficiency, so we choose to do FSDP sharding on dim-1")."""
+    from torch.distributed.tensor import Shard
+
+    def placement(p: torch.nn.Parameter) -> Any:
+        return Shard(1) if p.ndim == 3 and p.shape[0] < shards else None
+
+    return placement
 
 
 def _vocab_parallel(model: torch.nn.Module, tp: int) -> bool:
@@ -144,7 +160,8 @@ def shard_model(model: torch.nn.Module, layout: Layout, precision: str, device: 
     if layout.fsdp:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if precision == "bf16" else MixedPrecisionPolicy()
+        placement = expert_placement(layout.dp)
         for block in model.model.layers:
-            fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
-        fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
+            fully_shard(block, mesh=mesh["dp"], mp_policy=mp, shard_placement_fn=placement)
+        fully_shard(model, mesh=mesh["dp"], mp_policy=mp, shard_placement_fn=placement)
     return mesh
