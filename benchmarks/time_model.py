@@ -248,6 +248,9 @@ class Round:
     kind: str
     #: One way's time where the exchange is relayed (:func:`relayed_seconds`), else None.
     relayed: float | None = None
+    #: A unit's ways on the ranks allowed to share it (:func:`ways`): (ranks, each one's seconds).
+    ways: tuple[tuple[int, float], ...] = ()
+    units: int = 0  # the round's units (of ``ways`` each)
 
 
 def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple[list[Round], float]:
@@ -297,8 +300,47 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
             relayed = relayed_seconds([factor * itemsize * loc for loc in rd["local"]],
                                       [factor * itemsize * k * size for k in owned], hw)
         rounds.append(Round(tuple(rd["shape"]), moved, list(moved), ns, [k * size for k in owned],
-                            max(t for t, _ in found), sum(owned) * least, kind, relayed))
+                            max(t for t, _ in found), sum(owned) * least, kind, relayed,
+                            ways(matrices, seconds, dtype, itemsize, inputs.get("ns_group", 1), cal, hw),
+                            sum(owned)))
     return rounds, factor
+
+
+def ways(matrices: list, seconds: float, dtype: str, itemsize: int, g: int, cal: Calibration,
+         hw: Hardware) -> tuple[tuple[int, float], ...]:
+    """A unit's ways on at most ``g`` ranks (``ns_group``) in the form the plan has, as ``(ranks, each one's
+    seconds)``: whole at one owner (``seconds``, the full quintic) or shared by a block of each of
+    ``shared_ns.block_sizes(g)``, a member's part and the block's collectives (:func:`share_seconds`,
+    :func:`block_seconds`; a stack by its matrices, one matrix by its columns). :func:`form_bound` reads them."""
+    from meqmuon.optim.shared_ns import block_sizes
+
+    how = "matrices" if len(matrices) > 1 else "columns"
+    return ((1, seconds), *((z, share_seconds(how, matrices, dtype, z, cal, hw)
+                             + block_seconds(how, matrices, dtype, itemsize, z, cal, hw)) for z in block_sizes(g)))
+
+
+def form_bound(rounds: list[Round], world: int) -> float:
+    """The critical path's lower bound for plans of the issue's form, their collectives included: the least ``T``
+    at which every unit has a way (:func:`ways`) of at most ``T`` per rank, and the units, each its way of fewest
+    rank-seconds within ``T``, fit ``world`` ranks for ``T``: ``sum_u min_{t_z(u) <= T} z t_z(u) <= W T``. Both
+    sides are monotone in ``T`` (more ways within a larger ``T``), so ``T`` is found by bisection. It ignores how
+    units pack onto ranks and a layout that pins units to ranks (local experts), so a plan may sit above it, never
+    below."""
+    units = [(rd.units, rd.ways) for rd in rounds if rd.units and rd.ways]
+    if not units:
+        return 0.0
+
+    def fits(t: float) -> bool:
+        return sum(k * min(z * s for z, s in w if s <= t) for k, w in units) <= world * t
+
+    lo = max(min(s for _, s in w) for _, w in units)
+    hi = lo
+    while not fits(hi):
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
 
 
 def share_seconds(how: str, matrices: list, dtype: str, g: int, cal: Calibration, hw: Hardware) -> float:
@@ -375,7 +417,8 @@ class StepTimes:
     rounds both ways (``exchange``), Newton-Schulz along today's serial rounds (``ns_serial``), the busiest rank's own
     (``ns_busiest``), the mean rank's and the largest matrix's (:attr:`ns_bound`, the larger), the least work of
     every matrix over the ranks (``ns_work``: the quintic with its Gram matrix mirrored as a column split makes it,
-    no share's collectives: the issue's bound, :attr:`work_bound`), the elementwise
+    no share's collectives: the issue's bound, :attr:`work_bound`), the bound with the collectives of the
+    issue's form (``ns_form``, :func:`form_bound`), the elementwise
     passes of the most loaded simulated rank, the other collectives; ``factor``: measured over planned bytes;
     ``extrapolated``: some shape's Newton-Schulz time is not in the calibration table."""
 
@@ -391,6 +434,7 @@ class StepTimes:
     ns_mean: float
     ns_largest: float
     ns_work: float
+    ns_form: float
     elementwise: float
     other: float
     factor: float
@@ -405,6 +449,7 @@ class StepTimes:
     def work_bound(self) -> float:
         """The critical path's lower bound, compute only (issue 59): ``max(total work / W, largest / g)``."""
         return max(self.ns_work, self.ns_largest)
+
 
     @property
     def hidden(self) -> float:
@@ -462,6 +507,7 @@ def step_times(summary: dict, hw: Hardware, cal: Calibration, longest_first: boo
         exchange=sum(out) + sum(back), ns_serial=sum(max(rd.ns) for rd in rounds),
         ns_busiest=max(per_rank, default=0.0), ns_mean=sum(per_rank) / world, ns_largest=largest,
         ns_work=sum(rd.work for rd in rounds) / world,
+        ns_form=form_bound(rounds, world),
         elementwise=elementwise, other=other, factor=factor,
         extrapolated=any(rd.kind == "extrapolated" for rd in rounds if any(rd.ns)))
 
@@ -473,8 +519,8 @@ def train_seconds(params: int, tokens: int, world: int, hw: Hardware, mfu: float
 
 
 HEADER = ("| model | layout | ranks | optimizer | exchange, both ways | Newton-Schulz: serial rounds / busiest rank / "
-          "mean rank / largest matrix | serial / bound | busiest / work bound | elementwise | step: serial | "
-          "two-bucket pipeline | exchange "
+          "mean rank / largest matrix | serial / bound | busiest / work bound | busiest / form bound | elementwise | "
+          "step: serial | two-bucket pipeline | exchange "
           "hidden by it | every bucket in flight | exchange hidden by it | one exchange | fwd+bwd at MFU "
           "| share: serial | pipeline | in flight | one exchange |")
 
@@ -503,6 +549,7 @@ def table(summaries: list[dict], hw: Hardware, cal: Calibration, mfu: float, tok
               if t.ns_bound else "-")
         ratio = f"{t.ns_serial / t.ns_bound:.2f}x" if t.ns_bound else "-"
         ratio += f" | {t.ns_busiest / t.work_bound:.2f}x" if t.work_bound else " | -"
+        ratio += f" | {t.ns_busiest / t.ns_form:.2f}x" if t.ns_form else " | -"
         hidden = f"{t.hidden:.0%}" if t.exchange else "-"
         hidden_all = f"{t.hidden_in_flight:.0%}" if t.exchange else "-"
         share = " | ".join(f"{x / (fb + x):.2%}" for x in (t.serial, t.overlapped, t.in_flight, t.one_exchange))

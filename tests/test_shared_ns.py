@@ -562,6 +562,26 @@ def test_the_time_model_gives_each_block_member_its_share_and_the_blocks_collect
                for rd in inputs["rounds"] for _, count in rd["owned"])
     assert times.ns_work == pytest.approx(work / 16) and times.work_bound == max(times.ns_work, times.ns_largest)
     assert times.ns_mean > times.ns_work  # the shares' collectives
+    # the bound of the form, collectives included: each unit whole (the full quintic) or shared by a block of 2, 4
+    # or 8 (a member's part and the block's collectives); the least T where every unit has a way within T and the
+    # units' rank-seconds at their thriftiest way within T fit 16 ranks for T. Found here by scanning T upwards.
+    units = [(sum(k for _, k in rd["owned"]), rd["matrices"]) for rd in inputs["rounds"] if rd["owned"]]
+
+    def options(shapes):
+        (m, n) = shapes[0]
+        whole = time_model.ns_flops(m, n) / (0.5 * 1e14) * len(shapes)
+        return [(1, whole), *((z, time_model.share_seconds("columns", shapes, "float32", z, cal, hw)
+                               + time_model.block_seconds("columns", shapes, "float32", 4, z, cal, hw))
+                              for z in (2, 4, 8))]
+
+    def area(t):
+        return sum(k * min(z * s for z, s in options(shapes) if s <= t) for k, shapes in units)
+
+    t = max(min(s for _, s in options(shapes)) for _, shapes in units)
+    while area(t) > 16 * t:
+        t *= 1.0001
+    assert times.ns_form == pytest.approx(t, rel=2e-4)
+    assert times.work_bound <= times.ns_form <= times.ns_busiest
 
 
 def test_the_time_model_relays_an_owners_bytes_through_its_node():
