@@ -259,7 +259,7 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
     dtype, scaled by ``factor``: what the most loaded simulated rank measured over what the plan gives it
     (MeqMuon's float32 factors beside its bf16 directions, the few all-reduced bytes). Returns the rounds and
     the factor (1 without an exchange)."""
-    from meqmuon.optim.shared_ns import column_flops
+    from meqmuon.optim.shared_ns import block_of, column_flops
 
     itemsize, dtype = inputs["itemsize"], inputs["ns_dtype"]
     plan = [itemsize * (loc + own) for loc, own in zip(inputs.get("local", []), inputs.get("owned", []),
@@ -293,7 +293,7 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
             g = block[0] if block else rd.get("block", 1)  # its own block's size (earlier simulations: ns_group's)
             part = (share_seconds(how, matrices, dtype, g, cal, hw)
                     + block_seconds(how, matrices, dtype, itemsize, g, cal, hw))
-            for member in range(q // g * g, q // g * g + g):
+            for member in block_of(q, g):
                 ns[member] += part
         relayed = None
         if inputs.get("relay_group", 1) > 1 and rd["local"]:  # the pieces and the owned units, each way

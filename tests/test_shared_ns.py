@@ -154,6 +154,31 @@ def test_blocks_share_llama3_70b_on_1024_ranks():
         assert {shares[i][z][0] for i, z in enumerate(shared) if z} == {"columns"}
 
 
+def test_a_pair_that_costs_less_than_one_owner_shares_even_where_whole_units_fit():
+    """Two units of 1 on two ranks, a pair's member paying 0.43 of one (the mirrored Gram entries saving more than
+    the pair's bytes cost): the thrifty order of ways (``_ways``: fewest rank-seconds first) tries the pair first,
+    and the plan shares both (busiest 0.86, not 1). Llama-3 70B on 256 ranks, ``ns_group=8`` at the plan's prices:
+    whole first, the bisection's fill packs whole MLP matrices until the last units find no room and stops at
+    1.01x the mean of whole matrices; the thrifty plans share every MLP, q and o matrix by a pair, 0.91x. At 1,024
+    ranks, where every MLP matrix is shared anyway, they change nothing."""
+    costs, shares = [1.0, 1.0], [{2: ("columns", 0.43)}] * 2
+    assert shared_ns._ways(1.0, shares[0], False) == [0, 2] and shared_ns._ways(1.0, shares[0], True) == [2, 0]
+    for in_flight in (False, True):
+        load = [0.0, 0.0]
+        assert assign(costs, shares, load, in_flight=in_flight)[1] == [2, 2] and load == pytest.approx([0.86, 0.86])
+    costs, shares = _llama3_70b()
+    for world, before, after in ((256, 1.01, 0.91), (1024, 1.18, 1.18)):
+        mean = sum(costs) / world
+        for tight in (False, True):
+            *_, old = shared_ns._bisect(costs, shares, [0.0] * world, [None] * len(costs), 20, tight)
+            *_, new = shared_ns._bisect(costs, shares, [0.0] * world, [None] * len(costs), 20, tight, True)
+            assert max(old) / mean == pytest.approx(before, abs=0.005)
+            assert max(new) / mean == pytest.approx(after, abs=0.005)
+        load = [0.0] * world
+        assign(costs, shares, load, in_flight=True)
+        assert max(load) / mean == pytest.approx(after, abs=0.005)
+
+
 def test_round_sum_is_each_buckets_busiest_rank_added_up():
     """Two buckets on two blocks of two: bucket ``a`` a whole unit of 5 on rank 0 and one of 2 on rank 3, bucket
     ``b`` a unit shared by ranks 2 and 3 (3 each) and a whole one of 4 on rank 0: ``5 + 4``; written out."""

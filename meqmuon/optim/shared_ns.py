@@ -62,8 +62,8 @@ except ImportError:  # pragma: no cover - torch builds without distributed suppo
     dist = None  # type: ignore[assignment]
 
 __all__ = ["FLOPS_PER_BLOCK_BYTE", "GRAM_CHUNKS", "TIE", "Blocks", "SharedNS", "Shares", "assign", "block_bytes",
-           "block_sizes", "column_flops", "exposed_bytes", "gram_blocks", "gram_entries", "round_sum", "share",
-           "share_flops", "shares_by_size"]
+           "block_of", "block_sizes", "column_flops", "exposed_bytes", "gram_blocks", "gram_entries", "round_sum",
+           "share", "share_flops", "shares_by_size"]
 
 
 def _quintic(group: dict) -> dict[str, Any] | None:
@@ -204,18 +204,35 @@ def shares_by_size(rule: Any, shapes: Sequence[tuple[int, int]], group: dict, g:
     return {z: x for z in block_sizes(g) if (x := share(rule, shapes, group, z)) is not None}
 
 
+def block_of(rank: int, size: int) -> range:
+    """The ranks of ``rank``'s block of ``size`` consecutive ranks (0: the rank alone, a whole unit's owner)."""
+    return range(rank // size * size, rank // size * size + size) if size else range(rank, rank + 1)
+
+
+def _ways(cost: float, shares: Shares, thrifty: bool) -> list[int]:
+    """A unit's ways in the order :func:`_fill` tries them, as block sizes (0: whole): whole, then each block size
+    smallest first (the fewest bytes a FLOP); or, ``thrifty``, the fewest rank-seconds first (``cost`` whole, ``z``
+    times a member's cost in a block of ``z``), whole first among equals. A block of 2 can cost the pair less than
+    one owner's whole quintic (the mirrored Gram entries save more than its bytes cost; 0.86x at a 405B MLP matrix,
+    :func:`block_sizes`), so where whole units alone would fill the ranks the thrifty order packs more."""
+    if not thrifty:
+        return [0, *sorted(shares)]
+    return [z for _, z in sorted([(cost, 0), *((z * x, z) for z, (_, x) in shares.items())])]
+
+
 def _fill(costs: Sequence[float], shares: Sequence[Shares], load: list[float], limit: float, groups: Sequence[Any],
-          tight: bool = False) -> tuple[list[int], list[int], list[float]] | None:
+          tight: bool = False, thrifty: bool = False) -> tuple[list[int], list[int], list[float]] | None:
     """Longest first, each unit whole onto the least-loaded rank where that stays within ``limit``, else shared by
-    the smallest block size (:func:`block_sizes`: the fewest bytes a FLOP) that has a block where that does;
-    ``None`` where none does (``limit`` infinite: whole units alone, ``distributed.assign_owners``' greedy). Of that
-    size, the block that holds the fewest shares of the unit's shape bucket (``groups[i]``), its busiest member
-    least loaded among those (*spread*: each round's shares one per block before any block takes two, what a
-    pipeline waiting on each round's busiest block wants); or, ``tight``, the one it fits tightest (best fit:
-    blocks fill one after another and free ones are left for the whole units that follow, what every bucket in
-    flight wants). Among equally loaded ranks, and among a block's members for a shared unit's owner (who
-    receives it whole), one that holds the fewest units of the unit's bucket, so that no rank receives two of one
-    round where another is free. Returns owners, the block size sharing each unit (0: whole), loads."""
+    the smallest block size (:func:`block_sizes`: the fewest bytes a FLOP) that has a block where that does (or,
+    ``thrifty``, by the first of :func:`_ways` that fits); ``None`` where none does (``limit`` infinite: whole units
+    alone, ``distributed.assign_owners``' greedy). Of that size, the block that holds the fewest shares of the
+    unit's shape bucket (``groups[i]``), its busiest member least loaded among those (*spread*: each round's shares
+    one per block before any block takes two, what a pipeline waiting on each round's busiest block wants); or,
+    ``tight``, the one it fits tightest (best fit: blocks fill one after another and free ones are left for the
+    whole units that follow, what every bucket in flight wants). Among equally loaded ranks, and among a block's
+    members for a shared unit's owner (who receives it whole), one that holds the fewest units of the unit's
+    bucket, so that no rank receives two of one round where another is free. Returns owners, the block size
+    sharing each unit (0: whole), loads."""
     load, world = list(load), len(load)
     held: dict[tuple[Any, int], int] = {}
     per_block: dict[tuple[Any, int, int], int] = {}  # (bucket, size, block) -> its shares of that bucket
@@ -235,7 +252,11 @@ def _fill(costs: Sequence[float], shares: Sequence[Shares], load: list[float], l
         while heap[0][0] != load[heap[0][1]]:  # entries left stale by a shared unit
             heapq.heappop(heap)
         x, r = heap[0]
-        if x + costs[i] <= limit:
+        z = next((z for z in _ways(costs[i], shares[i], thrifty)
+                  if (x + costs[i] if not z else min(busiest[z]) + shares[i][z][1]) <= limit), None)
+        if z is None:
+            return None
+        if not z:
             tied = [heapq.heappop(heap)]  # the equally loaded ranks, lowest first, until one without this bucket
             while held.get((groups[i], tied[-1][1])) and heap and heap[0][0] == x:
                 tied.append(heapq.heappop(heap))
@@ -247,15 +268,12 @@ def _fill(costs: Sequence[float], shares: Sequence[Shares], load: list[float], l
             held[groups[i], r] = held.get((groups[i], r), 0) + 1
             add(r, costs[i])
             continue
-        z = next((z for z in sorted(shares[i]) if min(busiest[z]) + shares[i][z][1] <= limit), 0)
-        if not z:
-            return None
         top, cost = busiest[z], shares[i][z][1]
         fits = [b for b in range(len(top)) if top[b] + cost <= limit]
         b = (max(fits, key=lambda b: (top[b], -b)) if tight else
              min(fits, key=lambda b: (per_block.get((groups[i], z, b), 0), top[b], b)))
         per_block[groups[i], z, b] = per_block.get((groups[i], z, b), 0) + 1
-        members = range(b * z, (b + 1) * z)
+        members = block_of(b * z, z)
         owners[i], shared[i] = min(members, key=lambda q: (held.get((groups[i], q), 0), load[q], q)), z
         held[groups[i], owners[i]] = held.get((groups[i], owners[i]), 0) + 1
         for q in members:
@@ -264,14 +282,14 @@ def _fill(costs: Sequence[float], shares: Sequence[Shares], load: list[float], l
 
 
 def _bisect(costs: Sequence[float], shares: Sequence[Shares], load: list[float], groups: Sequence[Any], rounds: int,
-            tight: bool) -> tuple[list[int], list[int], list[float]]:
-    """The plan of :func:`_fill` (``tight`` its block choice) at the smallest limit it places every unit within:
-    ``rounds`` halvings between 0 and the busiest rank of whole units alone."""
+            tight: bool, thrifty: bool = False) -> tuple[list[int], list[int], list[float]]:
+    """The plan of :func:`_fill` (``tight`` its block choice, ``thrifty`` its order of ways) at the smallest limit it
+    places every unit within: ``rounds`` halvings between 0 and the busiest rank of whole units alone."""
     owners, shared, best = _fill(costs, [{}] * len(costs), load, math.inf, groups)  # type: ignore[misc]
     lo, hi = 0.0, max(best)
     for _ in range(rounds if any(shares) else 0):
         mid = (lo + hi) / 2
-        plan = _fill(costs, shares, load, mid, groups, tight)
+        plan = _fill(costs, shares, load, mid, groups, tight, thrifty)
         if plan is None:
             lo = mid
         else:
@@ -287,7 +305,7 @@ def round_sum(costs: Sequence[float], shares: Sequence[Shares], owners: Sequence
     the block size sharing each unit, 0 whole."""
     per: dict[tuple[Any, int], float] = {}
     for c, s, o, z, k in zip(costs, shares, owners, shared, groups, strict=True):
-        for r in (range(o // z * z, o // z * z + z) if z else (o,)):
+        for r in block_of(o, z):
             per[k, r] = per.get((k, r), 0.0) + (s[z][1] if z else c)
     busiest: dict[Any, float] = {}
     for (k, _), x in per.items():
@@ -320,20 +338,24 @@ def _by_bucket(costs: Sequence[float], shares: Sequence[Shares], load: list[floa
 def assign(costs: Sequence[float], shares: Sequence[Shares], load: list[float], groups: Sequence[Any] | None = None,
            rounds: int = 20, in_flight: bool = False) -> tuple[list[int], list[int]]:
     """The owner of each unit and the size of the block that shares it (0: none), so that the step's predicted
-    Newton-Schulz time is least. Three plans: every unit at once with :func:`_fill`'s two block choices (each at
-    the smallest limit it places every unit within, :func:`_bisect`), and each bucket on its own
-    (:func:`_by_bucket`); kept, the one whose busiest bucket after bucket (:func:`round_sum`) is least, the busiest
+    Newton-Schulz time is least. Five plans: every unit at once with :func:`_fill`'s two block choices (each at
+    the smallest limit it places every unit within, :func:`_bisect`), each bucket on its own (:func:`_by_bucket`),
+    and every unit at once with the two block choices and each unit's ways fewest rank-seconds first
+    (:func:`_ways`); kept, the one whose busiest bucket after bucket (:func:`round_sum`) is least, the busiest
     rank overall breaking ties, or with ``in_flight`` (every bucket in flight, ``overlap="all"``) the one whose
-    busiest rank is least, the other breaking ties (docs/algorithm.md has the examples). Whole where a unit fits,
-    so that a unit is shared only where whole units cannot reach the limit (its block's collectives and the
-    members' extra work are paid only there), by the smallest block that reaches it; a shared unit's owner is its
+    busiest rank is least, the other breaking ties (docs/algorithm.md has the examples). In the first three, whole
+    where a unit fits, so that a unit is shared only where whole units cannot reach the limit (its block's
+    collectives and the members' extra work are paid only there), by the smallest block that reaches it; in the
+    last two, the way of fewest rank-seconds that reaches it (a pair can cost less than one owner whole, the
+    mirrored Gram matrix saving more than the pair's bytes cost). A shared unit's owner is its
     block's least-loaded member, and every member carries its share. ``shares``: each unit's by block size;
     ``load`` is updated in place (as ``distributed.assign_owners``'; ``groups``: each unit's shape bucket). Depends
     only on the arguments: identical on every rank, no collective."""
     groups = groups if groups is not None else [None] * len(costs)
     plans = [_bisect(costs, shares, load, groups, rounds, False)]
     if any(shares):
-        plans += [_bisect(costs, shares, load, groups, rounds, True), _by_bucket(costs, shares, load, groups, rounds)]
+        plans += [_bisect(costs, shares, load, groups, rounds, True), _by_bucket(costs, shares, load, groups, rounds),
+                  *(_bisect(costs, shares, load, groups, rounds, tight, True) for tight in (False, True))]
 
     def key(plan: tuple[list[int], list[int], list[float]]) -> tuple[float, float]:
         pipeline, busiest = round_sum(costs, shares, plan[0], plan[1], groups), max(plan[2])
@@ -368,8 +390,7 @@ class Blocks:
 
     def members(self, owner: int) -> range:
         """The ranks (of the optimizer's group) of ``owner``'s block."""
-        b = owner // self.size
-        return range(b * self.size, (b + 1) * self.size)
+        return block_of(owner, self.size)
 
 
 def _put(parts: Sequence[Tensor], me: int, mine: Tensor, got: Tensor) -> None:
