@@ -254,6 +254,13 @@ def _run(name: str, layout: str | None, ns_group: int, overlap, foreach: bool, s
         # the experts' rows sharded (as torchtitan's expert-parallel-free FSDP2 of a stack may): the stack is a unit
         fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.ndim == 3 else None)
         params = list(model)
+    elif layout == "dp x tp":  # 4 ranks; the large matrix on both dimensions, the rest repeated over tp
+        from torch.distributed.tensor import Replicate, Shard
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        places = [(Shard(0), Shard(1)), (Shard(0), Replicate()), (Shard(0), Replicate()), (Replicate(), Shard(1))]
+        params = [torch.nn.Parameter(distribute_tensor(p.detach(), mesh, list(pl)))
+                  for p, pl in zip(params, places, strict=True)]
     opt = meqmuon.build_optimizer(name, _groups(params), ns_dtype=torch.float32, foreach=foreach,
                                   ns_group=ns_group, overlap=overlap, relay_group=relay_group)
     out: dict = {"relayed": 0}
@@ -274,13 +281,13 @@ def _run(name: str, layout: str | None, ns_group: int, overlap, foreach: bool, s
     for step in range(steps):
         for i, p in enumerate(params):
             g = _grad(step, i)
-            p.grad = distribute_tensor(g, p.device_mesh, p.placements) if layout == "fsdp2" else g
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements) if layout else g
         opt.step()
     exchange.relayed_flat, exchange.assign = relayed, planned
     ex = opt._exchange
     out["shared"] = [] if ex is None else [u.shared for u in ex.units]
     out["blocks"] = [] if ex is None else [u.block for u in ex.units]
-    out["params"] = [p.full_tensor() if layout == "fsdp2" else p.detach().clone() for p in params]
+    out["params"] = [p.full_tensor() if layout else p.detach().clone() for p in params]
     return out
 
 
@@ -307,19 +314,33 @@ def _worker(rank: int) -> dict:
                 out[key]["reference"] = _one_process(name, foreach)
     out["all"] = _run("meqmuon", "fsdp2", 2, "all", False)
     out["two"] = _run("meqmuon", "fsdp2", 2, True, False)
-    out["refused"] = [_refused(3, None), _refused(2, "hsdp"), _refused(1, None, relay_group=3)]
+    out["refused"] = [_refused(3, None), _refused(1, None, relay_group=3)]
+    out["hsdp"] = _hsdp()
     return out
 
 
-def _refused(ns_group: int, layout: str | None, relay_group: int = 1) -> str:
-    """What a plan ``ns_group`` (or ``relay_group``) cannot make says: blocks that do not divide the ranks, an HSDP
-    mesh."""
+def _hsdp() -> dict:
+    """HSDP on a ``(1, 2)`` mesh, ``ns_group=2``: every unit's mesh has a dimension that replicates, so the plan
+    keeps every unit whole (a block per replica group is not built) and the step is ``ns_group=1``'s."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
 
     model = _model()
-    if layout == "hsdp":
-        fully_shard(model, mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard")))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard")))
+    params = list(model)
+    opt = meqmuon.build_optimizer("muon", _groups(params), ns_dtype=torch.float32, ns_group=2)
+    for step in range(3):
+        for i, p in enumerate(params):
+            p.grad = distribute_tensor(_grad(step, i), p.device_mesh, p.placements)
+        opt.step()
+    return {"params": [p.full_tensor() for p in params], "shared": [u.shared for u in opt._exchange.units],
+            "reference": _one_process("muon", False)}
+
+
+def _refused(ns_group: int, layout: str | None, relay_group: int = 1) -> str:
+    """What a plan ``ns_group`` (or ``relay_group``) cannot make says: blocks that do not divide the ranks."""
+    model = _model()
     params = list(model)
     opt = meqmuon.build_optimizer("muon", _groups(params), ns_dtype=torch.float32, ns_group=ns_group,
                                   relay_group=relay_group)
@@ -348,10 +369,13 @@ def test_shared_newton_schulz_equals_one_process_under_fsdp2_and_ddp(tmp_path):
                 assert torch.equal(a, b), (key, rank)  # every rank ends with the same weights
         for p, ref in zip(r["params"], r["reference"], strict=True):
             torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
-    divide, hsdp, relay = got[0]["refused"]
+    divide, relay = got[0]["refused"]
     assert relay.startswith("ValueError: relay_group=3 must divide the optimizer's 2 ranks"), relay
     assert divide.startswith("ValueError: ns_group=3 must divide the optimizer's 2 ranks"), divide
-    assert hsdp.startswith("NotImplementedError: ns_group=2 is not built for a mesh dimension that replicates"), hsdp
+    hsdp = got[0]["hsdp"]
+    assert hsdp["shared"] and not any(hsdp["shared"]), hsdp["shared"]
+    for p, ref in zip(hsdp["params"], hsdp["reference"], strict=True):
+        torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-6)
     blocking = got[0][("meqmuon", "fsdp2", False)]["params"]
     for form in ("all", "two"):
         for a, b in zip(got[0][form]["params"], blocking, strict=True):
@@ -390,7 +414,9 @@ def _four(rank: int) -> dict:
             "ddp": _run("meqmuon", None, 1, False, True),
             # ns_group=4: blocks of 2 or 4, planned for a pipeline and for every bucket in flight
             "blocks of 4": _run("meqmuon", "fsdp2", 4, False, False),
-            "blocks of 4 in flight": _run("meqmuon", "fsdp2", 4, "all", True)}
+            "blocks of 4 in flight": _run("meqmuon", "fsdp2", 4, "all", True),
+            # FSDP2 over TP's 2 x 2 mesh: the large matrix shared, the matrices repeated over tp planned whole
+            "dp x tp": _run("meqmuon", "dp x tp", 2, False, False)}
 
 
 @pytest.mark.parametrize("world", [4])
@@ -417,6 +443,9 @@ def test_two_blocks_of_two_on_four_ranks_equal_one_process(tmp_path, world):
                 torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
         assert set(r["blocks of 4"]["blocks"]) == {4} and r["mixed blocks"]["blocks"] == [2, 4, 4, 4], (
             r["blocks of 4"]["blocks"], r["mixed blocks"]["blocks"])
+        for p, ref in zip(r["dp x tp"]["params"], r["reference"], strict=True):
+            torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-6)
+        assert r["dp x tp"]["shared"][0] == "columns" and not any(r["dp x tp"]["shared"][1:]), r["dp x tp"]["shared"]
     assert any(s is not None for s in got[0]["shared"]["shared"])
 
 

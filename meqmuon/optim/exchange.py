@@ -59,7 +59,7 @@ from .forms import Inputs, naming, step_weights, write_inputs
 from .newton_schulz import batched_ns
 from .owners import AXES, Replicas
 from .relay import relayed_flat
-from .shared_ns import Blocks, SharedNS, assign, unit_shapes
+from .shared_ns import Blocks, SharedNS, Shares, assign, unit_shapes
 from .views import Layout
 
 try:
@@ -114,7 +114,7 @@ class Exchange(LocalSplit):
     over the optimizer's process group (the default one unless it was given another)."""
 
     def __init__(self, units: Sequence[Unit], costs: Sequence[float], group: Any = None, *, depth: int = 1,
-                 shares: Sequence[tuple[str, float] | None] | None = None, ns_group: int = 1,
+                 shares: Sequence[Shares] | None = None, ns_group: int = 1,
                  relay_group: int = 1) -> None:
         super().__init__()
         self.pg = group
@@ -132,12 +132,13 @@ class Exchange(LocalSplit):
         Blocks.check(ns_group, self.world)
         if ns_group == 1:
             owners, shared = assign_owners(list(costs), self.load, buckets), [0] * len(units)
-        elif hsdp := next((u for u in units if not u.replicas and u.pieces.replicated_dims), None):
-            raise NotImplementedError(f"ns_group={ns_group} is not built for a mesh dimension that replicates (HSDP, "
-                                      "or a sub-mesh's tensor repeated over the others; a tensor of shape "
-                                      f"{tuple(hsdp.pieces.shape)}): use ns_group=1")
         else:
-            owners, shared = assign(costs, shares, self.load, buckets, in_flight=depth == DEPTHS["all"])
+            # a unit on a mesh with a dimension that replicates (HSDP; FSDP2 over TP's matrices outside the TP plan)
+            # has an owner in each replica group (Pieces.owner_for); a block would have to be one per replica group
+            # too, which is not built, so such a unit is planned whole
+            offered = [{} if not u.replicas and u.pieces.replicated_dims else s
+                       for u, s in zip(units, shares or [{}] * len(units), strict=True)]
+            owners, shared = assign(costs, offered, self.load, buckets, in_flight=depth == DEPTHS["all"])
             self.blocks = {z: Blocks(group, z) for z in sorted(set(shared) - {0})}
         #: The nodes of ``relay_group`` ranks the exchange is relayed through (``relay.py``), or None: one node (or
         #: none) has nothing to relay.
