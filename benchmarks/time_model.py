@@ -311,12 +311,16 @@ def ways(matrices: list, seconds: float, dtype: str, itemsize: int, g: int, cal:
     """A unit's ways on at most ``g`` ranks (``ns_group``) in the form the plan has, as ``(ranks, each one's
     seconds)``: whole at one owner (``seconds``, the full quintic) or shared by a block of each of
     ``shared_ns.block_sizes(g)``, a member's part and the block's collectives (:func:`share_seconds`,
-    :func:`block_seconds`; a stack by its matrices, one matrix by its columns). :func:`form_bound` reads them."""
+    :func:`block_seconds`; as ``shared_ns.share`` splits: a stack of at least ``z`` matrices by its matrices, else
+    each matrix by its columns). :func:`form_bound` reads them."""
     from meqmuon.optim.shared_ns import block_sizes
 
-    how = "matrices" if len(matrices) > 1 else "columns"
-    return ((1, seconds), *((z, share_seconds(how, matrices, dtype, z, cal, hw)
-                             + block_seconds(how, matrices, dtype, itemsize, z, cal, hw)) for z in block_sizes(g)))
+    def part(z: int) -> float:
+        how = "matrices" if len(matrices) >= z else "columns"
+        return (share_seconds(how, matrices, dtype, z, cal, hw)
+                + block_seconds(how, matrices, dtype, itemsize, z, cal, hw))
+
+    return ((1, seconds), *((z, part(z)) for z in block_sizes(g)))
 
 
 def form_bound(rounds: list[Round], world: int) -> float:
