@@ -313,10 +313,10 @@ def ways(matrices: list, seconds: float, dtype: str, itemsize: int, g: int, cal:
     ``shared_ns.block_sizes(g)``, a member's part and the block's collectives (:func:`share_seconds`,
     :func:`block_seconds`; as ``shared_ns.share`` splits: a stack of at least ``z`` matrices by its matrices, else
     each matrix by its columns). :func:`form_bound` reads them."""
-    from meqmuon.optim.shared_ns import block_sizes
+    from meqmuon.optim.shared_ns import block_sizes, split_of
 
     def part(z: int) -> float:
-        how = "matrices" if len(matrices) >= z else "columns"
+        how = split_of(len(matrices), z)
         return (share_seconds(how, matrices, dtype, z, cal, hw)
                 + block_seconds(how, matrices, dtype, itemsize, z, cal, hw))
 
@@ -453,7 +453,6 @@ class StepTimes:
     def work_bound(self) -> float:
         """The critical path's lower bound, compute only (issue 59): ``max(total work / W, largest / g)``."""
         return max(self.ns_work, self.ns_largest)
-
 
     @property
     def hidden(self) -> float:

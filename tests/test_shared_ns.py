@@ -314,7 +314,7 @@ def _worker(rank: int) -> dict:
                 out[key]["reference"] = _one_process(name, foreach)
     out["all"] = _run("meqmuon", "fsdp2", 2, "all", False)
     out["two"] = _run("meqmuon", "fsdp2", 2, True, False)
-    out["refused"] = [_refused(3, None), _refused(1, None, relay_group=3)]
+    out["refused"] = [_refused(3), _refused(1, relay_group=3)]
     out["hsdp"] = _hsdp()
     return out
 
@@ -338,7 +338,7 @@ def _hsdp() -> dict:
             "reference": _one_process("muon", False)}
 
 
-def _refused(ns_group: int, layout: str | None, relay_group: int = 1) -> str:
+def _refused(ns_group: int, relay_group: int = 1) -> str:
     """What a plan ``ns_group`` (or ``relay_group``) cannot make says: blocks that do not divide the ranks."""
     model = _model()
     params = list(model)

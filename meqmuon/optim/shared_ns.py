@@ -63,7 +63,7 @@ except ImportError:  # pragma: no cover - torch builds without distributed suppo
 
 __all__ = ["FLOPS_PER_BLOCK_BYTE", "GRAM_CHUNKS", "TIE", "Blocks", "SharedNS", "Shares", "assign", "block_bytes",
            "block_of", "block_sizes", "column_flops", "exposed_bytes", "gram_blocks", "gram_entries", "round_sum",
-           "share", "share_flops", "shares_by_size"]
+           "share", "share_flops", "shares_by_size", "split_of"]
 
 
 def _quintic(group: dict) -> dict[str, Any] | None:
@@ -159,6 +159,12 @@ def exposed_bytes(how: str, k: int, m: int, n: int, itemsize: int, g: int, steps
     return nbytes - steps * hidden
 
 
+def split_of(k: int, g: int) -> str:
+    """How a block of ``g`` splits a unit of ``k`` same-shape matrices: ``"matrices"`` where every member gets one at
+    least, else ``"columns"`` (each matrix by its columns, the quintic only)."""
+    return "matrices" if k >= g else "columns"
+
+
 def share(rule: Any, shapes: Sequence[tuple[int, int]], group: dict, g: int) -> tuple[str, float] | None:
     """How a unit of matrices ``shapes`` would be shared by ``g`` ranks and one member's predicted cost in
     ``driver.cost``'s unit: the busiest member's FLOPs plus the block bytes it waits for (:func:`exposed_bytes`) at
@@ -168,8 +174,8 @@ def share(rule: Any, shapes: Sequence[tuple[int, int]], group: dict, g: int) -> 
     if g < 2 or not isinstance(rule, HiddenRule) or len(set(shapes)) != 1:
         return None
     (m, n), k = shapes[0], len(shapes)
-    how = "matrices" if k >= g else "columns" if _quintic(group) is not None else None
-    if how is None:
+    how = split_of(k, g)
+    if how == "columns" and _quintic(group) is None:
         return None
     itemsize = (group["ns_dtype"] or torch.bfloat16).itemsize
     return how, (share_flops(how, shapes, group, g)
@@ -281,11 +287,19 @@ def _fill(costs: Sequence[float], shares: Sequence[Shares], load: list[float], l
     return owners, shared, load
 
 
+def _whole(costs: Sequence[float], load: list[float],
+           groups: Sequence[Any]) -> tuple[list[int], list[int], list[float]]:
+    """Every unit whole, :func:`_fill` without a limit (``distributed.assign_owners``' greedy)."""
+    return _fill(costs, [{}] * len(costs), load, math.inf, groups)  # type: ignore[return-value]
+
+
 def _bisect(costs: Sequence[float], shares: Sequence[Shares], load: list[float], groups: Sequence[Any], rounds: int,
-            tight: bool, thrifty: bool = False) -> tuple[list[int], list[int], list[float]]:
+            tight: bool, thrifty: bool = False,
+            whole: tuple[list[int], list[int], list[float]] | None = None) -> tuple[list[int], list[int], list[float]]:
     """The plan of :func:`_fill` (``tight`` its block choice, ``thrifty`` its order of ways) at the smallest limit it
-    places every unit within: ``rounds`` halvings between 0 and the busiest rank of whole units alone."""
-    owners, shared, best = _fill(costs, [{}] * len(costs), load, math.inf, groups)  # type: ignore[misc]
+    places every unit within: ``rounds`` halvings between 0 and the busiest rank of whole units alone (``whole``,
+    :func:`_whole` of the same arguments, where the caller made it already)."""
+    owners, shared, best = whole or _whole(costs, load, groups)
     lo, hi = 0.0, max(best)
     for _ in range(rounds if any(shares) else 0):
         mid = (lo + hi) / 2
@@ -352,10 +366,12 @@ def assign(costs: Sequence[float], shares: Sequence[Shares], load: list[float], 
     ``load`` is updated in place (as ``distributed.assign_owners``'; ``groups``: each unit's shape bucket). Depends
     only on the arguments: identical on every rank, no collective."""
     groups = groups if groups is not None else [None] * len(costs)
-    plans = [_bisect(costs, shares, load, groups, rounds, False)]
+    whole = _whole(costs, load, groups)  # every plan of all units at once starts from it
+    plans = [_bisect(costs, shares, load, groups, rounds, False, whole=whole)]
     if any(shares):
-        plans += [_bisect(costs, shares, load, groups, rounds, True), _by_bucket(costs, shares, load, groups, rounds),
-                  *(_bisect(costs, shares, load, groups, rounds, tight, True) for tight in (False, True))]
+        plans += [_bisect(costs, shares, load, groups, rounds, True, whole=whole),
+                  _by_bucket(costs, shares, load, groups, rounds),
+                  *(_bisect(costs, shares, load, groups, rounds, tight, True, whole=whole) for tight in (False, True))]
 
     def key(plan: tuple[list[int], list[int], list[float]]) -> tuple[float, float]:
         pipeline, busiest = round_sum(costs, shares, plan[0], plan[1], groups), max(plan[2])
