@@ -133,6 +133,7 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
     ex, cache = opt._exchange, {}
     block = getattr(opt, "_ns_group", 1)  # the largest block a unit may be shared by
     rounds: dict[tuple, dict] = {}  # (call, dtype, m, n) -> round, in first-appearance order
+    alike: dict[tuple[int, int], list] = {}  # (round, descriptor) -> [round, descriptor, units]
 
     def round_of(key: tuple, m: int, n: int, exchanged: bool, matrices: list | None = None) -> dict:
         return rounds.setdefault(key, {"shape": [m, n], "matrices": [list(s) for s in matrices or [(m, n)]],
@@ -164,13 +165,18 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
                 matrices = unit.layout.shapes() if unit.layout is not None else [matrix_shape(unit.pieces.shape)]
                 total = sum(method_flops(group, m, n) for m, n in matrices)
                 rnd = round_of((call, e.param.dtype, *matrix_shape(unit.pieces.shape)), *matrices[0], True, matrices)
-                owners = set()
-                for r in range(world):
-                    n, q = unit.pieces.numel(r), ex.owner_of(unit, r)
-                    model.local[r] += n
-                    model.owned[q] += n
-                    rnd["local"][r] += n
-                    owners.add(q)
+                if unit.pieces.replicated_dims:  # an owner per replica group
+                    owners = set()
+                    for r in range(world):
+                        n, q = unit.pieces.numel(r), ex.owner_of(unit, r)
+                        model.local[r] += n
+                        model.owned[q] += n
+                        rnd["local"][r] += n
+                        owners.add(q)
+                else:  # one owner, every rank's piece: added per descriptor below (an expert's units share one)
+                    owners = {unit.assigned}
+                    model.owned[unit.assigned] += math.prod(unit.pieces.shape)
+                    alike.setdefault((id(rnd), id(unit.pieces)), [rnd, unit.pieces, 0])[2] += 1
                 for q in owners:
                     rnd["owned"][q] = rnd["owned"].get(q, 0) + 1
                     if unit.shared is None:
@@ -180,6 +186,11 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
                     part = share_flops(unit.shared, matrices, group, unit.block)  # FLOPs: no link priced in
                     for member in ex.blocks[unit.block].members(q):
                         model.flops[member] += part
+    for rnd, pieces, count in alike.values():
+        for r in range(world):
+            n = count * pieces.numel(r)
+            model.local[r] += n
+            rnd["local"][r] += n
     model.rounds = [{**r, "owned": sorted(r["owned"].items())} for r in rounds.values()]
     return model
 
