@@ -104,7 +104,7 @@ def shard(model, layout: str, mesh) -> None:
     elif layout == "ep":
         expert_parallel(model, mesh)
     else:
-        fsdp(model, mesh, experts_on_rows=layout == "fsdp2-rows")
+        fsdp(model, mesh, experts="rows" if layout == "fsdp2-rows" else "torchtitan")
 
 
 def _grads(model, layout: str, step: int) -> None:

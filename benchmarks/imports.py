@@ -32,9 +32,9 @@ LAYERS: list[list[str]] = [
     ["precision", "orthogonalization", "functional"],
     ["optim.views", "optim.inputs", "optim.distributed", "optim.owners", "optim.groups", "optim.structure",
      "optim.saved_state"],  # saved_state: load_state_dict with each state tensor in its saved dtype
-    ["optim.calls", "optim.commit", "optim.blockwise", "optim.transfer", "optim.relay"],  # what a rule call is
-    # handed; a step's gated writes; the row-blocked passes of eq. 9; what travels back from an owner; the exchange's
-    # collective relayed through the nodes (relay_group)
+    ["optim.calls", "optim.commit", "optim.blockwise", "optim.transfer", "optim.relay", "optim.assembly"],  # what a
+    # rule call is handed; a step's gated writes; the row-blocked passes of eq. 9; what travels back from an owner;
+    # the exchange's collective relayed through the nodes (relay_group); an owner's wholes put together
     ["optim.rule"],  # what a rule is: the elementwise and stepping protocols
     ["optim.newton_schulz"],  # the table of Newton-Schulz methods, their cost
     ["optim.driver"],  # HiddenRule, stacks, the seam (pre -> NS -> post)
@@ -47,7 +47,8 @@ LAYERS: list[list[str]] = [
      "optim.rules.muonplus", "optim.rules.aurora", "optim.rules.meq_shape", "optim.rules.muon_vs", "optim.rules.muonh"],
     ["optim.rules"],
     ["optim.cuda_graph"],  # cuda_graph=True: the captured step (the engine hands its step over)
-    ["optim.decision"],  # the step's one decision: taken or skipped (non-finite gradients, a scaler, an error)
+    ["optim.decision", "optim.entry"],  # the step's one decision: taken or skipped (non-finite gradients, a scaler,
+    # an error); one parameter as the step sees it
     ["optim.engine", "optim.memory"],
     ["optim.presets", "optim.presets_2026"],  # the 2026 field's presets subclass presets' (issue 48)
     ["optim.registry"],

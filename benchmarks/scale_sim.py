@@ -194,7 +194,8 @@ def _fail_reason(exc: BaseException) -> str:
 
 def simulate(model_name: str, layout: str, ranks: str, rank: int, *, layers: int | None, device: str,
              optimizer: str = "meqmuon", ns_dtype: torch.dtype = torch.float32, foreach: bool = True,
-             ns_group: int = 1, relay_group: int = 1, overlap: bool | str | None = None) -> dict:
+             ns_group: int = 1, relay_group: int = 1, overlap: bool | str | None = None,
+             exchange_unit: str = "tensor") -> dict:
     """One simulated rank: builds, shards, steps three times (the first two timed, the third metered).
     Returns the measurements, or ``{"error": ...}`` where the optimizer cannot be planned or stepped on the
     fake group."""
@@ -231,11 +232,13 @@ def simulate(model_name: str, layout: str, ranks: str, rank: int, *, layers: int
         opt = meqmuon.build_optimizer(optimizer, model, foreach=foreach, **dtype_kw,
                                       **({"ns_group": ns_group} if ns_group > 1 else {}),
                                       **({"relay_group": relay_group} if relay_group > 1 else {}),
-                                      **({"overlap": overlap} if overlap is not None else {}))
+                                      **({"overlap": overlap} if overlap is not None else {}),
+                                      **({"exchange_unit": exchange_unit} if exchange_unit != "tensor" else {}))
         built = time.perf_counter() - t0
         row = {"model": model_name, "layout": layout, "ranks": ranks, "rank": rank, "device": device,
                "optimizer": optimizer, "ns_dtype": str(ns_dtype).removeprefix("torch."), "ns_group": ns_group,
-               "relay_group": relay_group, "overlap": overlap, "layers": model.config.num_hidden_layers,
+               "relay_group": relay_group, "overlap": overlap, "exchange_unit": exchange_unit,
+               "layers": model.config.num_hidden_layers,
                "build_s": built,
                "train_params": train_params(model)}
         engine = hasattr(opt, "_plan")  # the engine's optimizers; torch's AdamW exchanges nothing, has no NS
@@ -275,7 +278,7 @@ def run_one(args: argparse.Namespace) -> dict:
     rows = [simulate(args.model, args.layout, args.ranks, r, layers=args.layers, device=args.device,
                      optimizer=args.optimizer, ns_dtype=getattr(torch, args.ns_dtype),
                      foreach=args.form == "batched", ns_group=args.ns_group, relay_group=args.relay_group,
-                     overlap=OVERLAPS[args.overlap])
+                     overlap=OVERLAPS[args.overlap], exchange_unit=args.exchange_unit)
             for r in sample(args.sample_ranks, world_of(args.ranks))]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"rows": rows, "wall_s": time.perf_counter() - t0, "rss": rss}
@@ -332,7 +335,7 @@ def summarise(result: dict, itemsize: int = 4) -> dict:
         # the world's collectives apart from a block's (ns_group), by "name@group size"
         "calls_by_group": r0.get("calls_by_group", {}), "bytes_by_group": r0.get("bytes_by_group", {}),
         "ns_group": r0.get("ns_group", 1), "relay_group": r0.get("relay_group", 1),
-        "overlap": r0.get("overlap"),
+        "overlap": r0.get("overlap"), "exchange_unit": r0.get("exchange_unit", "tensor"),
         "ranks": [{**{k: r.get(k) for k in ("rank", "sent", "received", "flops", "ops", "traffic")},
                    # the bytes of a block's collectives (ns_group: groups smaller than the world), not the exchange's
                    "block": sum(n for size, n in r.get("bytes_by_group_size", {}).items()
@@ -405,6 +408,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--overlap", default="default", choices=sorted(OVERLAPS),
                         help="the optimizer's overlap, which the plan packs shared units for (default: the engine's "
                              "off-CUDA default; the plan then packs for a pipeline, as for CUDA's overlap=True)")
+    parser.add_argument("--exchange-unit", default="tensor", choices=("tensor", "matrix"),
+                        help="the optimizer's exchange_unit: a stack of experts on its dimension 1 one unit, or each "
+                             "expert one")
     parser.add_argument("--sample-ranks", default="0,busiest",
                         help="ranks simulated: numbers, 'last', 'busiest' (the rank model's busiest by bytes, "
                              "bytes per floor and FLOPs, read from the first rank's plan)")
@@ -422,7 +428,7 @@ def _run_rank(args: argparse.Namespace, model: str, layout: str, ranks: str, ran
     cmd = [sys.executable, __file__, "--json", "--model", model, "--layout", layout, "--ranks", ranks,
            "--device", args.device, "--optimizer", args.optimizer, "--ns-dtype", args.ns_dtype,
            "--form", args.form, "--sample-ranks", str(rank), "--ns-group", str(args.ns_group),
-           "--relay-group", str(args.relay_group), "--overlap", args.overlap]
+           "--relay-group", str(args.relay_group), "--overlap", args.overlap, "--exchange-unit", args.exchange_unit]
     if args.layers is not None:
         cmd += ["--layers", str(args.layers)]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})

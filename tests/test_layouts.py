@@ -68,19 +68,24 @@ def _optimizer(name: str, model, **kw):
         kw["ns_dtype"] = torch.float32
     if "relay" in flags:  # the exchange relayed through "nodes" of two ranks (relay.py)
         kw["relay_group"] = 2
+    if "matrix" in flags:  # a DTensor stack's exchange units its matrices (placement.by_matrix)
+        kw["exchange_unit"] = "matrix"
     return meqmuon.build_optimizer(base, model, lr=0.02, weight_decay=0.1, foreach="foreach" in flags,
                                    compile="compile" in flags, **kw)
 
 
-def fsdp(model, mesh, experts_on_rows: bool = False) -> None:
+def fsdp(model, mesh, experts: str = "torchtitan") -> None:
     """FSDP2 as torchtitan applies it: each decoder layer, then the root, stacked experts on their dimension 1
-    where the mesh has more ranks than experts (``meqmuon.train.parallel.expert_placement``; ``experts_on_rows``:
-    on dimension 0 always, torch's default)."""
+    where the mesh has more ranks than experts (``meqmuon.train.parallel.expert_placement``); ``experts="rows"``:
+    on dimension 0 always, torch's default; ``"columns"``: on dimension 1 always (what torchtitan's rule gives on
+    more ranks than experts, here on two)."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     from meqmuon.train.parallel import expert_placement
 
-    placement = None if experts_on_rows else expert_placement(mesh.shape[-1])
+    placement = {"torchtitan": expert_placement(mesh.shape[-1]), "rows": None,
+                 "columns": lambda p: Shard(1) if p.ndim == 3 else None}[experts]
     layers = getattr(getattr(model, "model", None), "layers", None) or getattr(
         getattr(model, "transformer", None), "h", None) or []
     for layer in layers:
@@ -120,7 +125,10 @@ def compare_under_layout(model_name: str, names, shard, steps: int = STEPS) -> d
             p = full[n].full_tensor() if is_dtensor(full[n]) else full[n]
             diff = max(diff, (p.detach() - q.detach()).abs().max().item())
             moved = max(moved, (q.detach() - init[n]).abs().max().item())
-        out[name] = {"diff": diff, "moved": moved, "held": held,
+        # the exchange's units of a stack of experts that are its matrices, one each (placement.by_matrix): their owners
+        by_matrix = {e.name: [opt._exchange.units[i].owner for i in e.units]
+                     for _, entries, _ in opt._plan() for e in entries if e.by_matrix}
+        out[name] = {"diff": diff, "moved": moved, "held": held, "by_matrix": by_matrix,
                      "placements": {n: str(tuple(p.placements)) for n, p in full.items() if is_dtensor(p)}}
     return out
 
@@ -203,6 +211,10 @@ def test_tensor_parallel_llama_equals_one_process(tmp_path):
 
 #: FSDP2 on the zoo's fused, transposed and expert models, routed by default (``param_groups``).
 FSDP_MODELS = ("phi3", "gpt2", "qwen3_moe", "dbrx", "gpt_oss")
+#: The zoo's models with 3-D stacks of experts, which torchtitan shards on their dimension 1 over more ranks.
+EXPERT_MODELS = ("qwen3_moe", "gpt_oss")
+#: On dimension 1 with ``exchange_unit="tensor"`` (the default: each stack a unit): two of the rule families.
+COLUMNS_WHOLE = ("meqmuon", "normuon+foreach")
 
 
 class _Split(torch.nn.Module):
@@ -245,19 +257,34 @@ def _fsdp_worker(rank, model_names, names):
     mesh = init_device_mesh("cpu", (2,))
     out = {m: compare_under_layout(m, _untied(m, names), lambda model: fsdp(model, mesh)) for m in model_names}
     out["split_boundary"] = _split_boundary(("meqmuon", "normuon"))
+    out["columns"] = {m: compare_under_layout(m, [*(n + "+matrix" for n in names), *COLUMNS_WHOLE],
+                                              lambda model: fsdp(model, mesh, experts="columns"))
+                      for m in EXPERT_MODELS}
     return out
 
 
 def test_fsdp2_fused_transposed_and_expert_models_equal_one_process(tmp_path):
     """FSDP2 routed by default on Phi3 (fused qkv with GQA sizes, gate_up), GPT-2 (Conv1D, fused c_attn),
     Qwen3-MoE (3-D experts), DBRX (folded 2-D experts) and GPT-OSS (interleaved gate/up): every rule
-    family steps and equals one process; a split block cut by the shard boundary too."""
+    family steps and equals one process; a split block cut by the shard boundary too. Then Qwen3-MoE's and
+    GPT-OSS's experts on their dimension 1 (torchtitan's layout where the ranks outnumber the experts): with
+    ``exchange_unit="matrix"`` each expert is an exchange unit of its own (``placement.by_matrix``; GPT-OSS's split
+    into gate and up at its owner, transposed, interleaved), the experts of a stack owned by both ranks; by default
+    each stack is one unit; either way the step equals one process's."""
     names = runs("fsdp2-views", "fsdp2-views-batched")
     results = _spawn(_fsdp_worker, tmp_path, FSDP_MODELS, names)
     for model in FSDP_MODELS:
         _check([res[model] for res in results], _untied(model, names))
+        assert all(not res[model][n]["by_matrix"] for res in results for n in _untied(model, names))
     for res in results:
         assert all(d <= 1e-6 for d in res["split_boundary"].values()), res["split_boundary"]
+    hidden = [n for n in names if not n.startswith("scale")]  # SCALE's rules are not hidden rules: no exchange
+    for model in EXPERT_MODELS:
+        _check([res["columns"][model] for res in results], [*(n + "+matrix" for n in names), *COLUMNS_WHOLE])
+        for n in hidden:
+            stacks = results[0]["columns"][model][n + "+matrix"]["by_matrix"]
+            assert len(stacks) == 4 and all(len(o) == 4 and set(o) == {0, 1} for o in stacks.values()), (n, stacks)
+        assert not any(results[0]["columns"][model][n]["by_matrix"] for n in COLUMNS_WHOLE)
 
 
 def _fsdp_tp_worker(rank, names, ckpt):

@@ -18,7 +18,7 @@ from test_distributed import _spawn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import meqmuon
-from meqmuon.optim import engine, exchange, shared_ns
+from meqmuon.optim import exchange, shared_ns
 from meqmuon.optim.newton_schulz import method_flops, ns_flops
 from meqmuon.optim.shared_ns import FLOPS_PER_BLOCK_BYTE, assign, column_flops, share, shares_by_size
 
@@ -154,6 +154,24 @@ def test_blocks_share_llama3_70b_on_1024_ranks():
         assert {shares[i][z][0] for i, z in enumerate(shared) if z} == {"columns"}
 
 
+def test_whole_units_go_to_the_least_loaded_rank_then_the_one_with_fewest_of_their_bucket():
+    """``_fill``'s rule for a whole unit, against a scan of every rank: longest first, the least-loaded rank, ties to
+    the rank holding the fewest units of the unit's shape bucket, then the lowest. Alike units tie at every turn
+    (DeepSeek-V3's experts as units of their own: 30,242 on 1,024 ranks), which its per-bucket heaps answer without
+    walking the tied ranks, so that the plan stays seconds at that size."""
+    gen = torch.Generator().manual_seed(0)
+    costs = [float(c) for c in torch.randint(1, 4, (300,), generator=gen)]
+    groups = [int(k) for k in torch.randint(0, 5, (300,), generator=gen)]
+    world, load0 = 16, [float(x) for x in torch.randint(0, 3, (16,), generator=gen)]
+    load, held, expected = list(load0), {}, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(world), key=lambda r: (load[r], held.get((groups[i], r), 0), r))
+        expected[i], load[r] = r, load[r] + costs[i]
+        held[groups[i], r] = held.get((groups[i], r), 0) + 1
+    owners, shared, got = shared_ns._whole(costs, load0, groups)
+    assert owners == expected and got == load and not any(shared)
+
+
 def test_a_pair_that_costs_less_than_one_owner_shares_even_where_whole_units_fit():
     """Two units of 1 on two ranks, a pair's member paying 0.43 of one (the mirrored Gram entries saving more than
     the pair's bytes cost): the thrifty order of ways (``_ways``: fewest rank-seconds first) tries the pair first,
@@ -219,9 +237,10 @@ def test_the_plan_packs_the_shares_for_its_schedule(size):
 
 # ---- on gloo ----------------------------------------------------------------------------------------------
 
-#: A large tall matrix, a stack of eight experts (its rows sharded), a square and a wide matrix: on two ranks in one
-#: block, the links free in the plan's balance, the plan shares the first two by columns and by matrices; under DDP
-#: each expert is a unit of its own, and the large matrix is shared.
+#: A large tall matrix, a stack of eight experts (its rows sharded; each expert split in two row blocks), a square and
+#: a wide matrix: on two ranks in one block, the links free in the plan's balance, the plan shares the large matrix by
+#: columns and the stack by its matrices (or each expert, a unit of its own with ``exchange_unit="matrix"``, by its
+#: two); under DDP each block of an expert is a unit of its own, and the large matrix is shared.
 SHAPES = [(192, 96), (8, 32, 64), (32, 32), (16, 32)]
 
 
@@ -232,7 +251,7 @@ def _model() -> torch.nn.ParameterList:
 
 def _groups(params) -> list[dict]:
     return [{"params": list(params), "kind": "hidden", "names": [f"p{i}" for i in range(len(params))],
-             "views": ["matrix", "stacked", "matrix", "matrix"]}]
+             "views": ["matrix", "stacked", "matrix", "matrix"], "splits": [None, (16, 16), None, None]}]
 
 
 def _grad(step: int, i: int) -> torch.Tensor:
@@ -240,7 +259,7 @@ def _grad(step: int, i: int) -> torch.Tensor:
 
 
 def _run(name: str, layout: str | None, ns_group: int, overlap, foreach: bool, steps: int = 3,
-         relay_group: int = 1) -> dict:
+         relay_group: int = 1, exchange_unit: str = "tensor") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
@@ -251,7 +270,7 @@ def _run(name: str, layout: str | None, ns_group: int, overlap, foreach: bool, s
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         from torch.distributed.tensor import Shard
 
-        # the experts' rows sharded (as torchtitan's expert-parallel-free FSDP2 of a stack may): the stack is a unit
+        # the experts' rows sharded (torchtitan's FSDP2 of a stack over more ranks than experts): a unit each
         fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.ndim == 3 else None)
         params = list(model)
     elif layout == "dp x tp":  # 4 ranks; the large matrix on both dimensions, the rest repeated over tp
@@ -262,7 +281,8 @@ def _run(name: str, layout: str | None, ns_group: int, overlap, foreach: bool, s
         params = [torch.nn.Parameter(distribute_tensor(p.detach(), mesh, list(pl)))
                   for p, pl in zip(params, places, strict=True)]
     opt = meqmuon.build_optimizer(name, _groups(params), ns_dtype=torch.float32, foreach=foreach,
-                                  ns_group=ns_group, overlap=overlap, relay_group=relay_group)
+                                  ns_group=ns_group, overlap=overlap, relay_group=relay_group,
+                                  exchange_unit=exchange_unit)
     out: dict = {"relayed": 0}
     relayed = exchange.relayed_flat
 
@@ -310,7 +330,7 @@ def _worker(rank: int) -> dict:
         for layout in ("fsdp2", None):
             for foreach in (False, True):
                 key = (name, layout, foreach)
-                out[key] = _run(name, layout, 2, False, foreach)
+                out[key] = _run(name, layout, 2, False, foreach, exchange_unit="matrix" if foreach else "tensor")
                 out[key]["reference"] = _one_process(name, foreach)
     out["all"] = _run("meqmuon", "fsdp2", 2, "all", False)
     out["two"] = _run("meqmuon", "fsdp2", 2, True, False)
@@ -355,15 +375,18 @@ def _refused(ns_group: int, relay_group: int = 1) -> str:
 
 def test_shared_newton_schulz_equals_one_process_under_fsdp2_and_ddp(tmp_path):
     """Two gloo ranks, one block (``ns_group=2``): under FSDP2 and DDP, per tensor and batched, Muon and MeqMuon
-    step as one process does to 1e-6 (float32 Newton-Schulz) while the plan shares the stack by matrices and the
-    large matrices by columns; the overlapped forms equal the blocking one bit for bit."""
+    step as one process does to 1e-6 (float32 Newton-Schulz) while the plan shares the stack of experts (or, with
+    ``exchange_unit="matrix"``, each expert) by its matrices and the large matrices by columns; the overlapped forms
+    equal the blocking one bit for bit."""
     got = _spawn(_worker, tmp_path)
     for key, r in got[0].items():
         if not isinstance(key, tuple):
             continue
         name, layout, foreach = key
-        assert r["shared"][:2] == ["columns", "matrices"] if layout == "fsdp2" else r["shared"][0] == "columns", (
-            key, r["shared"])
+        # under FSDP2 the stack of experts is a unit, shared by its 16 matrices, or (exchange_unit="matrix", here with
+        # foreach) each expert is (placement.by_matrix), shared by its two row blocks
+        first = ["columns", *["matrices"] * (8 if foreach else 1)] if layout == "fsdp2" else ["columns"]
+        assert r["shared"][: len(first)] == first, (key, r["shared"])
         for rank in (0, 1):
             for a, b in zip(got[rank][key]["params"], r["params"], strict=True):
                 assert torch.equal(a, b), (key, rank)  # every rank ends with the same weights
@@ -387,18 +410,18 @@ def test_shared_newton_schulz_equals_one_process_under_fsdp2_and_ddp(tmp_path):
 def _mixed_blocks() -> dict:
     """``ns_group=4`` with the first unit (the large matrix) offered blocks of 2 only and the others blocks of 4 only:
     two block sizes in one step, their collectives on overlapping groups."""
-    real, seen = engine.shares_by_size, []
+    real, seen = shared_ns.shares_by_size, []
 
     def offered(*args):
         by, first = real(*args), not seen
         seen.append(True)
         return {z: x for z, x in by.items() if (z == 2) == first}
 
-    engine.shares_by_size = offered
+    shared_ns.shares_by_size = offered  # read by shared_ns.unit_prices, once per rule, shapes and group
     try:
         return _run("meqmuon", "fsdp2", 4, False, True)
     finally:
-        engine.shares_by_size = real
+        shared_ns.shares_by_size = real
 
 
 def _four(rank: int) -> dict:

@@ -358,6 +358,22 @@ def test_group_overrides_and_bad_views_are_clear_errors():
                        "views": "stacked"}])
 
 
+def test_one_matrix_of_a_stack_keeps_its_transposition_and_split():
+    """``Layout.one``: one expert of a stack seen as a parameter of its own shape (the exchange's unit of one expert,
+    ``placement.by_matrix``) cuts into the same matrices as the stack's view cuts that expert."""
+    x = torch.randn(3, 8, 6)
+    cases = [("stacked", None, False), ("stacked-transposed", None, False), ("stacked", (3, 5), False),
+             ("stacked-transposed", (3, 3), True)]
+    for view, split, inter in cases:
+        stack = layout_of(x.shape, view, split, interleaved=inter)
+        one = stack.one()
+        assert (one is None) == (view == "stacked" and split is None), (view, split)
+        per = one.matrices(x[1]) if one is not None else [x[1]]
+        expected = stack.matrices(x)[len(per) : 2 * len(per)]
+        assert len(per) == len(expected) and all(torch.equal(a, b) for a, b in zip(per, expected, strict=True))
+        assert (one.shapes() if one is not None else [tuple(x.shape[1:])]) == stack.shapes()[: len(per)]
+
+
 @pytest.mark.parametrize("name", ["meqmuon", "normuon"])
 def test_state_is_one_tensor_per_parameter_and_round_trips(name):
     model = _Model()

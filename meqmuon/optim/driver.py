@@ -240,6 +240,17 @@ def cut_items(rule: Rule, layout: Layout, param: Tensor, grad: Tensor, state: di
             for j, (p, g, label) in enumerate(zip(layout.matrices(param), layout.matrices(grad), labels, strict=True))]
 
 
+def stack_items(rule: Rule, param: Tensor, grad: Tensor, state: dict[str, Any], name: str, kind: str,
+                shape: Sequence[int], units: Sequence[int]) -> list[Item]:
+    """One item per matrix of a stack as stored, ``param[e]`` (the local piece of an ``(E, ...)`` DTensor of which
+    every rank holds a slice of every matrix, ``placement.by_matrix``), with its gradient's and state's ``[e]`` (every
+    state tensor of a stack leads with its matrices), named ``name[e]``, of global ``shape``, with its exchange unit
+    ``units[e]``."""
+    keys = [k for k, how in rule.state_views.items() if how in ("param", "rows", "counter")]
+    return [Item(p, g, {"step": state["step"], **{k: state[k][e] for k in keys}}, f"{name}[{e}]", tuple(shape), kind,
+                 u) for e, (p, g, u) in enumerate(zip(param.unbind(0), grad.unbind(0), units, strict=True))]
+
+
 # ---- stacks: shape buckets and kept buffers ---------------------------------------------------------
 
 

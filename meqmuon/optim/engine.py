@@ -24,33 +24,21 @@ from .cuda_graph import GraphedStep
 from .decision import NONFINITE
 from .distributed import LocalSplit, RowSums, is_dtensor, local, resolve_process_group
 from .driver import HiddenRule
-from .exchange import DEPTHS, Exchange, Unit
+from .entry import Entry, held_rows
+from .exchange import DEPTHS, Exchange
 from .groups import KINDS, infer_kind
 from .inputs import FLOAT_KEYS, check_unique_params, listed_params, validate_group, with_floats, wrong_params
-from .owners import check_mesh, descriptor, is_replicated
-from .placement import EXECUTORS, Path, cuts, path_of, splitter
+from .placement import EXECUTORS, Path, path_of, splitter
 from .rule import MomentumRule, Rule, SteppingRule, rule_defaults, validate_rule
 from .rules import RULES
 from .saved_state import dtypes_named, keeping_saved_dtypes
-from .shared_ns import shares_by_size, unit_shapes
-from .views import Layout, group_layout, normalise_group_views
+from .shared_ns import unit_prices, unit_shapes
+from .views import group_layout, normalise_group_views
 
 try:
     import torch.distributed as dist
 except ImportError:  # pragma: no cover - torch builds without distributed support
     dist = None  # type: ignore[assignment]
-
-
-
-def _held(p: torch.Tensor) -> slice:
-    """The indices along dim 0 of ``p`` that this rank holds: all, or under FSDP2/HSDP its
-    ``Shard(0)`` piece (``torch.chunk`` sizes over the mesh's last dimension)."""
-    if not is_dtensor(p) or is_replicated(p):
-        return slice(None)
-    mesh = p.device_mesh
-    size = -(-p.shape[0] // mesh.size(mesh.ndim - 1))
-    start = min(mesh.get_local_rank(mesh.ndim - 1) * size, p.shape[0])
-    return slice(start, start + p.to_local().shape[0])
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,64 +51,6 @@ def _outside_stacklevel() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         level, frame = level + 1, frame.f_back
     return level
-
-
-class _Entry:
-    """One parameter of a param group as the step sees it, prepared once (:meth:`RoleOptimizer._prepare`): its
-    :class:`~.placement.Path`, the splitter of its calls, whether its rule sees the matrices of its view
-    (``cut``; a DTensor's exchange unit is the whole parameter, which its owner cuts) and, on ``OWNERS``, the
-    exchange's units of its items."""
-
-    __slots__ = ("param", "state", "name", "kind", "rule", "layout", "cut", "path", "item", "split", "units", "dtensor")
-
-    def __init__(self, param: torch.Tensor, state: dict[str, Any], name: str, kind: str, rule: Rule,
-                 layout: Layout, path: Path) -> None:
-        self.param, self.state, self.name, self.kind, self.rule, self.layout = param, state, name, kind, rule, layout
-        self.dtensor = is_dtensor(param)
-        self.cut = cuts(rule, layout) and not (path is Path.OWNERS and self.dtensor)
-        self.path = path
-        self.split: Any = None
-        self.units: list[int] = []
-        #: A whole tensor's item, made once (:meth:`RoleOptimizer._prepare`, once ``units`` are set): a plain
-        #: tensor's only gets its gradient, a DTensor's its local tensors (:meth:`items`).
-        self.item: Item | None = None
-
-    def tensors(self) -> list[torch.Tensor]:
-        """What the exchange's units of this entry are: the parameter, or under DDP each matrix of its view."""
-        return self.layout.matrices(self.param) if self.cut else [self.param]
-
-    def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """The gradient the rule reads: a DTensor's local piece in the parameter's placements (a ``Partial()``
-        gradient under TP reduced first), else ``grad`` itself."""
-        if not self.dtensor:
-            return grad
-        if tuple(grad.placements) != tuple(self.param.placements):  # Partial() under TP
-            grad = grad.redistribute(grad.device_mesh, self.param.placements)
-        return grad.to_local()
-
-    def items(self, grad: torch.Tensor) -> list[Item]:
-        """This step's items of a parameter that is not one whole plain tensor, from its local gradient
-        (:meth:`local_grad`): a DTensor's local piece (its kept item, refilled) and/or one item per matrix of its
-        view (:meth:`Layout.matrices`), with the state as local views (``rule.state_views`` says how each state
-        tensor divides), named ``name[e]#j``; each with its exchange unit (``OWNERS``)."""
-        param = self.param.to_local() if self.dtensor else self.param
-        state = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in self.state.items()}
-        if not self.cut:
-            it = self.item
-            it.param, it.grad, it.state = param, grad, state
-            return [it]
-        return driver.cut_items(self.rule, self.layout, param, grad, state, self.name, self.kind,
-                                self.layout.labels(_held(self.param)), self.units)
-
-    def unit(self, t: torch.Tensor, cache: dict) -> Unit:
-        """The exchange's unit of ``t`` (:meth:`tensors`): where its pieces and its sharded state's lie, and the
-        layout its owner cuts it by (a DTensor parameter whose rule sees the matrices of its view)."""
-        if not is_dtensor(t):
-            return Unit(descriptor(t, cache), {}, None)
-        check_mesh(t, self.name)
-        sharded = {k: descriptor(v, cache) for k, v in sorted(self.state.items())
-                   if is_dtensor(v) and not is_replicated(v)}
-        return Unit(descriptor(t, cache), sharded, self.layout if cuts(self.rule, self.layout) else None)
 
 
 class RoleOptimizer(Optimizer):
@@ -156,6 +86,10 @@ class RoleOptimizer(Optimizer):
     predicts it shortens the step (``shared_ns.py``: a stack by matrices, a large matrix by columns, exact to rounding).
     ``relay_group`` (default 1, off): the exchange relayed through the receiving node of this many consecutive
     ranks, so that an owner's bytes cross all its node's network links (``relay.py``; the same bytes, bit for bit).
+    ``exchange_unit`` (every optimizer takes it): the exchange's unit of a DTensor stack that no placement splits
+    along its matrices (torchtitan's experts on their dimension 1): ``"tensor"`` (default), the stack to one owner;
+    ``"matrix"``, each matrix to an owner of its own (``placement.by_matrix``): the bytes at their floor and the
+    Newton-Schulz spread, for some 35 dispatched ops per matrix a step (docs/benchmarks.md). The same bits either way.
     """
 
     RULES: ClassVar[dict[str, str]] = {}
@@ -165,7 +99,8 @@ class RoleOptimizer(Optimizer):
 
     def __init__(self, params: Any, defaults: dict[str, Any], process_group: Any = None, compile: bool = False,
                  rules: dict[str, Rule] | None = None, cuda_graph: bool = False, overlap: bool | None = None,
-                 nonfinite: str = "skip", ns_group: int = 1, relay_group: int = 1, **hyperparameters: Any) -> None:
+                 nonfinite: str = "skip", ns_group: int = 1, relay_group: int = 1, exchange_unit: str = "tensor",
+                 **hyperparameters: Any) -> None:
         if (what := wrong_params(params)) is not None:
             cls = type(self).__name__
             raise TypeError(f"{cls}(params=...) takes parameters or param groups, e.g. "
@@ -183,7 +118,11 @@ class RoleOptimizer(Optimizer):
         for key, g in (("ns_group", ns_group), ("relay_group", relay_group)):
             if isinstance(g, bool) or not isinstance(g, int) or g < 1 or (g > 1 and compile):
                 raise ValueError(f"Invalid {key}: {g!r} (expected an integer >= 1; not built for compile=True)")
+        if exchange_unit not in ("tensor", "matrix"):
+            raise ValueError(f"Invalid exchange_unit: {exchange_unit!r} (expected 'tensor' or 'matrix')")
         self._compile, self._ns_group, self._relay_group = compile, ns_group, relay_group
+        #: ``exchange_unit == "matrix"``: a DTensor stack's exchange units are its matrices (``placement.by_matrix``).
+        self._by_matrix = exchange_unit == "matrix"
         #: ``overlap``: the exchange's buckets in flight (``exchange.DEPTHS``); ``None``: on CUDA (docs/algorithm.md).
         self._overlap = overlap
         #: ``cuda_graph=True``: the step captured in a CUDA graph and replayed (``cuda_graph.py``).
@@ -229,7 +168,7 @@ class RoleOptimizer(Optimizer):
                 "copied; build a new optimizer with that group and load_state_dict() this one's state_dict()"
             )
         return {**super().__getstate__(), **{k: self.__dict__[k] for k in ("_compile", "_overlap", "_ns_group",
-                "_relay_group", "_warned_inferred", "_rules", "_nonfinite")},
+                "_relay_group", "_warned_inferred", "_rules", "_nonfinite", "_by_matrix")},
                 "_graphed": None if self._graphed is None else GraphedStep()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -238,7 +177,7 @@ class RoleOptimizer(Optimizer):
         super().__setstate__(state)
         for key, value in (("_compile", False), ("_overlap", None), ("_warned_inferred", False),
                            ("_warned_traced", False), ("_capture_hook", None), ("_workspace", {}), ("_graphed", None),
-                           ("_nonfinite", "skip"), ("_ns_group", 1), ("_relay_group", 1)):
+                           ("_nonfinite", "skip"), ("_ns_group", 1), ("_relay_group", 1), ("_by_matrix", False)):
             self.__dict__.setdefault(key, value)
         self.__dict__.setdefault("_rules", self._rule_table(None))
         self.__dict__.setdefault("_process_group", resolve_process_group(None))
@@ -392,7 +331,7 @@ class RoleOptimizer(Optimizer):
 
     # ---- stepping --------------------------------------------------------------------------
 
-    def _prepare(self) -> list[tuple[dict[str, Any], list[_Entry], bool]]:
+    def _prepare(self) -> list[tuple[dict[str, Any], list[Entry], bool]]:
         """What the step needs of the param groups, made once and kept while they and the state are the same
         objects: per group its entries and whether it takes the batched forms: ``foreach``, resolved here once
         (``None``: where every parameter is on a CUDA device, where a step is launch-bound; the per-tensor forms
@@ -406,7 +345,7 @@ class RoleOptimizer(Optimizer):
         """
         pg = self._process_group
         world = 1 if pg is None else dist.get_world_size(pg)
-        plan, units, costs, shares, cache = [], [], [], [], {}
+        plan, units, costs, shares, cache, prices = [], [], [], [], {}, {}
         for group in self.param_groups:
             kind, names = group.get("kind"), group.get("names")
             cuda = all(p.device.type == "cuda" for p in group["params"])
@@ -423,13 +362,13 @@ class RoleOptimizer(Optimizer):
                 if SKIPPED not in state:  # the steps skipped so far (a state saved before it was counted: 0)
                     state[SKIPPED] = torch.zeros((), dtype=torch.int64, device=p.device)
                 path = path_of(p, rule, layout, world, self._compile and batched)
-                e = _Entry(p, state, name, pkind, rule, layout, path)
+                e = Entry(p, state, name, pkind, rule, layout, path, self._by_matrix)
                 if e.path is Path.OWNERS:
-                    for t in e.tensors():
+                    for u in e.exchange_units(cache):
                         e.units.append(len(units))
-                        units.append(e.unit(t, cache))
-                        shares.append(shares_by_size(rule, shapes := unit_shapes(units[-1]), group, self._ns_group))
-                        costs.append(sum(driver.cost(rule, s, group) for s in shapes))
+                        units.append(u)
+                        shares.append((price := unit_prices(rule, unit_shapes(u), group, self._ns_group, prices))[0])
+                        costs.append(price[1])
                 if not e.cut:
                     e.item = Item(p, None, state, name, p.shape, pkind, *e.units)
                 entries.append(e)
@@ -452,7 +391,7 @@ class RoleOptimizer(Optimizer):
                 e.split = splitter(e.path, e.param, self._local, self._rows, self._exchange)
         return plan
 
-    def _plan(self) -> list[tuple[dict[str, Any], list[_Entry], bool]]:
+    def _plan(self) -> list[tuple[dict[str, Any], list[Entry], bool]]:
         """:meth:`_prepare`'s plan, remade when a param group, its parameters or the state changed."""
         key = (id(self.state), len(self.state), *(id(g) for g in self.param_groups),
                *(id(p) for g in self.param_groups for p in g["params"]))
@@ -610,8 +549,8 @@ class RoleOptimizer(Optimizer):
         """The first phase of a step: each call by its path's executor (``placement.EXECUTORS``: the one chooser),
         which computes and queues its writes on ``step``. A :class:`SteppingRule` runs its executor's ``stepping``
         (its own ``step`` or ``step_foreach``, a write; or the exchange's), the momentum rules the executor's form
-        ``[foreach, compile]``. Under ``torch.distributed`` (``step.tolerant``) an error of one form is kept and the
-        next forms still run, so that this rank takes part in all of the step's collectives."""
+        ``[foreach, compile]``. Under ``torch.distributed`` an error of one form is kept and the next forms still run,
+        so that this rank takes part in all of the step's collectives."""
         for foreach, group_calls in zip((False, True), calls, strict=True):
             by_form: dict[int, tuple[Callable, list[driver.Call]]] = {}
             for call in group_calls:
@@ -639,11 +578,10 @@ class RoleOptimizer(Optimizer):
         return self.step(closure)  # dynamo is off here: is_compiling() is False
 
     def _release(self, measure: bool = True) -> None:
-        """Let go of the step's workspaces (stacks, Newton-Schulz buffers): nothing but the state is kept
-        between steps, so that the forward and backward get that memory (on CUDA the caching allocator hands
-        freed blocks back to them). :meth:`workspace_bytes` keeps their size at the step's end (``measure``: the
-        first release of a step, once the momentum rules' writes are made; the stepping rules' buffers after
-        it are let go too)."""
+        """Let go of the step's workspaces (stacks, Newton-Schulz buffers): only the state is kept between steps, so
+        that the forward and backward get that memory (CUDA's caching allocator hands freed blocks back to them).
+        :meth:`workspace_bytes` keeps their size at the step's end (``measure``: the first release of a step, once
+        the momentum rules' writes are made; the stepping rules' buffers after it are let go too)."""
         spaces = [self._workspace, self._local.workspace, *(r.workspace for r in self._rows.values()),
                   *([self._exchange.workspace] if self._exchange is not None else [])]
         # the bytes of the tensors in the workspaces' entries (tensors, or dicts, lists and tuples of them)
@@ -669,8 +607,7 @@ class RoleOptimizer(Optimizer):
         return self._local
 
     def workspace_bytes(self) -> int:
-        """Bytes the last step's workspaces held at its end (at most one stack per shape bucket, plus
-        MeqMuon's small statistics buffers), freed then (:meth:`_release`); 0 before the first step."""
+        """Bytes the last step's workspaces held at its end, freed then (:meth:`_release`); 0 before the first step."""
         return self._last_workspace
 
     # ---- introspection -----------------------------------------------------------------------
@@ -694,7 +631,7 @@ class RoleOptimizer(Optimizer):
                 counts = local(st["rows_chosen"]).reshape(-1).tolist()
                 taken = int(st["step"]) - int(local(st[SKIPPED])) if SKIPPED in st else int(st["step"])
                 layout = group_layout(group, i, p.shape, name)
-                labels = [""] if layout.whole else layout.labels(_held(st["rows_chosen"]))
+                labels = [""] if layout.whole else layout.labels(held_rows(st["rows_chosen"]))
                 for label, rows in zip(labels, counts, strict=True):
                     out[name + label] = (rows, taken - rows)
         return out

@@ -3,9 +3,9 @@
 Every layout where a matrix's rule needs the whole matrix but this rank does not hold it alone, or holds it
 as every other rank does and shares its Newton-Schulz with them, steps here, by one mechanism:
 
-1. each *unit* -- a DTensor parameter, or under DDP one matrix of a plain parameter's view -- has one owner,
-   planned once (longest first by predicted cost onto the least-loaded rank, :func:`.distributed.assign_owners`,
-   identical on every rank, no collective);
+1. each *unit* -- a DTensor parameter or one matrix of its stack (``placement.by_matrix``), or under DDP one matrix
+   of a plain parameter's view -- has one owner, planned once (longest first by predicted cost onto the
+   least-loaded rank, :func:`.distributed.assign_owners`, identical on every rank, no collective);
 2. every rank makes the direction input ``X`` of its piece where it lies, from the unchanged momentum (as one
    process's, ``forms.Inputs``; the momentum is written with the step's other writes, ``commit.py``), and sends
    it to the owner, with the per-matrix state the rule reads where that is sharded: one ``all_to_all_single`` of
@@ -24,10 +24,8 @@ as every other rank does and shares its Newton-Schulz with them, steps here, by 
    its own, MuonH's, gets its weights' pieces at the owner and sends them back stepped).
 
 Per rank that is the floor: each piece of ``X`` out once and its direction back once (DDP: each direction once
-to every other rank), plus the per-matrix state. Only one shape bucket's whole matrices exist at a time. Where
-pieces lie is a descriptor (``owners.py``), read when the step is planned and kept as boxes per rank; the same
-code serves DDP, FSDP2 and HSDP row shards, tensor parallelism and FSDP2 over TP, per tensor, batched and
-compiled.
+to every other rank), plus the per-matrix state. Where pieces lie is a descriptor (``owners.py``), read when the
+step is planned; the same code serves every layout, per tensor, batched and compiled.
 """
 
 from __future__ import annotations
@@ -42,6 +40,7 @@ import torch
 from torch import Tensor
 
 from . import commit, transfer
+from .assembly import put_together, runs
 from .calls import Item, StepContext
 from .distributed import InFlight, LocalSplit, assign_owners, exchange_flat, offsets, received_as
 from .driver import (
@@ -114,8 +113,7 @@ class Exchange(LocalSplit):
     over the optimizer's process group (the default one unless it was given another)."""
 
     def __init__(self, units: Sequence[Unit], costs: Sequence[float], group: Any = None, *, depth: int = 1,
-                 shares: Sequence[Shares] | None = None, ns_group: int = 1,
-                 relay_group: int = 1) -> None:
+                 shares: Sequence[Shares] | None = None, ns_group: int = 1, relay_group: int = 1) -> None:
         super().__init__()
         self.pg = group
         #: How many of a hidden rule's buckets are in flight at once (:func:`_pipelined`; :data:`DEPTHS` of the
@@ -154,6 +152,8 @@ class Exchange(LocalSplit):
         self.units = list(units)
         #: Whether a unit's results travel as factors, by unit, form and dtypes (``transfer.pays``, decided once).
         self.factored: dict[tuple, bool] = {}
+        #: By a call's units, way and what travels: per rank, its bytes with each of its owners (:meth:`_flat`).
+        self.between: dict[tuple, dict[int, dict[int, int]]] = {}
 
     def owner_of(self, u: Unit, r: int | None = None) -> int:
         """The rank that computes unit ``u`` for rank ``r`` (default: this one): its owner, or under mesh dimensions
@@ -167,23 +167,24 @@ class Exchange(LocalSplit):
         return u.where[key]
 
     def to_owners(self, indices: Sequence[int], pieces: list[list[Tensor]], keys: Sequence[Sequence[str]],
-                  into: dict[int, Tensor] | None = None, *, wait: bool = True) -> list[list[Tensor] | None] | InFlight:
+                  into: tuple[Tensor, list[int]] | None = None, *,
+                  wait: bool = True) -> list[list[Tensor] | None] | InFlight:
         """Every rank's ``pieces[j]`` of unit ``indices[j]`` (local pieces, in ``keys[j]``'s layouts: ``"param"`` or a
         sharded state key) to its owner: one ``all_to_all_single``, none where every unit is a DDP one (its owner
         holds it whole). Returns per unit, at its owner, the tensors put together in their global shapes (under
-        DDP the pieces themselves; ``into[j]``, where given, for its first), ``None`` elsewhere; ``wait=False``: an
+        DDP the pieces themselves; ``into = (stack, js)``: unit ``js[k]``'s first in row ``k`` of ``stack``), ``None``
+        elsewhere; alike units next to one another as rows of one tensor (``assembly.py``); ``wait=False``: an
         :class:`InFlight` of them, the exchange posted. ``pieces`` is handed over (emptied)."""
         units = [self.units[i] for i in indices]
-        into = into or {}
-        wholes: list[list[Tensor] | None] = []
-        for j, (u, ps, ks) in enumerate(zip(units, pieces, keys, strict=True)):
-            wholes.append(None if not u.mine else list(ps) if u.replicas else
-                          [into[j] if n == 0 and j in into else
-                           torch.empty(u.descriptor(k).shape, dtype=p.dtype, device=p.device)
-                           for n, (p, k) in enumerate(zip(ps, ks, strict=True))])
+        wholes: list[list[Tensor] | None] = [list(ps) if u.mine and u.replicas else None
+                                             for u, ps in zip(units, pieces, strict=True)]
         if all(u.replicas for u in units):
             pieces.clear()
             return wholes if wait else InFlight(None, lambda: wholes)
+        done = runs(units, pieces, keys, into, self._where)
+        for run in done:
+            for j, ws in zip(run.members, run.wholes, strict=True):
+                wholes[j] = ws
         send: list[list[Tensor]] = [[] for _ in range(self.world)]
         device = next(p.device for ps in pieces for p in ps)
         dtypes = [[p.dtype for p in ps] for ps in pieces]
@@ -191,16 +192,17 @@ class Exchange(LocalSplit):
             send[u.owner] += ps
         pieces.clear()
         ps = None  # noqa: F841 - the loop's last pieces are not alive during the exchange
-        mine = [(u, ws, [self._where(u, k) for k in ks]) for u, ws, ks in zip(units, wholes, keys, strict=True)
-                if ws is not None]
         sizes: list[list[int]] = [[] for _ in range(self.world)]
-        for u, ws, where in mine:
-            for r in u.group:
-                sizes[r] += [math.prod(w[r][1]) * t.element_size() for t, w in zip(ws, where, strict=True)]
+        for run in done:
+            for r in units[run.members[0]].group:
+                sizes[r] += [len(run.members) * math.prod(w[r][1]) * t.element_size()
+                             for t, w in zip(run.wholes[0], run.where, strict=True)]
         got = self._flat(units, send, [sum(s) for s in sizes], device, wait, lambda: [
             [(k, None, dt) for k, dt in zip(ks, dts, strict=True)] for ks, dts in zip(keys, dtypes, strict=True)])
-        return (self._put_together(wholes, mine, got) if wait else
-                InFlight(None, lambda: self._put_together(wholes, mine, got.wait())))  # type: ignore[union-attr]
+        if wait:
+            put_together(done, got, self.world)  # type: ignore[arg-type]
+            return wholes
+        return InFlight(None, lambda: (put_together(done, got.wait(), self.world), wholes)[1])  # type: ignore[union-attr]
 
     def _flat(self, units: list[Unit], send: list[list[Tensor]], out_splits: list[int], device: torch.device,
               wait: bool, spec: Callable[[], list[list[tuple[str | None, Any, torch.dtype]]]],
@@ -212,7 +214,8 @@ class Exchange(LocalSplit):
         rank does, the bytes it forwards; ``back``: from the owners."""
         if self.relay is None or units[0].replicas:
             return exchange_flat(send, out_splits, self.pg, device, wait=wait)
-        what, memo = spec(), {}
+        what = spec()  # from the plan alone: what a rank moves with its owners is worked out once, kept
+        memo = self.between.setdefault((tuple(map(id, units)), back, *map(tuple, what)), {})
 
         def between(r: int) -> dict[int, int]:
             """The bytes between rank ``r`` and each of its owners, by owner."""
@@ -235,22 +238,6 @@ class Exchange(LocalSplit):
         if (key, r) not in u.numels:
             u.numels[key, r] = math.prod(u.descriptor(key).local_shape(r))
         return u.numels[key, r]
-
-    def _put_together(self, wholes: list, mine: list, out: Tensor) -> list[list[Tensor] | None]:
-        """:meth:`to_owners`' received bytes ``out`` (rank ``0``'s first) copied into the owned wholes of ``mine``
-        (``(unit, wholes, where)``) by their boxes; returns ``wholes``, every unit's."""
-        start = 0
-        for r in range(self.world):
-            for _, ws, where in mine:
-                if r in where[0]:
-                    for t, w in zip(ws, where, strict=True):
-                        boxes, shape = w[r]
-                        n = math.prod(shape) * t.element_size()
-                        piece = received_as(out[start : start + n], t.dtype, shape)
-                        for g, loc in boxes:
-                            t[g].copy_(piece[loc])
-                        start += n
-        return wholes
 
     def from_owners(self, indices: Sequence[int], wholes: Sequence[list[Tensor] | None],
                     keys: Sequence[Sequence[str | None]],
@@ -418,8 +405,8 @@ class _Call:
         plain = bool(mine) and not self.replicas and not self.own and all(units[j].layout is None for j in mine)
         self.stack = ([torch.empty((len(mine), *bucket.global_shape), dtype=self.x_dtype, device=self.device)]
                       if plain else [])
-        into = {j: self.stack[0][k].view(members[j].shape) for k, j in enumerate(mine)} if plain else None
-        self.wholes = ex.to_owners(self.indices, pieces, self.keys_out, into, wait=wait)
+        self.wholes = ex.to_owners(self.indices, pieces, self.keys_out, (self.stack[0], mine) if plain else None,
+                                   wait=wait)
 
 
 def _pipelined(rule: HiddenRule, buckets: Sequence[Bucket], group: dict, ctx: StepContext, *, batched: bool,

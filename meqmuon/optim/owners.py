@@ -134,7 +134,7 @@ class Pieces:
     own owner). Plain Python numbers: a few runs per rank.
     """
 
-    __slots__ = ("shape", "runs", "coords", "ranks", "replicated_dims", "_along", "_shapes")
+    __slots__ = ("shape", "runs", "coords", "ranks", "replicated_dims", "_along", "_shapes", "_one")
 
     def __init__(self, t: Tensor) -> None:
         mesh, placements = spanning(t)
@@ -152,6 +152,7 @@ class Pieces:
         self.runs: list[Runs] = [piece_runs(t.shape, placements, sizes, self.coords[r]) for r in range(world)]
         self._along: dict[int, Pieces] = {}
         self._shapes: frozenset[tuple[int, ...]] | None = None
+        self._one: Pieces | None = None
 
     def along(self, d: int) -> Pieces:
         """The pieces of a vector of ``shape[d]`` entries, one per index of dimension ``d``: rank ``r``'s is
@@ -161,9 +162,26 @@ class Pieces:
             v = object.__new__(Pieces)
             v.shape, v.coords, v.ranks = (self.shape[d],), self.coords, self.ranks
             v.replicated_dims = self.replicated_dims
-            v.runs, v._along, v._shapes = [(runs[d],) for runs in self.runs], {}, None
+            v.runs, v._along, v._shapes, v._one = [(runs[d],) for runs in self.runs], {}, None, None
             self._along[d] = v
         return self._along[d]
+
+    def whole_along_0(self) -> bool:
+        """Every rank's piece holds every index of dimension 0 (a stack of experts sharded on its dimension 1 or 2)."""
+        return all(runs[0] == ((0, self.shape[0]),) for runs in self.runs)
+
+    def one(self) -> Pieces:
+        """The pieces of ``t[e]``, any ``e``, where every rank's piece of ``t`` holds all of dimension 0
+        (:meth:`whole_along_0`): rank ``r``'s is ``r``'s local ``[e]``, its runs ``runs[r][1:]``, with the same owners.
+        The same for every ``e``, made once per descriptor."""
+        if self._one is None:
+            assert self.whole_along_0(), "a piece that does not hold all of dimension 0"
+            v = object.__new__(Pieces)
+            v.shape, v.coords, v.ranks = self.shape[1:], self.coords, self.ranks
+            v.replicated_dims = self.replicated_dims
+            v.runs, v._along, v._shapes, v._one = [runs[1:] for runs in self.runs], {}, None, None
+            self._one = v
+        return self._one
 
     def owner_for(self, r: int, owner: int) -> int:
         c = list(self.coords[owner])

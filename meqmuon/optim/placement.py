@@ -33,7 +33,7 @@ from .owners import is_replicated
 from .rule import MomentumRule, Rule, SteppingRule
 from .views import Layout
 
-__all__ = ["EXECUTORS", "Executor", "Path", "cuts", "path_of", "splitter", "whole_rows"]
+__all__ = ["EXECUTORS", "Executor", "Path", "by_matrix", "cuts", "path_of", "splitter", "whole_rows"]
 
 #: A form: runs a sequence of rule calls ``(rule, items, group, ctx)``.
 Form = Callable[[list[driver.Call]], None]
@@ -126,6 +126,18 @@ def path_of(p: torch.Tensor, rule: Rule, layout: Layout, world: int, compiled_ba
     if sums and ((rows and not cut) or (layout.whole and spans and whole_rows(p))):
         return Path.ROWS
     return Path.OWNERS
+
+
+def by_matrix(p: torch.Tensor, rule: Rule, layout: Layout) -> bool:
+    """Whether an ``OWNERS`` DTensor's exchange units may be its matrices (the optimizer's ``exchange_unit="matrix"``),
+    one per index of its stack (an expert each), not the whole stack: a hidden rule's stack over one leading dim that
+    no placement shards on dim 0 (torchtitan's experts on their dimension 1 where the ranks outnumber them,
+    ``train.parallel.expert_placement``). Every rank's piece of an expert is then its local ``[e]``, so each expert
+    travels to an owner of its own: the stack's bytes at the floor and its Newton-Schulz spread over as many owners as
+    it has experts (a whole stack to one owner moved 6.6-9.5x the floor for DeepSeek-V3 on 1,024 ranks,
+    docs/benchmarks.md)."""
+    return (is_dtensor(p) and isinstance(rule, HiddenRule) and len(layout.batch) == 1 and not layout.folded
+            and not any(getattr(q, "dim", None) == 0 for q in p.placements))
 
 
 def splitter(path: Path, p: torch.Tensor, local: LocalSplit, rows: dict[tuple, RowSums],

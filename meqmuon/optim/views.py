@@ -99,6 +99,14 @@ class Layout:
         """Shape of per-row state (NorMuon's second moment): one value per row of every matrix."""
         return (*self.batch, self.rows)
 
+    def one(self) -> Layout | None:
+        """The layout of one matrix of a stack over one leading dim (an expert of ``(E, out, in)``), as a parameter of
+        that matrix's shape would have it: its transposition and split kept; ``None`` where that is one whole
+        matrix. The exchange's unit of one expert (``placement.by_matrix``) is cut by it at its owner."""
+        view = "transposed" if self.transposed else "matrix"
+        one = Layout(view, (), self.rows, self.cols, self.blocks, self.split, False, self.interleaved)
+        return None if one.whole else one
+
     def labels(self, first: slice | None = None) -> list[str]:
         """Suffixes naming each matrix: ``[e]`` for a stacked index, ``#j`` for a row block;
         ``first`` restricts the first batch dim (the stacks an FSDP2 rank holds)."""
