@@ -44,15 +44,13 @@ def runs(units: Sequence[Any], pieces: Sequence[Sequence[Tensor]], keys: Sequenc
     the boxes of its piece (``exchange.Exchange._where``)."""
     stack, rows = into if into is not None else (None, [])
     row = {j: k for k, j in enumerate(rows)}
-
-    def alike(j: int) -> tuple | None:
-        u, ks = units[j], keys[j]
-        return None if len(ks) != 1 else (id(u.descriptor(ks[0])), u.assigned, pieces[j][0].dtype, j in row)
-
     out: list[list[int]] = []
     last = None
-    for j in (j for j, u in enumerate(units) if u.mine):
-        key = alike(j)
+    for j, (u, ks) in enumerate(zip(units, keys, strict=True)):
+        if not u.mine:
+            continue
+        # alike: one tensor each, of one descriptor, dtype and owner, all in the handed stack or none
+        key = None if len(ks) != 1 else (id(u.descriptor(ks[0])), u.assigned, pieces[j][0].dtype, j in row)
         if key is not None and out and key == last:
             out[-1].append(j)
         else:
@@ -62,7 +60,7 @@ def runs(units: Sequence[Any], pieces: Sequence[Sequence[Tensor]], keys: Sequenc
     for members in out:
         u, ps, ks = units[members[0]], pieces[members[0]], keys[members[0]]
         where = [where_of(u, k) for k in ks]
-        if alike(members[0]) is None:
+        if len(ks) != 1:
             made.append(Run(members, None, [[
                 stack[row[members[0]]].view(u.descriptor(k).shape) if n == 0 and members[0] in row else
                 torch.empty(u.descriptor(k).shape, dtype=p.dtype, device=p.device)
