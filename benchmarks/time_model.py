@@ -38,7 +38,8 @@ item 3 bounds them) while every rank computes its rounds in order, each after it
 posts (``exchange._pipelined``). ``in_flight``: the same with every round in flight, ``out_1 .. out_B`` first
 (``overlap="all"``: every matrix a rank owns alive at once), so that no owner waits for another's round. Modelled,
 not measured on GPUs. None counts host time: the model predicts device time, which in a training loop is the
-step's (the host runs ahead; see :func:`validate`).
+step's (the host runs ahead; see :func:`validate`), as long as the host's launches take less: ``host``, the
+busiest simulated rank's kernels at :attr:`Hardware.launch` each, is a floor under every schedule.
 
 **Critical path.** Newton-Schulz's lower bound is ``max(total / W, largest)`` in calibrated time (the total
 spread evenly; no matrix split); today's is the serial sum over rounds of the busiest owner's time, and the
@@ -58,6 +59,8 @@ Newton-Schulz time, and the largest matrix's term is its time over ``g``.
   (S. Jeaugey, NVIDIA/nccl-tests#212: "with the protocol overhead (~20%)"): the default;
 - network: one 400 Gb/s NDR ConnectX-7 per GPU, 46-49 GB/s measured per NIC by nccl-tests, and an all-to-all
   does not aggregate several NICs (NVIDIA/nccl-tests#267, #290): 48 GB/s;
+- a kernel launch on the host: 5 us (:attr:`Hardware.launch`), the low end of an H100's eager launch; the
+  ``benchmarks/op_count.py`` counts tracked H100 kernels within 10 % (docs/benchmarks.md);
 - latencies: NCCL's own tuning model (``src/graph/tuning.cc``, Ring/Simple): 8.4 us per collective, 3.4 us
   per NVLink step, 9.6 us per network step;
 - training: ``6 N`` FLOPs per token (``N`` without the input embedding, routed experts counted for the ones a
@@ -122,6 +125,10 @@ class Hardware:
     #: (docs/benchmarks.md, Issue 49: the CUDA graph's body moves 5.88 GB more than the eager step at
     #: Llama-350M shapes, and took 2.2 ms more on an H100: 2.67 TB/s).
     hbm_efficiency: float = 0.8
+    #: The host's time to launch one kernel: 5 us, the low end of the 5-10 us an eager launch takes on an H100
+    #: (the launches ``benchmarks/op_count.py`` counts tracked H100 kernels within 10 %, docs/benchmarks.md; the
+    #: batched eager step at Llama-60M took 5.33 ms for 207 kernels, 26 us each with its Python): a floor.
+    launch: float = 5e-6
 
     @property
     def memory(self) -> float:
@@ -424,7 +431,8 @@ class StepTimes:
     no share's collectives: the issue's bound, :attr:`work_bound`), the bound with the collectives of the
     issue's form (``ns_form``, :func:`form_bound`), the elementwise
     passes of the most loaded simulated rank, the other collectives; ``factor``: measured over planned bytes;
-    ``extrapolated``: some shape's Newton-Schulz time is not in the calibration table."""
+    ``extrapolated``: some shape's Newton-Schulz time is not in the calibration table; ``kernels``: the most a
+    simulated rank launches (``StepMeter.ops``), ``host`` their launches' time, a floor under the step."""
 
     serial: float
     overlapped: float
@@ -443,6 +451,8 @@ class StepTimes:
     other: float
     factor: float
     extrapolated: bool
+    kernels: int = 0
+    host: float = 0.0
 
     @property
     def ns_bound(self) -> float:
@@ -512,7 +522,8 @@ def step_times(summary: dict, hw: Hardware, cal: Calibration, longest_first: boo
         ns_work=sum(rd.work for rd in rounds) / world,
         ns_form=form_bound(rounds, world),
         elementwise=elementwise, other=other, factor=factor,
-        extrapolated=any(rd.kind == "extrapolated" for rd in rounds if any(rd.ns)))
+        extrapolated=any(rd.kind == "extrapolated" for rd in rounds if any(rd.ns)),
+        kernels=(kernels := max((r.get("ops") or 0 for r in inputs["ranks"]), default=0)), host=kernels * hw.launch)
 
 
 def train_seconds(params: int, tokens: int, world: int, hw: Hardware, mfu: float) -> float:
@@ -524,7 +535,8 @@ def train_seconds(params: int, tokens: int, world: int, hw: Hardware, mfu: float
 HEADER = ("| model | layout | ranks | optimizer | exchange, both ways | Newton-Schulz: serial rounds / busiest rank / "
           "mean rank / largest matrix | serial / bound | busiest / work bound | busiest / form bound | elementwise | "
           "step: serial | two-bucket pipeline | exchange "
-          "hidden by it | every bucket in flight | exchange hidden by it | one exchange | fwd+bwd at MFU "
+          "hidden by it | every bucket in flight | exchange hidden by it | one exchange | kernels: count / host's "
+          "launches | fwd+bwd at MFU "
           "| share: serial | pipeline | in flight | one exchange |")
 
 
@@ -558,7 +570,7 @@ def table(summaries: list[dict], hw: Hardware, cal: Calibration, mfu: float, tok
         share = " | ".join(f"{x / (fb + x):.2%}" for x in (t.serial, t.overlapped, t.in_flight, t.one_exchange))
         lines.append(f"{head} {_ms(t.exchange)} | {ns} | {ratio} | {_ms(t.elementwise)} | {_ms(t.serial)} | "
                      f"{_ms(t.overlapped)} | {hidden} | {_ms(t.in_flight)} | {hidden_all} | {_ms(t.one_exchange)} | "
-                     f"{_ms(fb)} | {share} |")
+                     f"{t.kernels:,} / {_ms(t.host)} | {_ms(fb)} | {share} |")
     return "\n".join(lines)
 
 
@@ -645,6 +657,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="the exchange relayed through nodes of this many ranks (relay_group) in every "
                              "configuration: the same plan's bytes routed through the owners' nodes, so a "
                              "simulation without the relay serves")
+    parser.add_argument("--launch-us", type=float, default=None,
+                        help="the host's microseconds a kernel launch (default 5): the host's floor under a step")
     parser.add_argument("--validate", action="store_true", help="the model against the single-GPU steps")
     return parser
 
@@ -656,6 +670,8 @@ def main(argv: list[str] | None = None) -> int:
         hw = replace(hw, nvlink=replace(hw.nvlink, bandwidth=args.nvlink_gbs * 1e9))
     if args.network_gbs:
         hw = replace(hw, network=replace(hw.network, bandwidth=args.network_gbs * 1e9))
+    if args.launch_us is not None:
+        hw = replace(hw, launch=args.launch_us * 1e-6)
     cal = Calibration.load(args.calibration)
     cal.rate_fraction = args.extrapolate_rate
     if args.validate:
@@ -669,7 +685,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {hw.name}, {hw.ranks_per_node} ranks a node, NVLink {hw.nvlink.bandwidth / 1e9:.0f} GB/s, network "
               f"{hw.network.bandwidth / 1e9:.0f} GB/s, HBM {hw.hbm / 1e12:.2f} TB/s; calibration {cal.gpu}"
               + (f", extrapolated at {cal.rate_fraction:.0%} of peak" if cal.rate_fraction else "")
-              + f"; MFU {args.mfu:.0%}" + ("; rounds longest first" if args.longest_first else "") + "\n")
+              + f"; MFU {args.mfu:.0%}; {hw.launch * 1e6:g} us a kernel launch"
+              + ("; rounds longest first" if args.longest_first else "") + "\n")
         print(table(summaries, hw, cal, args.mfu, tokens, args.longest_first))
     return 0
 

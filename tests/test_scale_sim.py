@@ -468,6 +468,8 @@ def test_exchange_time_is_each_rounds_busiest_rank_over_the_bandwidth_of_the_lin
     ns = [time_model.ns_flops(m, n) / (0.5 * 1e14) for m, n in ((64, 64), (32, 64), (128, 64), (64, 128))]
     assert alone.ns_serial == pytest.approx(sum(ns), rel=1e-12)
     assert alone.serial >= alone.exchange + alone.ns_serial >= alone.overlapped
+    # the host's floor: the rank's kernels (StepMeter.ops) at the launch cost each
+    assert alone.kernels == row["ops"] > 0 and alone.host == pytest.approx(row["ops"] * 5e-6, rel=1e-12)
 
 
 def test_overlap_never_exceeds_the_serial_step_and_is_the_compute_where_it_dominates():
