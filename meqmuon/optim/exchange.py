@@ -3,9 +3,10 @@
 Every layout where a matrix's rule needs the whole matrix but this rank does not hold it alone, or holds it
 as every other rank does and shares its Newton-Schulz with them, steps here, by one mechanism:
 
-1. each *unit* -- a DTensor parameter or one matrix of its stack (``placement.by_matrix``), or under DDP one matrix
-   of a plain parameter's view -- has one owner, planned once (longest first by predicted cost onto the
-   least-loaded rank, :func:`.distributed.assign_owners`, identical on every rank, no collective);
+1. each *unit* -- a DTensor parameter (with ``exchange_unit="matrix"`` one matrix of its stack,
+   ``placement.by_matrix``), or under DDP one matrix of a plain parameter's view -- has one owner, planned once
+   (longest first by predicted cost onto the least-loaded rank, :func:`.distributed.assign_owners`, identical on
+   every rank, no collective);
 2. every rank makes the direction input ``X`` of its piece where it lies, from the unchanged momentum (as one
    process's, ``forms.Inputs``; the momentum is written with the step's other writes, ``commit.py``), and sends
    it to the owner, with the per-matrix state the rule reads where that is sharded: one ``all_to_all_single`` of
