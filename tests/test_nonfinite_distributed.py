@@ -1,7 +1,8 @@
 """Every step all or nothing under ``torch.distributed`` (issue 56): the ranks decide alike.
 
 On 2 gloo ranks, under DDP's layout (plain tensors, the process group initialised: the exchange's owners), FSDP2
-(``fully_shard`` of each layer) and TP (``parallelize_module``: colwise, then rowwise), per tensor and batched:
+(``fully_shard`` of each layer), TP (``parallelize_module``: colwise, then rowwise) and a stack of experts sharded
+on its dimension 1 with ``exchange_unit="matrix"`` (each expert a unit), per tensor and batched:
 
 - a NaN in one rank's gradient piece only (the other rank's gradients finite) skips the step on *both* ranks: no
   parameter and no state tensor changes on either, and both count the step as skipped (the skip flag's one
@@ -46,6 +47,13 @@ class Boom(meqmuon.HiddenRule):
 
 def _model(layout: str, mesh):
     torch.manual_seed(0)
+    if layout == "experts":  # four experts of one shape, each rank a slice of every one
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Shard
+
+        model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(4, *SHAPES[0]) / 4)])
+        fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(1))
+        return model
     model = torch.nn.Sequential(*(torch.nn.Linear(n, m, bias=False) for m, n in SHAPES))
     if layout == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -94,6 +102,14 @@ def _worker(rank: int, layout: str, foreach: bool) -> dict:
     return out
 
 
+def _groups(params, layout: str) -> list[dict]:
+    return [{"params": params, "kind": "hidden", **({"views": "stacked"} if layout == "experts" else {})}]
+
+
+def _unit(layout: str) -> dict:
+    return {"exchange_unit": "matrix"} if layout == "experts" else {}
+
+
 def _decide(rank: int, layout: str, foreach: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -102,8 +118,8 @@ def _decide(rank: int, layout: str, foreach: bool) -> dict:
     for nonfinite in ("skip", "propagate"):
         model = _model(layout, mesh)
         params = list(model.parameters())
-        opt = meqmuon.Muon([{"params": params, "kind": "hidden"}], lr=0.02, ns_dtype=torch.float32,
-                           foreach=foreach, nonfinite=nonfinite)
+        opt = meqmuon.Muon(_groups(params, layout), lr=0.02, ns_dtype=torch.float32, foreach=foreach,
+                           nonfinite=nonfinite, **_unit(layout))
         _set_grads(params, 0, layout, mesh)
         opt.step()
         _set_grads(params, 1, layout, mesh)
@@ -116,8 +132,8 @@ def _decide(rank: int, layout: str, foreach: bool) -> dict:
     boom = Boom()
     model = _model(layout, mesh)
     params = list(model.parameters())
-    opt = meqmuon.Muon([{"params": params, "kind": "hidden"}], lr=0.02, ns_dtype=torch.float32, foreach=foreach,
-                       rules={"hidden": boom})
+    opt = meqmuon.Muon(_groups(params, layout), lr=0.02, ns_dtype=torch.float32, foreach=foreach,
+                       rules={"hidden": boom}, **_unit(layout))
     _set_grads(params, 0, layout, mesh)
     opt.step()
     _set_grads(params, 1, layout, mesh)
@@ -132,11 +148,12 @@ def _decide(rank: int, layout: str, foreach: bool) -> dict:
     boom.fail = False
     opt.step()  # fixed: the next step steps on every rank
     out["after_fix_changed"] = not _same(before, _snapshot(params, opt))
+    out["units"] = len(opt._exchange.units) if opt._exchange is not None else 0  # the exchange's units
     return out
 
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["per-tensor", "batched"])
-@pytest.mark.parametrize("layout", ["ddp", "fsdp2", "tp"])
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2", "tp", "experts"])
 def test_every_rank_skips_and_no_rank_commits_while_another_raised(layout, foreach, tmp_path):
     for got in zip(*(g.values() for g in _spawn(_worker, tmp_path, layout, foreach)), strict=True):
         _check(layout, got)
@@ -146,6 +163,7 @@ def _check(layout: str, got: tuple[dict, ...]) -> None:
     for rank, r in enumerate(got):
         assert r["skip"] == {"unchanged": True, "skipped": 1}, (layout, rank, r["skip"])
         assert r["error_unchanged"] and r["after_fix_changed"], (layout, rank, r)
+        assert layout != "experts" or r["units"] == 4, r["units"]  # an expert each
     # the negative control: without the skip, rank 0 (finite gradients) steps
     assert got[0]["propagate"] == {"unchanged": False, "skipped": 0}, got[0]["propagate"]
     assert got[0]["raised"] is not None and "rule 'boom'" in got[0]["raised"], got[0]["raised"]
