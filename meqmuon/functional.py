@@ -354,16 +354,17 @@ def adaptive_normalize_factors(us: Sequence[Tensor], delta: float = DELTA,
     return factors, chose_rows
 
 
-def apply_factors(u: Tensor, row: Tensor, col: Tensor, x: Tensor | None = None, divide: bool = False) -> Tensor:
+def apply_factors(u: Tensor, row: Tensor, col: Tensor, x: Tensor | None = None, divide: bool = False,
+                  out: Tensor | None = None) -> Tensor:
     """``(U * row) * col`` at least in float32: eq. 8's one product, each element ``u_ij`` times ``row_i``
     rounded, then times ``col_j`` (the order every rank that applies the factors to its block keeps);
     ``divide``: ``(U / row) * col`` (NorMuon's division, ``rules/normuon.py``). ``x``: ``U``'s float32 copy,
     scaled in place (CPU: the same products as ``U`` times the factors, since bf16 -> float32 is exact, without
-    a fresh matrix-sized temporary, page faults on CPU)."""
+    a fresh matrix-sized temporary, page faults on CPU); ``out``: where the product goes instead (``x`` None)."""
     op = torch.div if divide else torch.mul
     if x is None or x is u:
         # a transposed side (GPU): the first product written in the members' layout, so no copy follows
-        x = op(u, row, out=torch.empty(u.shape, dtype=row.dtype, device=u.device))
+        x = op(u, row, out=out if out is not None else torch.empty(u.shape, dtype=row.dtype, device=u.device))
     else:
         x.div_(row) if divide else x.mul_(row)
     return x.mul_(col)

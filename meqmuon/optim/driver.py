@@ -565,9 +565,26 @@ def apply_update(items: Sequence[Item], directions: Sequence[Tensor], scales: Se
 def apply_pending(pending: Sequence[tuple[Tensor, Tensor, float]], group: dict, *, gate: Gate | None = None) -> None:
     """``W <- (1 - lr wd) W - lr s D`` for every ``(W, D, s)`` of one group's call, a narrower ``D`` (bf16 from an
     owner) widened first, as :func:`apply_update` does: one decay kernel and one add per distinct ``s``; a write
-    of the step's commit (``gate``: its skip flag)."""
+    of the step's commit (``gate``: its skip flag). Every ``D`` is the exchange's transient (views of what was
+    received, or results made for this step), so a skipped step zeroes each storage they lie in, whole, once."""
     if pending:
         params, dirs, scales = zip(*pending, strict=True)
-        dirs = [d.reshape(p.shape) if d.dtype == p.dtype or torch.promote_types(d.dtype, p.dtype) != p.dtype
-                else d.reshape(p.shape).to(p.dtype) for p, d in zip(params, dirs, strict=True)]
-        commit.update_(list(params), dirs, group["lr"], group["weight_decay"], list(scales), gate=gate)
+        dirs = [d.reshape(p.shape) for p, d in zip(params, dirs, strict=True)]
+        wide: dict[tuple, list[int]] = {}
+        for i, (p, d) in enumerate(zip(params, dirs, strict=True)):
+            if d.dtype != p.dtype and torch.promote_types(d.dtype, p.dtype) == p.dtype:
+                wide.setdefault((p.dtype, d.device), []).append(i)
+        for (dtype, device), idx in wide.items():  # widened into one buffer by one foreach copy (a kernel per chunk
+            # on a GPU, not one a direction), which a skipped step then zeroes in one kernel too
+            buf = torch.empty(sum(dirs[i].numel() for i in idx), dtype=dtype, device=device)
+            outs = [o.view(dirs[i].shape) for o, i in zip(buf.split([dirs[i].numel() for i in idx]), idx, strict=True)]
+            torch._foreach_copy_(outs, [dirs[i] for i in idx])
+            for i, o in zip(idx, outs, strict=True):
+                dirs[i] = o
+        whole: dict[int, Tensor] = {}  # the storages they lie in (most in one receive buffer), each whole as bytes
+        for d in dirs if gate is not None else ():
+            storage = d.untyped_storage()
+            if storage._cdata not in whole:  # the storage's own identity (a fresh wrapper each call)
+                whole[storage._cdata] = d.new_empty(0, dtype=torch.uint8).set_(storage)
+        commit.update_(list(params), dirs, group["lr"], group["weight_decay"], list(scales),
+                       list(whole.values()) if gate is not None else None, gate=gate)

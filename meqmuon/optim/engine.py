@@ -89,8 +89,8 @@ class RoleOptimizer(Optimizer):
     ``exchange_unit`` (every optimizer takes it): the exchange's unit of a DTensor stack that no placement splits
     along its matrices (torchtitan's experts on their dimension 1): ``"tensor"`` (default), the stack to one owner;
     ``"matrix"``, each matrix to an owner of its own (``placement.by_matrix``): the bytes at their floor and the
-    Newton-Schulz spread, for some 35 dispatched ops per matrix a step, 3-4 of them kernels (docs/benchmarks.md:
-    at DeepSeek-V3's scale the host's launches, 3x the device's step, then decide it). The same bits either way.
+    Newton-Schulz spread, for some 30 dispatched ops per matrix a step, one or two of them kernels
+    (docs/benchmarks.md: at DeepSeek-V3's scale the host's launches then decide the step). The same bits either way.
     """
 
     RULES: ClassVar[dict[str, str]] = {}

@@ -394,9 +394,18 @@ class _Call:
         del made
         if self.replicas and ctx.capture is not None:
             ctx.emit(members, xs, "momentum_input")
+        # the inputs in the dtype they travel in, in one foreach copy (a kernel per chunk on a GPU, not one a member:
+        # a stack's experts as units of their own are thousands of members)
+        narrow = [j for j, (u, x) in enumerate(zip(units, xs, strict=True))
+                  if x is not None and x.dtype != self.x_dtype and (u.mine or not self.replicas)]
+        if narrow:
+            outs = [torch.empty(xs[j].shape, dtype=self.x_dtype, device=self.device) for j in narrow]
+            torch._foreach_copy_(outs, [xs[j] for j in narrow])
+            for j, o in zip(narrow, outs, strict=True):
+                xs[j] = o
         # a DDP owner's W piece is its own parameter: it steps a copy (the commit writes it)
         pieces = [[] if self.replicas and not u.mine else
-                  [x.to(self.x_dtype), *([it.param.clone() if self.replicas else it.param] if self.own else []),
+                  [x, *([it.param.clone() if self.replicas else it.param] if self.own else []),
                    *(it.state[k] for k in ks[1 + self.own :])]
                   for it, u, x, ks in zip(members, units, xs, self.keys_out, strict=True)]
         del xs
@@ -601,7 +610,10 @@ def _received(c: _Call, got: list[list[Tensor]]) -> list:
     out = []
     n = 3 if factored else 1
     state_targets, state_news, weights, stepped = [], [], [], []
-    for it, s, parts in zip(c.members, c.scales, got, strict=True):
+    # the products in one buffer, which a skipped step zeroes in one kernel (driver.apply_pending)
+    into = (torch.empty(sum(parts[0].numel() for parts in got), dtype=got[0][1].dtype, device=c.device).split(
+        [parts[0].numel() for parts in got]) if factored and got else None)
+    for j, (it, s, parts) in enumerate(zip(c.members, c.scales, got, strict=True)):
         for k, t in zip(rule._owner_state, parts[n:], strict=True):
             state_targets.append(it.state[k])
             state_news.append(t)
@@ -609,8 +621,8 @@ def _received(c: _Call, got: list[list[Tensor]]) -> list:
             weights.append(it.param)
             stepped.append(parts[0])
         elif factored:  # this rank's block of D = (U * row) * col (F.apply_factors), the owner's bits on any block
-            out.append((it.param, transfer.apply(parts[0], parts[1][:, None], parts[2][None, :],
-                                                 rule.factors_divide), 1.0 if c.fold else s[0]))
+            out.append((it.param, transfer.apply(parts[0], parts[1][:, None], parts[2][None, :], rule.factors_divide,
+                                                 into[j].view(parts[0].shape)), 1.0 if c.fold else s[0]))
         else:
             out.append((it.param, parts[0], 1.0 if c.fold else s[0]))
     c.ctx.commit.later(commit.copy_, state_targets, state_news, parts=1)

@@ -71,7 +71,8 @@ def pays(form: str, rows: int, cols: int, ns_dtype: torch.dtype, d_dtype: torch.
     return rows * cols * ns_dtype.itemsize + (rows + cols) * d_dtype.itemsize < rows * cols * d_dtype.itemsize
 
 
-def apply(U: Tensor, row: Tensor, col: Tensor, divide: bool) -> Tensor:
+def apply(U: Tensor, row: Tensor, col: Tensor, divide: bool, out: Tensor | None = None) -> Tensor:
     """A block of ``D`` from its block of ``U`` and the factors of its rows and columns (``F.apply_factors``:
-    each element times its row's factor, rounded, then times its column's), the owner's product bit for bit."""
-    return F.apply_factors(U, row, col, divide=divide)
+    each element times its row's factor, rounded, then times its column's), the owner's product bit for bit;
+    into ``out`` (``U``'s shape, the factors' dtype) where given."""
+    return F.apply_factors(U, row, col, divide=divide, out=out)
