@@ -48,7 +48,7 @@ from .rule import MomentumBase, MomentumRule, Rule, SteppingRule
 from .views import Layout
 
 __all__ = ["ELEMENTWISE_COST", "Bucket", "Call", "Found", "HiddenRule", "Orth", "Stack", "apply_pending",
-           "apply_update", "bucket_directions", "buffer", "compiles", "cost", "cut_items", "direction_input",
+           "apply_update", "bucket_directions", "buffer", "cast", "compiles", "cost", "cut_items", "direction_input",
            "directions", "elementwise", "grads_like", "init_state", "make_buckets", "matrix_shape", "needs_matrix",
            "resolve_dtype", "stack_inputs", "stack_tensors", "state_elements", "unstack"]
 
@@ -562,6 +562,15 @@ def apply_update(items: Sequence[Item], directions: Sequence[Tensor], scales: Se
         commit.update_([p], [d], group["lr"], group["weight_decay"], [s], gate=gate)
 
 
+def cast(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """``tensors`` (on one device) in ``dtype``, as views of one new buffer, by one foreach copy: a kernel per chunk on
+    a GPU, not one a tensor (a stack's experts as exchange units are thousands); the bits of ``.to(dtype)``."""
+    buf = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
+    outs = [o.view(t.shape) for o, t in zip(buf.split([t.numel() for t in tensors]), tensors, strict=True)]
+    torch._foreach_copy_(outs, list(tensors))
+    return outs
+
+
 def apply_pending(pending: Sequence[tuple[Tensor, Tensor, float]], group: dict, *, gate: Gate | None = None) -> None:
     """``W <- (1 - lr wd) W - lr s D`` for every ``(W, D, s)`` of one group's call, a narrower ``D`` (bf16 from an
     owner) widened first, as :func:`apply_update` does: one decay kernel and one add per distinct ``s``; a write
@@ -574,12 +583,8 @@ def apply_pending(pending: Sequence[tuple[Tensor, Tensor, float]], group: dict, 
         for i, (p, d) in enumerate(zip(params, dirs, strict=True)):
             if d.dtype != p.dtype and torch.promote_types(d.dtype, p.dtype) == p.dtype:
                 wide.setdefault((p.dtype, d.device), []).append(i)
-        for (dtype, device), idx in wide.items():  # widened into one buffer by one foreach copy (a kernel per chunk
-            # on a GPU, not one a direction), which a skipped step then zeroes in one kernel too
-            buf = torch.empty(sum(dirs[i].numel() for i in idx), dtype=dtype, device=device)
-            outs = [o.view(dirs[i].shape) for o, i in zip(buf.split([dirs[i].numel() for i in idx]), idx, strict=True)]
-            torch._foreach_copy_(outs, [dirs[i] for i in idx])
-            for i, o in zip(idx, outs, strict=True):
+        for (dtype, _), idx in wide.items():  # one buffer, which a skipped step then zeroes in one kernel too
+            for i, o in zip(idx, cast([dirs[i] for i in idx], dtype), strict=True):
                 dirs[i] = o
         whole: dict[int, Tensor] = {}  # the storages they lie in (most in one receive buffer), each whole as bytes
         for d in dirs if gate is not None else ():

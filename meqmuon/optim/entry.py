@@ -30,7 +30,6 @@ def held_rows(p: torch.Tensor) -> slice:
     return slice(start, start + p.to_local().shape[0])
 
 
-
 class Entry:
     """One parameter of a param group as the step sees it, prepared once (:meth:`RoleOptimizer._prepare`): its
     :class:`~.placement.Path`, the splitter of its calls, whether its rule sees the matrices of its view (``cut``;

@@ -50,6 +50,7 @@ from .driver import (
     HiddenRule,
     apply_pending,
     bucket_directions,
+    cast,
     cost,
     make_buckets,
     needs_matrix,
@@ -394,15 +395,11 @@ class _Call:
         del made
         if self.replicas and ctx.capture is not None:
             ctx.emit(members, xs, "momentum_input")
-        # the inputs in the dtype they travel in, in one foreach copy (a kernel per chunk on a GPU, not one a member:
-        # a stack's experts as units of their own are thousands of members)
+        # the inputs in the dtype they travel in, by one foreach copy (driver.cast)
         narrow = [j for j, (u, x) in enumerate(zip(units, xs, strict=True))
                   if x is not None and x.dtype != self.x_dtype and (u.mine or not self.replicas)]
-        if narrow:
-            outs = [torch.empty(xs[j].shape, dtype=self.x_dtype, device=self.device) for j in narrow]
-            torch._foreach_copy_(outs, [xs[j] for j in narrow])
-            for j, o in zip(narrow, outs, strict=True):
-                xs[j] = o
+        for j, o in zip(narrow, cast([xs[j] for j in narrow], self.x_dtype) if narrow else [], strict=True):
+            xs[j] = o
         # a DDP owner's W piece is its own parameter: it steps a copy (the commit writes it)
         pieces = [[] if self.replicas and not u.mine else
                   [x, *([it.param.clone() if self.replicas else it.param] if self.own else []),
