@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 from pathlib import Path
@@ -267,6 +268,97 @@ def test_bf16_newton_schulz_fsdp2_pieces_travel_in_bf16_at_exactly_their_shapes_
             assert r["calls"] == {"alltoall_base_": 6, **AGREEMENT_CALLS}, (name, r["calls"])  # a pair per bucket
             assert r["floor"] == 2 * 2 * sum(a * b for a, b in r["local"]), (q, r["floor"])
         _equal_one_process([r[name] for r in got])
+
+
+def test_the_way_back_travels_part_by_part_and_is_read_back_as_stacks():
+    """``assembly.in_runs`` and ``received_back``, the two ends of the way back, without a collective: an owner's
+    units for one rank (bf16 ``U``, float32 factors, an int64 counter) in stretches of alike units, sent part by part;
+    read back behind another owner's 3 bytes (every block unaligned), each unit's parts are what was sent, a
+    stretch's part is one stack, and the unaligned blocks are copied by one kernel (``assembly.aligned``)."""
+    from meqmuon.optim.assembly import in_runs, received_back
+
+    g = torch.Generator().manual_seed(0)
+
+    def unit(m: int, n: int) -> list[torch.Tensor]:
+        return [torch.randn(m, n, generator=g).bfloat16(), torch.randn(m, generator=g), torch.randn(n, generator=g),
+                torch.randint(0, 9, (1,), generator=g)]
+
+    units = [unit(3, 5), unit(3, 5), unit(2, 5), unit(3, 5), unit(3, 5), unit(3, 5)]
+    sent = in_runs(units)
+    assert [t.shape for t in sent[:4]] == [(3, 5), (3, 5), (3,), (3,)]  # the first stretch's U, then its rows
+    # owner 0 sends 3 bytes first; unit 1 is owner 2's, a DDP owner's own, not received
+    head = torch.tensor([7, 7, 7], dtype=torch.uint8)
+    flat = torch.cat([head, *(t.reshape(-1).view(torch.uint8) for t in sent)])
+    specs = [[((3,), torch.uint8)], None, *([(tuple(t.shape), t.dtype) for t in ps] for ps in units)]
+    meter = StepMeter()
+    with meter:
+        got = received_back(specs, [0, 2] + [1] * len(units), [None, ["own"], *[None] * len(units)], flat, 3)
+    assert torch.equal(got[0][0], head) and got[1] == ["own"]
+    for ps, back in zip(units, got[2:], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(ps, back, strict=True))
+    assert [members for members, _ in got.runs] == [[0], [2, 3], [4], [5, 6, 7]]
+    members, stacks = got.runs[3]
+    assert all(torch.equal(stacks[k][i], units[j - 2][k]) for k in range(4) for i, j in enumerate(members))
+    assert meter.ops == 1  # owner 1's blocks all lie unaligned: one cat copies them all
+
+
+#: A stack of experts ``(E, 32, 48)`` on its dimension 1 (torchtitan's layout where the ranks outnumber the experts):
+#: 16 rows a rank, where eq. 8's factors pay for every piece (bf16 ``U``, ``transfer.pays``).
+EXPERT = (32, 48)
+
+
+def _experts_step(experts: int, name: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+
+    def build(shard: bool):
+        torch.manual_seed(0)
+        module = torch.nn.Module()
+        module.w = torch.nn.Parameter(torch.randn(experts, *EXPERT) * 0.02)
+        if shard:
+            fully_shard(module, mesh=mesh, shard_placement_fn=lambda p: Shard(1))
+        return module.w, meqmuon.build_optimizer(name, [{"params": [module.w], "kind": "hidden", "names": ["w"],
+                                                                        "views": ["stacked"]}],
+                                                 ns_dtype=torch.bfloat16, foreach=True,
+                                                 **({"exchange_unit": "matrix"} if shard else {}))
+
+    (w, opt), (ref, ref_opt) = build(True), build(False)
+    meter = StepMeter()
+    for step in range(3):
+        g = torch.randn(experts, *EXPERT, generator=torch.Generator().manual_seed(100 + step))
+        w.grad, ref.grad = distribute_tensor(g, mesh, w.placements), g.clone()
+        with meter if step == 2 else contextlib.nullcontext():  # the first plans; the third is metered
+            opt.step()
+        ref_opt.step()
+    return {"ops": meter.ops, "units": len(opt._exchange.units), "owners": [u.owner for u in opt._exchange.units],
+            "diff": (w.full_tensor() - ref.detach()).abs().max().item()}
+
+
+def _experts_worker(rank: int) -> dict:
+    from meqmuon.optim import newton_schulz
+
+    # Newton-Schulz of a shape bucket in one batched call, as on a GPU (on CPU it runs matrix by matrix, a kernel
+    # set each, which is faster there): what is left to grow with the experts is the exchange's own
+    newton_schulz.BATCHED_NS_DEVICES = newton_schulz.BATCHED_NS_DEVICES | {"cpu"}
+    return {(e, name): _experts_step(e, name) for e in (4, 16) for name in ("meqmuon", "normuon")}
+
+
+def test_a_stacks_experts_come_back_as_stacks_in_kernels_flat_in_the_experts(tmp_path):
+    """``exchange_unit="matrix"`` with bf16 Newton-Schulz on 2 gloo ranks, a stack of experts on its dimension 1: each
+    expert a unit, half of them owned by each rank; each comes back as bf16 ``U`` with eq. 8's (NorMuon's) factors,
+    an owner's alike units part by part (``assembly.in_runs``), so that a rank applies the factors to a stretch of
+    experts in one product (``transfer.apply_received``): the step's kernels at 16 experts are those at 4, and its
+    weights are one process's bit for bit."""
+    got = _spawn(_experts_worker, tmp_path)
+    for r in got:
+        for (experts, name), run in r.items():
+            assert run["units"] == experts and sorted(run["owners"]) == sorted([0, 1] * (experts // 2)), run["owners"]
+            assert run["diff"] == 0, (experts, name, run["diff"])
+        for name in ("meqmuon", "normuon"):
+            assert r[(16, name)]["ops"] == r[(4, name)]["ops"], (name, r[(16, name)]["ops"], r[(4, name)]["ops"])
 
 
 def _equal_one_process(got: list[dict]) -> None:

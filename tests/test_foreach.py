@@ -2,7 +2,7 @@
 
 What is proven and why the tolerances:
 - For every optimizer and preset, 10 steps of the batched step equal 10 steps of the per-tensor
-  step to 1e-5 relative with float32 Newton-Schulz (the two differ only in summation order:
+  step to 1e-5 relative with float32 Newton-Schulz (Aurora 5e-5, ``RTOL``; the two differ only in summation order:
   batched matmuls, foreach kernels, norms instead of sums of squares), and MeqMuon's row/column
   choices are the same. In float64 both equal the float64 references of references.py to
   1e-10, transposed bucket members included: each rule family's file (test_meqmuon.py,
@@ -54,13 +54,20 @@ def _run(name, foreach, dtype=torch.float32, steps=10, device="cpu", **kw):
     return model, opt
 
 
+#: Where 10 float32 steps of the two forms may differ by more than 1e-5 relative, and why. Aurora chains two
+#: 12-iteration polars per step, the second preconditioned by the first's row norms, which amplifies the forms'
+#: summation order: 1.16e-5 of the largest weight on an AMX CPU (``AVX512+AVX512_BF16+AMX_BF16``, 2026-11-29).
+RTOL = {"aurora": 5e-5}
+
+
 @pytest.mark.parametrize("name", having("per-tensor", "batched"))
 def test_batched_equals_per_tensor(name):
     (m0, o0), (m1, o1) = _run(name, False), _run(name, True)
     start = make_model(dtype=torch.float32)
     assert max((p - q).abs().max().item() for p, q in zip(m0.parameters(), start.parameters(), strict=True)) > 1e-2
+    tol = RTOL.get(name, 1e-5)
     for (n, p), q in zip(m0.named_parameters(), m1.parameters(), strict=True):
-        assert torch.allclose(p, q, rtol=1e-5, atol=1e-5 * p.abs().max().item()), (n, (p - q).abs().max().item())
+        assert torch.allclose(p, q, rtol=tol, atol=tol * p.abs().max().item()), (n, (p - q).abs().max().item())
     s0, s1 = o0.state_dict()["state"], o1.state_dict()["state"]
     for k in s0:
         for key, v in s0[k].items():

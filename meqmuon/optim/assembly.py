@@ -7,20 +7,25 @@ experts as units of their own on 1,024 ranks (``placement.by_matrix``). A *run* 
 in that order that travel as one tensor each, in one dtype, with one descriptor (so one box layout per sender) --
 is received into rows of one tensor instead, and each sender's pieces of it land in one copy per box: ``W`` copies a
 run. The bits are the same: each piece's bytes are copied to the same elements.
+
+The way back (:func:`in_runs`, :func:`received_back`) mirrors it: an owner sends a rank its pieces of alike units
+part by part (every unit's first part, then every unit's second, ...), so that the rank receives each part of a
+stretch as one ``(k, ...)`` tensor, and eq. 8's factors are applied to a stretch in two kernels, not two per unit
+(``exchange._received``). The same bytes travel, in another order.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .distributed import received_as
+from .distributed import offsets, received_as
 
-__all__ = ["Run", "put_together", "runs"]
+__all__ = ["Received", "Run", "alike", "aligned", "in_runs", "put_together", "received_back", "runs"]
 
 
 class Run:
@@ -96,3 +101,90 @@ def put_together(done: Sequence[Run], out: Tensor, world: int) -> None:
                 for g, loc in boxes:
                     t[g].copy_(piece[loc])
                 start += n
+
+
+def alike(keys: Sequence[Hashable]) -> list[list[int]]:
+    """The positions of ``keys`` in maximal stretches of equal keys, in order."""
+    out: list[list[int]] = []
+    for i, k in enumerate(keys):
+        if out and keys[out[-1][0]] == k:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def in_runs(per_unit: Sequence[Sequence[Tensor]]) -> list[Tensor]:
+    """An owner's pieces for one rank (per unit, in the call's order, its parts) in the order they travel: each
+    stretch of units whose parts are alike (elements and dtype, part by part) part by part, every unit's first part,
+    then every unit's second, ... (:func:`received_back` reads them so)."""
+    out: list[Tensor] = []
+    for run in alike([tuple((p.numel(), p.dtype) for p in ps) for ps in per_unit]):
+        for k in range(len(per_unit[run[0]])):
+            out += [per_unit[j][k] for j in run]
+    return out
+
+
+class Received(list):
+    """Per unit its received parts (views of the one receive buffer), and :attr:`runs`: per stretch of alike units
+    from one owner (:func:`in_runs`), ``(members, stacks)``: the units' positions and per part the stretch's parts as
+    one ``(k, *shape)`` tensor (``None`` where the units' shapes differ)."""
+
+    runs: list[tuple[list[int], list[Tensor | None]]]
+
+
+def received_back(specs: Sequence[list[tuple[Sequence[int], torch.dtype]] | None], owners: Sequence[int],
+                  kept: Sequence[list[Tensor] | None], flat: Tensor, world: int) -> Received:
+    """The way back's received bytes ``flat`` (rank ``0``'s first) as per unit its parts in the shapes and dtypes of
+    ``specs[j]`` from owner ``owners[j]`` (``None``: the unit's ``kept`` parts, a DDP owner's own), read in
+    :func:`in_runs`' order: a stretch's part as one tensor (:func:`aligned`), each unit's a view of it."""
+    mine: list[list[int]] = [[] for _ in range(world)]
+    for j, spec in enumerate(specs):
+        if spec is not None:
+            mine[owners[j]].append(j)
+    size = [sum(math.prod(s) * dt.itemsize for j in js for s, dt in specs[j]) for js in mine]  # type: ignore[union-attr]
+    starts = offsets(size)
+    blocks: list[tuple[Tensor, torch.dtype, list[tuple[int, ...]], list[int]]] = []  # bytes, dtype, shapes, units
+    runs: list[list[int]] = []
+    for o, js in enumerate(mine):
+        start = starts[o]
+        for run in alike([tuple((math.prod(s), dt) for s, dt in specs[j]) for j in js]):  # type: ignore[union-attr]
+            members = [js[i] for i in run]
+            runs.append(members)
+            for k, (_, dtype) in enumerate(specs[members[0]]):  # type: ignore[union-attr]
+                shapes = [tuple(specs[j][k][0]) for j in members]  # type: ignore[index]
+                n = len(members) * math.prod(shapes[0]) * dtype.itemsize
+                blocks.append((flat[start : start + n], dtype, shapes, members))
+                start += n
+    got = Received(ws if spec is None else [] for spec, ws in zip(specs, kept, strict=True))
+    got.runs = [(members, []) for members in runs]
+    stacks = iter(got.runs)
+    run = None
+    for (_, _, shapes, members), block in zip(blocks, aligned([b[0] for b in blocks], [b[1] for b in blocks]),
+                                                  strict=True):
+        if run is None or run[0] is not members:
+            run = next(stacks)
+        n = math.prod(shapes[0])
+        for i, (j, shape) in enumerate(zip(members, shapes, strict=True)):
+            got[j].append(block[i * n : (i + 1) * n].view(shape))
+        run[1].append(block.view(len(members), *shapes[0]) if len(set(shapes)) == 1 else None)
+    return got
+
+
+def aligned(raw: Sequence[Tensor], dtypes: Sequence[torch.dtype]) -> list[Tensor]:
+    """Received bytes ``raw[i]`` (1-D ``uint8`` views) as ``dtypes[i]``: a view where they lie aligned for it, else
+    a copy, all such copies made by one ``cat`` (a kernel, not one a block), each at an offset its dtype aligns."""
+    late = [i for i, (r, dt) in enumerate(zip(raw, dtypes, strict=True)) if r.storage_offset() % dt.itemsize]
+    out = list(raw)
+    if late:
+        pad = torch.empty(8, dtype=torch.uint8, device=raw[0].device)  # never read: only moves the next block on
+        parts, at, pos = [], [], 0
+        for i in late:
+            gap = -pos % dtypes[i].itemsize
+            parts += [pad[:gap], raw[i]]
+            at.append(pos + gap)
+            pos += gap + raw[i].numel()
+        buf = torch.cat(parts)
+        for i, a in zip(late, at, strict=True):
+            out[i] = buf[a : a + raw[i].numel()]
+    return [o.view(dt) for o, dt in zip(out, dtypes, strict=True)]

@@ -20,7 +20,8 @@ as every other rank does and shares its Newton-Schulz with them, steps here, by 
    rounding);
 4. a second exchange returns every rank its piece of the direction, in the fewest bytes that keep its bits
    (``transfer.py``: ``U`` in the Newton-Schulz dtype, or with eq. 8's factors, or ``D``), and the per-matrix
-   state the rule changed; under DDP every other rank receives it whole;
+   state the rule changed; under DDP every other rank receives it whole; an owner's alike units travel part by
+   part, so that a rank receives each part of a stretch of them as one stack (``assembly.py``);
 5. each rank applies ``W <- (1 - lr wd) W - lr s D`` to its piece, as one process does (a rule with a step of
    its own, MuonH's, gets its weights' pieces at the owner and sends them back stepped).
 
@@ -41,9 +42,9 @@ import torch
 from torch import Tensor
 
 from . import commit, transfer
-from .assembly import put_together, runs
+from .assembly import in_runs, put_together, received_back, runs
 from .calls import Item, StepContext
-from .distributed import InFlight, LocalSplit, assign_owners, exchange_flat, offsets, received_as
+from .distributed import InFlight, LocalSplit, assign_owners, exchange_flat
 from .driver import (
     Bucket,
     Call,
@@ -249,57 +250,45 @@ class Exchange(LocalSplit):
         (by ``keys[j]``: ``"param"``, a vector along one of its dimensions, :data:`AXES`, or a sharded state key;
         ``None``: the tensor whole). Returns per unit this rank's results: what it received, as views of the one
         receive buffer (on ``device``) in the shapes and dtypes ``like[j]()`` says (no copy beside it), or where it
-        owns a DDP unit its own ``wholes[j]``; ``wait=False``: an :class:`InFlight` of them, the exchange posted."""
+        owns a DDP unit its own ``wholes[j]``, with alike units' parts as stacks (``assembly.Received.runs``);
+        ``wait=False``: an :class:`InFlight` of them, the exchange posted."""
         units = [self.units[i] for i in indices]
-        send: list[list[Tensor]] = [[] for _ in range(self.world)]
+        per_rank: list[list[list[Tensor]]] = [[] for _ in range(self.world)]  # per rank, per unit its pieces
         for u, ws, ks in zip(units, wholes, keys, strict=True):
             if ws is None:
                 continue
             where = [None if u.replicas or k is None else self._where(u, k) for k in ks]
             for r in u.group:
+                parts = []
                 for t, w in zip(ws, where, strict=True):
                     if w is None:
-                        send[r].append(t)
+                        parts.append(t)
                         continue
                     boxes, shape = w[r]
                     if len(boxes) == 1:
-                        send[r].append(t[boxes[0][0]])
+                        parts.append(t[boxes[0][0]])
                         continue
                     piece = torch.empty(shape, dtype=t.dtype, device=t.device)
                     for g, loc in boxes:
                         piece[loc].copy_(t[g])
-                    send[r].append(piece)
-        specs, sizes = [], [[] for _ in range(self.world)]
+                    parts.append(piece)
+                per_rank[r].append(parts)
+        send = [in_runs(ps) for ps in per_rank]  # alike units' pieces part by part (assembly.py)
+        del per_rank
+        specs, sizes = [], [0] * self.world
         for u, ws, make in zip(units, wholes, like, strict=True):
             spec = None if ws is not None and u.replicas else make()  # a DDP owner keeps its own results
             if spec is not None:
-                sizes[u.owner] += [math.prod(shape) * dtype.itemsize for shape, dtype in spec]
+                sizes[u.owner] += sum(math.prod(shape) * dtype.itemsize for shape, dtype in spec)
             specs.append(spec)
-        flat = self._flat(units, send, [sum(s) for s in sizes], device, wait, lambda: [
+        flat = self._flat(units, send, sizes, device, wait, lambda: [
             [(k, None if k is not None else shape, dtype) for k, (shape, dtype) in zip(ks, make(), strict=True)]
             for ks, make in zip(keys, like, strict=True)], back=True)
         del send
         kept = [ws if spec is None else None for ws, spec in zip(wholes, specs, strict=True)]  # a DDP owner's own
-        return (self._views(units, kept, specs, sizes, flat) if wait else
-                InFlight(None, lambda: self._views(units, kept, specs, sizes, flat.wait())))  # type: ignore[union-attr]
-
-    def _views(self, units: list[Unit], kept: list, specs: list, sizes: list[list[int]],
-               flat: Tensor) -> list[list[Tensor]]:
-        """:meth:`from_owners`' received bytes ``flat`` as views in the shapes and dtypes of ``specs`` (per unit;
-        ``None``: the unit's ``kept`` results, a DDP owner's own), each owner's bytes where ``sizes`` put them."""
-        starts = offsets([sum(s) for s in sizes])
-        out = []
-        for u, ws, spec in zip(units, kept, specs, strict=True):
-            if spec is None:
-                out.append(ws)
-                continue
-            got = []
-            for shape, dtype in spec:
-                n = math.prod(shape) * dtype.itemsize
-                got.append(received_as(flat[starts[u.owner] : starts[u.owner] + n], dtype, shape))
-                starts[u.owner] += n
-            out.append(got)
-        return out
+        owners = [u.owner for u in units]
+        return (received_back(specs, owners, kept, flat, self.world) if wait else  # type: ignore[arg-type]
+                InFlight(None, lambda: received_back(specs, owners, kept, flat.wait(), self.world)))  # type: ignore[union-attr]
 
 
 # ---- a momentum rule's step through the exchange ----------------------------------------------------------
@@ -502,15 +491,22 @@ def _owner_results(c: _Call, wholes: list[list[Tensor] | None], stack: list[Tens
     plain = bool(stack)
     spans = []
     xs: dict[int, Tensor] = {}
+    # copies of the per-matrix state the owner holds, by one foreach copy per key and dtype (driver.cast), not one
+    # kernel per unit (a stack's experts as units are thousands)
+    copies: dict[tuple[int, str], Tensor] = {}
+    for k in rule._owner_state:
+        js = [j for j in owned if replicas or k not in c.keys_out[j]]
+        for dt in {members[j].state[k].dtype for j in js}:
+            same = [j for j in js if members[j].state[k].dtype == dt]
+            copies.update(zip(((j, k) for j in same), cast([members[j].state[k] for j in same], dt), strict=True))
     for j in owned:
         it, u, ws = members[j], units[j], wholes[j]
         if replicas:  # the item with copies of its per-matrix state; its X is the received (its own) whole
-            state = {k: it.state[k].clone() for k in rule._owner_state}
+            state = {k: copies[j, k] for k in rule._owner_state}
             its = [Item(it.param, it.grad, {**it.state, **state}, it.name, it.shape, it.kind, it.index)]
             xs[id(its[0])] = ws[0]
         else:
-            state = {k: ws[c.keys_out[j].index(k)] if k in c.keys_out[j] else it.state[k].clone()
-                     for k in rule._owner_state}
+            state = {k: ws[c.keys_out[j].index(k)] if k in c.keys_out[j] else copies[j, k] for k in rule._owner_state}
             if c.ctx.capture is not None:
                 c.ctx.capture(it.name, it.kind or c.ctx.kind, "momentum_input", ws[0])
             its = _owner_items(rule, u, ws[0].new_empty(()).expand(c.bucket.global_shape) if plain else ws[0],
@@ -604,24 +600,20 @@ def _received(c: _Call, got: list[list[Tensor]]) -> list:
     """This rank's pieces back from the owners (``got``, :func:`_back`'s): the per-matrix state and a stepped weight
     queued on the step's commit, ``(param, D, scale)`` of the rest returned for the one update."""
     rule, factored, own = c.rule, c.factored, c.own
-    out = []
     n = 3 if factored else 1
     state_targets, state_news, weights, stepped = [], [], [], []
-    # the products in one buffer, which a skipped step zeroes in one kernel (driver.apply_pending)
-    into = (torch.empty(sum(parts[0].numel() for parts in got), dtype=got[0][1].dtype, device=c.device).split(
-        [parts[0].numel() for parts in got]) if factored and got else None)
-    for j, (it, s, parts) in enumerate(zip(c.members, c.scales, got, strict=True)):
+    directions = (transfer.apply_received(got, rule.factors_divide, c.d_dtype, c.device) if factored and not own else
+                  [parts[0] for parts in got])
+    out = []
+    for it, s, parts, d in zip(c.members, c.scales, got, directions, strict=True):
         for k, t in zip(rule._owner_state, parts[n:], strict=True):
             state_targets.append(it.state[k])
             state_news.append(t)
         if own:  # the stepped weight (a DDP owner's, its own copy)
             weights.append(it.param)
             stepped.append(parts[0])
-        elif factored:  # this rank's block of D = (U * row) * col (F.apply_factors), the owner's bits on any block
-            out.append((it.param, transfer.apply(parts[0], parts[1][:, None], parts[2][None, :], rule.factors_divide,
-                                                 into[j].view(parts[0].shape)), 1.0 if c.fold else s[0]))
         else:
-            out.append((it.param, parts[0], 1.0 if c.fold else s[0]))
+            out.append((it.param, d, 1.0 if c.fold else s[0]))
     c.ctx.commit.later(commit.copy_, state_targets, state_news, parts=1)
     c.ctx.commit.later(commit.copy_, weights, stepped)
     return out

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .. import functional as F
 
-__all__ = ["DIRECTION", "FACTORS", "IDENTITY", "Factors", "apply", "form_of", "pays"]
+__all__ = ["DIRECTION", "FACTORS", "IDENTITY", "Factors", "apply", "apply_received", "form_of", "pays"]
 
 IDENTITY, FACTORS, DIRECTION = "identity", "factors", "direction"
 
@@ -76,3 +76,24 @@ def apply(U: Tensor, row: Tensor, col: Tensor, divide: bool, out: Tensor | None 
     each element times its row's factor, rounded, then times its column's), the owner's product bit for bit;
     into ``out`` (``U``'s shape, the factors' dtype) where given."""
     return F.apply_factors(U, row, col, divide=divide, out=out)
+
+
+def apply_received(got: list[list[Tensor]], divide: bool, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+    """A rank's blocks of ``D`` from what came back (per unit ``U``, ``row``, ``col`` first, ``exchange.Exchange.
+    from_owners``), into one buffer, which a skipped step zeroes in one kernel (``driver.apply_pending``): a stretch of
+    alike units from one owner (``assembly.Received.runs``) by one :func:`apply` on its stacks, any other unit by one
+    of its own. The same products, so the same bits, either way."""
+    runs = [(ms, st) for ms, st in getattr(got, "runs", ()) if len(ms) > 1 and None not in st[:3]]
+    done = {j for ms, _ in runs for j in ms}
+    runs += [([j], None) for j in range(len(got)) if j not in done]
+    into = torch.empty(sum(parts[0].numel() for parts in got), dtype=dtype, device=device)
+    out: list[Tensor] = [into] * len(got)
+    start = 0
+    for members, stacks in runs:
+        U, row, col = stacks[:3] if stacks is not None else got[members[0]][:3]
+        d = into[start : start + U.numel()].view(U.shape)
+        start += U.numel()
+        apply(U, row.unsqueeze(-1), col.unsqueeze(-2), divide, d)
+        for j, dj in zip(members, d if stacks is not None else [d], strict=True):
+            out[j] = dj
+    return out
