@@ -79,6 +79,10 @@ FLOP_OPS = frozenset({*MATMULS, "matmul"})
 #: Ops that allocate and launch nothing (``new_empty``'s tensor argument gives only its dtype and device: it reads
 #: nothing).
 ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
+#: Ops that the dispatcher sees but that run on the host alone: a dtype worked out (``torch.promote_types``), a
+#: tensor pointed at another storage (``set_``), the profiler's marks (``torch.profiler.record_function``). Counted
+#: as kernels until 2026-11-29 (docs/benchmarks.md, "The way back part by part").
+HOST_ONLY = frozenset({"promote_types", "set_", "_record_function_enter_new", "_record_function_exit"})
 
 
 def tensor_bytes(x: Any) -> int:
@@ -102,8 +106,8 @@ def _tensors(x: Any) -> Iterator[torch.Tensor]:
 
 
 def launches(func) -> bool:
-    """Whether an aten op launches a kernel: not a view, not an allocation."""
-    return not func.is_view and func.overloadpacket.__name__ not in ALLOCATIONS
+    """Whether an aten op launches a kernel: not a view, not an allocation, not the host's alone."""
+    return not func.is_view and func.overloadpacket.__name__ not in ALLOCATIONS | HOST_ONLY
 
 
 def op_traffic(func, args: tuple, kwargs: dict | None, out: Any) -> int:

@@ -270,6 +270,29 @@ def test_bf16_newton_schulz_fsdp2_pieces_travel_in_bf16_at_exactly_their_shapes_
         _equal_one_process([r[name] for r in got])
 
 
+def test_pieces_that_tile_a_stack_are_put_together_in_one_copy():
+    """``assembly.put_together`` at an owner of 4 senders' pieces: a run of two float32 matrices whose rows the
+    senders hold in equal blocks in rank order (FSDP2's even rows) is copied into its stack by one kernel
+    (``assembly._tiled``), a run whose pieces are two boxes each (interleaved rows) per sender and box; both wholes are
+    what the senders hold."""
+    from meqmuon.optim.assembly import Run, put_together
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 8, 3, generator=g), torch.randn(1, 8, 2, generator=g).bfloat16()
+    full = (slice(0, 3),)
+    rows = {r: ([((slice(2 * r, 2 * r + 2), *full), (slice(0, 2), *full))], (2, 3)) for r in range(4)}
+    pairs = {r: ([((slice(r, r + 1), slice(0, 2)), (slice(0, 1), slice(0, 2))),
+                  ((slice(r + 4, r + 5), slice(0, 2)), (slice(1, 2), slice(0, 2)))], (2, 2)) for r in range(4)}
+    done = [Run([0, 1], torch.empty_like(a), [], [rows]), Run([2], torch.empty_like(b), [], [pairs])]
+    out = torch.cat([t.reshape(-1).view(torch.uint8) for r in range(4)
+                     for t in (a[:, 2 * r : 2 * r + 2], b[:, [r, r + 4]])])
+    meter = StepMeter()
+    with meter:
+        put_together(done, out, 4)
+    assert torch.equal(done[0].stack, a) and torch.equal(done[1].stack, b)
+    assert meter.ops == 1 + 4 * 2
+
+
 def test_the_way_back_travels_part_by_part_and_is_read_back_as_stacks():
     """``assembly.in_runs`` and ``received_back``, the two ends of the way back, without a collective: an owner's
     units for one rank (bf16 ``U``, float32 factors, an int64 counter) in stretches of alike units, sent part by part;

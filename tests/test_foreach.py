@@ -188,10 +188,11 @@ def test_op_counts_at_llama_60m_shapes():
     # direction inputs made a bucket at a time from the unchanged momentum and the per-matrix state written with the
     # step's other writes (issue 56: every step all or nothing). The default, nonfinite="skip", adds the check (one
     # kernel per dtype) and the skip flag folded into the writes: the gradients sanitised in one flat copy per
-    # write that reads them, factors that are 1 on a skipped step, the directions' stacks zeroed (commit.py).
+    # write that reads them, factors that are 1 on a skipped step, the directions' stacks zeroed (commit.py). Since
+    # 2026-11-29 the host's own ops (step_accounting.HOST_ONLY: the profiler's two marks) are not counted: 2 fewer.
     plain = {n: op_count.count_step_ops(n, shapes, foreach=True, nonfinite="propagate").total
              for n in ("muon", "normuon", "meqmuon")}
-    assert plain["muon"] <= 62 and plain["normuon"] <= 121 and plain["meqmuon"] <= 107, plain
-    assert counts["muon"] <= 84 and counts["normuon"] <= 146 and counts["meqmuon"] <= 124, counts
+    assert plain["muon"] <= 60 and plain["normuon"] <= 119 and plain["meqmuon"] <= 105, plain
+    assert counts["muon"] <= 82 and counts["normuon"] <= 144 and counts["meqmuon"] <= 122, counts
     assert op_count.count_step_ops("meqmuon", shapes, foreach=False).total > 10 * counts["meqmuon"]
 

@@ -80,19 +80,17 @@ def runs(units: Sequence[Any], pieces: Sequence[Sequence[Tensor]], keys: Sequenc
 
 def put_together(done: Sequence[Run], out: Tensor, world: int) -> None:
     """:func:`runs`' received bytes ``out`` (rank ``0``'s first, each sender's in the runs' order) copied into their
-    wholes by their boxes: a run's per sender and box in one copy, a lone unit's per sender, tensor and box."""
+    wholes by their boxes: a run's in one copy where its senders' pieces tile its matrices (:func:`_tiled`), else per
+    sender and box; a lone unit's per sender, tensor and box."""
     start = 0
+    at: dict[int, dict[int, int]] = {}  # per run, where each sender's pieces of it start in ``out``
     for r in range(world):
         for run in done:
             if r not in run.where[0]:
                 continue
             if run.stack is not None:
-                boxes, shape = run.where[0][r]
-                n = len(run.members) * math.prod(shape) * run.stack.element_size()
-                piece = received_as(out[start : start + n], run.stack.dtype, (len(run.members), *shape))
-                for g, loc in boxes:
-                    run.stack[(slice(None), *g)].copy_(piece[(slice(None), *loc)])
-                start += n
+                at.setdefault(id(run), {})[r] = start
+                start += len(run.members) * math.prod(run.where[0][r][1]) * run.stack.element_size()
                 continue
             for t, w in zip(run.wholes[0], run.where, strict=True):
                 boxes, shape = w[r]
@@ -101,6 +99,48 @@ def put_together(done: Sequence[Run], out: Tensor, world: int) -> None:
                 for g, loc in boxes:
                     t[g].copy_(piece[loc])
                 start += n
+    for run in done:
+        if run.stack is None:
+            continue
+        if _tiled(run, at[id(run)], out):
+            continue
+        for r, a in at[id(run)].items():
+            boxes, shape = run.where[0][r]
+            n = len(run.members) * math.prod(shape) * run.stack.element_size()
+            piece = received_as(out[a : a + n], run.stack.dtype, (len(run.members), *shape))
+            for g, loc in boxes:
+                run.stack[(slice(None), *g)].copy_(piece[(slice(None), *loc)])
+
+
+def _tiled(run: Run, at: dict[int, int], out: Tensor) -> bool:
+    """A run's pieces copied into its stack in one copy, where they tile its matrices: the ``i``-th sender's is one box,
+    block ``i`` of equal blocks along one dimension (FSDP2's even rows, torchtitan's experts' even slices), and the
+    senders' bytes lie at equal, aligned strides in ``out``: then ``out`` holds ``(senders, k, *piece)`` at a stride,
+    which is the stack with that dimension split ``(senders, block)`` and moved first. Whether it was done."""
+    ranks, stack = sorted(at), run.stack
+    assert stack is not None
+    item, k = stack.element_size(), len(run.members)
+    if len(ranks) < 2 or out.storage_offset() % item or any(len(run.where[0][r][0]) != 1 for r in ranks):
+        return False
+    shape, whole = run.where[0][ranks[0]][1], stack.shape[1:]
+    split = [d for d in range(len(whole)) if shape[d] != whole[d]]
+    if len(split) != 1 or len(ranks) * shape[split[0]] != whole[split[0]]:
+        return False
+    d, q = split[0], shape[split[0]]
+    step = at[ranks[1]] - at[ranks[0]]
+    for i, r in enumerate(ranks):
+        [(g, _)], piece = run.where[0][r]
+        full = all(g[e] == slice(0, whole[e]) for e in range(len(whole)) if e != d)
+        if piece != shape or at[r] != at[ranks[0]] + i * step or g[d] != slice(i * q, (i + 1) * q) or not full:
+            return False
+    if step % item or at[ranks[0]] % item:
+        return False
+    typed = out[: out.numel() - out.numel() % item].view(stack.dtype)
+    inner = [math.prod(shape[e:]) for e in range(len(shape) + 1)]  # (k, *shape)'s contiguous strides
+    src = typed.as_strided((len(ranks), k, *shape), (step // item, *inner),
+                           typed.storage_offset() + at[ranks[0]] // item)
+    stack.unflatten(1 + d, (len(ranks), q)).movedim(1 + d, 0).copy_(src)
+    return True
 
 
 def alike(keys: Sequence[Hashable]) -> list[list[int]]:

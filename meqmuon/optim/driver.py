@@ -29,6 +29,7 @@ tensors.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
@@ -571,6 +572,12 @@ def cast(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
     return outs
 
 
+@functools.cache
+def _widens(narrow: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether ``narrow`` promotes to ``dtype`` (worked out once per pair, not once per direction: experts)."""
+    return torch.promote_types(narrow, dtype) == dtype
+
+
 def apply_pending(pending: Sequence[tuple[Tensor, Tensor, float]], group: dict, *, gate: Gate | None = None) -> None:
     """``W <- (1 - lr wd) W - lr s D`` for every ``(W, D, s)`` of one group's call, a narrower ``D`` (bf16 from an
     owner) widened first, as :func:`apply_update` does: one decay kernel and one add per distinct ``s``; a write
@@ -581,7 +588,7 @@ def apply_pending(pending: Sequence[tuple[Tensor, Tensor, float]], group: dict, 
         dirs = [d.reshape(p.shape) for p, d in zip(params, dirs, strict=True)]
         wide: dict[tuple, list[int]] = {}
         for i, (p, d) in enumerate(zip(params, dirs, strict=True)):
-            if d.dtype != p.dtype and torch.promote_types(d.dtype, p.dtype) == p.dtype:
+            if d.dtype != p.dtype and _widens(d.dtype, p.dtype):
                 wide.setdefault((p.dtype, d.device), []).append(i)
         for (dtype, _), idx in wide.items():  # one buffer, which a skipped step then zeroes in one kernel too
             for i, o in zip(idx, cast([dirs[i] for i in idx], dtype), strict=True):

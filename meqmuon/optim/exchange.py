@@ -557,6 +557,16 @@ def _owner_results(c: _Call, wholes: list[list[Tensor] | None], stack: list[Tens
             for v, d, s in zip(views, ds, c.scales[j], strict=True):
                 v.copy_(d * s if c.fold else d)
             results[j] = (D, state)
+    return _written_out(results) if c.factored else results
+
+
+def _written_out(results: dict[int, tuple[Any, dict]]) -> dict[int, tuple[Any, dict]]:
+    """Factors a rule gives as broadcast views (NorMuon's column scale) written out by one foreach copy, so that each
+    unit's travel as they are, not copied one by one on the way back."""
+    loose = [(j, n) for j, (d, _) in results.items() for n, t in enumerate(d) if not t.is_contiguous()]
+    ts = [results[j][0][n] for j, n in loose]
+    for (j, n), t in zip(loose, cast(ts, ts[0].dtype) if len({t.dtype for t in ts}) == 1 else ts, strict=True):
+        results[j] = ((*results[j][0][:n], t, *results[j][0][n + 1 :]), results[j][1])
     return results
 
 

@@ -25,10 +25,9 @@ def normuon_factors(U: Tensor, v: Tensor, beta2: float) -> tuple[Tensor, Tensor]
     """:func:`normuon_normalize` of ``U`` (``O = U`` in ``v``'s dtype) as factors: the row divisors
     ``sqrt(v) + eps`` ``(k, m, 1)`` and the restoring scale, one per matrix, as ``(k, 1, n)`` column factors, such
     that ``F.apply_factors(U, divisors, scale, divide=True)`` is its output bit for bit on any block of ``U``
-    (``torch.div`` then ``mul_``, its own two products); ``v`` updated in place. The column factors are written
-    out (one kernel a stack): a rank's piece of each matrix then travels as it is, not copied matrix by matrix."""
+    (``torch.div`` then ``mul_``, its own two products); ``v`` updated in place."""
     _, divisors, restore = _normuon(U.to(v.dtype), v, beta2)
-    return divisors, restore.expand(U.shape[0], 1, U.shape[-1]).contiguous()
+    return divisors, restore.expand(U.shape[0], 1, U.shape[-1])
 
 
 def _normuon(O: Tensor, v: Tensor, beta2: float) -> tuple[Tensor, Tensor, Tensor]:
