@@ -272,25 +272,30 @@ def test_bf16_newton_schulz_fsdp2_pieces_travel_in_bf16_at_exactly_their_shapes_
 
 def test_pieces_that_tile_a_stack_are_put_together_in_one_copy():
     """``assembly.put_together`` at an owner of 4 senders' pieces: a run of two float32 matrices whose rows the
-    senders hold in equal blocks in rank order (FSDP2's even rows) is copied into its stack by one kernel
-    (``assembly._tiled``), a run whose pieces are two boxes each (interleaved rows) per sender and box; both wholes are
+    senders hold in equal blocks in rank order (FSDP2's even rows), and one whose 2 x 2 blocks of rows by columns they
+    hold column by column (a grid, as FSDP2 x TP lays it out), are each copied into their stack by one kernel
+    (``assembly._tiled``); a run whose pieces are two boxes each (interleaved rows) per sender and box. Every whole is
     what the senders hold."""
     from meqmuon.optim.assembly import Run, put_together
 
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(2, 8, 3, generator=g), torch.randn(1, 8, 2, generator=g).bfloat16()
+    a, b, c = (torch.randn(2, 8, 3, generator=g), torch.randn(1, 8, 2, generator=g).bfloat16(),
+               torch.randn(1, 4, 6, generator=g))
     full = (slice(0, 3),)
     rows = {r: ([((slice(2 * r, 2 * r + 2), *full), (slice(0, 2), *full))], (2, 3)) for r in range(4)}
     pairs = {r: ([((slice(r, r + 1), slice(0, 2)), (slice(0, 1), slice(0, 2))),
                   ((slice(r + 4, r + 5), slice(0, 2)), (slice(1, 2), slice(0, 2)))], (2, 2)) for r in range(4)}
-    done = [Run([0, 1], torch.empty_like(a), [], [rows]), Run([2], torch.empty_like(b), [], [pairs])]
+    box = {r: (slice(2 * (r % 2), 2 * (r % 2) + 2), slice(3 * (r // 2), 3 * (r // 2) + 3)) for r in range(4)}
+    grid = {r: ([(box[r], (slice(0, 2), slice(0, 3)))], (2, 3)) for r in range(4)}
+    done = [Run([0, 1], torch.empty_like(a), [], [rows]), Run([2], torch.empty_like(b), [], [pairs]),
+            Run([3], torch.empty_like(c), [], [grid])]
     out = torch.cat([t.reshape(-1).view(torch.uint8) for r in range(4)
-                     for t in (a[:, 2 * r : 2 * r + 2], b[:, [r, r + 4]])])
+                     for t in (a[:, 2 * r : 2 * r + 2], b[:, [r, r + 4]], c[(slice(None), *box[r])])])
     meter = StepMeter()
     with meter:
         put_together(done, out, 4)
-    assert torch.equal(done[0].stack, a) and torch.equal(done[1].stack, b)
-    assert meter.ops == 1 + 4 * 2
+    assert torch.equal(done[0].stack, a) and torch.equal(done[1].stack, b) and torch.equal(done[2].stack, c)
+    assert meter.ops == 1 + 4 * 2 + 1
 
 
 def test_the_way_back_travels_part_by_part_and_is_read_back_as_stacks():

@@ -16,6 +16,7 @@ stretch as one ``(k, ...)`` tensor, and eq. 8's factors are applied to a stretch
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -78,10 +79,11 @@ def runs(units: Sequence[Any], pieces: Sequence[Sequence[Tensor]], keys: Sequenc
     return made
 
 
-def put_together(done: Sequence[Run], out: Tensor, world: int) -> None:
+def put_together(done: Sequence[Run], out: Tensor, world: int, memo: dict | None = None) -> None:
     """:func:`runs`' received bytes ``out`` (rank ``0``'s first, each sender's in the runs' order) copied into their
-    wholes by their boxes: a run's in one copy where its senders' pieces tile its matrices (:func:`_tiled`), else per
-    sender and box; a lone unit's per sender, tensor and box."""
+    wholes by their boxes: a run's in one copy where its senders' pieces tile its matrices (:func:`_tiled`; ``memo``
+    keeps what the boxes say, by unit, for the exchange's life), else per sender and box; a lone unit's per sender,
+    tensor and box."""
     start = 0
     at: dict[int, dict[int, int]] = {}  # per run, where each sender's pieces of it start in ``out``
     for r in range(world):
@@ -102,7 +104,7 @@ def put_together(done: Sequence[Run], out: Tensor, world: int) -> None:
     for run in done:
         if run.stack is None:
             continue
-        if _tiled(run, at[id(run)], out):
+        if _tiled(run, at[id(run)], out, {} if memo is None else memo):
             continue
         for r, a in at[id(run)].items():
             boxes, shape = run.where[0][r]
@@ -112,35 +114,86 @@ def put_together(done: Sequence[Run], out: Tensor, world: int) -> None:
                 run.stack[(slice(None), *g)].copy_(piece[(slice(None), *loc)])
 
 
-def _tiled(run: Run, at: dict[int, int], out: Tensor) -> bool:
-    """A run's pieces copied into its stack in one copy, where they tile its matrices: the ``i``-th sender's is one box,
-    block ``i`` of equal blocks along one dimension (FSDP2's even rows, torchtitan's experts' even slices), and the
-    senders' bytes lie at equal, aligned strides in ``out``: then ``out`` holds ``(senders, k, *piece)`` at a stride,
-    which is the stack with that dimension split ``(senders, block)`` and moved first. Whether it was done."""
+def _tiled(run: Run, at: dict[int, int], out: Tensor, memo: dict) -> bool:
+    """A run's pieces copied into its stack in one copy, where they tile its matrices (:func:`_grid`, worked out once
+    per layout and kept in ``memo``) and the senders' bytes lie at equal, aligned strides in ``out``: then ``out``
+    holds ``(*digits, k, *piece)`` at a stride, which is the stack with each split dimension's blocks split into its
+    digits, moved first. Whether it was done."""
     ranks, stack = sorted(at), run.stack
     assert stack is not None
     item, k = stack.element_size(), len(run.members)
-    if len(ranks) < 2 or out.storage_offset() % item or any(len(run.where[0][r][0]) != 1 for r in ranks):
+    key = (id(run.where[0]), tuple(stack.shape[1:]))  # the unit's boxes, kept as long as the exchange (Unit.where)
+    if key not in memo:
+        memo[key] = _grid(run.where[0], ranks, tuple(stack.shape[1:]))
+    grid = memo[key]
+    step = at[ranks[1]] - at[ranks[0]] if len(ranks) > 1 else 0
+    if (grid is None or out.storage_offset() % item or step % item or at[ranks[0]] % item
+            or any(at[r] != at[ranks[0]] + i * step for i, r in enumerate(ranks))):
         return False
-    shape, whole = run.where[0][ranks[0]][1], stack.shape[1:]
-    split = [d for d in range(len(whole)) if shape[d] != whole[d]]
-    if len(split) != 1 or len(ranks) * shape[split[0]] != whole[split[0]]:
-        return False
-    d, q = split[0], shape[split[0]]
-    step = at[ranks[1]] - at[ranks[0]]
-    for i, r in enumerate(ranks):
-        [(g, _)], piece = run.where[0][r]
-        full = all(g[e] == slice(0, whole[e]) for e in range(len(whole)) if e != d)
-        if piece != shape or at[r] != at[ranks[0]] + i * step or g[d] != slice(i * q, (i + 1) * q) or not full:
-            return False
-    if step % item or at[ranks[0]] % item:
-        return False
+    shape, sizes, unflat, moved = grid
     typed = out[: out.numel() - out.numel() % item].view(stack.dtype)
     inner = [math.prod(shape[e:]) for e in range(len(shape) + 1)]  # (k, *shape)'s contiguous strides
-    src = typed.as_strided((len(ranks), k, *shape), (step // item, *inner),
-                           typed.storage_offset() + at[ranks[0]] // item)
-    stack.unflatten(1 + d, (len(ranks), q)).movedim(1 + d, 0).copy_(src)
+    src = typed.as_strided((*sizes, k, *shape), (*(step // item * math.prod(sizes[j + 1 :]) for j in range(len(sizes))),
+                                                 *inner), typed.storage_offset() + at[ranks[0]] // item)
+    dst = stack
+    for d, parts in unflat:
+        dst = dst.unflatten(1 + d, parts)
+    dst.movedim(moved, list(range(len(sizes)))).copy_(src)
     return True
+
+
+def _grid(where: dict, ranks: list[int], whole: tuple[int, ...]) -> tuple | None:
+    """Whether the pieces of ``ranks`` (their boxes in ``where``, ``exchange.Exchange._where``) tile a matrix of shape
+    ``whole``: each one box, a block of an equal grid over the dimensions they split, the senders in rank order walking
+    the blocks' indices as the digits of a mixed-radix number (:func:`_digits`: FSDP2's even rows, torchtitan's experts'
+    even slices, FSDP2 x TP's rows by columns, its strided rows). Returns the piece's shape, the digits' sizes, how to
+    split the stack's dimensions into them (``(dimension, sizes)``, the last first) and where they then lie; None."""
+    if len(ranks) < 2 or any(len(where[r][0]) != 1 for r in ranks):
+        return None
+    shape = where[ranks[0]][1]
+    split = [d for d in range(len(whole)) if shape[d] != whole[d]]
+    count = {d: whole[d] // shape[d] for d in split}
+    if not split or any(whole[d] % shape[d] for d in split) or math.prod(count.values()) != len(ranks):
+        return None
+    blocks = []
+    for r in ranks:
+        [(g, _)], piece = where[r]
+        index = {d: g[d].start // shape[d] for d in split}
+        if (piece != shape or any(g[d] != slice(index[d] * shape[d], (index[d] + 1) * shape[d]) for d in split)
+                or any(g[e] != slice(0, whole[e]) for e in range(len(whole)) if e not in count)):
+            return None
+        blocks.append(index)
+    digits = _digits(blocks, count)
+    if digits is None:
+        return None
+    unflat, at = [], {}
+    for d in sorted(split, reverse=True):  # each split dimension's blocks as its digits, most significant first
+        mine = sorted((j for j, (e, _, _) in enumerate(digits) if e == d), key=lambda j: -digits[j][2])
+        unflat.append((d, (*(digits[j][1] for j in mine), shape[d])))
+        at.update({j: (d, n) for n, j in enumerate(mine)})
+    # where each digit's dimension then lies: after k, the dimensions before its own, each split one grown by its digits
+    grown = {d: sum(e == d for e, _, _ in digits) for d in split}
+    moved = [1 + d + sum(grown[e] for e in split if e < d) + n for d, n in (at[j] for j in range(len(digits)))]
+    return shape, [n for _, n, _ in digits], unflat, moved
+
+
+def _digits(blocks: Sequence[dict[int, int]], count: dict[int, int]) -> list[tuple[int, int, int]] | None:
+    """How the ``i``-th sender's block indices (``blocks[i]``, per split dimension ``d`` of ``count[d]`` blocks) follow
+    from ``i``: as ``(dimension, size, weight)`` digits of ``i``, most significant first, each adding ``weight`` times
+    its value to its dimension's index. Tried: the dimensions in any order (a grid walked row-major), and one
+    dimension's blocks as ``b`` blocks of ``a`` walked ``a`` first (strided shards: ``i = x b + y`` holds block
+    ``y a + x``). None where neither fits."""
+    split = list(count)
+    candidates = [[(d, count[d], 1) for d in o] for o in itertools.permutations(split)]
+    if len(split) == 1:
+        c = count[split[0]]
+        candidates += [[(split[0], c // b, 1), (split[0], b, c // b)] for b in range(2, c) if c % b == 0]
+    for digits in candidates:
+        sizes = [n for _, n, _ in digits]
+        if all(all(sum(w * (i // math.prod(sizes[j + 1 :]) % n) for j, (e, n, w) in enumerate(digits) if e == d) == b[d]
+                   for d in split) for i, b in enumerate(blocks)):
+            return digits
+    return None
 
 
 def alike(keys: Sequence[Hashable]) -> list[list[int]]:

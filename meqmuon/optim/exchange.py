@@ -155,8 +155,10 @@ class Exchange(LocalSplit):
         self.units = list(units)
         #: Whether a unit's results travel as factors, by unit, form and dtypes (``transfer.pays``, decided once).
         self.factored: dict[tuple, bool] = {}
-        #: By a call's units, way and what travels: per rank, its bytes with each of its owners (:meth:`_flat`).
+        #: By a call's units, way and what travels: per rank, its bytes with each of its owners (:meth:`_flat`); by a
+        #: unit's boxes, how its pieces tile it (``assembly.put_together``).
         self.between: dict[tuple, dict[int, dict[int, int]]] = {}
+        self.tiles: dict[tuple, tuple | None] = {}
 
     def owner_of(self, u: Unit, r: int | None = None) -> int:
         """The rank that computes unit ``u`` for rank ``r`` (default: this one): its owner, or under mesh dimensions
@@ -203,9 +205,9 @@ class Exchange(LocalSplit):
         got = self._flat(units, send, [sum(s) for s in sizes], device, wait, lambda: [
             [(k, None, dt) for k, dt in zip(ks, dts, strict=True)] for ks, dts in zip(keys, dtypes, strict=True)])
         if wait:
-            put_together(done, got, self.world)  # type: ignore[arg-type]
+            put_together(done, got, self.world, self.tiles)  # type: ignore[arg-type]
             return wholes
-        return InFlight(None, lambda: (put_together(done, got.wait(), self.world), wholes)[1])  # type: ignore[union-attr]
+        return InFlight(None, lambda: (put_together(done, got.wait(), self.world, self.tiles), wholes)[1])  # type: ignore
 
     def _flat(self, units: list[Unit], send: list[list[Tensor]], out_splits: list[int], device: torch.device,
               wait: bool, spec: Callable[[], list[list[tuple[str | None, Any, torch.dtype]]]],
@@ -561,8 +563,7 @@ def _owner_results(c: _Call, wholes: list[list[Tensor] | None], stack: list[Tens
 
 
 def _written_out(results: dict[int, tuple[Any, dict]]) -> dict[int, tuple[Any, dict]]:
-    """Factors a rule gives as broadcast views (NorMuon's column scale) written out by one foreach copy, so that each
-    unit's travel as they are, not copied one by one on the way back."""
+    """Broadcast factors (NorMuon's column scale) written out by one foreach copy, not copied unit by unit."""
     loose = [(j, n) for j, (d, _) in results.items() for n, t in enumerate(d) if not t.is_contiguous()]
     ts = [results[j][0][n] for j, n in loose]
     for (j, n), t in zip(loose, cast(ts, ts[0].dtype) if len({t.dtype for t in ts}) == 1 else ts, strict=True):
