@@ -195,7 +195,7 @@ def _fail_reason(exc: BaseException) -> str:
 def simulate(model_name: str, layout: str, ranks: str, rank: int, *, layers: int | None, device: str,
              optimizer: str = "meqmuon", ns_dtype: torch.dtype = torch.float32, foreach: bool = True,
              ns_group: int = 1, relay_group: int = 1, overlap: bool | str | None = None,
-             exchange_unit: str = "tensor") -> dict:
+             exchange_unit: str = "matrix") -> dict:
     """One simulated rank: builds, shards, steps three times (the first two timed, the third metered).
     Returns the measurements, or ``{"error": ...}`` where the optimizer cannot be planned or stepped on the
     fake group."""
@@ -233,7 +233,7 @@ def simulate(model_name: str, layout: str, ranks: str, rank: int, *, layers: int
                                       **({"ns_group": ns_group} if ns_group > 1 else {}),
                                       **({"relay_group": relay_group} if relay_group > 1 else {}),
                                       **({"overlap": overlap} if overlap is not None else {}),
-                                      **({"exchange_unit": exchange_unit} if exchange_unit != "tensor" else {}))
+                                      **({"exchange_unit": exchange_unit} if exchange_unit != "matrix" else {}))
         built = time.perf_counter() - t0
         row = {"model": model_name, "layout": layout, "ranks": ranks, "rank": rank, "device": device,
                "optimizer": optimizer, "ns_dtype": str(ns_dtype).removeprefix("torch."), "ns_group": ns_group,
@@ -335,7 +335,7 @@ def summarise(result: dict, itemsize: int = 4) -> dict:
         # the world's collectives apart from a block's (ns_group), by "name@group size"
         "calls_by_group": r0.get("calls_by_group", {}), "bytes_by_group": r0.get("bytes_by_group", {}),
         "ns_group": r0.get("ns_group", 1), "relay_group": r0.get("relay_group", 1),
-        "overlap": r0.get("overlap"), "exchange_unit": r0.get("exchange_unit", "tensor"),
+        "overlap": r0.get("overlap"), "exchange_unit": r0.get("exchange_unit", "matrix"),
         "ranks": [{**{k: r.get(k) for k in ("rank", "sent", "received", "flops", "ops", "traffic")},
                    # the bytes of a block's collectives (ns_group: groups smaller than the world), not the exchange's
                    "block": sum(n for size, n in r.get("bytes_by_group_size", {}).items()
@@ -408,7 +408,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--overlap", default="default", choices=sorted(OVERLAPS),
                         help="the optimizer's overlap, which the plan packs shared units for (default: the engine's "
                              "off-CUDA default; the plan then packs for a pipeline, as for CUDA's overlap=True)")
-    parser.add_argument("--exchange-unit", default="tensor", choices=("tensor", "matrix"),
+    parser.add_argument("--exchange-unit", default="matrix", choices=("tensor", "matrix"),
                         help="the optimizer's exchange_unit: a stack of experts on its dimension 1 one unit, or each "
                              "expert one")
     parser.add_argument("--sample-ranks", default="0,busiest",

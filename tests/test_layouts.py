@@ -68,8 +68,8 @@ def _optimizer(name: str, model, **kw):
         kw["ns_dtype"] = torch.float32
     if "relay" in flags:  # the exchange relayed through "nodes" of two ranks (relay.py)
         kw["relay_group"] = 2
-    if "matrix" in flags:  # a DTensor stack's exchange units its matrices (placement.by_matrix)
-        kw["exchange_unit"] = "matrix"
+    if "tensor" in flags:  # a DTensor stack one exchange unit (the default: its matrices, placement.by_matrix)
+        kw["exchange_unit"] = "tensor"
     return meqmuon.build_optimizer(base, model, lr=0.02, weight_decay=0.1, foreach="foreach" in flags,
                                    compile="compile" in flags, **kw)
 
@@ -213,8 +213,8 @@ def test_tensor_parallel_llama_equals_one_process(tmp_path):
 FSDP_MODELS = ("phi3", "gpt2", "qwen3_moe", "dbrx", "gpt_oss")
 #: The zoo's models with 3-D stacks of experts, which torchtitan shards on their dimension 1 over more ranks.
 EXPERT_MODELS = ("qwen3_moe", "gpt_oss")
-#: On dimension 1 with ``exchange_unit="tensor"`` (the default: each stack a unit): two of the rule families.
-COLUMNS_WHOLE = ("meqmuon", "normuon+foreach")
+#: On dimension 1 with ``exchange_unit="tensor"`` (each stack a unit; the default is each expert): two rule families.
+COLUMNS_WHOLE = ("meqmuon+tensor", "normuon+foreach+tensor")
 
 
 class _Split(torch.nn.Module):
@@ -257,7 +257,7 @@ def _fsdp_worker(rank, model_names, names):
     mesh = init_device_mesh("cpu", (2,))
     out = {m: compare_under_layout(m, _untied(m, names), lambda model: fsdp(model, mesh)) for m in model_names}
     out["split_boundary"] = _split_boundary(("meqmuon", "normuon"))
-    out["columns"] = {m: compare_under_layout(m, [*(n + "+matrix" for n in names), *COLUMNS_WHOLE],
+    out["columns"] = {m: compare_under_layout(m, [*names, *COLUMNS_WHOLE],
                                               lambda model: fsdp(model, mesh, experts="columns"))
                       for m in EXPERT_MODELS}
     return out
@@ -267,10 +267,10 @@ def test_fsdp2_fused_transposed_and_expert_models_equal_one_process(tmp_path):
     """FSDP2 routed by default on Phi3 (fused qkv with GQA sizes, gate_up), GPT-2 (Conv1D, fused c_attn),
     Qwen3-MoE (3-D experts), DBRX (folded 2-D experts) and GPT-OSS (interleaved gate/up): every rule
     family steps and equals one process; a split block cut by the shard boundary too. Then Qwen3-MoE's and
-    GPT-OSS's experts on their dimension 1 (torchtitan's layout where the ranks outnumber the experts): with
-    ``exchange_unit="matrix"`` each expert is an exchange unit of its own (``placement.by_matrix``; GPT-OSS's split
-    into gate and up at its owner, transposed, interleaved), the experts of a stack owned by both ranks; by default
-    each stack is one unit; either way the step equals one process's."""
+    GPT-OSS's experts on their dimension 1 (torchtitan's layout where the ranks outnumber the experts): by default
+    (``exchange_unit="matrix"``) each expert is an exchange unit of its own (``placement.by_matrix``; GPT-OSS's split
+    into gate and up at its owner, transposed, interleaved), the experts of a stack owned by both ranks; with
+    ``"tensor"`` each stack is one unit; either way the step equals one process's."""
     names = runs("fsdp2-views", "fsdp2-views-batched")
     results = _spawn(_fsdp_worker, tmp_path, FSDP_MODELS, names)
     for model in FSDP_MODELS:
@@ -280,9 +280,9 @@ def test_fsdp2_fused_transposed_and_expert_models_equal_one_process(tmp_path):
         assert all(d <= 1e-6 for d in res["split_boundary"].values()), res["split_boundary"]
     hidden = [n for n in names if not n.startswith("scale")]  # SCALE's rules are not hidden rules: no exchange
     for model in EXPERT_MODELS:
-        _check([res["columns"][model] for res in results], [*(n + "+matrix" for n in names), *COLUMNS_WHOLE])
+        _check([res["columns"][model] for res in results], [*names, *COLUMNS_WHOLE])
         for n in hidden:
-            stacks = results[0]["columns"][model][n + "+matrix"]["by_matrix"]
+            stacks = results[0]["columns"][model][n]["by_matrix"]
             assert len(stacks) == 4 and all(len(o) == 4 and set(o) == {0, 1} for o in stacks.values()), (n, stacks)
         assert not any(results[0]["columns"][model][n]["by_matrix"] for n in COLUMNS_WHOLE)
 
