@@ -6,12 +6,13 @@ ranks' pieces pays ``U * W`` copies: a kernel launch each on a GPU, 30,000 a ste
 experts as units of their own on 1,024 ranks (``placement.by_matrix``). A *run* -- owned units next to one another
 in that order that travel as one tensor each, in one dtype, with one descriptor (so one box layout per sender) --
 is received into rows of one tensor instead, and each sender's pieces of it land in one copy per box: ``W`` copies a
-run. The bits are the same: each piece's bytes are copied to the same elements.
+run, or one where the senders' pieces tile the matrices (:func:`_tiled`: the received bytes are then the stack at a
+stride). The bits are the same: each piece's bytes are copied to the same elements.
 
 The way back (:func:`in_runs`, :func:`received_back`) mirrors it: an owner sends a rank its pieces of alike units
 part by part (every unit's first part, then every unit's second, ...), so that the rank receives each part of a
 stretch as one ``(k, ...)`` tensor, and eq. 8's factors are applied to a stretch in two kernels, not two per unit
-(``exchange._received``). The same bytes travel, in another order.
+(``transfer.apply_received``). The same bytes travel, in another order.
 """
 
 from __future__ import annotations
@@ -237,30 +238,26 @@ def received_back(specs: Sequence[list[tuple[Sequence[int], torch.dtype]] | None
             mine[owners[j]].append(j)
     size = [sum(math.prod(s) * dt.itemsize for j in js for s, dt in specs[j]) for js in mine]  # type: ignore[union-attr]
     starts = offsets(size)
-    blocks: list[tuple[Tensor, torch.dtype, list[tuple[int, ...]], list[int]]] = []  # bytes, dtype, shapes, units
+    blocks: list[tuple[int, Tensor, torch.dtype, list[tuple[int, ...]]]] = []  # per part: its run, bytes, shapes
     runs: list[list[int]] = []
     for o, js in enumerate(mine):
         start = starts[o]
         for run in alike([tuple((math.prod(s), dt) for s, dt in specs[j]) for j in js]):  # type: ignore[union-attr]
             members = [js[i] for i in run]
-            runs.append(members)
             for k, (_, dtype) in enumerate(specs[members[0]]):  # type: ignore[union-attr]
                 shapes = [tuple(specs[j][k][0]) for j in members]  # type: ignore[index]
                 n = len(members) * math.prod(shapes[0]) * dtype.itemsize
-                blocks.append((flat[start : start + n], dtype, shapes, members))
+                blocks.append((len(runs), flat[start : start + n], dtype, shapes))
                 start += n
+            runs.append(members)
     got = Received(ws if spec is None else [] for spec, ws in zip(specs, kept, strict=True))
     got.runs = [(members, []) for members in runs]
-    stacks = iter(got.runs)
-    run = None
-    for (_, _, shapes, members), block in zip(blocks, aligned([b[0] for b in blocks], [b[1] for b in blocks]),
-                                                  strict=True):
-        if run is None or run[0] is not members:
-            run = next(stacks)
+    for (r, _, _, shapes), block in zip(blocks, aligned([b[1] for b in blocks], [b[2] for b in blocks]), strict=True):
+        members, stacks = got.runs[r]
         n = math.prod(shapes[0])
         for i, (j, shape) in enumerate(zip(members, shapes, strict=True)):
             got[j].append(block[i * n : (i + 1) * n].view(shape))
-        run[1].append(block.view(len(members), *shapes[0]) if len(set(shapes)) == 1 else None)
+        stacks.append(block.view(len(members), *shapes[0]) if len(set(shapes)) == 1 else None)
     return got
 
 
@@ -270,7 +267,7 @@ def aligned(raw: Sequence[Tensor], dtypes: Sequence[torch.dtype]) -> list[Tensor
     late = [i for i, (r, dt) in enumerate(zip(raw, dtypes, strict=True)) if r.storage_offset() % dt.itemsize]
     out = list(raw)
     if late:
-        pad = torch.empty(8, dtype=torch.uint8, device=raw[0].device)  # never read: only moves the next block on
+        pad = torch.empty(16, dtype=torch.uint8, device=raw[0].device)  # never read: only moves the next block on
         parts, at, pos = [], [], 0
         for i in late:
             gap = -pos % dtypes[i].itemsize
