@@ -296,6 +296,13 @@ def test_pieces_that_tile_a_stack_are_put_together_in_one_copy():
         put_together(done, out, 4)
     assert torch.equal(done[0].stack, a) and torch.equal(done[1].stack, b) and torch.equal(done[2].stack, c)
     assert meter.ops == 1 + 4 * 2 + 1
+    # uneven shards, the first sender's piece empty (rows 0, 3, 3, 2 of 8): a copy per sender that holds any
+    cuts = [0, 0, 3, 6, 8]
+    uneven = {r: ([((slice(cuts[r], cuts[r + 1]), *full), (slice(0, cuts[r + 1] - cuts[r]), *full))],
+                  (cuts[r + 1] - cuts[r], 3)) for r in range(4)}
+    run = Run([0, 1], torch.empty_like(a), [], [uneven])
+    put_together([run], torch.cat([a[:, cuts[r] : cuts[r + 1]].reshape(-1).view(torch.uint8) for r in range(4)]), 4)
+    assert torch.equal(run.stack, a)
 
 
 def test_the_way_back_travels_part_by_part_and_is_read_back_as_stacks():

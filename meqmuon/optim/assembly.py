@@ -153,6 +153,8 @@ def _grid(where: dict, ranks: list[int], whole: tuple[int, ...]) -> tuple | None
         return None
     shape = where[ranks[0]][1]
     split = [d for d in range(len(whole)) if shape[d] != whole[d]]
+    if not all(shape):  # an empty piece: the shards are uneven
+        return None
     count = {d: whole[d] // shape[d] for d in split}
     if not split or any(whole[d] % shape[d] for d in split) or math.prod(count.values()) != len(ranks):
         return None
