@@ -9,10 +9,10 @@ is received into rows of one tensor instead, and each sender's pieces of it land
 run, or one where the senders' pieces tile the matrices (:func:`_tiled`: the received bytes are then the stack at a
 stride). The bits are the same: each piece's bytes are copied to the same elements.
 
-The way back (:func:`in_runs`, :func:`received_back`) mirrors it: an owner sends a rank its pieces of alike units
-part by part (every unit's first part, then every unit's second, ...), so that the rank receives each part of a
-stretch as one ``(k, ...)`` tensor, and eq. 8's factors are applied to a stretch in two kernels, not two per unit
-(``transfer.apply_received``). The same bytes travel, in another order.
+The way back (:func:`cut_out`, :func:`in_runs`, :func:`received_back`) mirrors it: an owner sends a rank its
+pieces of alike units part by part (every unit's first part, then every unit's second, ...), so that the rank
+receives each part of a stretch as one ``(k, ...)`` tensor, and eq. 8's factors are applied to a stretch in two
+kernels, not two per unit (``transfer.apply_received``). The same bytes travel, in another order.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .distributed import offsets, received_as
 
-__all__ = ["Received", "Run", "alike", "aligned", "in_runs", "put_together", "received_back", "runs"]
+__all__ = ["Received", "Run", "alike", "aligned", "cut_out", "in_runs", "put_together", "received_back", "runs"]
 
 
 class Run:
@@ -208,6 +208,34 @@ def alike(keys: Sequence[Hashable]) -> list[list[int]]:
         else:
             out.append([i])
     return out
+
+
+def cut_out(units: Sequence[Any], wholes: Sequence[Sequence[Tensor] | None], keys: Sequence[Sequence[str | None]],
+            where_of: Callable[[Any, str], dict], world: int) -> list[list[Tensor]]:
+    """The way back at an owner: per rank, what it sends there (:func:`in_runs`' order) of its units' ``wholes[j]``
+    (``None`` where it owns none), each tensor cut by ``keys[j]`` (``where_of(unit, key)``: per rank, its boxes;
+    ``None``, or a DDP unit: the tensor whole) for every rank of the unit's group."""
+    per_rank: list[list[list[Tensor]]] = [[] for _ in range(world)]  # per rank, per unit its pieces
+    for u, ws, ks in zip(units, wholes, keys, strict=True):
+        if ws is None:
+            continue
+        where = [None if u.replicas or k is None else where_of(u, k) for k in ks]
+        for r in u.group:
+            parts = []
+            for t, w in zip(ws, where, strict=True):
+                if w is None:
+                    parts.append(t)
+                    continue
+                boxes, shape = w[r]
+                if len(boxes) == 1:
+                    parts.append(t[boxes[0][0]])
+                    continue
+                piece = torch.empty(shape, dtype=t.dtype, device=t.device)
+                for g, loc in boxes:
+                    piece[loc].copy_(t[g])
+                parts.append(piece)
+            per_rank[r].append(parts)
+    return [in_runs(ps) for ps in per_rank]
 
 
 def in_runs(per_unit: Sequence[Sequence[Tensor]]) -> list[Tensor]:

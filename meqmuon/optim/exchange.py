@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from . import commit, transfer
-from .assembly import in_runs, put_together, received_back, runs
+from .assembly import cut_out, put_together, received_back, runs
 from .calls import Item, StepContext
 from .distributed import InFlight, LocalSplit, assign_owners, exchange_flat
 from .driver import (
@@ -255,28 +255,7 @@ class Exchange(LocalSplit):
         owns a DDP unit its own ``wholes[j]``, with alike units' parts as stacks (``assembly.Received.runs``);
         ``wait=False``: an :class:`InFlight` of them, the exchange posted."""
         units = [self.units[i] for i in indices]
-        per_rank: list[list[list[Tensor]]] = [[] for _ in range(self.world)]  # per rank, per unit its pieces
-        for u, ws, ks in zip(units, wholes, keys, strict=True):
-            if ws is None:
-                continue
-            where = [None if u.replicas or k is None else self._where(u, k) for k in ks]
-            for r in u.group:
-                parts = []
-                for t, w in zip(ws, where, strict=True):
-                    if w is None:
-                        parts.append(t)
-                        continue
-                    boxes, shape = w[r]
-                    if len(boxes) == 1:
-                        parts.append(t[boxes[0][0]])
-                        continue
-                    piece = torch.empty(shape, dtype=t.dtype, device=t.device)
-                    for g, loc in boxes:
-                        piece[loc].copy_(t[g])
-                    parts.append(piece)
-                per_rank[r].append(parts)
-        send = [in_runs(ps) for ps in per_rank]  # alike units' pieces part by part (assembly.py)
-        del per_rank
+        send = cut_out(units, wholes, keys, self._where, self.world)  # alike units' pieces part by part
         specs, sizes = [], [0] * self.world
         for u, ws, make in zip(units, wholes, like, strict=True):
             spec = None if ws is not None and u.replicas else make()  # a DDP owner keeps its own results
