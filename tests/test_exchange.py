@@ -327,7 +327,8 @@ def test_the_way_back_travels_part_by_part_and_is_read_back_as_stacks():
     specs = [[((3,), torch.uint8)], None, *([(tuple(t.shape), t.dtype) for t in ps] for ps in units)]
     meter = StepMeter()
     with meter:
-        got = received_back(specs, [0, 2] + [1] * len(units), [None, ["own"], *[None] * len(units)], flat, 3)
+        got = received_back(specs, [0, 2] + [1] * len(units), [None, ["own"], *[None] * len(units)], flat,
+                            [3, flat.numel() - 3, 0])
     assert torch.equal(got[0][0], head) and got[1] == ["own"]
     for ps, back in zip(units, got[2:], strict=True):
         assert all(torch.equal(a, b) for a, b in zip(ps, back, strict=True))

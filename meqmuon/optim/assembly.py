@@ -51,18 +51,11 @@ def runs(units: Sequence[Any], pieces: Sequence[Sequence[Tensor]], keys: Sequenc
     the boxes of its piece (``exchange.Exchange._where``)."""
     stack, rows = into if into is not None else (None, [])
     row = {j: k for k, j in enumerate(rows)}
-    out: list[list[int]] = []
-    last = None
-    for j, (u, ks) in enumerate(zip(units, keys, strict=True)):
-        if not u.mine:
-            continue
-        # alike: one tensor each, of one descriptor, dtype and owner, all in the handed stack or none
-        key = None if len(ks) != 1 else (id(u.descriptor(ks[0])), u.assigned, pieces[j][0].dtype, j in row)
-        if key is not None and out and key == last:
-            out[-1].append(j)
-        else:
-            out.append([j])
-        last = key
+    mine = [j for j, u in enumerate(units) if u.mine]
+    # alike: one tensor each, of one descriptor, dtype and owner, all in the handed stack or none (else alone)
+    out = [[mine[i] for i in stretch] for stretch in alike([
+        (id(units[j].descriptor(keys[j][0])), units[j].assigned, pieces[j][0].dtype, j in row) if len(keys[j]) == 1
+        else object() for j in mine])]
     made = []
     for members in out:
         u, ps, ks = units[members[0]], pieces[members[0]], keys[members[0]]
@@ -258,16 +251,16 @@ class Received(list):
 
 
 def received_back(specs: Sequence[list[tuple[Sequence[int], torch.dtype]] | None], owners: Sequence[int],
-                  kept: Sequence[list[Tensor] | None], flat: Tensor, world: int) -> Received:
-    """The way back's received bytes ``flat`` (rank ``0``'s first) as per unit its parts in the shapes and dtypes of
-    ``specs[j]`` from owner ``owners[j]`` (``None``: the unit's ``kept`` parts, a DDP owner's own), read in
-    :func:`in_runs`' order: a stretch's part as one tensor (:func:`aligned`), each unit's a view of it."""
-    mine: list[list[int]] = [[] for _ in range(world)]
+                  kept: Sequence[list[Tensor] | None], flat: Tensor, sizes: Sequence[int]) -> Received:
+    """The way back's received bytes ``flat`` (rank ``0``'s first, ``sizes[o]`` of them from owner ``o``) as per unit
+    its parts in the shapes and dtypes of ``specs[j]`` from owner ``owners[j]`` (``None``: the unit's ``kept`` parts,
+    a DDP owner's own), read in :func:`in_runs`' order: a stretch's part as one tensor (:func:`aligned`), each unit's
+    a view of it."""
+    mine: list[list[int]] = [[] for _ in sizes]
     for j, spec in enumerate(specs):
         if spec is not None:
             mine[owners[j]].append(j)
-    size = [sum(math.prod(s) * dt.itemsize for j in js for s, dt in specs[j]) for js in mine]  # type: ignore[union-attr]
-    starts = offsets(size)
+    starts = offsets(sizes)
     blocks: list[tuple[int, Tensor, torch.dtype, list[tuple[int, ...]]]] = []  # per part: its run, bytes, shapes
     runs: list[list[int]] = []
     for o, js in enumerate(mine):

@@ -268,8 +268,8 @@ class Exchange(LocalSplit):
         del send
         kept = [ws if spec is None else None for ws, spec in zip(wholes, specs, strict=True)]  # a DDP owner's own
         owners = [u.owner for u in units]
-        return (received_back(specs, owners, kept, flat, self.world) if wait else  # type: ignore[arg-type]
-                InFlight(None, lambda: received_back(specs, owners, kept, flat.wait(), self.world)))  # type: ignore[union-attr]
+        return (received_back(specs, owners, kept, flat, sizes) if wait else  # type: ignore[arg-type]
+                InFlight(None, lambda: received_back(specs, owners, kept, flat.wait(), sizes)))  # type: ignore[union-attr]
 
 
 # ---- a momentum rule's step through the exchange ----------------------------------------------------------
