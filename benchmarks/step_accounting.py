@@ -80,8 +80,7 @@ FLOP_OPS = frozenset({*MATMULS, "matmul"})
 #: nothing).
 ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
 #: Ops that the dispatcher sees but that run on the host alone: a dtype worked out (``torch.promote_types``), a
-#: tensor pointed at another storage (``set_``), the profiler's marks (``torch.profiler.record_function``). Counted
-#: as kernels until 2026-11-29 (docs/benchmarks.md, "The way back part by part").
+#: tensor pointed at another storage (``set_``), the profiler's marks (``torch.profiler.record_function``).
 HOST_ONLY = frozenset({"promote_types", "set_", "_record_function_enter_new", "_record_function_exit"})
 
 

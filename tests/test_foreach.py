@@ -56,7 +56,7 @@ def _run(name, foreach, dtype=torch.float32, steps=10, device="cpu", **kw):
 
 #: Where 10 float32 steps of the two forms may differ by more than 1e-5 relative, and why. Aurora chains two
 #: 12-iteration polars per step, the second preconditioned by the first's row norms, which amplifies the forms'
-#: summation order: 1.16e-5 of the largest weight on an AMX CPU (``AVX512+AVX512_BF16+AMX_BF16``, 2026-11-29).
+#: summation order: 1.16e-5 of the largest weight on an AMX CPU (``AVX512+AVX512_BF16+AMX_BF16``).
 RTOL = {"aurora": 5e-5}
 
 
@@ -188,8 +188,8 @@ def test_op_counts_at_llama_60m_shapes():
     # direction inputs made a bucket at a time from the unchanged momentum and the per-matrix state written with the
     # step's other writes (issue 56: every step all or nothing). The default, nonfinite="skip", adds the check (one
     # kernel per dtype) and the skip flag folded into the writes: the gradients sanitised in one flat copy per
-    # write that reads them, factors that are 1 on a skipped step, the directions' stacks zeroed (commit.py). Since
-    # 2026-11-29 the host's own ops (step_accounting.HOST_ONLY: the profiler's two marks) are not counted: 2 fewer.
+    # write that reads them, factors that are 1 on a skipped step, the directions' stacks zeroed (commit.py). The
+    # host's own ops (step_accounting.HOST_ONLY: here the profiler's two marks) are not counted.
     plain = {n: op_count.count_step_ops(n, shapes, foreach=True, nonfinite="propagate").total
              for n in ("muon", "normuon", "meqmuon")}
     assert plain["muon"] <= 60 and plain["normuon"] <= 119 and plain["meqmuon"] <= 105, plain
