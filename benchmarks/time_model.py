@@ -41,13 +41,12 @@ not measured on GPUs. None counts host time: the model predicts device time, whi
 step's (the host runs ahead; see :func:`validate`), as long as the host's launches take less: ``host``, the
 busiest simulated rank's kernels at :attr:`Hardware.launch` each, is a floor under every schedule.
 
-**Critical path.** Newton-Schulz's lower bound is ``max(total / W, largest)`` in calibrated time (the total
-spread evenly; no matrix split); today's is the serial sum over rounds of the busiest owner's time, and the
-busiest rank's own total (what a perfect pipeline could reach without splitting matrices). With ``ns_group=g``
-(``meqmuon/optim/shared_ns.py``) a block of ``g`` ranks, or of a size dividing ``g``, may share a unit: each member
-then has its share
-(:func:`share_seconds`) and the block's collectives it waits for (:func:`block_seconds`, over NVLink), counted in its
-Newton-Schulz time, and the largest matrix's term is its time over ``g``.
+**Critical path.** Newton-Schulz along the serial rounds (each round's busiest owner, what a pipeline waits for) and
+the busiest rank's own total (every round in flight). With ``ns_group=g`` (``meqmuon/optim/shared_ns.py``) a block
+of ``g`` ranks, or of a size dividing ``g``, may share a unit: each member then has its share (:func:`share_seconds`)
+and the block's collectives it waits for (:func:`block_seconds`, over NVLink). Their lower bounds: the issue's,
+compute only (:attr:`StepTimes.work_bound`), and the form's, its collectives and its units' packing included
+(:func:`form_bound`), of the busiest rank and of the serial rounds.
 
 **Inputs and their sources** (:data:`H100`, :data:`H200`, ``--help`` for the options):
 
@@ -331,27 +330,37 @@ def ways(matrices: list, seconds: float, dtype: str, itemsize: int, g: int, cal:
 
 
 def form_bound(rounds: list[Round], world: int) -> float:
-    """The critical path's lower bound for plans of the issue's form, their collectives included: the least ``T``
-    at which every unit has a way (:func:`ways`) of at most ``T`` per rank, and the units, each its way of fewest
-    rank-seconds within ``T``, fit ``world`` ranks for ``T``: ``sum_u min_{t_z(u) <= T} z t_z(u) <= W T``. Both
-    sides are monotone in ``T`` (more ways within a larger ``T``), so ``T`` is found by bisection. It ignores how
-    units pack onto ranks and a layout that pins units to ranks (local experts), so a plan may sit above it, never
-    below."""
+    """The critical path's lower bound for plans of the issue's form, their collectives included: the least ``T`` at
+    which every unit has a way (:func:`ways`) of at most ``T`` per rank and the units fit ``world`` ranks for ``T``,
+    counted by Fekete and Schepers' dual feasible functions (Math. Programming 91, 2001, "New classes of fast lower
+    bounds for bin packing problems"): for ``0 <= e <= T / 2``, ``u(x) = 1`` where ``x > T - e``, ``x / T`` where
+    ``e <= x <= T - e``, ``0`` where ``x < e`` sums to at most 1 on any rank loaded within ``T`` (a share above
+    ``T - e`` leaves room only for shares below ``e``), so a plan within ``T`` has ``sum_u min_{t_z(u) <= T} z
+    u(t_z(u)) <= W``. ``e = 0`` is the fluid bound ``T_0`` (every rank-second used); a larger ``e`` counts a share
+    that leaves no room for another of ``e`` as a whole rank (70B on 1,024 ranks: beside a 4-share of an MLP matrix,
+    23.7 ms, only a q matrix's 8-share, 9.9 ms, fits). For one ``e`` the test is monotone in ``T`` (``u`` falls and
+    the ways grow with ``T``), so its least ``T`` is bisected, for ``e`` in 0, ``T_0 / 2`` and the ways' times within
+    it; the bound is the largest. It ignores block alignment and units a layout pins to ranks (local experts), so a
+    plan may sit above it, never below."""
     units = [(rd.units, rd.ways) for rd in rounds if rd.units and rd.ways]
     if not units:
         return 0.0
 
-    def fits(t: float) -> bool:
-        return sum(k * min(z * s for z, s in w if s <= t) for k, w in units) <= world * t
+    def least(e: float, lo: float) -> float:
+        def fits(t: float) -> bool:
+            return sum(k * min(z * (1.0 if s > t - e else s / t if s >= e else 0.0) for z, s in w if s <= t)
+                       for k, w in units) <= world
 
-    lo = max(min(s for _, s in w) for _, w in units)
-    hi = lo
-    while not fits(hi):
-        hi *= 2
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return hi
+        hi = lo
+        while not fits(hi):
+            hi *= 2
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        return hi
+
+    fluid = least(0.0, max(min(s for _, s in w) for _, w in units))
+    return max([fluid, *(least(e, fluid) for e in {fluid / 2} | {s for _, w in units for _, s in w if s <= fluid / 2})])
 
 
 def share_seconds(how: str, matrices: list, dtype: str, g: int, cal: Calibration, hw: Hardware) -> float:
@@ -418,21 +427,19 @@ def pipeline(out: list[float], compute: list[list[float]], back: list[float], ov
 
 @dataclass
 class StepTimes:
-    """One configuration's modelled step, in seconds (the module docstring): ``serial`` (today's blocking
-    rounds) and ``overlapped`` (a two-bucket pipeline), and that pipeline with nothing to exchange
-    (``overlapped_compute``: what is left of ``overlapped`` is the exchange it could not hide, :attr:`hidden`);
-    ``one_exchange``: every round's pieces out in one collective, every owner's Newton-Schulz, everything back in
-    one (blocking, not overlapped: the rounds' owners then work at once); ``in_flight``: every round in flight
-    (``overlap="all"``), and it with nothing to exchange (``in_flight_compute``, :attr:`hidden_in_flight`); their
-    parts: the collectives of the
-    rounds both ways (``exchange``), Newton-Schulz along today's serial rounds (``ns_serial``), the busiest rank's own
-    (``ns_busiest``), the mean rank's and the largest matrix's (:attr:`ns_bound`, the larger), the least work of
-    every matrix over the ranks (``ns_work``: the quintic with its Gram matrix mirrored as a column split makes it,
-    no share's collectives: the issue's bound, :attr:`work_bound`), the bound with the collectives of the
-    issue's form (``ns_form``, :func:`form_bound`), the elementwise
-    passes of the most loaded simulated rank, the other collectives; ``factor``: measured over planned bytes;
-    ``extrapolated``: some shape's Newton-Schulz time is not in the calibration table; ``kernels``: the most a
-    simulated rank launches (``StepMeter.ops``), ``host`` their launches' time, a floor under the step."""
+    """One configuration's modelled step, in seconds (the module docstring): ``serial`` (today's blocking rounds),
+    ``overlapped`` (a two-bucket pipeline) and ``in_flight`` (every round in flight, ``overlap="all"``), each also
+    with nothing to exchange (``*_compute``: the rest is the exchange not hidden, :attr:`hidden`,
+    :attr:`hidden_in_flight`); ``one_exchange``: every round's pieces out in one collective, every owner's
+    Newton-Schulz, everything back in one. Their parts: the rounds' collectives both ways (``exchange``);
+    Newton-Schulz along the serial rounds (``ns_serial``), the busiest rank's own (``ns_busiest``), the mean rank's
+    and the largest matrix's (:attr:`ns_bound`, the larger); the bounds: every matrix's least work over the ranks
+    (``ns_work``: the quintic with its Gram matrix mirrored, no share's collectives; :attr:`work_bound`, the
+    issue's), the form's with its collectives and packing (``ns_form``, :func:`form_bound`, the busiest rank's) and
+    the sum of each round's alone (``ns_form_rounds``, the serial rounds'); the elementwise passes of the most loaded
+    simulated rank, the other collectives; ``factor``: measured over planned bytes; ``extrapolated``: some shape's
+    Newton-Schulz time is not in the calibration table; ``kernels``: the most a simulated rank launches
+    (``StepMeter.ops``), ``host`` their launches' time, a floor under the step."""
 
     serial: float
     overlapped: float
@@ -447,6 +454,7 @@ class StepTimes:
     ns_largest: float
     ns_work: float
     ns_form: float
+    ns_form_rounds: float
     elementwise: float
     other: float
     factor: float
@@ -520,24 +528,22 @@ def step_times(summary: dict, hw: Hardware, cal: Calibration, longest_first: boo
         exchange=sum(out) + sum(back), ns_serial=sum(max(rd.ns) for rd in rounds),
         ns_busiest=max(per_rank, default=0.0), ns_mean=sum(per_rank) / world, ns_largest=largest,
         ns_work=sum(rd.work for rd in rounds) / world,
-        ns_form=form_bound(rounds, world),
+        ns_form=form_bound(rounds, world), ns_form_rounds=sum(form_bound([rd], world) for rd in rounds),
         elementwise=elementwise, other=other, factor=factor,
         extrapolated=any(rd.kind == "extrapolated" for rd in rounds if any(rd.ns)),
         kernels=(kernels := max((r.get("ops") or 0 for r in inputs["ranks"]), default=0)), host=kernels * hw.launch)
 
 
 def train_seconds(params: int, tokens: int, world: int, hw: Hardware, mfu: float) -> float:
-    """Forward and backward of one step: ``6 params tokens`` FLOPs over ``world`` GPUs at ``mfu`` of the bf16
-    peak."""
+    """Forward and backward of one step: ``6 params tokens`` FLOPs over ``world`` GPUs at ``mfu`` of bf16's peak."""
     return 6 * params * tokens / (world * hw.peak["bfloat16"] * mfu)
 
 
 HEADER = ("| model | layout | ranks | optimizer | exchange, both ways | Newton-Schulz: serial rounds / busiest rank / "
-          "mean rank / largest matrix | serial / bound | busiest / work bound | busiest / form bound | elementwise | "
-          "step: serial | two-bucket pipeline | exchange "
-          "hidden by it | every bucket in flight | exchange hidden by it | one exchange | kernels: count / host's "
-          "launches | fwd+bwd at MFU "
-          "| share: serial | pipeline | in flight | one exchange |")
+          "mean rank / largest matrix | serial rounds / their form bound | busiest / work bound | busiest / form bound "
+          "| elementwise | step: serial | two-bucket pipeline | exchange hidden by it | every bucket in flight | "
+          "exchange hidden by it | one exchange | kernels: count / host's launches | fwd+bwd at MFU | share: serial | "
+          "pipeline | in flight | one exchange |")
 
 
 def _ms(x: float) -> str:
@@ -546,8 +552,7 @@ def _ms(x: float) -> str:
 
 def table(summaries: list[dict], hw: Hardware, cal: Calibration, mfu: float, tokens: dict[str, int],
           longest_first: bool = False) -> str:
-    """The time table (``HEADER``) of ``scale_sim`` summaries; an extrapolated Newton-Schulz time is marked
-    ``*``."""
+    """The time table (``HEADER``) of ``scale_sim`` summaries; an extrapolated Newton-Schulz time marked ``*``."""
     lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     for s in summaries:
         group, relay = (s.get("time_inputs", {}).get(k, 1) for k in ("ns_group", "relay_group"))
@@ -562,7 +567,7 @@ def table(summaries: list[dict], hw: Hardware, cal: Calibration, mfu: float, tok
         star = "*" if t.extrapolated else ""
         ns = (f"{_ms(t.ns_serial)} / {_ms(t.ns_busiest)} / {_ms(t.ns_mean)} / {_ms(t.ns_largest)}{star}"
               if t.ns_bound else "-")
-        ratio = f"{t.ns_serial / t.ns_bound:.2f}x" if t.ns_bound else "-"
+        ratio = f"{t.ns_serial / t.ns_form_rounds:.2f}x" if t.ns_form_rounds else "-"
         ratio += f" | {t.ns_busiest / t.work_bound:.2f}x" if t.work_bound else " | -"
         ratio += f" | {t.ns_busiest / t.ns_form:.2f}x" if t.ns_form else " | -"
         hidden = f"{t.hidden:.0%}" if t.exchange else "-"

@@ -641,7 +641,8 @@ def test_the_time_model_gives_each_block_member_its_share_and_the_blocks_collect
     assert times.ns_mean > times.ns_work  # the shares' collectives
     # the bound of the form, collectives included: each unit whole (the full quintic) or shared by a block of 2, 4
     # or 8 (a member's part and the block's collectives); the least T where every unit has a way within T and the
-    # units' rank-seconds at their thriftiest way within T fit 16 ranks for T. Found here by scanning T upwards.
+    # units' rank-seconds at their thriftiest way within T fit 16 ranks for T. Found here by scanning T upwards (the
+    # fluid bound; how units pack raises it nowhere here: tests/test_scale_sim.py tests the packing).
     units = [(sum(k for _, k in rd["owned"]), rd["matrices"]) for rd in inputs["rounds"] if rd["owned"]]
 
     def options(shapes):
