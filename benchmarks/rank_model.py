@@ -22,6 +22,8 @@ each hidden-kind parameter (the Newton-Schulz kind), per rank ``r`` of the defau
   ``matrices``: its view's matrices) and of them the ones a block shares (``shared``: ``[owner, how, block
   size]`` per unit, ``shared_ns``; ``block``: the optimizer's ``ns_group``, the largest); whole local matrices are
   rounds without an exchange (``local`` empty). A shared unit's FLOPs are its members' shares (``shared_ns.share``).
+  Whole local matrices a block holds alike (``shared_ns.ReplicaShare``) are each member's ``ceil(K / z)`` of the
+  block's ``K`` (``replicas``: ``z``), and ``gathered``: the bytes each rank receives of the others' parts.
 
 **The reachable bound.** With whole-matrix Newton-Schulz at owners, rank ``r`` must send its pieces as
 Newton-Schulz input and the directions of every piece of its owned matrices, and receive those pieces and
@@ -126,7 +128,7 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
     from meqmuon.optim.newton_schulz import method_flops
     from meqmuon.optim.owners import Replicas
     from meqmuon.optim.placement import Path
-    from meqmuon.optim.shared_ns import share_flops
+    from meqmuon.optim.shared_ns import ReplicaShare, share_flops
 
     world = dist.get_world_size()
     model = RankModel(world, itemsize, [0] * world, [0] * world, [0] * world)
@@ -147,11 +149,18 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
             shapes = e.layout.shapes()
             if e.path is Path.LOCAL:  # whole local matrices: replicated, or a stack's own members
                 total = sum(method_flops(group, m, n) for m, n in shapes)
+                z = e.split.size if isinstance(e.split, ReplicaShare) else 1  # a block's alike, shared (below)
                 for r, n in enumerate(local_numels(e.param, world, cache)):
-                    model.flops[r] += total * n // e.param.numel()
+                    model.flops[r] += total * n // e.param.numel() if z == 1 else 0
                     for (m, c), k in Counter(shapes).items() if n else ():  # the whole matrices rank r holds
-                        owned = round_of(("local", m, c), m, c, False)["owned"]
-                        owned[r] = owned.get(r, 0) + k * n // e.param.numel()
+                        rnd = round_of(("local", m, c), m, c, False)
+                        if z > 1:  # by the block (its first rank: rank r less its place), shared at the end
+                            first = r - e.split.place
+                            held = rnd.setdefault("alike", {})
+                            held[first] = held.get(first, 0) + k * n // e.param.numel()
+                            rnd["replicas"], rnd["matrix_flops"] = z, method_flops(group, m, c)
+                            continue
+                        rnd["owned"][r] = rnd["owned"].get(r, 0) + k * n // e.param.numel()
                 continue
             if e.path is not Path.OWNERS:
                 raise NotImplementedError(f"rank_model: path {e.path} of {e.name}")
@@ -186,6 +195,15 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
                     part = share_flops(unit.shared, matrices, group, unit.block)  # FLOPs: no link priced in
                     for member in ex.blocks[unit.block].members(q):
                         model.flops[member] += part
+    for rnd in rounds.values():  # a block's alike stack: each member ceil(K / z) of its K, the others' gathered
+        z, (m, c), flops = rnd.get("replicas", 1), rnd["shape"], rnd.pop("matrix_flops", 0)
+        for first, k in rnd.pop("alike", {}).items():
+            part = -(-k // z)
+            for j in range(z):
+                mine = min(part, max(0, k - j * part))
+                rnd["owned"][first + j] = rnd["owned"].get(first + j, 0) + mine
+                model.flops[first + j] += mine * flops
+                rnd.setdefault("gathered", [0] * world)[first + j] += (z - 1) * part * m * c * itemsize
     for rnd, pieces, count in alike.values():
         for r in range(world):
             n = count * pieces.numel(r)

@@ -338,8 +338,9 @@ def summarise(result: dict, itemsize: int = 4) -> dict:
         "overlap": r0.get("overlap"), "exchange_unit": r0.get("exchange_unit", "matrix"),
         "ranks": [{**{k: r.get(k) for k in ("rank", "sent", "received", "flops", "ops", "traffic")},
                    # the bytes of a block's collectives (ns_group: groups smaller than the world), not the exchange's
-                   "block": sum(n for size, n in r.get("bytes_by_group_size", {}).items()
-                                if size is not None and int(size) < world)} for r in rows],
+                   **{key: sum(n for size, n in r.get(by, {}).items() if size is not None and int(size) < world)
+                      for key, by in (("block", "bytes_by_group_size"), ("block_received", "received_by_group_size"))}}
+                  for r in rows],
         **({k: r0["ranks_model"][k] for k in ("local", "owned", "rounds")} if "ranks_model" in r0 else {})}
     model = _model_of(r0, itemsize)
     if model is None:

@@ -160,6 +160,7 @@ class StepMeter(TorchDispatchMode):
         self.calls: Counter = Counter()
         self.bytes_by_name: Counter = Counter()
         self.bytes_by_group_size: Counter = Counter()
+        self.received_by_group_size: Counter = Counter()
         #: Calls and bytes per ``"name@group size"``: a block's collectives (``ns_group``) apart from the world's.
         self.calls_by_group: Counter = Counter()
         self.bytes_by_group: Counter = Counter()
@@ -201,6 +202,7 @@ class StepMeter(TorchDispatchMode):
         self.bytes_by_name[name] += sent + received
         size = _group_size(args)
         self.bytes_by_group_size[size] += sent + received
+        self.received_by_group_size[size] += received
         self.calls_by_group[f"{name}@{size}"] += 1
         self.bytes_by_group[f"{name}@{size}"] += sent + received
 
@@ -226,6 +228,7 @@ class StepMeter(TorchDispatchMode):
         return {"calls": dict(self.calls), "sent": self.sent, "received": self.received, "flops": self.flops,
                 "peak": self.peak, "bytes_by_name": dict(self.bytes_by_name),
                 "bytes_by_group_size": dict(self.bytes_by_group_size), "calls_by_group": dict(self.calls_by_group),
+                "received_by_group_size": dict(self.received_by_group_size),
                 "bytes_by_group": dict(self.bytes_by_group), "ops": self.ops, "traffic": self.traffic}
 
 

@@ -94,8 +94,7 @@ TOKENS = {"llama3-8b": 16 * 2**20, "llama3-70b": 16 * 2**20, "llama3-405b": 16 *
 
 
 def ns_flops(m: int, n: int, steps: int = 5) -> int:
-    """Matmul FLOPs of ``steps`` quintic Newton-Schulz iterations of an ``m x n`` matrix (the GPU default's;
-    ``meqmuon.optim.newton_schulz.ns_flops``)."""
+    """Matmul FLOPs of ``steps`` quintic iterations of an ``m x n`` matrix (``newton_schulz.ns_flops``)."""
     from meqmuon.optim.newton_schulz import ns_flops as count
 
     return count(m, n, steps)
@@ -135,8 +134,7 @@ class Hardware:
         return self.hbm * self.hbm_efficiency
 
     def link_bytes(self, nbytes: float, world: int) -> tuple[float, float]:
-        """``nbytes`` a rank moves one way, spread evenly over ``world`` ranks: (over NVLink, over the network);
-        its own share stays."""
+        """``nbytes`` a rank moves one way, spread evenly over ``world`` ranks: (NVLink, network); its own stays."""
         p = min(self.ranks_per_node, world)
         return nbytes * (p - 1) / world, nbytes * (world - p) / world
 
@@ -272,8 +270,11 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
                                                        strict=True)]
     factor = 1.0
     if any(plan):
-        # the exchange's bytes: a block's collectives (ns_group) are the rounds' block_seconds
-        measured = {r["rank"]: max(r["sent"], r["received"]) - r.get("block", 0) / 2 for r in inputs["ranks"]}
+        def exchanged(r: dict) -> float:  # a block's collectives (ns_group, ReplicaShare) are priced apart
+            down = r.get("block_received", r.get("block", 0) / 2)  # earlier simulations: half of them each way
+            return max(r["sent"] - (r.get("block", 0) - down), r["received"] - down)
+
+        measured = {r["rank"]: exchanged(r) for r in inputs["ranks"]}
         top = max(measured, key=lambda r: (plan[r], -r))
         factor = measured[top] / plan[top] if plan[top] else 1.0
     rounds = []
@@ -294,6 +295,8 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
         moved = ([factor * itemsize * max(loc, k * size) for loc, k in zip(rd["local"], owned, strict=True)]
                  if rd["local"] else [0.0] * world)
         ns = [k * seconds for k in owned]
+        for r, b in enumerate(rd.get("gathered", ())):  # a block's alike stack, the others' parts gathered (NVLink)
+            ns[r] += hw.base_latency + (rd["replicas"] - 1) * hw.nvlink.latency + b / hw.nvlink.bandwidth if b else 0
         for q, how, *block in rd.get("shared", []):  # a unit a block shares: each member its part and the block's
             ns[q] -= seconds                          # collectives, the owner still receiving it whole
             g = block[0] if block else rd.get("block", 1)  # its own block's size (earlier simulations: ns_group's)
@@ -648,8 +651,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu", default="h100", choices=sorted(HARDWARE))
     parser.add_argument("--calibration", default=str(DEFAULT_CALIBRATION), help="Newton-Schulz times per shape")
     parser.add_argument("--extrapolate-rate", type=float, default=None,
-                        help="a fraction of the dtype's peak for shapes not in the calibration table, instead of "
-                             "the nearest entry's rate")
+                        help="a fraction of the dtype's peak for shapes the table lacks, not the nearest's rate")
     parser.add_argument("--ranks-per-node", type=int, default=8)
     parser.add_argument("--nvlink-gbs", type=float, default=None, help="NVLink GB/s each way (default 370)")
     parser.add_argument("--network-gbs", type=float, default=None, help="network GB/s per GPU (default 48)")
@@ -660,8 +662,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="the rounds by their Newton-Schulz time, longest first, not in the plan's order")
     parser.add_argument("--relay-group", type=int, default=None,
                         help="the exchange relayed through nodes of this many ranks (relay_group) in every "
-                             "configuration: the same plan's bytes routed through the owners' nodes, so a "
-                             "simulation without the relay serves")
+                             "configuration: the plan's bytes routed so (a simulation without the relay serves)")
     parser.add_argument("--launch-us", type=float, default=None,
                         help="the host's microseconds a kernel launch (default 5): the host's floor under a step")
     parser.add_argument("--validate", action="store_true", help="the model against the single-GPU steps")
@@ -670,13 +671,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    hw = replace(HARDWARE[args.gpu], ranks_per_node=args.ranks_per_node)
-    if args.nvlink_gbs:
-        hw = replace(hw, nvlink=replace(hw.nvlink, bandwidth=args.nvlink_gbs * 1e9))
-    if args.network_gbs:
-        hw = replace(hw, network=replace(hw.network, bandwidth=args.network_gbs * 1e9))
-    if args.launch_us is not None:
-        hw = replace(hw, launch=args.launch_us * 1e-6)
+    hw = HARDWARE[args.gpu]
+    hw = replace(hw, ranks_per_node=args.ranks_per_node, launch=hw.launch if args.launch_us is None else
+                 args.launch_us * 1e-6, **{k: replace(getattr(hw, k), bandwidth=gbs * 1e9) for k, gbs in
+                                           (("nvlink", args.nvlink_gbs), ("network", args.network_gbs)) if gbs})
     cal = Calibration.load(args.calibration)
     cal.rate_fraction = args.extrapolate_rate
     if args.validate:

@@ -299,6 +299,7 @@ def _fsdp_tp_worker(rank, names, ckpt):
     out = compare_under_layout("llama", names, shard)
     out["dcp"] = dcp_resume("llama", "meqmuon", shard, os.path.join(ckpt, "meqmuon"))
     out["submesh"] = _submesh(mesh)
+    out["alike"] = _alike(mesh)
     return out
 
 
@@ -329,6 +330,39 @@ def _submesh(mesh) -> dict:
             "meshes": [p.device_mesh.size() for p in model.parameters()]}
 
 
+def _alike(mesh) -> dict:
+    """A stack of 4 experts FSDP2 shards on ``mesh["dp"]`` only (2 whole experts a rank, ``Path.LOCAL``), repeated over
+    ``tp``, with ``ns_group=1`` and 2 (``shared_ns.ReplicaShare``: the TP pair shares them): per ``ns_group`` the
+    largest difference from one process fed the same gradients, the step's matmul FLOPs (torch's
+    ``FlopCounterMode``), the splitter, and the rank's piece after three steps."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+    from torch.utils.flop_counter import FlopCounterMode
+
+    out = {}
+    for ns_group in (1, 2):
+        torch.manual_seed(0)
+        model = torch.nn.Module()
+        model.experts = torch.nn.Parameter(torch.randn(4, 16, 32))
+        ref = copy.deepcopy(model)
+        fully_shard(model, mesh=mesh["dp"])
+        opts = [meqmuon.build_optimizer("meqmuon", [{"params": [m.experts], "kind": "hidden", "views": ["stacked"]}],
+                                        lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, foreach=True,
+                                        ns_group=ns_group if m is model else 1) for m in (model, ref)]
+        flops = []
+        for step in range(STEPS):
+            g = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(step))
+            model.experts.grad = distribute_tensor(g, model.experts.device_mesh, model.experts.placements)
+            ref.experts.grad = g.clone()
+            with FlopCounterMode(display=False) as counter:
+                opts[0].step()
+            flops.append(counter.get_total_flops())
+            opts[1].step()
+        out[ns_group] = {"diff": (model.experts.full_tensor() - ref.experts).abs().max().item(), "flops": flops,
+                         "split": type(opts[0]._plan()[0][1][0].split).__name__, "piece": model.experts.to_local()}
+    return out
+
+
 def test_fsdp2_over_tensor_parallel_2x2_equals_one_process(tmp_path):
     """FSDP2 over TP on a 2 x 2 mesh (4 processes): ``_StridedShard`` colwise weights, ``(Shard(0), Shard(1))``
     rowwise ones, ``(Shard(0), Replicate())`` norms; equal to one process, and relayed through two nodes of two
@@ -344,6 +378,15 @@ def test_fsdp2_over_tensor_parallel_2x2_equals_one_process(tmp_path):
     # a parameter on the dp sub-mesh only (tensor parallelism left its module alone): planned on the whole mesh
     for res in results:
         assert res["submesh"]["meshes"] == [4, 4, 2] and res["submesh"]["diff"] <= 1e-6, res["submesh"]
+    # its whole local experts, alike on a TP pair: shared by the pair with ns_group=2, half the matmuls each, the
+    # same bits on both (ranks 0, 1 and 2, 3 are the pairs), and as one process's
+    for res in results:
+        alike = res["alike"]
+        assert alike[1]["split"] == "LocalSplit" and alike[2]["split"] == "ReplicaShare"
+        assert all(alike[z]["diff"] <= 1e-6 for z in (1, 2)), alike
+        assert all(2 * b == a > 0 for a, b in zip(alike[1]["flops"], alike[2]["flops"], strict=True)), alike
+    pieces = [res["alike"][2]["piece"] for res in results]
+    assert torch.equal(pieces[0], pieces[1]) and torch.equal(pieces[2], pieces[3])
 
 
 def _compiled_worker(rank, names):

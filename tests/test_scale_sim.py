@@ -612,3 +612,32 @@ def test_the_form_bound_counts_how_units_pack_and_no_plan_goes_below_it():
         assert fluid(units, 4) * (1 - 2e-4) <= bound <= best * (1 + 1e-9)
         above += bound > fluid(units, 4) * 1.01
     assert above  # the packing counted somewhere
+
+
+def test_a_tp_pair_shares_the_experts_it_holds_alike_and_the_models_count_each_members_part(tmp_path):
+    """DeepSeek-V3 in small under FSDP2 x TP on 2 x 2 fake ranks with ``ns_group=2``: the experts FSDP2 shards on
+    ``dp`` only, repeated over ``tp``, are whole local matrices each TP pair holds alike, which the pair shares
+    (``shared_ns.ReplicaShare``). Every rank simulated, each in a process of its own: the rank model's FLOPs are
+    every rank's measured ones, its rounds of local matrices give each member half and the bytes it gathers of its
+    partner's half, and the time model adds that gather over NVLink to the member's Newton-Schulz."""
+    import json
+
+    path = tmp_path / "moe.json"
+    scale_sim.main(["--model", "moe-tiny", "--layout", "fsdp2xtp", "--ranks", "2x2", "--sample-ranks", "0,1,2,3",
+                    "--ns-group", "2", "--layers", "2", "--save", str(path)])
+    summary = json.loads(path.read_text())[0]
+    assert summary["flops_model_exact"] and summary["sampled"] == [0, 1, 2, 3]
+    inputs = summary["time_inputs"]
+    local = [rd for rd in inputs["rounds"] if not rd["local"]]
+    assert local and all(rd["replicas"] == 2 for rd in local)
+    cal = time_model.Calibration("test", rate_fraction=0.5)
+    hw = _hardware(8, latency=1e-6)
+    rounds, _ = time_model.rounds_of(inputs, 4, cal, hw)
+    for rd in local:
+        owned, (m, n) = dict(rd["owned"]), rd["shape"]
+        assert sorted(owned) == [0, 1, 2, 3] and len(set(owned.values())) == 1  # half of each pair's stack each
+        assert rd["gathered"] == [owned[0] * m * n * 4] * 4  # the partner's half, float32
+        got = next(r for r in rounds if list(r.shape) == rd["shape"] and not any(r.out))
+        whole = owned[0] * cal.seconds(m, n, "float32", hw)[0]
+        gather = hw.base_latency + hw.nvlink.latency + owned[0] * m * n * 4 / hw.nvlink.bandwidth
+        assert got.ns == pytest.approx([whole + gather] * 4)

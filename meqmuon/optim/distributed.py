@@ -128,6 +128,11 @@ class LocalSplit:
         #: Newton-Schulz buffers reused by same-shape matrices within a step (``F.orthogonalize``).
         self.workspace: dict = {}
 
+    def ns_for(self, group: dict, ctx: Any) -> Callable[..., Tensor] | None:
+        """The batched form's Newton-Schulz in the method's place (``driver.directions``' ``ns``), or ``None``: the
+        group's method, whole here (``shared_ns.ReplicaShare``: a block's share)."""
+        return None
+
 
 class RowSums(LocalSplit):
     """``placement.ROWS``: every rank updates its whole rows of a tensor, and :meth:`psum` sums the statistics'

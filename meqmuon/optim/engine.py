@@ -22,7 +22,7 @@ from .calls import Item, StepContext
 from .commit import SKIPPED, Commit
 from .cuda_graph import GraphedStep
 from .decision import NONFINITE
-from .distributed import LocalSplit, RowSums, is_dtensor, local, resolve_process_group
+from .distributed import LocalSplit, is_dtensor, local, resolve_process_group
 from .driver import HiddenRule
 from .entry import Entry, held_rows
 from .exchange import DEPTHS, Exchange
@@ -83,7 +83,9 @@ class RoleOptimizer(Optimizer):
 
     ``ns_group`` (every optimizer takes it; default 1, off): under ``torch.distributed``, blocks of this many
     consecutive ranks (a node's GPUs), or a size dividing it, may share one unit's Newton-Schulz where the plan
-    predicts it shortens the step (``shared_ns.py``: a stack by matrices, a large matrix by columns, exact to rounding).
+    predicts it shortens the step (``shared_ns.py``: a stack by matrices, a large matrix by columns, exact to rounding),
+    and whole local matrices that a block holds alike (experts repeated over ``tp``) are shared by it in the batched
+    form (``shared_ns.ReplicaShare``), not orthogonalised by every member.
     ``relay_group`` (default 1, off): the exchange relayed through the receiving node of this many consecutive
     ranks, so that an owner's bytes cross all its node's network links (``relay.py``; the same bytes, bit for bit).
     ``exchange_unit`` (every optimizer takes it): the exchange's unit of a DTensor stack that no placement splits
@@ -194,7 +196,7 @@ class RoleOptimizer(Optimizer):
         #: The plan's splitters: the exchange of ``OWNERS`` (``None`` without one), the ``RowSums`` of ``ROWS`` by
         #: mesh and placements, and ``LOCAL``'s.
         self._exchange: Exchange | None = None
-        self._rows: dict[tuple, RowSums] = {}
+        self._rows: dict[tuple, LocalSplit] = {}
         self._local = LocalSplit()
         self._last_workspace = 0
         self._released = True
@@ -388,9 +390,12 @@ class RoleOptimizer(Optimizer):
         self._exchange = (Exchange(units, costs, pg, depth=DEPTHS[overlap], shares=shares, ns_group=self._ns_group,
                                    relay_group=self._relay_group) if units else None)
         self._rows = {}
-        for _, entries, _ in plan:
+        for _, entries, batched in plan:
+            # whole local matrices a block holds alike are shared by it in the eager batched form (ns_for)
+            share = self._ns_group if batched and not self._compile and pg is resolve_process_group(None) else 1
             for e in entries:
-                e.split = splitter(e.path, e.param, self._local, self._rows, self._exchange)
+                e.split = splitter(e.path, e.param, self._local, self._rows, self._exchange,
+                                   share if isinstance(e.rule, HiddenRule) else 1)
         return plan
 
     def _plan(self) -> list[tuple[dict[str, Any], list[Entry], bool]]:

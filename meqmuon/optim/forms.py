@@ -319,7 +319,7 @@ def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext,
     with naming(rule, items):
         if hidden:
             found = bucket_directions(rule, buckets, group, ctx, batched=True, inputs=x_of,
-                                      dtype=items[0].param.dtype)
+                                      dtype=items[0].param.dtype, ns=ctx.split.ns_for(group, ctx))
             for targets, news in found.writes:
                 ctx.commit.later(commit.copy_, targets, news, parts=1)
             per_bucket, bases = found.directions, found.bases

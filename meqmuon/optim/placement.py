@@ -29,11 +29,12 @@ from . import commit, compiled, driver, exchange, forms, whole_step
 from .calls import Item, Path, StepContext
 from .distributed import SHARDED_LAYOUTS, LocalSplit, RowSums, is_dtensor
 from .driver import HiddenRule
-from .owners import is_replicated
+from .owners import is_replicated, spanning
 from .rule import MomentumRule, Rule, SteppingRule
+from .shared_ns import ReplicaShare
 from .views import Layout
 
-__all__ = ["EXECUTORS", "Executor", "Path", "by_matrix", "cuts", "path_of", "splitter", "whole_rows"]
+__all__ = ["EXECUTORS", "Executor", "Path", "alike_block", "by_matrix", "cuts", "path_of", "splitter", "whole_rows"]
 
 #: A form: runs a sequence of rule calls ``(rule, items, group, ctx)``.
 Form = Callable[[list[driver.Call]], None]
@@ -140,12 +141,37 @@ def by_matrix(p: torch.Tensor, rule: Rule, layout: Layout) -> bool:
             and not any(getattr(q, "dim", None) == 0 for q in p.placements))
 
 
-def splitter(path: Path, p: torch.Tensor, local: LocalSplit, rows: dict[tuple, RowSums],
-             owners: exchange.Exchange | None) -> Any:
-    """The splitter of ``p``'s calls on ``path``: the optimizer's ``local`` one, the ``RowSums`` of ``p``'s mesh and
-    placements (made once, kept in ``rows``), or the plan's ``owners`` exchange."""
+def alike_block(p: torch.Tensor, ns_group: int) -> tuple[Any, int] | None:
+    """The mesh and its dimension whose ranks hold DTensor ``p``'s piece alike (its one ``Replicate()`` dimension,
+    ``owners.spanning``'s mesh: a module tensor parallelism left alone is repeated over ``tp``) where they are a block
+    of ``ns_group`` (``shared_ns.Blocks``': consecutive ranks of the default group, as many as divide ``ns_group``),
+    else ``None``. Such whole local matrices are shared by that block (``shared_ns.ReplicaShare``)."""
+    if ns_group == 1 or not is_dtensor(p):
+        return None
+    mesh, placements = spanning(p)
+    dims = [i for i, q in enumerate(placements) if q.is_replicate() and mesh.size(i) > 1]
+    if len(dims) != 1 or ns_group % mesh.size(dims[0]) or mesh.size() != torch.distributed.get_world_size():
+        return None
+    ranks = torch.distributed.get_process_group_ranks(mesh.get_group(dims[0]))
+    z = len(ranks)
+    return (mesh, dims[0]) if ranks == list(range(ranks[0], ranks[0] + z)) and ranks[0] % z == 0 else None
+
+
+def splitter(path: Path, p: torch.Tensor, local: LocalSplit, rows: dict[tuple, Any],
+             owners: exchange.Exchange | None, ns_group: int = 1) -> Any:
+    """The splitter of ``p``'s calls on ``path``: the optimizer's ``local`` one, or for whole matrices that a block of
+    ``ns_group`` holds alike (:func:`alike_block`; ``ns_group`` 1 where the engine's form cannot share them) that
+    block's ``shared_ns.ReplicaShare``; the ``RowSums`` of ``p``'s mesh and placements; or the plan's ``owners``
+    exchange. The ones made per mesh are made once, kept in ``rows``."""
     if path is Path.LOCAL:
-        return local
+        block = alike_block(p, ns_group)
+        if block is None:
+            return local
+        mesh, dim = block
+        key = ("alike", id(mesh), dim)
+        if key not in rows:
+            rows[key] = ReplicaShare(mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim))
+        return rows[key]
     if path is Path.ROWS:
         key = RowSums.key(p)
         if key not in rows:

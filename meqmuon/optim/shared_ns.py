@@ -52,7 +52,7 @@ from torch import Tensor
 from .. import functional as F
 from ..orthogonalization import frobenius_normalize_
 from .calls import StepContext
-from .distributed import exchange_flat, received_as
+from .distributed import LocalSplit, exchange_flat, received_as
 from .driver import HiddenRule, cost, matrix_shape
 from .newton_schulz import NS_METHODS, method_flops
 
@@ -61,9 +61,12 @@ try:
 except ImportError:  # pragma: no cover - torch builds without distributed support
     dist = None  # type: ignore[assignment]
 
-__all__ = ["FLOPS_PER_BLOCK_BYTE", "GRAM_CHUNKS", "TIE", "Blocks", "SharedNS", "Shares", "assign", "block_bytes",
-           "block_of", "block_sizes", "column_flops", "exposed_bytes", "gram_blocks", "gram_entries", "round_sum",
-           "share", "share_flops", "shares_by_size", "split_of"]
+#: One all-gather into one tensor: torch 2.13 names it ``all_gather_single`` (``all_gather_into_tensor`` deprecated).
+_all_gather = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+
+__all__ = ["FLOPS_PER_BLOCK_BYTE", "GRAM_CHUNKS", "TIE", "Blocks", "ReplicaShare", "SharedNS", "Shares", "assign",
+           "block_bytes", "block_of", "block_sizes", "column_flops", "exposed_bytes", "gram_blocks", "gram_entries",
+           "round_sum", "share", "share_flops", "shares_by_size", "split_of"]
 
 
 def _quintic(group: dict) -> dict[str, Any] | None:
@@ -540,3 +543,44 @@ class SharedNS:
             _put(B.tensor_split(g, dim=1), me, mine, got)
             Z = self._kept(Z, torch.baddbmm, Z, B, Z, beta=a)
         return Z
+
+
+class ReplicaShare(LocalSplit):
+    """``placement.LOCAL``'s splitter for whole matrices that the ranks of a block hold alike, with ``ns_group``: a
+    stack FSDP2 shards on the ``dp`` sub-mesh of a module tensor parallelism leaves alone (DeepSeek-V3's experts under
+    FSDP2 x TP, repeated over ``tp``), a hidden ``Replicate()`` DTensor. Without it every member orthogonalises the
+    same matrices (DeepSeek-V3 on 128 x 8 ranks: 348 expert matrices, 536 ms at each rank of a TP group,
+    docs/benchmarks.md). With it each member orthogonalises its part of every stack by its matrices (``ceil(K / g)``
+    of the ``K``, the last members fewer) with the group's method, and one all-gather over the block (``pg``, the mesh
+    dimension that replicates: consecutive ranks, a node's) puts the stack together on every member: the work once,
+    and every member the same bits. ``post`` runs on the whole stack at every member, as before. The batched form
+    only (``forms.batched``); ``place``: this rank's place in the block."""
+
+    def __init__(self, pg: Any, size: int, place: int) -> None:
+        super().__init__()
+        self.pg, self.size, self.place = pg, size, place
+
+    def ns_for(self, group: dict, ctx: StepContext) -> Any:
+        method = NS_METHODS[group["ns_method"]].function
+
+        def share(X: Tensor, steps: int, coefficients: Any, dtype: torch.dtype, *, out: Tensor | None = None,
+                  **kwargs: Any) -> Tensor:
+            k, g = X.shape[0], self.size
+            c = -(-k // g)
+            lo, hi = min(self.place * c, k), min(self.place * c + c, k)
+            mine = None
+            if hi > lo:
+                try:
+                    mine = method(X[lo:hi], steps, coefficients, dtype, **kwargs)
+                except Exception as e:  # kept on the step's commit; zeros go on, so the block's gather pairs up
+                    ctx.keep(e)
+            if mine is None or mine.shape[0] < c or mine.dtype != dtype or not mine.is_contiguous():
+                padded = X.new_zeros((c, *X.shape[1:]), dtype=dtype)
+                if mine is not None:
+                    padded[: mine.shape[0]] = mine
+                mine = padded
+            whole = X.new_empty((g * c, *X.shape[1:]), dtype=dtype)
+            _all_gather(whole, mine, group=self.pg)
+            return whole[:k] if out is None else out.copy_(whole[:k])
+
+        return share
