@@ -124,14 +124,13 @@ class LocalSplit:
     #: Sums over a tensor's shards for its statistics (``RowSums``); ``None``: the tensor is whole here.
     psum: F.PSum = None
 
+    #: ``ns_for(group, ctx)``: the batched form's Newton-Schulz in the method's place (``driver.directions``' ``ns``,
+    #: ``shared_ns.ReplicaShare``: a block's share), or ``None``: the group's method, whole here.
+    ns_for: Callable[[dict, Any], Callable[..., Tensor]] | None = None
+
     def __init__(self) -> None:
         #: Newton-Schulz buffers reused by same-shape matrices within a step (``F.orthogonalize``).
         self.workspace: dict = {}
-
-    def ns_for(self, group: dict, ctx: Any) -> Callable[..., Tensor] | None:
-        """The batched form's Newton-Schulz in the method's place (``driver.directions``' ``ns``), or ``None``: the
-        group's method, whole here (``shared_ns.ReplicaShare``: a block's share)."""
-        return None
 
 
 class RowSums(LocalSplit):

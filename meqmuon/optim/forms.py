@@ -318,8 +318,9 @@ def _pending(rule: Rule, items: Sequence[Item], group: dict, ctx: StepContext,
     params, dirs, scales, bases = [], [], [], []
     with naming(rule, items):
         if hidden:
+            share = ctx.split.ns_for  # whole matrices a block holds alike: its share (shared_ns.ReplicaShare)
             found = bucket_directions(rule, buckets, group, ctx, batched=True, inputs=x_of,
-                                      dtype=items[0].param.dtype, ns=ctx.split.ns_for(group, ctx))
+                                      dtype=items[0].param.dtype, ns=share(group, ctx) if share else None)
             for targets, news in found.writes:
                 ctx.commit.later(commit.copy_, targets, news, parts=1)
             per_bucket, bases = found.directions, found.bases
