@@ -3,7 +3,8 @@
 ``LOCAL``: this rank holds what it steps, nothing travels (``LocalSplit``; the driver's forms and ``compiled.py``'s).
     One process's parameters; under DDP every rule's but Newton-Schulz's, run in place on each rank's full copy with
     0 bytes (as torch's AdamW runs under DDP); ``Replicate()`` DTensors; an elementwise rule's piece of any layout
-    (AdamW); FSDP2's whole local matrices of a stack (experts ``Shard(0)``, expert parallelism's layout too).
+    (AdamW); FSDP2's whole local matrices of a stack (experts ``Shard(0)``, expert parallelism's layout too), which a
+    block of ``ns_group`` holding them alike shares (:func:`alike_block`, ``shared_ns.ReplicaShare``).
 ``ROWS``: whole-row pieces of a rule without Newton-Schulz whose statistics are sums over rows (MeqMuon's eq. 9
     and 10, SCALE): FSDP2's and HSDP's row shards, FSDP2 over TP's vocabulary-parallel embedding and head
     (``RowSums``: one all-reduce per statistic; the same forms).

@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -560,7 +560,10 @@ class ReplicaShare(LocalSplit):
         super().__init__()
         self.pg, self.size, self.place = pg, size, place
 
-    def ns_for(self, group: dict, ctx: StepContext) -> Any:
+    def ns_for(self, group: dict, ctx: StepContext) -> Callable[..., Tensor]:
+        """``group``'s method on this member's part of a stack ``X`` of ``K`` matrices, rows ``[j c, (j + 1) c)`` with
+        ``c = ceil(K / g)`` for place ``j``, padded with zeros to ``c`` rows, then the all-gather: the stack's ``U``
+        on every member (an error kept on ``ctx``, zeros in its place, so that the gather still pairs up)."""
         method = NS_METHODS[group["ns_method"]].function
 
         def share(X: Tensor, steps: int, coefficients: Any, dtype: torch.dtype, *, out: Tensor | None = None,
