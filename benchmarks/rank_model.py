@@ -22,8 +22,9 @@ each hidden-kind parameter (the Newton-Schulz kind), per rank ``r`` of the defau
   ``matrices``: its view's matrices) and of them the ones a block shares (``shared``: ``[owner, how, block
   size]`` per unit, ``shared_ns``; ``block``: the optimizer's ``ns_group``, the largest); whole local matrices are
   rounds without an exchange (``local`` empty). A shared unit's FLOPs are its members' shares (``shared_ns.share``).
-  Whole local matrices a block holds alike (``shared_ns.ReplicaShare``) are each member's ``ceil(K / z)`` of the
-  block's ``K`` (``replicas``: ``z``), and ``gathered``: the bytes each rank receives of the others' parts.
+  Whole local matrices a block holds alike (``shared_ns.ReplicaShare``) are each member's rows of the block's
+  ``K`` (``replicas``: ``z``; ``ReplicaShare.rows``), ``gathered``: the bytes each rank receives of the others' parts,
+  in ``gather_rounds`` all-gathers.
 
 **The reachable bound.** With whole-matrix Newton-Schulz at owners, rank ``r`` must send its pieces as
 Newton-Schulz input and the directions of every piece of its owned matrices, and receive those pieces and
@@ -150,17 +151,21 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
             if e.path is Path.LOCAL:  # whole local matrices: replicated, or a stack's own members
                 total = sum(method_flops(group, m, n) for m, n in shapes)
                 z = e.split.size if isinstance(e.split, ReplicaShare) else 1  # a block's alike, shared (below)
+                blocks: dict[int, int] = {}  # a block's first rank (blocks of z aligned ranks) -> its elements
                 for r, n in enumerate(local_numels(e.param, world, cache)):
-                    model.flops[r] += total * n // e.param.numel() if z == 1 else 0
+                    if z > 1:
+                        blocks[r - r % z] = n or blocks.get(r - r % z, 0)
+                        continue
+                    model.flops[r] += total * n // e.param.numel()
                     for (m, c), k in Counter(shapes).items() if n else ():  # the whole matrices rank r holds
                         rnd = round_of(("local", m, c), m, c, False)
-                        if z > 1:  # by the block (its first rank: rank r less its place), shared at the end
-                            first = r - e.split.place
-                            held = rnd.setdefault("alike", {})
-                            held[first] = held.get(first, 0) + k * n // e.param.numel()
-                            rnd["replicas"], rnd["matrix_flops"] = z, method_flops(group, m, c)
-                            continue
                         rnd["owned"][r] = rnd["owned"].get(r, 0) + k * n // e.param.numel()
+                for (first, n), ((m, c), k) in itertools.product(blocks.items(), Counter(shapes).items()):
+                    # shared at the end, in the batched form's bucket (make_buckets: (n, m) joins (m, n) matrices)
+                    rnd = round_of(("alike", *(sorted((m, c)) if e.rule.transposes else (m, c))), m, c, False)
+                    held = rnd.setdefault("alike", {})
+                    held[first] = held.get(first, 0) + k * n // e.param.numel()
+                    rnd["replicas"], rnd["matrix_flops"] = z, method_flops(group, m, c)
                 continue
             if e.path is not Path.OWNERS:
                 raise NotImplementedError(f"rank_model: path {e.path} of {e.name}")
@@ -198,12 +203,13 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
     for rnd in rounds.values():  # a block's alike stack: each member ceil(K / z) of its K, the others' gathered
         z, (m, c), flops = rnd.get("replicas", 1), rnd["shape"], rnd.pop("matrix_flops", 0)
         for first, k in rnd.pop("alike", {}).items():
-            part = -(-k // z)
+            n, s = ReplicaShare.rows(k, z)  # n rounds of s matrices a member
+            rnd["gather_rounds"] = max(n, rnd.get("gather_rounds", 1))
             for j in range(z):
-                mine = min(part, max(0, k - j * part))
+                mine = sum(max(0, min(q * z * s + j * s + s, k) - min(q * z * s + j * s, k)) for q in range(n))
                 rnd["owned"][first + j] = rnd["owned"].get(first + j, 0) + mine
                 model.flops[first + j] += mine * flops
-                rnd.setdefault("gathered", [0] * world)[first + j] += (z - 1) * part * m * c * itemsize
+                rnd.setdefault("gathered", [0] * world)[first + j] += (z - 1) * n * s * m * c * itemsize
     for rnd, pieces, count in alike.values():
         for r in range(world):
             n = count * pieces.numel(r)

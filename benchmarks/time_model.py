@@ -295,8 +295,10 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
         moved = ([factor * itemsize * max(loc, k * size) for loc, k in zip(rd["local"], owned, strict=True)]
                  if rd["local"] else [0.0] * world)
         ns = [k * seconds for k in owned]
-        for r, b in enumerate(rd.get("gathered", ())):  # a block's alike stack, the others' parts gathered (NVLink)
-            ns[r] += hw.base_latency + (rd["replicas"] - 1) * hw.nvlink.latency + b / hw.nvlink.bandwidth if b else 0
+        for r, b in enumerate(rd.get("gathered", ())):  # a block's alike stack, gathered over NVLink in n rounds,
+            n = rd.get("gather_rounds", 1)              # each round's gather h while the next computes c: a flow shop
+            c, h = ns[r] / n, hw.base_latency + (rd["replicas"] - 1) * hw.nvlink.latency + b / n / hw.nvlink.bandwidth
+            ns[r] = c + (n - 1) * max(c, h) + h if b else ns[r]
         for q, how, *block in rd.get("shared", []):  # a unit a block shares: each member its part and the block's
             ns[q] -= seconds                          # collectives, the owner still receiving it whole
             g = block[0] if block else rd.get("block", 1)  # its own block's size (earlier simulations: ns_group's)

@@ -331,8 +331,9 @@ def _submesh(mesh) -> dict:
 
 
 def _alike(mesh) -> dict:
-    """A stack of 4 experts FSDP2 shards on ``mesh["dp"]`` only (2 whole experts a rank, ``Path.LOCAL``), repeated over
-    ``tp``, with ``ns_group=1`` and 2 (``shared_ns.ReplicaShare``: the TP pair shares them): per ``ns_group`` the
+    """A stack of 16 experts FSDP2 shards on ``mesh["dp"]`` only (8 whole experts a rank, ``Path.LOCAL``), repeated
+    over ``tp``, with ``ns_group=1`` and 2 (``shared_ns.ReplicaShare``: the TP pair shares them, gathered in 4 rounds
+    of one expert each): per ``ns_group`` the
     largest difference from one process fed the same gradients, the step's matmul FLOPs (torch's
     ``FlopCounterMode``), the splitter, and the rank's piece after three steps."""
     from torch.distributed.fsdp import fully_shard
@@ -343,7 +344,7 @@ def _alike(mesh) -> dict:
     for ns_group in (1, 2):
         torch.manual_seed(0)
         model = torch.nn.Module()
-        model.experts = torch.nn.Parameter(torch.randn(4, 16, 32))
+        model.experts = torch.nn.Parameter(torch.randn(16, 16, 32))
         ref = copy.deepcopy(model)
         fully_shard(model, mesh=mesh["dp"])
         opts = [meqmuon.build_optimizer("meqmuon", [{"params": [m.experts], "kind": "hidden", "views": ["stacked"]}],
@@ -351,7 +352,7 @@ def _alike(mesh) -> dict:
                                         ns_group=ns_group if m is model else 1) for m in (model, ref)]
         flops = []
         for step in range(STEPS):
-            g = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(step))
+            g = torch.randn(16, 16, 32, generator=torch.Generator().manual_seed(step))
             model.experts.grad = distribute_tensor(g, model.experts.device_mesh, model.experts.placements)
             ref.experts.grad = g.clone()
             with FlopCounterMode(display=False) as counter:

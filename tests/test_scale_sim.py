@@ -618,9 +618,12 @@ def test_a_tp_pair_shares_the_experts_it_holds_alike_and_the_models_count_each_m
     """DeepSeek-V3 in small under FSDP2 x TP on 2 x 2 fake ranks with ``ns_group=2``: the experts FSDP2 shards on
     ``dp`` only, repeated over ``tp``, are whole local matrices each TP pair holds alike, which the pair shares
     (``shared_ns.ReplicaShare``). Every rank simulated, each in a process of its own: the rank model's FLOPs are
-    every rank's measured ones, its rounds of local matrices give each member half and the bytes it gathers of its
-    partner's half, and the time model adds that gather over NVLink to the member's Newton-Schulz."""
+    every rank's measured ones, its round of local matrices (the batched form's one bucket) gives each member half
+    and the bytes it gathers of its partner's half in rounds, and the time model prices each round's gather over
+    NVLink behind the next round's Newton-Schulz."""
     import json
+
+    from meqmuon.optim.shared_ns import ReplicaShare
 
     path = tmp_path / "moe.json"
     scale_sim.main(["--model", "moe-tiny", "--layout", "fsdp2xtp", "--ranks", "2x2", "--sample-ranks", "0,1,2,3",
@@ -633,11 +636,15 @@ def test_a_tp_pair_shares_the_experts_it_holds_alike_and_the_models_count_each_m
     cal = time_model.Calibration("test", rate_fraction=0.5)
     hw = _hardware(8, latency=1e-6)
     rounds, _ = time_model.rounds_of(inputs, 4, cal, hw)
-    for rd in local:
+    for rd in local:  # one bucket: the (64, 32) matrices join the (32, 64) ones, as the batched form stacks them
         owned, (m, n) = dict(rd["owned"]), rd["shape"]
         assert sorted(owned) == [0, 1, 2, 3] and len(set(owned.values())) == 1  # half of each pair's stack each
-        assert rd["gathered"] == [owned[0] * m * n * 4] * 4  # the partner's half, float32
+        gathers, s = ReplicaShare.rows(2 * owned[0], 2)
+        assert rd["gather_rounds"] == gathers > 1
+        assert rd["gathered"] == [gathers * s * m * n * 4] * 4  # the partner's rows, float32, in gathers rounds
         got = next(r for r in rounds if list(r.shape) == rd["shape"] and not any(r.out))
         whole = owned[0] * cal.seconds(m, n, "float32", hw)[0]
-        gather = hw.base_latency + hw.nvlink.latency + owned[0] * m * n * 4 / hw.nvlink.bandwidth
-        assert got.ns == pytest.approx([whole + gather] * 4)
+        # each round's gather travelling while the next round computes (a flow shop of equal rounds)
+        c = whole / gathers
+        h = hw.base_latency + hw.nvlink.latency + s * m * n * 4 / hw.nvlink.bandwidth
+        assert got.ns == pytest.approx([c + (gathers - 1) * max(c, h) + h] * 4)

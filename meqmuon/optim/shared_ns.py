@@ -550,40 +550,60 @@ class ReplicaShare(LocalSplit):
     stack FSDP2 shards on the ``dp`` sub-mesh of a module tensor parallelism leaves alone (DeepSeek-V3's experts under
     FSDP2 x TP, repeated over ``tp``), a hidden ``Replicate()`` DTensor. Without it every member orthogonalises the
     same matrices (DeepSeek-V3 on 128 x 8 ranks: 348 expert matrices, 536 ms at each rank of a TP group,
-    docs/benchmarks.md). With it each member orthogonalises its part of every stack by its matrices (``ceil(K / g)``
-    of the ``K``, the last members fewer) with the group's method, and one all-gather over the block (``pg``, the mesh
-    dimension that replicates: consecutive ranks, a node's) puts the stack together on every member: the work once,
-    and every member the same bits. ``post`` runs on the whole stack at every member, as before. The batched form
-    only (``forms.batched``); ``place``: this rank's place in the block."""
+    docs/benchmarks.md). With it each member orthogonalises its rows of every stack (:meth:`rows`) with the group's
+    method, and all-gathers over the block (``pg``, the mesh dimension that replicates: consecutive ranks, a node's)
+    put the stack together on every member: the work once, and every member the same bits. The stack goes in
+    :data:`GATHER_ROUNDS` rounds, each round's all-gather in flight while the members compute the next.
+    ``post`` runs on the whole stack at every member, as before. The batched form only (``forms.batched``);
+    ``place``: this rank's place in the block."""
+
+    #: The rounds a stack is gathered in (fewer where it has fewer than ``g`` matrices a round): a round's gather
+    #: travels while the next round computes, so that what waits is the last round's, a quarter of the gather.
+    GATHER_ROUNDS = 4
 
     def __init__(self, pg: Any, size: int, place: int) -> None:
         super().__init__()
         self.pg, self.size, self.place = pg, size, place
 
+    @classmethod
+    def rows(cls, k: int, g: int) -> tuple[int, int]:
+        """How a stack of ``k`` matrices is cut for a block of ``g``: ``(rounds, s)``, round ``q`` its rows
+        ``[q g s, (q + 1) g s)``, member ``j``'s ``[q g s + j s, q g s + (j + 1) s)`` of them (those below ``k``), so
+        that each round's all-gather lands in place: ``s = ceil(k / (g min(GATHER_ROUNDS, ceil(k / g))))`` and
+        ``ceil(k / (g s))`` rounds."""
+        s = -(-k // (g * max(1, min(cls.GATHER_ROUNDS, -(-k // g)))))
+        return -(-k // (g * s)), s  # no round of padding alone
+
     def ns_for(self, group: dict, ctx: StepContext) -> Callable[..., Tensor]:
-        """``group``'s method on this member's part of a stack ``X`` of ``K`` matrices, rows ``[j c, (j + 1) c)`` with
-        ``c = ceil(K / g)`` for place ``j``, padded with zeros to ``c`` rows, then the all-gather: the stack's ``U``
-        on every member (an error kept on ``ctx``, zeros in its place, so that the gather still pairs up)."""
+        """``group``'s method on this member's rows of a stack ``X`` (:meth:`rows`), a round at a time, each round's
+        part padded with zeros to ``s`` rows and all-gathered while the next round computes: the stack's ``U`` on
+        every member (an error kept on ``ctx``, zeros in its place, so that the gathers still pair up)."""
         method = NS_METHODS[group["ns_method"]].function
 
         def share(X: Tensor, steps: int, coefficients: Any, dtype: torch.dtype, *, out: Tensor | None = None,
                   **kwargs: Any) -> Tensor:
             k, g = X.shape[0], self.size
-            c = -(-k // g)
-            lo, hi = min(self.place * c, k), min(self.place * c + c, k)
-            mine = None
-            if hi > lo:
-                try:
-                    mine = method(X[lo:hi], steps, coefficients, dtype, **kwargs)
-                except Exception as e:  # kept on the step's commit; zeros go on, so the block's gather pairs up
-                    ctx.keep(e)
-            if mine is None or mine.shape[0] < c or mine.dtype != dtype or not mine.is_contiguous():
-                padded = X.new_zeros((c, *X.shape[1:]), dtype=dtype)
-                if mine is not None:
-                    padded[: mine.shape[0]] = mine
-                mine = padded
-            whole = X.new_empty((g * c, *X.shape[1:]), dtype=dtype)
-            _all_gather(whole, mine, group=self.pg)
+            rounds, s = self.rows(k, g)
+            whole = X.new_empty((rounds * g * s, *X.shape[1:]), dtype=dtype)
+            pending = []
+            for q in range(rounds):
+                lo = min(q * g * s + self.place * s, k)
+                hi = min(lo + s, k)
+                mine = None
+                if hi > lo:
+                    try:
+                        mine = method(X[lo:hi], steps, coefficients, dtype, **kwargs)
+                    except Exception as e:  # kept on the step's commit; zeros go on, so the block's gathers pair up
+                        ctx.keep(e)
+                if mine is None or mine.shape[0] < s or mine.dtype != dtype or not mine.is_contiguous():
+                    padded = X.new_zeros((s, *X.shape[1:]), dtype=dtype)
+                    if mine is not None:
+                        padded[: mine.shape[0]] = mine
+                    mine = padded
+                pending.append((_all_gather(whole[q * g * s : (q + 1) * g * s], mine, group=self.pg, async_op=True),
+                                mine))
+            for work, _ in pending:
+                work.wait()
             return whole[:k] if out is None else out.copy_(whole[:k])
 
         return share
