@@ -206,7 +206,7 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
             n, s = ReplicaShare.rows(k, z)  # n rounds of s matrices a member
             rnd["gather_rounds"] = max(n, rnd.get("gather_rounds", 1))
             for j in range(z):
-                mine = sum(max(0, min(q * z * s + j * s + s, k) - min(q * z * s + j * s, k)) for q in range(n))
+                mine = sum(hi - lo for lo, hi in ReplicaShare.spans(k, z, j))
                 rnd["owned"][first + j] = rnd["owned"].get(first + j, 0) + mine
                 model.flops[first + j] += mine * flops
                 rnd.setdefault("gathered", [0] * world)[first + j] += (z - 1) * n * s * m * c * itemsize

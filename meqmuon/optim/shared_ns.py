@@ -574,6 +574,13 @@ class ReplicaShare(LocalSplit):
         s = -(-k // (g * max(1, min(cls.GATHER_ROUNDS, -(-k // g)))))
         return -(-k // (g * s)), s  # no round of padding alone
 
+    @classmethod
+    def spans(cls, k: int, g: int, j: int) -> list[tuple[int, int]]:
+        """Member ``j``'s rows ``[lo, hi)`` of a stack of ``k`` for a block of ``g``, round by round (:meth:`rows`;
+        empty where the stack has ended)."""
+        rounds, s = cls.rows(k, g)
+        return [(min(q * g * s + j * s, k), min(q * g * s + j * s + s, k)) for q in range(rounds)]
+
     def ns_for(self, group: dict, ctx: StepContext) -> Callable[..., Tensor]:
         """``group``'s method on this member's rows of a stack ``X`` (:meth:`rows`), a round at a time, each round's
         part padded with zeros to ``s`` rows and all-gathered while the next round computes: the stack's ``U`` on
@@ -586,9 +593,7 @@ class ReplicaShare(LocalSplit):
             rounds, s = self.rows(k, g)
             whole = X.new_empty((rounds * g * s, *X.shape[1:]), dtype=dtype)
             pending = []
-            for q in range(rounds):
-                lo = min(q * g * s + self.place * s, k)
-                hi = min(lo + s, k)
+            for q, (lo, hi) in enumerate(self.spans(k, g, self.place)):
                 mine = None
                 if hi > lo:
                     try:
