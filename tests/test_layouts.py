@@ -300,6 +300,66 @@ def _fsdp_tp_worker(rank, names, ckpt):
     out["dcp"] = dcp_resume("llama", "meqmuon", shard, os.path.join(ckpt, "meqmuon"))
     out["submesh"] = _submesh(mesh)
     out["alike"] = _alike(mesh)
+    out["titan_experts"] = _titan_experts(mesh)
+    return out
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+def _titan_experts(mesh) -> dict:
+    """torchtitan's DeepSeek-V3 experts under TP without EP, in small (``TensorParallel``: ``gate_up (E, 2I, H)`` on
+    dimension 1 over ``tp``, ``down (E, H, I)`` on 2), FSDP2 on dimension 0 over ``dp`` (its rule for as many experts
+    as ranks or more), beside a projection ``NoParallel`` keeps whole on ``tp`` (``q_a_proj``), each expert an
+    exchange unit (``exchange_unit="matrix"``: a rank holds half of the experts, and nothing of the others) owned by
+    the TP pair that holds it. Per form
+    (batched with ``ns_group`` 1, 2 in flight, per tensor): the largest difference from one process fed the same
+    gradients, the smallest move of a parameter, whether the per-matrix choices equal one process's, the plan and
+    the experts' owners."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from meqmuon.train.parallel import expert_placement
+
+    out = {}
+    for form, kw in (("batched", {"foreach": True}), ("shared", {"foreach": True, "ns_group": 2, "overlap": "all"}),
+                     ("per-tensor", {"foreach": False})):
+        torch.manual_seed(0)
+        model = torch.nn.Module()
+        specs = (("gate_up", (4, 16, 32), Shard(1)), ("down", (4, 32, 8), Shard(2)), ("q_a", (12, 32), Replicate()))
+        for name, shape, _ in specs:
+            setattr(model, name, torch.nn.Parameter(torch.randn(shape)))
+        ref = copy.deepcopy(model)
+        init = [q.detach().clone() for q in ref.parameters()]
+        for name, _, placement in specs:
+            p = getattr(model, name)
+            setattr(model, name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh["tp"], [placement])))
+        fully_shard(model, mesh=mesh["dp"], shard_placement_fn=expert_placement(2))
+
+        def groups(m):
+            return [{"params": [m.gate_up, m.down], "kind": "hidden", "views": "stacked"},
+                    {"params": [m.q_a], "kind": "hidden"}]
+
+        opts = [meqmuon.build_optimizer("meqmuon", groups(m), lr=0.02, weight_decay=0.1, ns_dtype=torch.float32,
+                                        **(kw if m is model else {})) for m in (model, ref)]
+        for step in range(STEPS):
+            for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters(), strict=True)):
+                g = torch.randn(q.shape, generator=torch.Generator().manual_seed(10 * step + i))
+                p.grad, q.grad = distribute_tensor(g, p.device_mesh, p.placements), g.clone()
+            for opt in opts:
+                opt.step()
+        pairs = list(zip(model.parameters(), ref.parameters(), strict=True))
+        entries = [e for _, es, _ in opts[0]._plan() for e in es]
+        out[form] = {
+            "diff": max((p.full_tensor() - q).abs().max().item() for p, q in pairs),
+            "moved": min((q - q0).abs().max().item() for (_, q), q0 in zip(pairs, init, strict=True)),
+            "chosen": all(torch.equal(_whole(opts[0].state[p]["rows_chosen"]), opts[1].state[q]["rows_chosen"])
+                          for p, q in pairs),
+            "placements": [str(tuple(p.placements)) for p in model.parameters()],
+            "plan": [(e.by_matrix, len(e.units), e.held) for e in entries],
+            "owners": [(opts[0]._exchange.units[i].assigned, opts[0]._exchange.units[i].within)
+                       for e in entries[:2] for i in e.units]}
     return out
 
 
@@ -388,6 +448,17 @@ def test_fsdp2_over_tensor_parallel_2x2_equals_one_process(tmp_path):
         assert all(2 * b == a > 0 for a, b in zip(alike[1]["flops"], alike[2]["flops"], strict=True)), alike
     pieces = [res["alike"][2]["piece"] for res in results]
     assert torch.equal(pieces[0], pieces[1]) and torch.equal(pieces[2], pieces[3])
+    # torchtitan's experts under TP: each expert a unit of its own, whose pieces only its dp half holds (ranks 0, 1
+    # experts 0-1, ranks 2, 3 experts 2-3); as one process in every form, the per-matrix choices too
+    for rank, res in enumerate(results):
+        for form, got in res["titan_experts"].items():
+            assert got["diff"] <= 1e-6 and got["chosen"] and got["moved"] > 1e-3, (rank, form, got)
+            assert got["placements"][:2] == ["(Shard(dim=0), Shard(dim=1))", "(Shard(dim=0), Shard(dim=2))"], got
+            held = (0, 2) if rank < 2 else (2, 4)
+            assert got["plan"][:2] == [(True, 4, held)] * 2 and not got["plan"][2][0], (rank, form, got["plan"])
+            # each expert owned by the TP pair that holds it (shared_ns.assign_within): its exchange stays there
+            pairs = [(0, 1)] * 2 + [(2, 3)] * 2
+            assert [w for _, w in got["owners"]] == pairs * 2 and all(o in w for o, w in got["owners"]), got["owners"]
 
 
 def _compiled_worker(rank, names):

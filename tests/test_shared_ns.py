@@ -18,7 +18,7 @@ from test_distributed import _spawn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import meqmuon
-from meqmuon.optim import exchange, shared_ns
+from meqmuon.optim import distributed, exchange, shared_ns
 from meqmuon.optim.newton_schulz import method_flops, ns_flops
 from meqmuon.optim.shared_ns import FLOPS_PER_BLOCK_BYTE, assign, column_flops, share, shares_by_size
 
@@ -195,6 +195,34 @@ def test_a_pair_that_costs_less_than_one_owner_shares_even_where_whole_units_fit
         load = [0.0] * world
         assign(costs, shares, load, in_flight=True)
         assert max(load) / mean == pytest.approx(after, abs=0.005)
+
+
+def test_units_that_a_node_alone_holds_are_owned_there_and_the_rest_balance_around_them():
+    """``assign_within``: units whose pieces only a TP group holds (six on ranks 0-3, two on 4-7 of 8) are owned
+    there, each group's balanced on its own (the six whole: 6, 6, 3, 3; with pairs, two shared: 5.4), not spread
+    over all 8 ranks as longest first would (units 4 and 5 on ranks 4 and 5), and shared only by blocks inside
+    their group (a block of 8 would span both); the free units then fill the least-loaded ranks of all 8. Without
+    such units it is ``assign``'s plan, or ``assign_owners``' without sharing."""
+    pinned = [(0, 1, 2, 3)] * 6 + [(4, 5, 6, 7)] * 2
+    costs, shares = [3.0] * 8 + [2.0, 2.0, 1.0], [{2: ("matrices", 2.4), 8: ("matrices", 0.5)}] * 8 + [{}] * 3
+    for sharing in (False, True):
+        load = [0.0] * 8
+        owners, shared = shared_ns.assign_within([*pinned, None, None, None], costs, shares, load, [None] * 11,
+                                                 share=sharing)
+        assert all(o in w for o, w in zip(owners, pinned, strict=False)), owners
+        assert set(shared) <= {0, 2} and max(load) <= 6.0, (shared, load)
+        if not sharing:
+            assert sorted(owners[:6]) == [0, 0, 1, 1, 2, 3] and load[:4] == [6.0, 6.0, 3.0, 3.0], (owners, load)
+        else:  # two of the six by pairs (2.4 each member) beat a rank holding two (6)
+            assert shared[:6].count(2) == 2 and max(load[:4]) == pytest.approx(5.4), (shared, load)
+    gen = torch.Generator().manual_seed(1)
+    costs = [float(c) for c in torch.randint(1, 9, (40,), generator=gen)]
+    shares = [{2: ("columns", 0.6 * c)} for c in costs]
+    for sharing in (False, True):
+        a, b = [0.5] * 8, [0.5] * 8
+        plan = assign(costs, shares, a, [None] * 40) if sharing else (distributed.assign_owners(costs, a), [0] * 40)
+        got = shared_ns.assign_within([None] * 40, costs, shares, b, [None] * 40, share=sharing)
+        assert list(got) == list(plan) and a == b, (got, plan)
 
 
 def test_round_sum_is_each_buckets_busiest_rank_added_up():
@@ -682,6 +710,32 @@ def test_the_time_model_relays_an_owners_bytes_through_its_node():
     assert time_model.relayed_seconds(local, owned, hw) < direct / 3  # the owner's network bytes over eight NICs
     assert time_model.relayed_seconds(local[:8], owned[:8], hw) == max(
         time_model.exchange_seconds(max(a, b), 8, hw) for a, b in zip(local[:8], owned[:8], strict=True))
+
+
+def test_bytes_by_peer_cross_the_link_they_take_and_spread_evenly_by_default():
+    """``hardware.split_seconds`` and ``relayed_seconds(split=...)``: a round whose owners lie in each sender's node
+    (``far`` zero: the experts of torchtitan's TP layout, owned in their TP group) crosses NVLink alone, direct or
+    relayed; the bytes spread evenly over the ranks (what ``relayed_seconds`` assumes without a split) give its time
+    without a split exactly."""
+    import hardware
+    import time_model
+
+    hw = time_model.Hardware("test", hbm=1e12, peak={"bfloat16": 1e15, "float32": 1e14},
+                             nvlink=time_model.Link(400e9, 2e-6), network=time_model.Link(50e9, 5e-6),
+                             base_latency=1e-6)
+    gen = torch.Generator().manual_seed(0)
+    local, owned = ([float(x) for x in torch.randint(0, 10**6, (16,), generator=gen)] for _ in range(2))
+    even = ([x / 2 for x in local], [x / 2 for x in owned], [7 / 16 * x for x in local], [7 / 16 * x for x in owned])
+    spread = hardware.relayed_seconds(local, owned, hw)
+    assert hardware.relayed_seconds(local, owned, hw, even) == pytest.approx(spread)
+    node = ([0.0] * 16, [0.0] * 16, [100 * x for x in local], [100 * x for x in owned])
+    nvlink = max(2e-6 + 100 * max(a, b) / 400e9 for a, b in zip(local, owned, strict=True))
+    # the network hop's latency with nothing on it, then nothing to forward
+    assert hardware.relayed_seconds(local, owned, hw, node) == pytest.approx(2e-6 + max(5e-6, nvlink) + 2e-6)
+    assert nvlink > 5e-6
+    assert hardware.split_seconds(1e6, 0.0, hw) == pytest.approx(1e-6 + 2e-6 + 1e6 / 400e9)
+    assert hardware.split_seconds(1e6, 1e6, hw) == pytest.approx(1e-6 + 5e-6 + 1e6 / 50e9)
+    assert hardware.split_seconds(0.0, 0.0, hw) == 0.0
 
 
 def test_the_simulator_relays_every_exchange_through_the_nodes():

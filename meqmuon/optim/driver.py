@@ -242,14 +242,24 @@ def cut_items(rule: Rule, layout: Layout, param: Tensor, grad: Tensor, state: di
 
 
 def stack_items(rule: Rule, param: Tensor, grad: Tensor, state: dict[str, Any], name: str, kind: str,
-                shape: Sequence[int], units: Sequence[int]) -> list[Item]:
-    """One item per matrix of a stack as stored, ``param[e]`` (the local piece of an ``(E, ...)`` DTensor of which
-    every rank holds a slice of every matrix, ``placement.by_matrix``), with its gradient's and state's ``[e]`` (every
-    state tensor of a stack leads with its matrices), named ``name[e]``, of global ``shape``, with its exchange unit
-    ``units[e]``."""
+                shape: Sequence[int], units: Sequence[int], held: tuple[int, int]) -> list[Item]:
+    """One item per matrix of a stack, ``e`` of its ``len(units)`` (``placement.by_matrix``), named ``name[e]``, of
+    global ``shape``, with its exchange unit ``units[e]``. This rank holds matrices ``[a, b)`` (``held``; all of them
+    where no placement shards dimension 0): of those its local ``param[e - a]`` and its gradient's, of the others
+    empty pieces, so that every rank steps every unit of the plan alike (the exchange's buckets pair up). Every state
+    tensor of a stack leads with its matrices: sharded like the stack (the momentum), its local ``[e - a]`` or empty;
+    whole on every rank (a per-matrix counter, ``distributed.state_like``: the owner reads its own), its ``[e]``."""
     keys = [k for k, how in rule.state_views.items() if how in ("param", "rows", "counter")]
-    return [Item(p, g, {"step": state["step"], **{k: state[k][e] for k in keys}}, f"{name}[{e}]", tuple(shape), kind,
-                 u) for e, (p, g, u) in enumerate(zip(param.unbind(0), grad.unbind(0), units, strict=True))]
+    a, b = held
+    whole = {k for k in keys if state[k].shape[0] == len(units)}
+
+    def empty(t: Tensor) -> Tensor:
+        return t.new_empty((0, *t.shape[2:]))
+
+    return [Item(param[e - a] if a <= e < b else empty(param), grad[e - a] if a <= e < b else empty(grad),
+                 {"step": state["step"], **{k: state[k][e] if k in whole else state[k][e - a] if a <= e < b else
+                                            empty(state[k]) for k in keys}}, f"{name}[{e}]", tuple(shape), kind, u)
+            for e, u in enumerate(units)]
 
 
 # ---- stacks: shape buckets and kept buffers ---------------------------------------------------------

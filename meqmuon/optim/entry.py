@@ -38,12 +38,14 @@ class Entry:
     of its items."""
 
     __slots__ = ("param", "state", "name", "kind", "rule", "layout", "cut", "path", "item", "split", "units", "dtensor",
-                 "by_matrix")
+                 "by_matrix", "held")
 
     def __init__(self, param: torch.Tensor, state: dict[str, Any], name: str, kind: str, rule: Rule,
                  layout: Layout, path: Path, matrices: bool = False) -> None:
         self.param, self.state, self.name, self.kind, self.rule, self.layout = param, state, name, kind, rule, layout
         self.dtensor, self.path, self.split, self.units = is_dtensor(param), path, None, []
+        #: ``by_matrix``: the matrices ``[a, b)`` of the stack this rank holds (all, unless dim 0 is sharded).
+        self.held = (0, param.shape[0]) if param.ndim else (0, 0)
         self.by_matrix = matrices and path is Path.OWNERS and by_matrix(param, rule, layout)
         self.cut = cuts(rule, layout) and not (path is Path.OWNERS and self.dtensor and not self.by_matrix)
         #: A whole tensor's item, made once (:meth:`RoleOptimizer._prepare`, once ``units`` are set): a plain
@@ -67,7 +69,7 @@ class Entry:
         state = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in self.state.items()}
         if self.by_matrix:
             return driver.stack_items(self.rule, param, grad, state, self.name, self.kind, self.param.shape[1:],
-                                      self.units)
+                                      self.units, self.held)
         if not self.cut:
             it = self.item
             it.param, it.grad, it.state = param, grad, state
@@ -87,6 +89,10 @@ class Entry:
                                                      if is_dtensor(v) and not is_replicated(v)}
         if not self.by_matrix:
             return [Unit(d, sharded, self.layout if cuts(self.rule, self.layout) else None)]
-        # every state tensor of a stack leads with its matrices, which no placement splits (by_matrix)
-        one = {k: v.one() for k, v in sharded.items()}
-        return [Unit(d.one(), one, self.layout.one()) for _ in range(self.param.shape[0])]
+        # every state tensor of a stack leads with its matrices, sharded on dim 0 as the stack is (by_matrix)
+        self.held = d.held_along_0(torch.distributed.get_rank())
+        units = [Unit(d.at(e), {k: v.at(e) for k, v in sharded.items()}, self.layout.one())
+                 for e in range(self.param.shape[0])]
+        for u in units:  # an expert whose pieces its TP group alone holds is owned there (shared_ns.assign_within)
+            u.within = u.pieces.holders
+        return units

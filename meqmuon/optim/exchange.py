@@ -44,7 +44,7 @@ from torch import Tensor
 from . import commit, transfer
 from .assembly import cut_out, put_together, received_back, runs
 from .calls import Item, StepContext
-from .distributed import InFlight, LocalSplit, assign_owners, exchange_flat
+from .distributed import InFlight, LocalSplit, exchange_flat
 from .driver import (
     Bucket,
     Call,
@@ -61,7 +61,7 @@ from .forms import Inputs, naming, step_weights, write_inputs
 from .newton_schulz import batched_ns
 from .owners import AXES, Replicas
 from .relay import relayed_flat
-from .shared_ns import Blocks, SharedNS, Shares, assign, unit_shapes
+from .shared_ns import Blocks, SharedNS, Shares, assign_within, unit_shapes
 from .views import Layout
 
 try:
@@ -86,7 +86,7 @@ class Unit:
     lies (``where``)."""
 
     __slots__ = ("pieces", "state_pieces", "layout", "assigned", "owner", "mine", "group", "replicas", "where",
-                 "items", "shared", "block", "numels")
+                 "items", "shared", "block", "numels", "within")
 
     def __init__(self, pieces: Any, state_pieces: dict[str, Any], layout: Layout | None) -> None:
         self.pieces, self.state_pieces, self.layout = pieces, state_pieces, layout
@@ -103,6 +103,9 @@ class Unit:
         self.items: list[Item] = []
         #: (key, rank) -> the elements of that rank's piece, as a relay reads them (``relay.py``).
         self.numels: dict[tuple[str, int], int] = {}
+        #: The ranks its owner is one of (``shared_ns.assign_within``: those that hold its pieces, where they are
+        #: not every rank), or None: any rank.
+        self.within: tuple[int, ...] | None = None
 
     def descriptor(self, key: str) -> Any:
         return (self.pieces.along(AXES[key]) if key in AXES else self.pieces if key == "param" else
@@ -131,16 +134,14 @@ class Exchange(LocalSplit):
         #: ``ns_group``): only the sizes it uses, made alike on every rank (the plan is every rank's).
         self.blocks: dict[int, Blocks] = {}
         Blocks.check(ns_group, self.world)
-        if ns_group == 1:
-            owners, shared = assign_owners(list(costs), self.load, buckets), [0] * len(units)
-        else:
-            # a unit on a mesh with a dimension that replicates (HSDP; FSDP2 over TP's matrices outside the TP plan)
-            # has an owner in each replica group (Pieces.owner_for); a block would have to be one per replica group
-            # too, which is not built, so such a unit is planned whole
-            offered = [{} if not u.replicas and u.pieces.replicated_dims else s
-                       for u, s in zip(units, shares or [{}] * len(units), strict=True)]
-            owners, shared = assign(costs, offered, self.load, buckets, in_flight=depth == DEPTHS["all"])
-            self.blocks = {z: Blocks(group, z) for z in sorted(set(shared) - {0})}
+        # a unit on a mesh with a dimension that replicates (HSDP; FSDP2 over TP's matrices outside the TP plan)
+        # has an owner in each replica group (Pieces.owner_for); a block would have to be one per replica group
+        # too, which is not built, so such a unit is planned whole
+        offered = [{} if ns_group == 1 or (not u.replicas and u.pieces.replicated_dims) else s
+                   for u, s in zip(units, shares or [{}] * len(units), strict=True)]
+        owners, shared = assign_within([u.within for u in units], costs, offered, self.load, buckets,
+                                       share=ns_group > 1, in_flight=depth == DEPTHS["all"])
+        self.blocks = {z: Blocks(group, z) for z in sorted(set(shared) - {0})}
         #: The nodes of ``relay_group`` ranks the exchange is relayed through (``relay.py``), or None: one node (or
         #: none) has nothing to relay.
         self.relay = (None if relay_group == 1 or relay_group == self.world else

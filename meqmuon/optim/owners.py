@@ -21,6 +21,7 @@ layouts that are not row shards.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Sequence
@@ -134,7 +135,8 @@ class Pieces:
     own owner). Plain Python numbers: a few runs per rank.
     """
 
-    __slots__ = ("shape", "runs", "coords", "ranks", "replicated_dims", "_along", "_shapes", "_one")
+    __slots__ = ("shape", "runs", "coords", "ranks", "replicated_dims", "_along", "_shapes", "_one", "_spans",
+                 "holders")
 
     def __init__(self, t: Tensor) -> None:
         mesh, placements = spanning(t)
@@ -152,7 +154,10 @@ class Pieces:
         self.runs: list[Runs] = [piece_runs(t.shape, placements, sizes, self.coords[r]) for r in range(world)]
         self._along: dict[int, Pieces] = {}
         self._shapes: frozenset[tuple[int, ...]] | None = None
-        self._one: Pieces | None = None
+        self._one: dict | None = None
+        self._spans: list[tuple[int, int]] = []
+        #: The ranks that hold a piece, where :meth:`at` made these pieces of a chunk of dimension 0; else None.
+        self.holders: tuple[int, ...] | None = None
 
     def along(self, d: int) -> Pieces:
         """The pieces of a vector of ``shape[d]`` entries, one per index of dimension ``d``: rank ``r``'s is
@@ -162,7 +167,8 @@ class Pieces:
             v = object.__new__(Pieces)
             v.shape, v.coords, v.ranks = (self.shape[d],), self.coords, self.ranks
             v.replicated_dims = self.replicated_dims
-            v.runs, v._along, v._shapes, v._one = [(runs[d],) for runs in self.runs], {}, None, None
+            v.runs, v._along, v._shapes, v._one, v._spans = [(runs[d],) for runs in self.runs], {}, None, None, []
+            v.holders = None
             self._along[d] = v
         return self._along[d]
 
@@ -170,18 +176,36 @@ class Pieces:
         """Every rank's piece holds every index of dimension 0 (a stack of experts sharded on its dimension 1 or 2)."""
         return all(runs[0] == ((0, self.shape[0]),) for runs in self.runs)
 
-    def one(self) -> Pieces:
-        """The pieces of ``t[e]``, any ``e``, where every rank's piece of ``t`` holds all of dimension 0
-        (:meth:`whole_along_0`): rank ``r``'s is ``r``'s local ``[e]``, its runs ``runs[r][1:]``, with the same owners.
-        The same for every ``e``, made once per descriptor."""
+    def at(self, e: int) -> Pieces:
+        """The pieces of ``t[e]``: rank ``r``'s is its local ``[e - a]`` where its piece of ``t`` holds index ``e`` of
+        dimension 0 in one run ``[a, b)`` (its runs ``runs[r][1:]``), else empty (no box), with the same owners. Where
+        every rank holds all of dimension 0 (:meth:`whole_along_0`) one descriptor serves every ``e``; else one per
+        distinct run of dimension 0 (a ``Shard(0)`` chunk: a stack of experts FSDP2 shards on dimension 0 over ``dp``
+        and tensor parallelism on 1 or 2 over ``tp``, torchtitan's experts under TP). Made once each."""
         if self._one is None:
-            assert self.whole_along_0(), "a piece that does not hold all of dimension 0"
+            self._one = {}
+            self._spans = [] if self.whole_along_0() else sorted({runs[0][0] for runs in self.runs if runs[0]})
+            ends = [i for a, b in self._spans for i in (a, b)]
+            if any(len(runs[0]) > 1 for runs in self.runs) or ends != sorted(ends):
+                raise NotImplementedError("a stack whose ranks' pieces along dimension 0 are not disjoint contiguous "
+                                          "chunks (a _StridedShard on dimension 0): its exchange unit is the whole "
+                                          "stack (exchange_unit=\"stack\")")
+        key = self._spans[bisect.bisect_right(self._spans, (e, math.inf)) - 1] if self._spans else None
+        if key not in self._one:
             v = object.__new__(Pieces)
             v.shape, v.coords, v.ranks = self.shape[1:], self.coords, self.ranks
             v.replicated_dims = self.replicated_dims
-            v.runs, v._along, v._shapes, v._one = [runs[1:] for runs in self.runs], {}, None, None
-            self._one = v
-        return self._one
+            empty = ((),) * (len(self.shape) - 1)
+            v.runs = [runs[1:] if key is None or runs[0] == (key,) else empty for runs in self.runs]
+            v._along, v._shapes, v._one, v._spans = {}, None, None, []
+            v.holders = None if key is None else tuple(r for r, runs in enumerate(self.runs) if runs[0] == (key,))
+            self._one[key] = v
+        return self._one[key]
+
+    def held_along_0(self, r: int) -> tuple[int, int]:
+        """The indices ``[a, b)`` of dimension 0 rank ``r``'s piece holds, one run (``(0, 0)``: none)."""
+        runs = self.runs[r][0]
+        return runs[0] if runs else (0, 0)
 
     def owner_for(self, r: int, owner: int) -> int:
         c = list(self.coords[owner])

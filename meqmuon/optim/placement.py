@@ -133,13 +133,19 @@ def path_of(p: torch.Tensor, rule: Rule, layout: Layout, world: int, compiled_ba
 def by_matrix(p: torch.Tensor, rule: Rule, layout: Layout) -> bool:
     """Whether an ``OWNERS`` DTensor's exchange units may be its matrices (the optimizer's ``exchange_unit="matrix"``),
     one per index of its stack (an expert each), not the whole stack: a hidden rule's stack over one leading dim that
-    no placement shards on dim 0 (torchtitan's experts on their dimension 1 where the ranks outnumber them,
-    ``train.parallel.expert_placement``). Every rank's piece of an expert is then its local ``[e]``, so each expert
+    no placement shards on dim 0 but in contiguous chunks (torchtitan's experts on their dimension 1 where the ranks
+    outnumber them, ``train.parallel.expert_placement``; on dimension 0 over ``dp`` and 1 or 2 over ``tp`` under tensor
+    parallelism). Every rank's piece of an expert is then its local ``[e]`` or nothing, so each expert
     travels to an owner of its own: the stack's bytes at the floor and its Newton-Schulz spread over as many owners as
     it has experts (a whole stack to one owner moved 6.6-9.5x the floor for DeepSeek-V3 on 1,024 ranks,
     docs/benchmarks.md)."""
     return (is_dtensor(p) and isinstance(rule, HiddenRule) and len(layout.batch) == 1 and not layout.folded
-            and not any(getattr(q, "dim", None) == 0 for q in p.placements))
+            and not any(_strided(q) for q in p.placements))
+
+
+def _strided(q: Any) -> bool:
+    """A placement that shards dimension 0 otherwise than in ``torch.chunk``'s contiguous chunks (``_StridedShard``)."""
+    return getattr(q, "dim", None) == 0 and type(q).__name__ != "Shard"
 
 
 def alike_block(p: torch.Tensor, ns_group: int) -> tuple[Any, int] | None:

@@ -52,7 +52,7 @@ from torch import Tensor
 from .. import functional as F
 from ..orthogonalization import frobenius_normalize_
 from .calls import StepContext
-from .distributed import LocalSplit, exchange_flat, received_as
+from .distributed import LocalSplit, assign_owners, exchange_flat, received_as
 from .driver import HiddenRule, cost, matrix_shape
 from .newton_schulz import NS_METHODS, method_flops
 
@@ -65,6 +65,7 @@ except ImportError:  # pragma: no cover - torch builds without distributed suppo
 _all_gather = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
 
 __all__ = ["FLOPS_PER_BLOCK_BYTE", "GRAM_CHUNKS", "TIE", "Blocks", "ReplicaShare", "SharedNS", "Shares", "assign",
+           "assign_within",
            "block_bytes", "block_of", "block_sizes", "column_flops", "exposed_bytes", "gram_blocks", "gram_entries",
            "round_sum", "share", "share_flops", "shares_by_size", "split_of"]
 
@@ -394,6 +395,36 @@ def assign(costs: Sequence[float], shares: Sequence[Shares], load: list[float], 
 
     owners, shared, best = min(plans, key=key)
     load[:] = best
+    return owners, shared
+
+
+def assign_within(within: Sequence[tuple[int, ...] | None], costs: Sequence[float], shares: Sequence[Shares],
+                  load: list[float], groups: Sequence[Any], *, share: bool, in_flight: bool = False
+                  ) -> tuple[list[int], list[int]]:
+    """The owner of each unit and its block's size (:func:`assign`; without ``share``, ``distributed.assign_owners``
+    and no block), each unit whose pieces only the ranks ``within[i]`` hold (not ``None``: an expert of a stack that
+    FSDP2 shards on dimension 0 over ``dp`` and TP splits over ``tp``, whose pieces lie on its TP group, a node's
+    GPUs) owned by one of them, so that its exchange stays among them. Those units are planned first, each set of
+    ranks as a world of its own on their loads (shared only by blocks inside it: where it is consecutive ranks
+    aligned to its size), then the others on every rank. Without such units, :func:`assign`'s plan itself.
+    ``load`` is updated in place; identical on every rank, no collective."""
+    owners, shared = [0] * len(costs), [0] * len(costs)
+    sets: dict[tuple[int, ...] | None, list[int]] = {}
+    for i, w in enumerate(within):
+        sets.setdefault(w, []).append(i)
+    free = sets.pop(None, [])
+    for ranks, idx in [*sorted(sets.items()), *([(None, free)] if free else [])]:
+        world = ranks or range(len(load))
+        aligned = ranks is None or (ranks == tuple(range(ranks[0], ranks[0] + len(ranks)))
+                                    and not ranks[0] % len(ranks))
+        sub = [load[r] for r in world]
+        offered = [{z: v for z, v in shares[i].items() if aligned and not len(world) % z} for i in idx]
+        c, g = [costs[i] for i in idx], [groups[i] for i in idx]
+        o, z = assign(c, offered, sub, g, in_flight=in_flight) if share else (assign_owners(c, sub, g), [0] * len(c))
+        for i, a, b in zip(idx, o, z, strict=True):
+            owners[i], shared[i] = world[a], b
+        for r, x in zip(world, sub, strict=True):
+            load[r] = x
     return owners, shared
 
 
