@@ -86,18 +86,54 @@ def expert_parallel(model, mesh) -> None:
             setattr(module, name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [placement])))
 
 
+def deepseek_tp_plan(model, tp) -> None:
+    """torchtitan's tensor parallelism for DeepSeek-V3 without expert parallelism, on transformers' module names
+    (``torchtitan/models/deepseek_v3/infra/parallelize.py`` ``apply_non_moe_tp`` at 018740b, ``apply_moe_ep_tp``
+    and ``distributed/expert_parallel.py``'s ``TensorParallel``): ``q_b_proj``, ``kv_b_proj`` and the dense and
+    shared MLPs' gate and up colwise, ``o_proj`` and the down projections rowwise; each stack of routed experts
+    sharded on its intermediate dimension (``gate_up_proj (E, 2I, H)`` on 1, ``down_proj (E, H, I)`` on 2); the
+    embedding rowwise and the head colwise over the vocabulary (as ``tp_plan``); every other parameter (``q_a_proj``,
+    ``kv_a_proj_with_mqa``, the router, the norms: ``NoParallel`` and ``SequenceParallel``) ``Replicate()``."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from meqmuon.train.parallel import _vocab_parallel
+
+    if _vocab_parallel(model, tp.size()):
+        parallelize_module(model, tp, {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
+                                                                             output_layouts=Replicate()),
+                                       "lm_head": ColwiseParallel(output_layouts=Replicate())})
+    for layer in model.model.layers:
+        mlp = "mlp.shared_experts" if hasattr(layer.mlp, "experts") else "mlp"
+        parallelize_module(layer, tp, {"self_attn.q_b_proj": ColwiseParallel(),
+                                       "self_attn.kv_b_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                                       f"{mlp}.gate_proj": ColwiseParallel(), f"{mlp}.up_proj": ColwiseParallel(),
+                                       f"{mlp}.down_proj": RowwiseParallel()})
+        experts = getattr(layer.mlp, "experts", None)
+        for name, dim in (("gate_up_proj", 1), ("down_proj", 2)) if experts is not None else ():
+            stack = getattr(experts, name).detach()
+            setattr(experts, name, torch.nn.Parameter(distribute_tensor(stack, tp, [Shard(dim)])))
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if not isinstance(p, DTensor):
+                setattr(module, name, torch.nn.Parameter(distribute_tensor(p.detach(), tp, [Replicate()])))
+
+
 def shard(model, layout: str, mesh) -> None:
-    """``layout`` applied by torch's own APIs (``tests/test_layouts.py``'s FSDP2, ``meqmuon``'s TP plan); DDP
-    leaves the model whole (replicated: every rank built it from the same seed). ``fsdp2-rows``: FSDP2 with
-    stacked experts on dimension 0 however many ranks (torch's default; ``fsdp2`` is torchtitan's choice)."""
+    """``layout`` applied by torch's own APIs (``tests/test_layouts.py``'s FSDP2, ``meqmuon``'s TP plan, or for
+    DeepSeek-V3 torchtitan's, :func:`deepseek_tp_plan`); DDP leaves the model whole (replicated: every rank built it
+    from the same seed). ``fsdp2-rows``: FSDP2 with stacked experts on dimension 0 however many ranks (torch's default;
+    ``fsdp2`` is torchtitan's choice). ``fsdp2xtp-dense``: FSDP2 over the Llama TP plan whatever the model (a MoE's
+    experts outside it, repeated over ``tp``)."""
     from test_layouts import fsdp
 
     from meqmuon.train.parallel import tp_plan
 
     if layout == "ddp":
         return
-    if layout == "fsdp2xtp":
-        tp_plan(model, mesh["tp"])
+    if layout.startswith("fsdp2xtp"):  # "fsdp2xtp-dense": the Llama plan, which leaves a MoE's experts repeated
+        dense = layout == "fsdp2xtp-dense" or model.config.model_type != "deepseek_v3"
+        (tp_plan if dense else deepseek_tp_plan)(model, mesh["tp"])
         fsdp(model, mesh["dp"])
     elif layout == "tp":
         tp_plan(model, mesh)

@@ -22,6 +22,9 @@ each hidden-kind parameter (the Newton-Schulz kind), per rank ``r`` of the defau
   ``matrices``: its view's matrices) and of them the ones a block shares (``shared``: ``[owner, how, block
   size]`` per unit, ``shared_ns``; ``block``: the optimizer's ``ns_group``, the largest); whole local matrices are
   rounds without an exchange (``local`` empty). A shared unit's FLOPs are its members' shares (``shared_ns.share``).
+  Each round's ``local`` and owned elements also by peer (``near``, ``far``, ``near_owned``, ``far_owned``: with
+  the ranks of one's node of :data:`NODE_RANKS`, or the others; a rank's own piece neither), for the links the
+  time model prices them on.
   Whole local matrices a block holds alike (``shared_ns.ReplicaShare``) are each member's rows of the block's
   ``K`` (``replicas``: ``z``; ``ReplicaShare.rows``), ``gathered``: the bytes each rank receives of the others' parts,
   in ``gather_rounds`` all-gathers.
@@ -49,7 +52,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["RankModel", "adamw_bytes", "local_numels", "rank_model"]
+__all__ = ["NODE_RANKS", "PEERS", "RankModel", "adamw_bytes", "local_numels", "rank_model"]
+
+#: The node the rounds' bytes by peer are counted for: 8 GPUs (an H100 or H200 node; ``hardware.Hardware``'s
+#: ``ranks_per_node``, which the time model checks against it).
+NODE_RANKS = 8
+#: A round's elements by peer, per rank (``hardware.Split``): its pieces for owners of other nodes, its owned units'
+#: pieces from other nodes, its pieces for its node's other ranks, its owned units' pieces from them.
+PEERS = ("far", "far_owned", "near", "near_owned")
 
 
 def _coords(mesh) -> dict[int, tuple[int, ...]]:
@@ -141,7 +151,14 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
     def round_of(key: tuple, m: int, n: int, exchanged: bool, matrices: list | None = None) -> dict:
         return rounds.setdefault(key, {"shape": [m, n], "matrices": [list(s) for s in matrices or [(m, n)]],
                                        "local": [0] * world if exchanged else [], "owned": {}, "shared": [],
-                                       "block": block})
+                                       "block": block, "node": NODE_RANKS,
+                                       **{k: [0] * world if exchanged else [] for k in PEERS}})
+
+    def by_peer(rnd: dict, r: int, q: int, n: int) -> None:  # rank r's n elements for owner q, by their link
+        if q != r:
+            near = q // NODE_RANKS == r // NODE_RANKS
+            rnd["near" if near else "far"][r] += n
+            rnd["near_owned" if near else "far_owned"][q] += n
 
     for index, (group, entries, batched) in enumerate(opt._plan()):
         for e in entries:
@@ -186,11 +203,12 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
                         model.local[r] += n
                         model.owned[q] += n
                         rnd["local"][r] += n
+                        by_peer(rnd, r, q, n)
                         owners.add(q)
                 else:  # one owner, every rank's piece: added per descriptor below (an expert's units share one)
                     owners = {unit.assigned}
                     model.owned[unit.assigned] += math.prod(unit.pieces.shape)
-                    alike.setdefault((id(rnd), id(unit.pieces)), [rnd, unit.pieces, 0])[2] += 1
+                    alike.setdefault((id(rnd), id(unit.pieces)), [rnd, unit.pieces, Counter()])[2][unit.assigned] += 1
                 for q in owners:
                     rnd["owned"][q] = rnd["owned"].get(q, 0) + 1
                     if unit.shared is None:
@@ -210,11 +228,26 @@ def rank_model(opt: torch.optim.Optimizer, itemsize: int) -> RankModel:
                 rnd["owned"][first + j] = rnd["owned"].get(first + j, 0) + mine
                 model.flops[first + j] += mine * flops
                 rnd.setdefault("gathered", [0] * world)[first + j] += (z - 1) * n * s * m * c * itemsize
-    for rnd, pieces, count in alike.values():
+    for rnd, pieces, owners in alike.values():  # the units of one descriptor: every rank's piece once per unit
+        count, nodes, held = sum(owners.values()), Counter(), {}
+        for q, k in owners.items():
+            nodes[q // NODE_RANKS] += k
         for r in range(world):
-            n = count * pieces.numel(r)
-            model.local[r] += n
-            rnd["local"][r] += n
+            if n := pieces.numel(r):
+                held[r] = n
+                model.local[r] += count * n
+                rnd["local"][r] += count * n
+        node_held = Counter()
+        for r, n in held.items():
+            node_held[r // NODE_RANKS] += n
+        for r, n in held.items():  # to the owners in its node but itself, and to the others
+            rnd["near"][r] += n * (nodes[r // NODE_RANKS] - owners.get(r, 0))
+            rnd["far"][r] += n * (count - nodes[r // NODE_RANKS])
+        total = sum(held.values())
+        for q, k in owners.items():  # an owner's units' pieces from its node's other ranks, and from the others
+            here = node_held[q // NODE_RANKS]
+            rnd["near_owned"][q] += k * (here - held.get(q, 0))
+            rnd["far_owned"][q] += k * (total - here)
     model.rounds = [{**r, "owned": sorted(r["owned"].items())} for r in rounds.values()]
     return model
 

@@ -16,7 +16,8 @@ fake PG: ..." where the first step planned). The model is the transformers class
 built on ``meta`` and sharded by torch's own APIs on a DeviceMesh of the fake group: FSDP2 (``fully_shard``
 per decoder layer and the root; stacked experts on their dimension 1 where the ranks outnumber them, as
 torchtitan does, or ``fsdp2-rows``: on dimension 0, torch's default, the ranks past the experts holding none),
-FSDP2 over TP (torchtitan's TP plan, then FSDP2 over ``dp``), EP as
+FSDP2 over TP (torchtitan's TP plan, then FSDP2 over ``dp``; for DeepSeek-V3 its MLA and expert plan,
+``comm_bytes.deepseek_tp_plan``; ``fsdp2xtp-dense``: the Llama plan, the experts repeated over ``tp``), EP as
 torchtitan lays it out (``ep``: stacked experts ``Shard(0)`` over an ``ep`` mesh, every other parameter
 ``fully_shard`` over a ``dp`` mesh of the same ranks) or with every other parameter ``Replicate()``
 (``ep-replicated``). Gradients are zeros of each parameter's
@@ -117,7 +118,7 @@ def mesh_for(layout: str, ranks: str):
     """The DeviceMesh of ``layout`` over the fake group: ``N`` ranks, or ``DPxTP`` for FSDP2 over TP."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if layout == "fsdp2xtp":
+    if layout.startswith("fsdp2xtp"):
         dp, tp = (int(x) for x in ranks.split("x"))
         return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     return init_device_mesh("cpu", (world_of(ranks),), mesh_dim_names=(layout,))
@@ -395,7 +396,8 @@ def table(summaries: list[dict]) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), help="one configuration (with --layout, --ranks)")
-    parser.add_argument("--layout", choices=("fsdp2", "fsdp2-rows", "fsdp2xtp", "ep", "ep-replicated"))
+    parser.add_argument("--layout", choices=("fsdp2", "fsdp2-rows", "fsdp2xtp", "fsdp2xtp-dense", "ep",
+                                                   "ep-replicated"))
     parser.add_argument("--ranks", help="N, or DPxTP for fsdp2xtp")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     parser.add_argument("--device", default="meta", choices=("meta", "cpu"))

@@ -48,20 +48,7 @@ and the block's collectives it waits for (:func:`block_seconds`, over NVLink). T
 compute only (:attr:`StepTimes.work_bound`), and the form's, its collectives and its units' packing included
 (:func:`form_bound`), of the busiest rank and of the serial rounds.
 
-**Inputs and their sources** (:data:`H100`, :data:`H200`, ``--help`` for the options):
-
-- HBM: H100 SXM 3.35 TB/s, H200 4.8 TB/s (NVIDIA's H100 and H200 datasheets), of which the elementwise
-  passes reach 80 % (:attr:`Hardware.hbm_efficiency`, measured on this step's passes);
-- dense bf16 matmul peak 989 TFLOP/s, float32 (no tensor cores) 67 TFLOP/s (H100 SXM datasheet, without
-  sparsity; the same GH100 compute on H200);
-- NVLink 4: 450 GB/s each way is the line rate (900 GB/s bidirectional, datasheet); NCCL reaches ~370 GB/s
-  (S. Jeaugey, NVIDIA/nccl-tests#212: "with the protocol overhead (~20%)"): the default;
-- network: one 400 Gb/s NDR ConnectX-7 per GPU, 46-49 GB/s measured per NIC by nccl-tests, and an all-to-all
-  does not aggregate several NICs (NVIDIA/nccl-tests#267, #290): 48 GB/s;
-- a kernel launch on the host: 5 us (:attr:`Hardware.launch`), the low end of an H100's eager launch; the
-  ``benchmarks/op_count.py`` counts tracked H100 kernels within 10 % (docs/benchmarks.md);
-- latencies: NCCL's own tuning model (``src/graph/tuning.cc``, Ring/Simple): 8.4 us per collective, 3.4 us
-  per NVLink step, 9.6 us per network step;
+**Inputs and their sources**: the GPU and its links in ``benchmarks/hardware.py`` (``--help`` for the options);
 - training: ``6 N`` FLOPs per token (``N`` without the input embedding, routed experts counted for the ones a
   token visits, ``scale_sim.train_params``) at 40 % MFU (the Llama 3 paper, arXiv 2407.21783, Table 4: 38-43 %
   BF16 MFU for 405B on 8,192-16,384 H100s), 16M tokens a step for Llama-3 (ibid. section 3.4.1, 405B's batch
@@ -79,6 +66,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hardware import H100, H200, HARDWARE, Hardware, Link, Split, exchange_seconds, relayed_seconds, split_seconds  # noqa: E402
 
 __all__ = ["H100", "H200", "Calibration", "Hardware", "Link", "StepTimes", "exchange_seconds", "ns_flops",
            "pipeline", "rounds_of", "step_times", "train_seconds", "validate"]
@@ -98,98 +87,6 @@ def ns_flops(m: int, n: int, steps: int = 5) -> int:
     from meqmuon.optim.newton_schulz import ns_flops as count
 
     return count(m, n, steps)
-
-
-@dataclass(frozen=True)
-class Link:
-    """One kind of link: ``bandwidth`` in bytes/s each way per GPU, ``latency`` in seconds per step."""
-
-    bandwidth: float
-    latency: float
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """A GPU and its links (sources in the module docstring). ``peak``: dense matmul FLOP/s by dtype name."""
-
-    name: str
-    hbm: float
-    peak: dict[str, float]
-    nvlink: Link
-    network: Link
-    ranks_per_node: int = 8
-    base_latency: float = 8.4e-6
-    #: The share of ``hbm`` the step's elementwise passes reach: 80 %, measured on this step's own passes
-    #: (docs/benchmarks.md, Issue 49: the CUDA graph's body moves 5.88 GB more than the eager step at
-    #: Llama-350M shapes, and took 2.2 ms more on an H100: 2.67 TB/s).
-    hbm_efficiency: float = 0.8
-    #: The host's time to launch one kernel: 5 us, the low end of the 5-10 us an eager launch takes on an H100
-    #: (the launches ``benchmarks/op_count.py`` counts tracked H100 kernels within 10 %, docs/benchmarks.md; the
-    #: batched eager step at Llama-60M took 5.33 ms for 207 kernels, 26 us each with its Python): a floor.
-    launch: float = 5e-6
-
-    @property
-    def memory(self) -> float:
-        """The bytes per second the elementwise passes move."""
-        return self.hbm * self.hbm_efficiency
-
-    def link_bytes(self, nbytes: float, world: int) -> tuple[float, float]:
-        """``nbytes`` a rank moves one way, spread evenly over ``world`` ranks: (NVLink, network); its own stays."""
-        p = min(self.ranks_per_node, world)
-        return nbytes * (p - 1) / world, nbytes * (world - p) / world
-
-    def allreduce_seconds(self, nbytes: float, world: int) -> float:
-        """A small all-reduce over ``world`` ranks as a tree: up and down through a node's NVLink and
-        ``log2(nodes)`` network hops (NCCL's tuning model's shape, with the Simple protocol's latencies),
-        ``2 nbytes`` over the slowest link."""
-        if world <= 1:
-            return 0.0
-        p, nodes = min(self.ranks_per_node, world), math.ceil(world / self.ranks_per_node)
-        hops = (p - 1) * self.nvlink.latency + math.ceil(math.log2(nodes)) * self.network.latency
-        slowest = self.network if nodes > 1 else self.nvlink
-        return self.base_latency + 2 * hops + 2 * nbytes / slowest.bandwidth
-
-
-H100 = Hardware("NVIDIA H100 SXM 80GB", hbm=3.35e12, peak={"bfloat16": 989e12, "float32": 67e12},
-                nvlink=Link(370e9, 3.4e-6), network=Link(48e9, 9.6e-6))
-H200 = replace(H100, name="NVIDIA H200 SXM 141GB", hbm=4.8e12)
-HARDWARE = {"h100": H100, "h200": H200}
-
-
-def exchange_seconds(nbytes: float, world: int, hw: Hardware) -> float:
-    """One rank's part of an all-to-all that moves ``nbytes`` each way for it (the larger of what it sends and
-    receives): both links at once, each after its latency (the module docstring); 0 for nothing to move."""
-    if nbytes <= 0 or world <= 1:
-        return 0.0
-    nvl, net = hw.link_bytes(nbytes, world)
-    parts = [link.latency + b / link.bandwidth for link, b in ((hw.nvlink, nvl), (hw.network, net)) if b > 0]
-    return hw.base_latency + max(parts, default=0.0)
-
-
-def relayed_seconds(local: list[float], owned: list[float], hw: Hardware) -> float:
-    """One way of a round relayed through the owners' nodes (``meqmuon/optim/relay.py``, ``relay_group`` a node's
-    ``p`` ranks): rank ``r`` moves its pieces, ``local[r]`` bytes, and its whole units, ``owned[r]``, each spread
-    evenly over the ``W`` ranks. The network hop: a rank's own pieces for other nodes, ``(W - p) / W`` of
-    ``local[r]``, and one place's share of its node's owned bytes from (or to) other nodes, ``(W - p) / W`` of the
-    node's ``owned`` over ``p``; the NVLink hop: what it forwards for (or receives from) its node's other ranks,
-    ``(p - 1) / p`` of those; beside the network hop the node's own pieces, ``(p - 1) / W``. The two hops one after
-    the other (the way out network first, the way back NVLink first: the same time), each ending with its slowest
-    rank. With ``W <= p`` nothing is relayed: :func:`exchange_seconds`."""
-    world = len(local)
-    p = min(hw.ranks_per_node, world)
-    if world <= p:
-        return max((exchange_seconds(max(a, b), world, hw) for a, b in zip(local, owned, strict=True)), default=0.0)
-    if not any(local) and not any(owned):
-        return 0.0
-    far = (world - p) / world
-    node = [sum(owned[n : n + p]) / p for n in range(0, world, p)]  # one place's share of its node's owned bytes
-    net = max(hw.network.latency + far * max(loc, node[r // p]) / hw.network.bandwidth
-              for r, loc in enumerate(local))
-    near = max(hw.nvlink.latency + (p - 1) / world * max(a, b) / hw.nvlink.bandwidth
-               for a, b in zip(local, owned, strict=True))
-    forward = max(hw.nvlink.latency + far * (p - 1) / p * max(node[r // p], own) / hw.nvlink.bandwidth
-                  for r, own in enumerate(owned))
-    return 2 * hw.base_latency + max(net, near) + forward
 
 
 @dataclass
@@ -252,6 +149,8 @@ class Round:
     kind: str
     #: One way's time where the exchange is relayed (:func:`relayed_seconds`), else None.
     relayed: float | None = None
+    #: The bytes by peer where the plan knows them (``hardware.Split``: owners pinned to a node), else None: spread.
+    split: Split | None = None
     #: A unit's ways on the ranks allowed to share it (:func:`ways`): (ranks, each one's seconds).
     ways: tuple[tuple[int, float], ...] = ()
     units: int = 0  # the round's units (of ``ways`` each)
@@ -306,13 +205,17 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
                     + block_seconds(how, matrices, dtype, itemsize, g, cal, hw))
             for member in block_of(q, g):
                 ns[member] += part
+        # each rank's bytes by peer (its node's ranks or the others), where the rank model counted them for this
+        # node size: an expert owned in the TP group that holds it moves over NVLink alone
+        split = (tuple([factor * itemsize * x for x in rd[k]] for k in ("far", "far_owned", "near", "near_owned"))
+                 if rd["local"] and rd.get("node") == hw.ranks_per_node else None)
         relayed = None
         if inputs.get("relay_group", 1) > 1 and rd["local"]:  # the pieces and the owned units, each way
             relayed = relayed_seconds([factor * itemsize * loc for loc in rd["local"]],
-                                      [factor * itemsize * k * size for k in owned], hw)
+                                      [factor * itemsize * k * size for k in owned], hw, split)
         rounds.append(Round(tuple(rd["shape"]), moved, list(moved), ns, [k * size for k in owned],
                             max(t for t, _ in found), sum(owned) * least, kind, relayed,
-                            ways(matrices, seconds, dtype, itemsize, inputs.get("ns_group", 1), cal, hw),
+                            split, ways(matrices, seconds, dtype, itemsize, inputs.get("ns_group", 1), cal, hw),
                             sum(owned)))
     return rounds, factor
 
@@ -505,7 +408,13 @@ def step_times(summary: dict, hw: Hardware, cal: Calibration, longest_first: boo
     compute = [[ns + elementwise * w / total for ns in rd.ns] for rd, w in zip(rounds, weights, strict=True)] \
         if total else [[elementwise]]
     def one_way(rd: Round, moved: list[float]) -> float:  # a collective ends with its slowest rank's part
-        return rd.relayed if rd.relayed is not None else max(exchange_seconds(b, world, hw) for b in moved)
+        if rd.relayed is not None:
+            return rd.relayed
+        if rd.split is not None:
+            far, far_owned, near, near_owned = rd.split
+            return max(split_seconds(max(a, b), max(c, d), hw) for a, b, c, d in zip(near, near_owned, far,
+                                                                                      far_owned, strict=True))
+        return max(exchange_seconds(b, world, hw) for b in moved)
 
     out = [one_way(rd, rd.out) for rd in rounds] or [0.0]
     back = [one_way(rd, rd.back) for rd in rounds] or [0.0]

@@ -250,6 +250,9 @@ def test_rank_model_read_on_one_rank_predicts_every_rank(model, layout, ranks):
         assert sum(rd["local"][r] for rd in exchanged) == m["local"][r], r
         assert sum(k * sum(a * b for a, b in rd["matrices"]) for rd in exchanged for q, k in rd["owned"] if q == r) \
             == m["owned"][r], r
+    for rd in exchanged:  # by peer: what a rank sends its node's (the other nodes') owners, they receive
+        assert sum(rd["near"]) == sum(rd["near_owned"]) and sum(rd["far"]) == sum(rd["far_owned"]), rd
+        assert all(a + b <= c for a, b, c in zip(rd["near"], rd["far"], rd["local"], strict=True)), rd
     ranks_model = RankModel(len(rows), 4, m["local"], m["owned"], m["flops"])
     assert sum(m["owned"]) == sum(m["local"])  # every piece goes to exactly one owner
     for r, row in enumerate(rows):
@@ -615,18 +618,18 @@ def test_the_form_bound_counts_how_units_pack_and_no_plan_goes_below_it():
 
 
 def test_a_tp_pair_shares_the_experts_it_holds_alike_and_the_models_count_each_members_part(tmp_path):
-    """DeepSeek-V3 in small under FSDP2 x TP on 2 x 2 fake ranks with ``ns_group=2``: the experts FSDP2 shards on
-    ``dp`` only, repeated over ``tp``, are whole local matrices each TP pair holds alike, which the pair shares
-    (``shared_ns.ReplicaShare``). A pair's two ranks simulated, each in a process of its own: the rank model's FLOPs
-    are their measured ones, its round of local matrices (the batched form's one bucket) gives each member half
-    and the bytes it gathers of its partner's half in rounds, and the time model prices each round's gather over
-    NVLink behind the next round's Newton-Schulz."""
+    """DeepSeek-V3 in small under FSDP2 over the Llama TP plan (``fsdp2xtp-dense``) on 2 x 2 fake ranks with
+    ``ns_group=2``: the experts FSDP2 shards on ``dp`` only, repeated over ``tp``, are whole local matrices each TP
+    pair holds alike, which the pair shares (``shared_ns.ReplicaShare``). A pair's two ranks simulated, each in a
+    process of its own: the rank model's FLOPs are their measured ones, its round of local matrices (the batched
+    form's one bucket) gives each member half and the bytes it gathers of its partner's half in rounds, and the
+    time model prices each round's gather over NVLink behind the next round's Newton-Schulz."""
     import json
 
     from meqmuon.optim.shared_ns import ReplicaShare
 
     path = tmp_path / "moe.json"
-    scale_sim.main(["--model", "moe-tiny", "--layout", "fsdp2xtp", "--ranks", "2x2", "--sample-ranks", "0,1",
+    scale_sim.main(["--model", "moe-tiny", "--layout", "fsdp2xtp-dense", "--ranks", "2x2", "--sample-ranks", "0,1",
                     "--ns-group", "2", "--layers", "2", "--save", str(path)])
     summary = json.loads(path.read_text())[0]
     assert summary["flops_model_exact"] and summary["sampled"] == [0, 1]
@@ -648,3 +651,21 @@ def test_a_tp_pair_shares_the_experts_it_holds_alike_and_the_models_count_each_m
         c = whole / gathers
         h = hw.base_latency + hw.nvlink.latency + s * m * n * 4 / hw.nvlink.bandwidth
         assert got.ns == pytest.approx([c + (gathers - 1) * max(c, h) + h] * 4)
+
+
+def test_torchtitans_experts_under_tp_travel_each_to_an_owner_of_its_own_at_the_floor(tmp_path):
+    """DeepSeek-V3 in small under FSDP2 over torchtitan's TP plan (``comm_bytes.deepseek_tp_plan``) on 2 x 2 fake
+    ranks: each stack of experts is ``(Shard(0), Shard(1 or 2))``, a dp half's experts split over its TP pair. Each
+    expert is an exchange unit of its own (``placement.by_matrix``; the pieces of the ranks that do not hold it
+    empty), so no rank moves more than its floor (the whole stack as one unit: rank 0 1.22x, an owner load of 1.21x
+    against 1.12x) and the rank model still gives the simulated ranks' FLOPs exactly."""
+    import json
+
+    path = tmp_path / "ttp.json"
+    scale_sim.main(["--model", "moe-tiny", "--layout", "fsdp2xtp", "--ranks", "2x2", "--sample-ranks", "0,2",
+                    "--layers", "2", "--save", str(path)])
+    summary = json.loads(path.read_text())[0]
+    assert summary["flops_model_exact"] and summary["sampled"] == [0, 2]
+    assert summary["worst"]["ratio"] <= 1.0 and summary["owner_load"] < 1.2, (summary["worst"], summary["owner_load"])
+    # a unit is one matrix, or gate_up's two halves (32 x 64 each): no stack of 8 experts travels whole
+    assert all(len(rd["matrices"]) <= 2 for rd in summary["time_inputs"]["rounds"]), summary["time_inputs"]["rounds"]
