@@ -149,11 +149,12 @@ class Round:
     kind: str
     #: One way's time where the exchange is relayed (:func:`relayed_seconds`), else None.
     relayed: float | None = None
-    #: The bytes by peer where the plan knows them (``hardware.Split``: owners pinned to a node), else None: spread.
-    split: Split | None = None
     #: A unit's ways on the ranks allowed to share it (:func:`ways`): (ranks, each one's seconds).
     ways: tuple[tuple[int, float], ...] = ()
     units: int = 0  # the round's units (of ``ways`` each)
+    #: Each rank's bytes by peer (``hardware.Split``, ``rank_model``'s count for a node of this size), else None:
+    #: spread evenly over the ranks.
+    split: Split | None = None
 
 
 def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple[list[Round], float]:
@@ -215,8 +216,8 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
                                       [factor * itemsize * k * size for k in owned], hw, split)
         rounds.append(Round(tuple(rd["shape"]), moved, list(moved), ns, [k * size for k in owned],
                             max(t for t, _ in found), sum(owned) * least, kind, relayed,
-                            split, ways(matrices, seconds, dtype, itemsize, inputs.get("ns_group", 1), cal, hw),
-                            sum(owned)))
+                            ways(matrices, seconds, dtype, itemsize, inputs.get("ns_group", 1), cal, hw),
+                            sum(owned), split))
     return rounds, factor
 
 

@@ -657,8 +657,9 @@ def test_torchtitans_experts_under_tp_travel_each_to_an_owner_of_its_own_at_the_
     """DeepSeek-V3 in small under FSDP2 over torchtitan's TP plan (``comm_bytes.deepseek_tp_plan``) on 2 x 2 fake
     ranks: each stack of experts is ``(Shard(0), Shard(1 or 2))``, a dp half's experts split over its TP pair. Each
     expert is an exchange unit of its own (``placement.by_matrix``; the pieces of the ranks that do not hold it
-    empty), so no rank moves more than its floor (the whole stack as one unit: rank 0 1.22x, an owner load of 1.21x
-    against 1.12x) and the rank model still gives the simulated ranks' FLOPs exactly."""
+    empty) owned by a rank of that pair (``shared_ns.assign_within``), so no stack travels whole (it did: rank 0
+    1.22x its floor, a transient peak of 0.6 MiB against 0.2), every rank moves within 1 % of its reachable bound, and
+    the rank model still gives the simulated ranks' FLOPs exactly and counts the experts' bytes as its node's."""
     import json
 
     path = tmp_path / "ttp.json"
@@ -666,6 +667,9 @@ def test_torchtitans_experts_under_tp_travel_each_to_an_owner_of_its_own_at_the_
                     "--layers", "2", "--save", str(path)])
     summary = json.loads(path.read_text())[0]
     assert summary["flops_model_exact"] and summary["sampled"] == [0, 2]
-    assert summary["worst"]["ratio"] <= 1.0 and summary["owner_load"] < 1.2, (summary["worst"], summary["owner_load"])
+    # within 1 % of the reachable bound (the per-matrix choices come back whole), 8 % of the floor (an owner's whole)
+    assert summary["over_bound"] < 1.01 and summary["worst"]["ratio"] < 1.1, (summary["over_bound"], summary["worst"])
+    rounds = [rd for rd in summary["time_inputs"]["rounds"] if rd["local"]]
     # a unit is one matrix, or gate_up's two halves (32 x 64 each): no stack of 8 experts travels whole
-    assert all(len(rd["matrices"]) <= 2 for rd in summary["time_inputs"]["rounds"]), summary["time_inputs"]["rounds"]
+    assert all(len(rd["matrices"]) <= 2 for rd in rounds), rounds
+    assert all(rd["node"] == 8 and not any(rd["far"]) for rd in rounds)  # 4 ranks: one node of 8

@@ -319,19 +319,19 @@ def _run(name: str, layout: str | None, ns_group: int, overlap, foreach: bool, s
         return relayed(*args, **kwargs)
 
     exchange.relayed_flat = counted
-    planned = exchange.assign
+    planned = shared_ns.assign
 
     def recorded(*args, **kwargs):  # what the plan packs its shares for
         out["in_flight"] = kwargs["in_flight"]
         return planned(*args, **kwargs)
 
-    exchange.assign = recorded
+    shared_ns.assign = recorded  # what exchange.Exchange's plan calls, through shared_ns.assign_within
     for step in range(steps):
         for i, p in enumerate(params):
             g = _grad(step, i)
             p.grad = distribute_tensor(g, p.device_mesh, p.placements) if layout else g
         opt.step()
-    exchange.relayed_flat, exchange.assign = relayed, planned
+    exchange.relayed_flat, shared_ns.assign = relayed, planned
     ex = opt._exchange
     out["shared"] = [] if ex is None else [u.shared for u in ex.units]
     out["blocks"] = [] if ex is None else [u.block for u in ex.units]
