@@ -653,7 +653,7 @@ def test_a_tp_pair_shares_the_experts_it_holds_alike_and_the_models_count_each_m
         assert got.ns == pytest.approx([c + (gathers - 1) * max(c, h) + h] * 4)
 
 
-def test_torchtitans_experts_under_tp_travel_each_to_an_owner_of_its_own_at_the_floor(tmp_path):
+def test_torchtitans_experts_under_tp_travel_each_to_an_owner_in_its_tp_group(tmp_path):
     """DeepSeek-V3 in small under FSDP2 over torchtitan's TP plan (``comm_bytes.deepseek_tp_plan``) on 2 x 2 fake
     ranks: each stack of experts is ``(Shard(0), Shard(1 or 2))``, a dp half's experts split over its TP pair. Each
     expert is an exchange unit of its own (``placement.by_matrix``; the pieces of the ranks that do not hold it
