@@ -188,8 +188,8 @@ class Pieces:
             ends = [i for a, b in self._spans for i in (a, b)]
             if any(len(runs[0]) > 1 for runs in self.runs) or ends != sorted(ends):
                 raise NotImplementedError("a stack whose ranks' pieces along dimension 0 are not disjoint contiguous "
-                                          "chunks (a _StridedShard on dimension 0): its exchange unit is the whole "
-                                          "stack (exchange_unit=\"stack\")")
+                                          "chunks (a _StridedShard on dimension 0) has no unit per matrix: build the "
+                                          "optimizer with exchange_unit=\"tensor\" (the whole stack one unit)")
         key = self._spans[bisect.bisect_right(self._spans, (e, math.inf)) - 1] if self._spans else None
         if key not in self._one:
             v = object.__new__(Pieces)
