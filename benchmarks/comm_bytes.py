@@ -97,12 +97,9 @@ def deepseek_tp_plan(model, tp) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from meqmuon.train.parallel import _vocab_parallel
+    from meqmuon.train.parallel import vocab_plan
 
-    if _vocab_parallel(model, tp.size()):
-        parallelize_module(model, tp, {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
-                                                                             output_layouts=Replicate()),
-                                       "lm_head": ColwiseParallel(output_layouts=Replicate())})
+    vocab_plan(model, tp)
     for layer in model.model.layers:
         mlp = "mlp.shared_experts" if hasattr(layer.mlp, "experts") else "mlp"
         parallelize_module(layer, tp, {"self_attn.q_b_proj": ColwiseParallel(),

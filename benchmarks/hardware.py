@@ -118,9 +118,10 @@ def relayed_seconds(local: list[float], owned: list[float], hw: Hardware, split:
     world = len(local)
     p = min(hw.ranks_per_node, world)
     if world <= p:
-        return max((exchange_seconds(max(a, b), world, hw) if split is None else
-                    split_seconds(max(split[2][r], split[3][r]), 0.0, hw) for r, (a, b) in enumerate(zip(
-                        local, owned, strict=True))), default=0.0)
+        if split is not None:
+            return max((split_seconds(max(a, b), 0.0, hw) for a, b in zip(split[2], split[3], strict=True)),
+                       default=0.0)
+        return max((exchange_seconds(max(a, b), world, hw) for a, b in zip(local, owned, strict=True)), default=0.0)
     if not any(local) and not any(owned):
         return 0.0
     far = (world - p) / world

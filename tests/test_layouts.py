@@ -308,6 +308,21 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
 
 
+def _fed_alike(model, ref, opts) -> float:
+    """``STEPS`` steps of both optimizers ``opts``, the sharded ``model``'s and the one-process ``ref``'s, fed the same
+    gradients (each a DTensor of its parameter's placements on ``model``); the largest difference after them."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for step in range(STEPS):
+        for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters(), strict=True)):
+            g = torch.randn(q.shape, generator=torch.Generator().manual_seed(10 * step + i))
+            p.grad, q.grad = distribute_tensor(g, p.device_mesh, p.placements), g.clone()
+        for opt in opts:
+            opt.step()
+    return max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters(),
+                                                                       strict=True))
+
+
 def _titan_experts(mesh) -> dict:
     """torchtitan's DeepSeek-V3 experts under TP without EP, in small (``TensorParallel``: ``gate_up (E, 2I, H)`` on
     dimension 1 over ``tp``, ``down (E, H, I)`` on 2), FSDP2 on dimension 0 over ``dp`` (its rule for as many experts
@@ -343,22 +358,17 @@ def _titan_experts(mesh) -> dict:
 
         opts = [meqmuon.build_optimizer("meqmuon", groups(m), lr=0.02, weight_decay=0.1, ns_dtype=torch.float32,
                                         **(kw if m is model else {})) for m in (model, ref)]
-        for step in range(STEPS):
-            for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters(), strict=True)):
-                g = torch.randn(q.shape, generator=torch.Generator().manual_seed(10 * step + i))
-                p.grad, q.grad = distribute_tensor(g, p.device_mesh, p.placements), g.clone()
-            for opt in opts:
-                opt.step()
+        diff = _fed_alike(model, ref, opts)
         pairs = list(zip(model.parameters(), ref.parameters(), strict=True))
         entries = [e for _, es, _ in opts[0]._plan() for e in es]
         out[form] = {
-            "diff": max((p.full_tensor() - q).abs().max().item() for p, q in pairs),
+            "diff": diff,
             "moved": min((q - q0).abs().max().item() for (_, q), q0 in zip(pairs, init, strict=True)),
             "chosen": all(torch.equal(_whole(opts[0].state[p]["rows_chosen"]), opts[1].state[q]["rows_chosen"])
                           for p, q in pairs),
             "placements": [str(tuple(p.placements)) for p in model.parameters()],
             "plan": [(e.by_matrix, len(e.units), e.held) for e in entries],
-            "owners": [(opts[0]._exchange.units[i].assigned, opts[0]._exchange.units[i].within)
+            "owners": [(opts[0]._exchange.units[i].assigned, opts[0]._exchange.units[i].pieces.holders)
                        for e in entries[:2] for i in e.units]}
     return out
 
@@ -368,7 +378,6 @@ def _submesh(mesh) -> dict:
     four ranks, repeated over ``tp``), beside a colwise and a rowwise one: the largest difference from one process
     fed the same gradients, and the meshes' sizes."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(0)
@@ -379,15 +388,7 @@ def _submesh(mesh) -> dict:
         fully_shard(m, mesh=mesh["dp"])
     opts = [meqmuon.build_optimizer("meqmuon", [{"params": list(m.parameters()), "kind": "hidden"}], lr=0.02,
                                     weight_decay=0.1, ns_dtype=torch.float32) for m in (model, ref)]
-    for step in range(STEPS):
-        for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters(), strict=True)):
-            g = torch.randn(q.shape, generator=torch.Generator().manual_seed(10 * step + i))
-            p.grad, q.grad = distribute_tensor(g, p.device_mesh, p.placements), g.clone()
-        for opt in opts:
-            opt.step()
-    return {"diff": max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(),
-                                                                                 ref.parameters(), strict=True)),
-            "meshes": [p.device_mesh.size() for p in model.parameters()]}
+    return {"diff": _fed_alike(model, ref, opts), "meshes": [p.device_mesh.size() for p in model.parameters()]}
 
 
 def _alike(mesh) -> dict:

@@ -252,13 +252,12 @@ def stack_items(rule: Rule, param: Tensor, grad: Tensor, state: dict[str, Any], 
     keys = [k for k, how in rule.state_views.items() if how in ("param", "rows", "counter")]
     a, b = held
     whole = {k for k in keys if state[k].shape[0] == len(units)}
-
-    def empty(t: Tensor) -> Tensor:
-        return t.new_empty((0, *t.shape[2:]))
-
-    return [Item(param[e - a] if a <= e < b else empty(param), grad[e - a] if a <= e < b else empty(grad),
+    # one empty piece of each tensor serves every matrix this rank does not hold (writes into it write nothing)
+    none = {k: t.new_empty((0, *t.shape[2:])) for k, t in (("param", param), ("grad", grad), *state.items())
+            if k in ("param", "grad") or (k in keys and k not in whole)} if (a, b) != (0, len(units)) else {}
+    return [Item(param[e - a] if a <= e < b else none["param"], grad[e - a] if a <= e < b else none["grad"],
                  {"step": state["step"], **{k: state[k][e] if k in whole else state[k][e - a] if a <= e < b else
-                                            empty(state[k]) for k in keys}}, f"{name}[{e}]", tuple(shape), kind, u)
+                                            none[k] for k in keys}}, f"{name}[{e}]", tuple(shape), kind, u)
             for e, u in enumerate(units)]
 
 

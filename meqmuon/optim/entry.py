@@ -91,8 +91,5 @@ class Entry:
             return [Unit(d, sharded, self.layout if cuts(self.rule, self.layout) else None)]
         # every state tensor of a stack leads with its matrices, sharded on dim 0 as the stack is (by_matrix)
         self.held = d.held_along_0(torch.distributed.get_rank())
-        units = [Unit(d.at(e), {k: v.at(e) for k, v in sharded.items()}, self.layout.one())
-                 for e in range(self.param.shape[0])]
-        for u in units:  # an expert whose pieces its TP group alone holds is owned there (shared_ns.assign_within)
-            u.within = u.pieces.holders
-        return units
+        return [Unit(d.at(e), {k: v.at(e) for k, v in sharded.items()}, self.layout.one())
+                for e in range(self.param.shape[0])]

@@ -86,7 +86,7 @@ class Unit:
     lies (``where``)."""
 
     __slots__ = ("pieces", "state_pieces", "layout", "assigned", "owner", "mine", "group", "replicas", "where",
-                 "items", "shared", "block", "numels", "within")
+                 "items", "shared", "block", "numels")
 
     def __init__(self, pieces: Any, state_pieces: dict[str, Any], layout: Layout | None) -> None:
         self.pieces, self.state_pieces, self.layout = pieces, state_pieces, layout
@@ -103,9 +103,6 @@ class Unit:
         self.items: list[Item] = []
         #: (key, rank) -> the elements of that rank's piece, as a relay reads them (``relay.py``).
         self.numels: dict[tuple[str, int], int] = {}
-        #: The ranks its owner is one of (``shared_ns.assign_within``: those that hold its pieces, where they are
-        #: not every rank), or None: any rank.
-        self.within: tuple[int, ...] | None = None
 
     def descriptor(self, key: str) -> Any:
         return (self.pieces.along(AXES[key]) if key in AXES else self.pieces if key == "param" else
@@ -139,7 +136,9 @@ class Exchange(LocalSplit):
         # too, which is not built, so such a unit is planned whole
         offered = [{} if ns_group == 1 or (not u.replicas and u.pieces.replicated_dims) else s
                    for u, s in zip(units, shares or [{}] * len(units), strict=True)]
-        owners, shared = assign_within([u.within for u in units], costs, offered, self.load, buckets,
+        # a unit whose pieces only some ranks hold (Pieces.at: an expert on its TP group) is owned among them
+        owners, shared = assign_within([None if u.replicas else u.pieces.holders for u in units], costs, offered,
+                                       self.load, buckets,
                                        share=ns_group > 1, in_flight=depth == DEPTHS["all"])
         self.blocks = {z: Blocks(group, z) for z in sorted(set(shared) - {0})}
         #: The nodes of ``relay_group`` ranks the exchange is relayed through (``relay.py``), or None: one node (or

@@ -156,7 +156,8 @@ class Pieces:
         self._shapes: frozenset[tuple[int, ...]] | None = None
         self._one: dict | None = None
         self._spans: list[tuple[int, int]] = []
-        #: The ranks that hold a piece, where :meth:`at` made these pieces of a chunk of dimension 0; else None.
+        #: The ranks that hold a piece, where :meth:`at` made these pieces of a chunk of dimension 0, else None: the
+        #: ranks its owner is one of (``shared_ns.assign_within``).
         self.holders: tuple[int, ...] | None = None
 
     def along(self, d: int) -> Pieces:

@@ -100,8 +100,9 @@ def _vocab_parallel(model: torch.nn.Module, tp: int) -> bool:
     return not cfg.tie_word_embeddings and cfg.vocab_size % tp == 0
 
 
-def tp_plan(model: torch.nn.Module, mesh: Any) -> None:
-    """torchtitan's Llama TP plan on a transformers Llama/Qwen2 causal LM (``model.model.layers``)."""
+def vocab_plan(model: torch.nn.Module, mesh: Any) -> None:
+    """The embedding rowwise and the head colwise over the vocabulary on ``mesh``, where that is exact
+    (:func:`_vocab_parallel`): the first part of torchtitan's TP plans."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -110,6 +111,13 @@ def tp_plan(model: torch.nn.Module, mesh: Any) -> None:
             "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
             "lm_head": ColwiseParallel(output_layouts=Replicate()),
         })
+
+
+def tp_plan(model: torch.nn.Module, mesh: Any) -> None:
+    """torchtitan's Llama TP plan on a transformers Llama/Qwen2 causal LM (``model.model.layers``)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    vocab_plan(model, mesh)
     for layer in model.model.layers:
         parallelize_module(layer, mesh, {
             **{f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
