@@ -4,7 +4,8 @@ Real ``transformers`` models from tiny configs (``zoo.py``), sharded by torch it
 with ``parallelize_module`` (the torchtitan plan: colwise q/k/v/gate/up, rowwise o/down, a vocabulary-
 parallel embedding and head) on a TP mesh of 2, FSDP2 (``fully_shard``) on the fused and transposed
 models (Phi3's ``qkv_proj`` with GQA sizes and ``gate_up_proj``, GPT-2's ``Conv1D`` ``c_attn``) and the
-experts of Qwen3-MoE, DBRX (folded) and GPT-OSS (interleaved), and FSDP2 over TP on a 2 x 2 mesh.
+experts of Qwen3-MoE, DBRX (folded) and GPT-OSS (interleaved), FSDP2 over TP on a 2 x 2 mesh, and
+torchtitan's experts under HSDP over TP on a 2 x 2 x 2 mesh (8 processes, one small test).
 
 Each worker runs the model's real forward and backward under the layout, then feeds the very same
 gradients (``full_tensor()``) to an optimizer of the unsharded model, so that the only difference left
@@ -323,15 +324,15 @@ def _fed_alike(model, ref, opts) -> float:
                                                                        strict=True))
 
 
-def _titan_experts(mesh) -> dict:
+def _titan_experts(mesh, dp: str | tuple[str, ...] = "dp") -> dict:
     """torchtitan's DeepSeek-V3 experts under TP without EP, in small (``TensorParallel``: ``gate_up (E, 2I, H)`` on
-    dimension 1 over ``tp``, ``down (E, H, I)`` on 2), FSDP2 on dimension 0 over ``dp`` (its rule for as many experts
-    as ranks or more), beside a projection ``NoParallel`` keeps whole on ``tp`` (``q_a_proj``), each expert an
-    exchange unit (``exchange_unit="matrix"``: a rank holds half of the experts, and nothing of the others) owned by
-    the TP pair that holds it. Per form
+    dimension 1 over ``tp``, ``down (E, H, I)`` on 2), FSDP2 on dimension 0 over ``mesh[dp]`` (its rule for as many
+    experts as ranks or more; HSDP where ``dp`` names a replicate and a shard dimension), beside a projection
+    ``NoParallel`` keeps whole on ``tp`` (``q_a_proj``), each expert an exchange unit (``exchange_unit="matrix"``: a
+    rank holds half of the experts, and nothing of the others) owned by the TP pair that holds it. Per form
     (batched with ``ns_group`` 1, 2 in flight, per tensor): the largest difference from one process fed the same
     gradients, the smallest move of a parameter, whether the per-matrix choices equal one process's, the plan and
-    the experts' owners."""
+    the experts' owners (the rank that computes each for this one, and the ranks that hold it)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -350,7 +351,7 @@ def _titan_experts(mesh) -> dict:
         for name, _, placement in specs:
             p = getattr(model, name)
             setattr(model, name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh["tp"], [placement])))
-        fully_shard(model, mesh=mesh["dp"], shard_placement_fn=expert_placement(2))
+        fully_shard(model, mesh=mesh[dp], shard_placement_fn=expert_placement(2))
 
         def groups(m):
             return [{"params": [m.gate_up, m.down], "kind": "hidden", "views": "stacked"},
@@ -368,7 +369,7 @@ def _titan_experts(mesh) -> dict:
                           for p, q in pairs),
             "placements": [str(tuple(p.placements)) for p in model.parameters()],
             "plan": [(e.by_matrix, len(e.units), e.held) for e in entries],
-            "owners": [(opts[0]._exchange.units[i].assigned, opts[0]._exchange.units[i].pieces.holders)
+            "owners": [(opts[0]._exchange.units[i].owner, opts[0]._exchange.units[i].pieces.holders)
                        for e in entries[:2] for i in e.units]}
     return out
 
@@ -460,6 +461,40 @@ def test_fsdp2_over_tensor_parallel_2x2_equals_one_process(tmp_path):
             # each expert owned by the TP pair that holds it (shared_ns.assign_within): its exchange stays there
             pairs = [(0, 1)] * 2 + [(2, 3)] * 2
             assert [w for _, w in got["owners"]] == pairs * 2 and all(o in w for o, w in got["owners"]), got["owners"]
+
+
+def _hsdp_tp_worker(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    return _titan_experts(mesh, ("dp_replicate", "dp_shard"))
+
+
+def test_hsdp_over_tensor_parallel_2x2x2_experts_equal_one_process(tmp_path):
+    """torchtitan's experts under HSDP over TP (8 processes: 2 replica groups x 2 shards x a TP pair), placements
+    ``(Replicate(), Shard(0), Shard(1 or 2))``: each expert a unit, held by its TP pair in both replica groups and
+    computed in each by that group's rank of the pair (``owners.Pieces.owner_for``), every form equal to one process
+    to 1e-6 with the per-matrix choices, each replica group's owners balanced (two of the eight units each)."""
+    results = _spawn(_hsdp_tp_worker, tmp_path, world=8)
+    by_group = {}
+    for rank, res in enumerate(results):
+        shard = rank // 2 % 2  # ranks 0, 1, 4, 5 hold experts 0-1; 2, 3, 6, 7 experts 2-3
+        for form, got in res.items():
+            assert got["diff"] <= 1e-6 and got["chosen"] and got["moved"] > 1e-3, (rank, form, got)
+            assert got["placements"][:2] == ["(Replicate(), Shard(dim=0), Shard(dim=1))",
+                                             "(Replicate(), Shard(dim=0), Shard(dim=2))"], got["placements"]
+            assert got["plan"][:2] == [(True, 4, (2 * shard, 2 * shard + 2))] * 2 and not got["plan"][2][0], got
+            holders = [(0, 1, 4, 5)] * 2 + [(2, 3, 6, 7)] * 2
+            assert [w for _, w in got["owners"]] == holders * 2, got["owners"]
+            # computed in this rank's replica group, by a rank that holds the expert
+            assert all(o in w and o // 4 == rank // 4 for o, w in got["owners"]), (rank, got["owners"])
+            by_group.setdefault((form, rank // 4), set()).add(tuple(o % 4 for o, _ in got["owners"]))
+    # the ranks of a replica group agree on the owners, and the two groups mirror each other
+    assert all(len(seen) == 1 for seen in by_group.values()), by_group
+    for form in results[0]:
+        assert by_group[form, 0] == by_group[form, 1], (form, by_group)
+        (owners,) = by_group[form, 0]
+        assert sorted(owners) == [0, 0, 1, 1, 2, 2, 3, 3], (form, owners)
 
 
 def _compiled_worker(rank, names):
