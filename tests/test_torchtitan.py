@@ -7,9 +7,9 @@ torch it needs ``triton``, which it imports (``distributed/minimal_async_ep/kern
 
 torchtitan's ``Trainer`` does not run on a CPU, so its classes run here directly: its model classes (llama3,
 qwen3, qwen3's MoE), its own parallelisation (``Module.parallelize`` for TP, ``apply_fsdp_to_decoder`` for
-FSDP2), ``MeqMuonOptimizers`` (a torchtitan ``OptimizersContainer``), ``LRSchedulersContainer`` and the DCP
-``CheckpointManager``, on gloo. Three substitutions, each in :func:`_llama` / :func:`_parallelize`, none of
-them in what the optimizer sees:
+FSDP2, and both on a MoE), ``MeqMuonOptimizers`` (a torchtitan ``OptimizersContainer``),
+``LRSchedulersContainer`` and the DCP ``CheckpointManager``, on gloo. Three substitutions, each in :func:`_llama`
+(and :func:`_qwen3_moe`) / :func:`_parallelize`, none of them in what the optimizer sees:
 
 - causal SDPA for the parameter-free FlexAttention (``FlexAttention does not support backward on CPU``);
 - ``torchtitan.distributed.parallel_dims.device_type = "cpu"`` (``tools/utils.get_device_info`` answers
@@ -325,6 +325,34 @@ def _llama(seed: int, tp: int = 1, fuse_qkv: bool = True) -> nn.Module:
     return model
 
 
+def _qwen3_moe(seed: int, tp: int = 1) -> nn.Module:
+    """torchtitan's qwen3 MoE debug model, one layer, its routed experts cut to 4 of hidden size 64, top 2 (its 64
+    of 768, top 8, are minutes of float32 Newton-Schulz a step on a CPU), built and initialised as :func:`_llama`."""
+    from dataclasses import replace
+
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.models.qwen3 import model_registry
+
+    cfg = model_registry("debugmodel_moe").model
+    cfg.layers = cfg.layers[:1]
+    for layer in cfg.layers:
+        moe, n, k = layer.moe, 4, 2
+        routed = moe.routed_experts
+        routed = replace(routed, inner_experts=replace(routed.inner_experts, hidden_dim=64, num_experts=n),
+                         token_dispatcher=replace(routed.token_dispatcher, num_experts=n, top_k=k))
+        router = replace(moe.router, num_experts=n, top_k=k, gate=replace(moe.router.gate, out_features=n))
+        layer.moe = replace(moe, num_experts=n, routed_experts=routed, router=router)
+        layer.attention.rope = replace(layer.attention.rope, max_seq_len=64)
+    cfg.update_from_config(config=types.SimpleNamespace(parallelism=ParallelismConfig(
+        tensor_parallel_degree=tp, spmd_backend="partial_dtensor")))
+    torch.manual_seed(seed)
+    model = cfg.build()
+    model.init_states()
+    for block in model.layers.values():
+        block.attention.inner_attention = _SDPA()
+    return model
+
+
 @titan
 def test_every_matrix_but_wqkv_steps_as_in_the_unfused_model():
     """The same weights and gradients in the fused and the unfused model (torchtitan's own state-dict hooks
@@ -452,8 +480,9 @@ def test_one_process_resumes_bit_for_bit(tmp_path):
     ckpt.close(), ckpt2.close()
 
 
-def _parallelize(model: nn.Module, mode: str) -> None:
-    """torchtitan's own: ``Module.parallelize`` (TP 2) or ``apply_fsdp_to_decoder`` (FSDP2 over 2 ranks)."""
+def _parallelize(model: nn.Module, mode: str) -> slice:
+    """torchtitan's own: ``Module.parallelize`` (TP 2), ``apply_fsdp_to_decoder`` (FSDP2 over 2 ranks) or both
+    (``"fsdp2xtp"``, as ``parallelize_qwen3`` applies them, on 2 x 2 ranks); this rank's rows of a batch."""
     import torchtitan.distributed.parallel_dims as pd
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import ParallelismConfig
@@ -461,38 +490,44 @@ def _parallelize(model: nn.Module, mode: str) -> None:
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
     pd.device_type = "cpu"  # what tools/utils.get_device_info finds on a machine with an accelerator
-    par = ParallelismConfig(tensor_parallel_degree=2 if mode == "tp" else 1, spmd_backend="partial_dtensor")
+    par = ParallelismConfig(tensor_parallel_degree=1 if mode == "fsdp" else 2, spmd_backend="partial_dtensor")
     dims = ParallelDims.from_config(par, dist.get_world_size())
     dims.build_mesh()
-    if mode == "tp":
+    if mode != "fsdp":
         model.parallelize(dims)
-        return
-    apply_fsdp_to_decoder(model, dims.get_mesh(["fsdp"]), param_dtype=torch.float32, reduce_dtype=torch.float32,
-                          pp_enabled=False)
+    if mode == "tp":
+        return slice(None)
+    fsdp = dims.get_mesh(["fsdp"])
+    apply_fsdp_to_decoder(model, fsdp, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
     for module in model.modules():  # torchtitan's divide factor 1.0 reduces by PREMUL_SUM, which gloo lacks
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
+    rows = 4 // fsdp.size()
+    return slice(fsdp.get_local_rank() * rows, (fsdp.get_local_rank() + 1) * rows)
 
 
 def _parallel_worker(rank: int, mode: str, folder: str) -> dict:
     solo = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
-    rows = slice(rank * 2, rank * 2 + 2) if mode == "fsdp" else slice(None)
-    model = _llama(0, tp=2 if mode == "tp" else 1)
+    build = _qwen3_moe if mode == "fsdp2xtp" else _llama
+    model = build(0, tp=1 if mode == "fsdp" else 2)
     ref = copy.deepcopy(model)
-    _parallelize(model, mode)
+    rows = _parallelize(model, mode)
     placements = {n: tuple(map(repr, p.placements)) for n, p in model.named_parameters()}
     opt, sched, ckpt = _components(model, Path(folder))
     ropt, rsched, _ = _components(ref, Path(folder) / "unused", process_group=solo)
     worst = _train(model, opt, sched, ckpt, 1, rows, reference=(ref, ropt, rsched))
     done = _snapshot(model, opt, sched)
-    model2 = _llama(1, tp=2 if mode == "tp" else 1)
+    # the experts' exchange units: per stacked parameter, its units' owners and the ranks that hold each
+    units = [(e.name, [(o._exchange.units[i].owner, o._exchange.units[i].pieces.holders) for i in e.units])
+             for o in opt.optimizers for _, es, _ in o._plan() for e in es if e.by_matrix]
+    model2 = build(1, tp=1 if mode == "fsdp" else 2)
     _parallelize(model2, mode)
     opt2, sched2, ckpt2 = _components(model2, Path(folder))
     assert ckpt2.load(step=SAVE)
     _train(model2, opt2, sched2, ckpt2, SAVE + 1, rows)
     _assert_same(done, _snapshot(model2, opt2, sched2))
     ckpt.close(), ckpt2.close()
-    return {"worst": worst, "placements": placements}
+    return {"worst": worst, "placements": placements, "units": units}
 
 
 @titan
@@ -510,6 +545,27 @@ def test_fsdp2_and_tp_equal_one_process_and_resume_bit_for_bit(tmp_path, mode):
     if mode == "tp":  # rowwise wo: the owner path; colwise wqkv and a vocabulary-parallel embedding: row shards
         assert placements["layers.0.attention.wo.weight"] == ("Shard(dim=1)",)
         assert placements["tok_embeddings.weight"] == ("Shard(dim=0)",)
+
+
+@titan
+def test_moe_under_fsdp2_over_tp_equals_one_process_and_resumes_bit_for_bit(tmp_path):
+    """torchtitan's qwen3 MoE (in small) on 2 x 2 gloo ranks under its own TP and FSDP2, as ``parallelize_qwen3``
+    applies them: its grouped experts ``(Shard(0), Shard(1 or 2))`` (each expert split over ``tp``, the stack over
+    ``fsdp``). Each expert is an exchange unit owned by a rank of the TP pair that holds it; every update equals one
+    process's to 1e-6 and the DCP resume is bit for bit, as for the dense model."""
+    results = _spawn(_parallel_worker, tmp_path, "fsdp2xtp", str(tmp_path), world=4)
+    experts = "layers.0.moe.routed_experts.inner_experts."
+    for rank, r in enumerate(results):
+        assert r["worst"] < 1e-6, (rank, r["worst"])
+        assert [r["placements"][experts + w] for w in ("w1_EFD", "w2_EDF", "w3_EFD")] == [
+            ("Shard(dim=0)", "Shard(dim=1)"), ("Shard(dim=0)", "Shard(dim=2)"), ("Shard(dim=0)", "Shard(dim=1)")]
+        stacks = {name: owners for name, owners in r["units"]}
+        assert sorted(stacks) == [experts + w for w in ("w1_EFD", "w2_EDF", "w3_EFD")], sorted(stacks)
+        for name, owners in stacks.items():
+            assert len(owners) == 4, (name, owners)  # one unit per expert, not the stack
+            # experts 0-1 on the first fsdp half, 2-3 on the other: each owned by a rank that holds it
+            assert len({w for _, w in owners}) == 2 and all(w is not None and len(w) == 2 and o in w
+                                                           for o, w in owners), (name, owners)
 
 
 @titan
