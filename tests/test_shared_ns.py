@@ -197,6 +197,48 @@ def test_a_pair_that_costs_less_than_one_owner_shares_even_where_whole_units_fit
         assert max(load) / mean == pytest.approx(after, abs=0.005)
 
 
+def test_units_repeated_in_replica_groups_balance_the_work_each_rank_does(monkeypatch):
+    """HSDP over 4 replica groups of 2 ranks (torch's fake process group, rank 0 of 8; ``(Replicate(), Shard(0))``):
+    every group computes each matrix at its rank standing for the owner (``owners.Pieces.owner_for``), so the
+    plan balances a group's 2 ranks, each charged with what its mirrors do too. Planned over 8 ranks as though
+    each worked alone, the 8 matrices of decreasing cost went one to each, and the group's rank 0 computed the
+    1st, 3rd, 5th and 7th largest: more than longest-first on 2 ranks gives it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    seen = {}
+
+    def spy(within, costs, *args, **kwargs):
+        seen.update(within=list(within), costs=list(costs))
+        return shared_ns.assign_within(within, costs, *args, **kwargs)
+
+    monkeypatch.setattr(exchange, "assign_within", spy)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        mesh = init_device_mesh("cpu", (4, 2))
+        ws = [torch.nn.Parameter(DTensor.from_local(torch.zeros(8, n), mesh, [Replicate(), Shard(0)],
+                                                    run_check=False, shape=(16, n), stride=(n, 1)))
+              for n in (64, 56, 48, 40, 32, 24, 16, 8)]
+        opt = meqmuon.build_optimizer("muon", [{"params": ws, "kind": "hidden"}], ns_dtype=torch.float32)
+        opt._plan()
+        ex = opt._exchange
+        costs = seen["costs"]
+        assert len(costs) == 8 and costs == sorted(costs, reverse=True) and len(set(costs)) == 8
+        assert seen["within"] == [(0, 1)] * 8  # the first replica group's ranks
+        assert all(u.assigned in (0, 1) and u.owner == u.assigned for u in ex.units)
+        # every rank carries what its group's rank of the same shard does: the loads mirror group by group
+        assert all(ex.load[r] == ex.load[r % 2] for r in range(8)), ex.load
+        pair = [0.0, 0.0]
+        distributed.assign_owners(costs, pair)
+        assert max(ex.load) == max(pair)
+        blind = [0.0] * 8  # the plan over 8 ranks of their own; rank r computes for its group what 0 or 1 would
+        distributed.assign_owners(costs, blind)
+        assert max(sum(blind[s::2]) for s in (0, 1)) > 1.05 * max(pair), (blind, pair)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_units_that_a_node_alone_holds_are_owned_there_and_the_rest_balance_around_them():
     """``assign_within``: units whose pieces only a TP group holds (six on ranks 0-3, two on 4-7 of 8) are owned
     there, each group's balanced on its own (the six whole: 6, 6, 3, 3; with pairs, two shared: 5.4), not spread

@@ -214,6 +214,17 @@ class Pieces:
             c[i] = self.coords[r][i]
         return self.ranks[tuple(c)]
 
+    def first_group(self) -> tuple[int, ...]:
+        """The ranks of the first replica group (coordinate 0 on every mesh dimension that replicates): an owner
+        planned among them stands for one in every group (:meth:`owner_for`, :meth:`mirrors`)."""
+        return tuple(r for r, c in enumerate(self.coords) if c and all(c[i] == 0 for i in self.replicated_dims))
+
+    def mirrors(self, owner: int) -> list[int]:
+        """The ranks that compute, each in its own replica group, what ``owner`` computes in its group."""
+        kept = [i for i in range(len(self.coords[owner])) if i not in self.replicated_dims]
+        return [r for r, c in enumerate(self.coords) if c and r != owner
+                and all(c[i] == self.coords[owner][i] for i in kept)]
+
     def numel(self, r: int) -> int:
         return math.prod(sum(b - a for a, b in runs) for runs in self.runs[r])
 

@@ -399,7 +399,8 @@ def assign(costs: Sequence[float], shares: Sequence[Shares], load: list[float], 
 
 
 def assign_within(within: Sequence[tuple[int, ...] | None], costs: Sequence[float], shares: Sequence[Shares],
-                  load: list[float], groups: Sequence[Any], *, share: bool, in_flight: bool = False
+                  load: list[float], groups: Sequence[Any], *, share: bool, in_flight: bool = False,
+                  mirrors: Sequence[Callable[[int], Sequence[int]] | None] | None = None
                   ) -> tuple[list[int], list[int]]:
     """The owner of each unit and its block's size (:func:`assign`; without ``share``, ``distributed.assign_owners``
     and no block), each unit whose pieces only the ranks ``within[i]`` hold (not ``None``: an expert of a stack that
@@ -407,6 +408,9 @@ def assign_within(within: Sequence[tuple[int, ...] | None], costs: Sequence[floa
     GPUs) owned by one of them, so that its exchange stays among them. Those units are planned first, each set of
     ranks as a world of its own on their loads (shared only by blocks inside it: where it is consecutive ranks
     aligned to its size), then the others on every rank. Without such units, :func:`assign`'s plan itself.
+    ``mirrors[i]`` (where not ``None``): the ranks that repeat unit ``i``'s work in the other replica groups, given
+    its owner (``owners.Pieces.mirrors``; such a unit is whole, and ``within[i]`` its first replica group's ranks):
+    each is charged its cost as the owner is, so that the balance counts what every rank computes.
     ``load`` is updated in place; identical on every rank, no collective."""
     owners, shared = [0] * len(costs), [0] * len(costs)
     sets: dict[tuple[int, ...] | None, list[int]] = {}
@@ -425,6 +429,9 @@ def assign_within(within: Sequence[tuple[int, ...] | None], costs: Sequence[floa
             owners[i], shared[i] = world[a], b
         for r, x in zip(world, sub, strict=True):
             load[r] = x
+        for i in idx:
+            for m in mirrors[i](owners[i]) if mirrors and mirrors[i] else ():
+                load[m] += costs[i]
     return owners, shared
 
 
