@@ -141,8 +141,8 @@ class Exchange(LocalSplit):
         # that repeat its work (counted as ranks of their own, HSDP's 8 replica groups of 128 put 1.16x the work of
         # a plan by group on the busiest rank at Llama-3 70B's shapes)
         mirrored = [not u.replicas and bool(u.pieces.replicated_dims) for u in units]
-        within = [None if u.replicas else tuple(r for r in u.pieces.first_group() if r in (u.pieces.holders or [r]))
-                  if m else u.pieces.holders for u, m in zip(units, mirrored, strict=True)]
+        within = [u.pieces.first_group() if m else None if u.replicas else u.pieces.holders
+                  for u, m in zip(units, mirrored, strict=True)]
         owners, shared = assign_within(within, costs, offered, self.load, buckets, share=ns_group > 1,
                                        in_flight=depth == DEPTHS["all"],
                                        mirrors=[u.pieces.mirrors if m else None for u, m in zip(units, mirrored,

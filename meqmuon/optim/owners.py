@@ -136,7 +136,7 @@ class Pieces:
     """
 
     __slots__ = ("shape", "runs", "coords", "ranks", "replicated_dims", "_along", "_shapes", "_one", "_spans",
-                 "holders")
+                 "holders", "_first", "_mirrors")
 
     def __init__(self, t: Tensor) -> None:
         mesh, placements = spanning(t)
@@ -159,6 +159,8 @@ class Pieces:
         #: The ranks that hold a piece, where :meth:`at` made these pieces of a chunk of dimension 0, else None: the
         #: ranks its owner is one of (``shared_ns.assign_within``).
         self.holders: tuple[int, ...] | None = None
+        self._first: tuple[int, ...] | None = None
+        self._mirrors: dict[int, list[int]] = {}
 
     def along(self, d: int) -> Pieces:
         """The pieces of a vector of ``shape[d]`` entries, one per index of dimension ``d``: rank ``r``'s is
@@ -169,7 +171,7 @@ class Pieces:
             v.shape, v.coords, v.ranks = (self.shape[d],), self.coords, self.ranks
             v.replicated_dims = self.replicated_dims
             v.runs, v._along, v._shapes, v._one, v._spans = [(runs[d],) for runs in self.runs], {}, None, None, []
-            v.holders = None
+            v.holders, v._first, v._mirrors = None, None, {}
             self._along[d] = v
         return self._along[d]
 
@@ -200,6 +202,7 @@ class Pieces:
             v.runs = [runs[1:] if key is None or runs[0] == (key,) else empty for runs in self.runs]
             v._along, v._shapes, v._one, v._spans = {}, None, None, []
             v.holders = None if key is None else tuple(r for r, runs in enumerate(self.runs) if runs[0] == (key,))
+            v._first, v._mirrors = None, {}
             self._one[key] = v
         return self._one[key]
 
@@ -215,15 +218,23 @@ class Pieces:
         return self.ranks[tuple(c)]
 
     def first_group(self) -> tuple[int, ...]:
-        """The ranks of the first replica group (coordinate 0 on every mesh dimension that replicates): an owner
-        planned among them stands for one in every group (:meth:`owner_for`, :meth:`mirrors`)."""
-        return tuple(r for r, c in enumerate(self.coords) if c and all(c[i] == 0 for i in self.replicated_dims))
+        """The ranks of the first replica group (coordinate 0 on every mesh dimension that replicates) that hold a
+        piece (all of them, where :attr:`holders` is not set): an owner planned among them stands for one in every
+        group (:meth:`owner_for`, :meth:`mirrors`). Made once per descriptor (``O(world)``)."""
+        if self._first is None:
+            held = set(self.holders) if self.holders is not None else None
+            self._first = tuple(r for r, c in enumerate(self.coords) if c and (held is None or r in held)
+                                and all(c[i] == 0 for i in self.replicated_dims))
+        return self._first
 
     def mirrors(self, owner: int) -> list[int]:
-        """The ranks that compute, each in its own replica group, what ``owner`` computes in its group."""
-        kept = [i for i in range(len(self.coords[owner])) if i not in self.replicated_dims]
-        return [r for r, c in enumerate(self.coords) if c and r != owner
-                and all(c[i] == self.coords[owner][i] for i in kept)]
+        """The ranks that compute, each in its own replica group, what ``owner`` computes in its group. Made once
+        per descriptor and owner."""
+        if owner not in self._mirrors:
+            kept = [i for i in range(len(self.coords[owner])) if i not in self.replicated_dims]
+            self._mirrors[owner] = [r for r, c in enumerate(self.coords) if c and r != owner
+                                    and all(c[i] == self.coords[owner][i] for i in kept)]
+        return self._mirrors[owner]
 
     def numel(self, r: int) -> int:
         return math.prod(sum(b - a for a, b in runs) for runs in self.runs[r])
