@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-__all__ = ["H100", "H200", "HARDWARE", "Hardware", "Link", "Split", "exchange_seconds", "relayed_seconds",
+__all__ = ["H100", "H200", "HARDWARE", "PEERS", "Hardware", "Link", "Split", "exchange_seconds", "relayed_seconds",
            "split_seconds"]
 
 
@@ -86,11 +86,7 @@ HARDWARE = {"h100": H100, "h200": H200}
 def exchange_seconds(nbytes: float, world: int, hw: Hardware) -> float:
     """One rank's part of an all-to-all that moves ``nbytes`` each way for it (the larger of what it sends and
     receives): both links at once, each after its latency (the module docstring); 0 for nothing to move."""
-    if nbytes <= 0 or world <= 1:
-        return 0.0
-    nvl, net = hw.link_bytes(nbytes, world)
-    parts = [link.latency + b / link.bandwidth for link, b in ((hw.nvlink, nvl), (hw.network, net)) if b > 0]
-    return hw.base_latency + max(parts, default=0.0)
+    return split_seconds(*hw.link_bytes(nbytes, world), hw) if world > 1 else 0.0
 
 
 def split_seconds(near: float, far: float, hw: Hardware) -> float:
@@ -101,9 +97,11 @@ def split_seconds(near: float, far: float, hw: Hardware) -> float:
 
 
 #: A round's bytes by peer, per rank: (its pieces for other nodes, its owned units' pieces from other nodes, its
-#: pieces for its node's other ranks, its owned units' pieces from them) -- ``rank_model``'s ``far``, ``far_owned``,
-#: ``near``, ``near_owned``.
+#: pieces for its node's other ranks, its owned units' pieces from them), under the keys :data:`PEERS` in
+#: ``rank_model``'s rounds.
 Split = tuple[list[float], list[float], list[float], list[float]]
+#: The keys of :data:`Split`'s parts, in its order.
+PEERS = ("far", "far_owned", "near", "near_owned")
 
 
 def relayed_seconds(local: list[float], owned: list[float], hw: Hardware, split: Split | None = None) -> float:

@@ -51,15 +51,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from hardware import PEERS  # the keys of a round's bytes by peer, in hardware.Split's order
 
 __all__ = ["NODE_RANKS", "PEERS", "RankModel", "adamw_bytes", "local_numels", "rank_model"]
 
 #: The node the rounds' bytes by peer are counted for: 8 GPUs (an H100 or H200 node; ``hardware.Hardware``'s
 #: ``ranks_per_node``, which the time model checks against it).
 NODE_RANKS = 8
-#: A round's elements by peer, per rank (``hardware.Split``): its pieces for owners of other nodes, its owned units'
-#: pieces from other nodes, its pieces for its node's other ranks, its owned units' pieces from them.
-PEERS = ("far", "far_owned", "near", "near_owned")
 
 
 def _coords(mesh) -> dict[int, tuple[int, ...]]:

@@ -67,7 +67,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hardware import H100, H200, HARDWARE, Hardware, Link, Split, exchange_seconds, relayed_seconds, split_seconds  # noqa: E402
+from hardware import (  # noqa: E402
+    H100,
+    H200,
+    HARDWARE,
+    PEERS,
+    Hardware,
+    Link,
+    Split,
+    exchange_seconds,
+    relayed_seconds,
+    split_seconds,
+)
 
 __all__ = ["H100", "H200", "Calibration", "Hardware", "Link", "StepTimes", "exchange_seconds", "ns_flops",
            "pipeline", "rounds_of", "step_times", "train_seconds", "validate"]
@@ -208,7 +219,7 @@ def rounds_of(inputs: dict, world: int, cal: Calibration, hw: Hardware) -> tuple
                 ns[member] += part
         # each rank's bytes by peer (its node's ranks or the others), where the rank model counted them for this
         # node size: an expert owned in the TP group that holds it moves over NVLink alone
-        split = (tuple([factor * itemsize * x for x in rd[k]] for k in ("far", "far_owned", "near", "near_owned"))
+        split = (tuple([factor * itemsize * x for x in rd[k]] for k in PEERS)
                  if rd["local"] and rd.get("node") == hw.ranks_per_node else None)
         relayed = None
         if inputs.get("relay_group", 1) > 1 and rd["local"]:  # the pieces and the owned units, each way

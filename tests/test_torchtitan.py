@@ -8,8 +8,8 @@ torch it needs ``triton``, which it imports (``distributed/minimal_async_ep/kern
 torchtitan's ``Trainer`` does not run on a CPU, so its classes run here directly: its model classes (llama3,
 qwen3, qwen3's MoE), its own parallelisation (``Module.parallelize`` for TP, ``apply_fsdp_to_decoder`` for
 FSDP2, and both on a MoE), ``MeqMuonOptimizers`` (a torchtitan ``OptimizersContainer``),
-``LRSchedulersContainer`` and the DCP ``CheckpointManager``, on gloo. Three substitutions, each in :func:`_llama`
-(and :func:`_qwen3_moe`) / :func:`_parallelize`, none of them in what the optimizer sees:
+``LRSchedulersContainer`` and the DCP ``CheckpointManager``, on gloo. Three substitutions, each in :func:`_built` /
+:func:`_parallelize`, none of them in what the optimizer sees:
 
 - causal SDPA for the parameter-free FlexAttention (``FlexAttention does not support backward on CPU``);
 - ``torchtitan.distributed.parallel_dims.device_type = "cpu"`` (``tools/utils.get_device_info`` answers
@@ -303,18 +303,20 @@ class _SDPA(nn.Module):
         return DTensor.from_local(o, d.device_mesh, d.placements, run_check=False) if d is not None else o
 
 
-def _llama(seed: int, tp: int = 1, fuse_qkv: bool = True) -> nn.Module:
-    """torchtitan's llama3 debug model (dim 256, 16 heads, vocab 2,048), one layer, its own initialisation
-    (``init_states``) from ``seed``, with the sharding configs a TP degree ``tp`` sets (``update_from_config``)."""
-    from torchtitan.config import ParallelismConfig
-    from torchtitan.models.llama3 import model_registry
-
-    cfg = model_registry("debugmodel").model
+def _one_layer(cfg):
+    """A torchtitan decoder config cut to its first layer, RoPE's cache for 64 positions, not 131,072 (as
+    ``training.seq_len`` sets it)."""
     cfg.layers = cfg.layers[:1]
-    for layer in cfg.layers:  # RoPE's cache for 64 positions, not 131,072 (as training.seq_len sets it)
+    for layer in cfg.layers:
         layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=64)
-    if not fuse_qkv:
-        cfg = _unfused(cfg)
+    return cfg
+
+
+def _built(cfg, seed: int, tp: int) -> nn.Module:
+    """``cfg`` with the sharding configs a TP degree ``tp`` sets (``update_from_config``), built and given its own
+    initialisation (``init_states``) from ``seed``, causal SDPA for its FlexAttention."""
+    from torchtitan.config import ParallelismConfig
+
     cfg.update_from_config(config=types.SimpleNamespace(parallelism=ParallelismConfig(
         tensor_parallel_degree=tp, spmd_backend="partial_dtensor")))
     torch.manual_seed(seed)
@@ -325,16 +327,23 @@ def _llama(seed: int, tp: int = 1, fuse_qkv: bool = True) -> nn.Module:
     return model
 
 
+def _llama(seed: int, tp: int = 1, fuse_qkv: bool = True) -> nn.Module:
+    """torchtitan's llama3 debug model (dim 256, 16 heads, vocab 2,048), one layer (:func:`_one_layer`, :func:`_built`;
+    the unfused twin without ``fuse_qkv``)."""
+    from torchtitan.models.llama3 import model_registry
+
+    cfg = _one_layer(model_registry("debugmodel").model)
+    return _built(cfg if fuse_qkv else _unfused(cfg), seed, tp)
+
+
 def _qwen3_moe(seed: int, tp: int = 1) -> nn.Module:
     """torchtitan's qwen3 MoE debug model, one layer, its routed experts cut to 4 of hidden size 64, top 2 (its 64
-    of 768, top 8, are minutes of float32 Newton-Schulz a step on a CPU), built and initialised as :func:`_llama`."""
+    of 768, top 8, are minutes of float32 Newton-Schulz a step on a CPU), built as :func:`_llama`."""
     from dataclasses import replace
 
-    from torchtitan.config import ParallelismConfig
     from torchtitan.models.qwen3 import model_registry
 
-    cfg = model_registry("debugmodel_moe").model
-    cfg.layers = cfg.layers[:1]
+    cfg = _one_layer(model_registry("debugmodel_moe").model)
     for layer in cfg.layers:
         moe, n, k = layer.moe, 4, 2
         routed = moe.routed_experts
@@ -342,15 +351,7 @@ def _qwen3_moe(seed: int, tp: int = 1) -> nn.Module:
                          token_dispatcher=replace(routed.token_dispatcher, num_experts=n, top_k=k))
         router = replace(moe.router, num_experts=n, top_k=k, gate=replace(moe.router.gate, out_features=n))
         layer.moe = replace(moe, num_experts=n, routed_experts=routed, router=router)
-        layer.attention.rope = replace(layer.attention.rope, max_seq_len=64)
-    cfg.update_from_config(config=types.SimpleNamespace(parallelism=ParallelismConfig(
-        tensor_parallel_degree=tp, spmd_backend="partial_dtensor")))
-    torch.manual_seed(seed)
-    model = cfg.build()
-    model.init_states()
-    for block in model.layers.values():
-        block.attention.inner_attention = _SDPA()
-    return model
+    return _built(cfg, seed, tp)
 
 
 @titan

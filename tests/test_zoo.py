@@ -372,7 +372,7 @@ OPTIMIZERS = tuple(ONE_PER_HIDDEN_RULE)
 # One lr for all four: MeqMuon's step RMS is rho * lr = 2e-3 (loss falls ~25% in 10 steps); the
 # baselines' AdamW parts (embedding/head/vectors) at 1e-2 drop it ~60%. Both far from the edge.
 LR = dict.fromkeys(OPTIMIZERS, 1e-2)
-# 6 steps (10 until 2026-11-29, cut for the suite's time): every run's loss still falls in them
+# 6 steps, for the suite's time: every run's loss falls in them
 STEPS = 6
 
 

@@ -255,10 +255,13 @@ def stack_items(rule: Rule, param: Tensor, grad: Tensor, state: dict[str, Any], 
     # one empty piece of each tensor serves every matrix this rank does not hold (writes into it write nothing)
     none = {k: t.new_empty((0, *t.shape[2:])) for k, t in (("param", param), ("grad", grad), *state.items())
             if k in ("param", "grad") or (k in keys and k not in whole)} if (a, b) != (0, len(units)) else {}
-    return [Item(param[e - a] if a <= e < b else none["param"], grad[e - a] if a <= e < b else none["grad"],
-                 {"step": state["step"], **{k: state[k][e] if k in whole else state[k][e - a] if a <= e < b else
-                                            none[k] for k in keys}}, f"{name}[{e}]", tuple(shape), kind, u)
-            for e, u in enumerate(units)]
+
+    def piece(k: str, t: Tensor, e: int) -> Tensor:  # matrix e of a tensor sharded like the stack
+        return t[e - a] if a <= e < b else none[k]
+
+    return [Item(piece("param", param, e), piece("grad", grad, e),
+                 {"step": state["step"], **{k: state[k][e] if k in whole else piece(k, state[k], e) for k in keys}},
+                 f"{name}[{e}]", tuple(shape), kind, u) for e, u in enumerate(units)]
 
 
 # ---- stacks: shape buckets and kept buffers ---------------------------------------------------------

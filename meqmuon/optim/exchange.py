@@ -127,27 +127,23 @@ class Exchange(LocalSplit):
         self.load = [0.0] * self.world
         # the shape bucket a unit travels in (``step``): an owner holds one bucket's whole matrices at a time
         buckets = [(u.replicas, tuple(u.pieces.shape)) for u in units]
-        #: By block size, the blocks the plan shares units' Newton-Schulz by (``shared_ns``; sizes dividing
-        #: ``ns_group``): only the sizes it uses, made alike on every rank (the plan is every rank's).
-        self.blocks: dict[int, Blocks] = {}
         Blocks.check(ns_group, self.world)
         # a unit on a mesh with a dimension that replicates (HSDP; FSDP2 over TP's matrices outside the TP plan)
-        # has an owner in each replica group (Pieces.owner_for); a block would have to be one per replica group
-        # too, which is not built, so such a unit is planned whole
-        offered = [{} if ns_group == 1 or (not u.replicas and u.pieces.replicated_dims) else s
-                   for u, s in zip(units, shares or [{}] * len(units), strict=True)]
-        # a unit whose pieces only some ranks hold (Pieces.at: an expert on its TP group) is owned among them; one
-        # with an owner in each replica group is planned among the first group's ranks, each charged for the ranks
-        # that repeat its work (counted as ranks of their own, HSDP's 8 replica groups of 128 put 1.16x the work of
-        # a plan by group on the busiest rank at Llama-3 70B's shapes)
-        mirrored = [not u.replicas and bool(u.pieces.replicated_dims) for u in units]
+        # has an owner in each replica group (Pieces.owner_for): the ranks that repeat its owner's work elsewhere
+        # (Pieces.mirrors). A block would have to be one per replica group too, which is not built, so such a unit
+        # is planned whole, among the first group's ranks, each mirror charged alike (counted as ranks of their
+        # own, HSDP's 8 replica groups of 128 put 1.16x the work of a plan by group on the busiest rank at Llama-3
+        # 70B's shapes); a unit whose pieces only some ranks hold (Pieces.at: an expert on its TP group) is owned
+        # among them
+        mirrors = [u.pieces.mirrors if not u.replicas and u.pieces.replicated_dims else None for u in units]
+        offered = [{} if ns_group == 1 or m else s for m, s in zip(mirrors, shares or [{}] * len(units), strict=True)]
         within = [u.pieces.first_group() if m else None if u.replicas else u.pieces.holders
-                  for u, m in zip(units, mirrored, strict=True)]
+                  for u, m in zip(units, mirrors, strict=True)]
         owners, shared = assign_within(within, costs, offered, self.load, buckets, share=ns_group > 1,
-                                       in_flight=depth == DEPTHS["all"],
-                                       mirrors=[u.pieces.mirrors if m else None for u, m in zip(units, mirrored,
-                                                                                                strict=True)])
-        self.blocks = {z: Blocks(group, z) for z in sorted(set(shared) - {0})}
+                                       in_flight=depth == DEPTHS["all"], mirrors=mirrors)
+        #: By block size, the blocks the plan shares units' Newton-Schulz by (``shared_ns``; sizes dividing
+        #: ``ns_group``): only the sizes it uses, made alike on every rank (the plan is every rank's).
+        self.blocks: dict[int, Blocks] = {z: Blocks(group, z) for z in sorted(set(shared) - {0})}
         #: The nodes of ``relay_group`` ranks the exchange is relayed through (``relay.py``), or None: one node (or
         #: none) has nothing to relay.
         self.relay = (None if relay_group == 1 or relay_group == self.world else

@@ -143,7 +143,6 @@ class Pieces:
         ranks = mesh.mesh.reshape(-1).tolist()
         sizes = tuple(mesh.mesh.shape)
         world = dist.get_world_size()
-        self.shape = tuple(t.shape)
         self.coords: list[tuple[int, ...]] = [()] * world
         self.ranks: dict[tuple[int, ...], int] = {}
         for flat, r in enumerate(ranks):
@@ -151,28 +150,35 @@ class Pieces:
             self.coords[r] = c
             self.ranks[c] = r
         self.replicated_dims = tuple(i for i, p in enumerate(placements) if p.is_replicate())
-        self.runs: list[Runs] = [piece_runs(t.shape, placements, sizes, self.coords[r]) for r in range(world)]
+        self._fill(tuple(t.shape), [piece_runs(t.shape, placements, sizes, self.coords[r]) for r in range(world)])
+
+    def _fill(self, shape: tuple[int, ...], runs: list[Runs], holders: tuple[int, ...] | None = None) -> None:
+        """The fields a descriptor has of its own (its mesh's, ``coords``, ``ranks``, ``replicated_dims``, its
+        sources share), and empty caches."""
+        self.shape, self.runs = shape, runs
+        #: The ranks that hold a piece, where :meth:`at` made these pieces of a chunk of dimension 0, else None: the
+        #: ranks its owner is one of (``shared_ns.assign_within``).
+        self.holders = holders
         self._along: dict[int, Pieces] = {}
         self._shapes: frozenset[tuple[int, ...]] | None = None
         self._one: dict | None = None
         self._spans: list[tuple[int, int]] = []
-        #: The ranks that hold a piece, where :meth:`at` made these pieces of a chunk of dimension 0, else None: the
-        #: ranks its owner is one of (``shared_ns.assign_within``).
-        self.holders: tuple[int, ...] | None = None
         self._first: tuple[int, ...] | None = None
         self._mirrors: dict[int, list[int]] = {}
+
+    def _derived(self, shape: tuple[int, ...], runs: list[Runs], holders: tuple[int, ...] | None = None) -> Pieces:
+        """Pieces of another tensor on the same ranks, with the same owners (:meth:`along`, :meth:`at`)."""
+        v = object.__new__(Pieces)
+        v.coords, v.ranks, v.replicated_dims = self.coords, self.ranks, self.replicated_dims
+        v._fill(shape, runs, holders)
+        return v
 
     def along(self, d: int) -> Pieces:
         """The pieces of a vector of ``shape[d]`` entries, one per index of dimension ``d``: rank ``r``'s is
         the entries of the indices its piece of the tensor covers (``runs[r][d]``, in its local order), with the
         same owners. Made once per descriptor (``O(world)``)."""
         if d not in self._along:
-            v = object.__new__(Pieces)
-            v.shape, v.coords, v.ranks = (self.shape[d],), self.coords, self.ranks
-            v.replicated_dims = self.replicated_dims
-            v.runs, v._along, v._shapes, v._one, v._spans = [(runs[d],) for runs in self.runs], {}, None, None, []
-            v.holders, v._first, v._mirrors = None, None, {}
-            self._along[d] = v
+            self._along[d] = self._derived((self.shape[d],), [(runs[d],) for runs in self.runs])
         return self._along[d]
 
     def whole_along_0(self) -> bool:
@@ -195,15 +201,10 @@ class Pieces:
                                           "optimizer with exchange_unit=\"tensor\" (the whole stack one unit)")
         key = self._spans[bisect.bisect_right(self._spans, (e, math.inf)) - 1] if self._spans else None
         if key not in self._one:
-            v = object.__new__(Pieces)
-            v.shape, v.coords, v.ranks = self.shape[1:], self.coords, self.ranks
-            v.replicated_dims = self.replicated_dims
             empty = ((),) * (len(self.shape) - 1)
-            v.runs = [runs[1:] if key is None or runs[0] == (key,) else empty for runs in self.runs]
-            v._along, v._shapes, v._one, v._spans = {}, None, None, []
-            v.holders = None if key is None else tuple(r for r, runs in enumerate(self.runs) if runs[0] == (key,))
-            v._first, v._mirrors = None, {}
-            self._one[key] = v
+            self._one[key] = self._derived(
+                self.shape[1:], [runs[1:] if key is None or runs[0] == (key,) else empty for runs in self.runs],
+                None if key is None else tuple(r for r, runs in enumerate(self.runs) if runs[0] == (key,)))
         return self._one[key]
 
     def held_along_0(self, r: int) -> tuple[int, int]:
